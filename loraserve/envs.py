@@ -1,0 +1,63 @@
+"""Every environment variable loraserve reads, in one place.
+
+Each is read as LORASERVE_<NAME>; the vLLM spelling VLLM_<NAME> is accepted as an alias so a vLLM user's
+environment works unchanged. The canonical name wins when both are set. Values are read at call time,
+never cached, so tests and plugins can change them.
+"""
+
+from __future__ import annotations
+
+import os
+
+_PREFIXES = ("LORASERVE_", "VLLM_")
+
+
+def get_env(name: str, default: str | None = None) -> str | None:
+    """Raw value of LORASERVE_<name> or VLLM_<name> (canonical first); `default` if neither is set."""
+    for prefix in _PREFIXES:
+        value = os.environ.get(prefix + name)
+        if value is not None:
+            return value
+    return default
+
+
+def _is_true(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true")
+
+
+def allow_runtime_lora_updating() -> bool:
+    """Runtime load/unload routes and resolvers are on only for "1" or "true" (any case)."""
+    return _is_true(get_env("ALLOW_RUNTIME_LORA_UPDATING", "0"))
+
+
+def plugins() -> list[str] | None:
+    """Plugin allowlist: None (unset) = load all; [] (empty string) = load none; else the names."""
+    value = get_env("PLUGINS")
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def lora_resolver_cache_dir() -> str | None:
+    return get_env("LORA_RESOLVER_CACHE_DIR")
+
+
+def lora_resolver_hf_repo_list() -> list[str]:
+    value = get_env("LORA_RESOLVER_HF_REPO_LIST")
+    if not value:
+        return []
+    return [repo.strip() for repo in value.split(",") if repo.strip()]
+
+
+def logging_level() -> str:
+    return (get_env("LOGGING_LEVEL", "INFO") or "INFO").upper()
+
+
+def cache_root() -> str:
+    """Where the embedded demo model and other generated artifacts live."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "loraserve")
+    return get_env("CACHE_ROOT", default) or default
+
+
+def hf_hub_offline() -> bool:
+    return _is_true(os.environ.get("HF_HUB_OFFLINE")) or _is_true(os.environ.get("TRANSFORMERS_OFFLINE"))

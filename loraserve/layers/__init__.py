@@ -1,0 +1,1 @@
+"""Model building blocks: linear (plain and packed), paged attention, rotary, norm, embedding."""
