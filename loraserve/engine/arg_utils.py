@@ -1,0 +1,88 @@
+"""EngineArgs: the flat, user-facing engine options (Python API and CLI) turned into an EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from loraserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, resolve_device
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    hf_overrides: dict[str, Any] | Any | None = None  # dict or callable(PretrainedConfig) -> PretrainedConfig
+    trust_remote_code: bool = False
+    model_impl: str = "auto"
+    config_format: str = "auto"
+    revision: str | None = None
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_dtype: str = "auto"
+    enable_lora_bias: bool = False
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the model (config, dtype, max_model_len) and build every frozen config."""
+        from loraserve.config import resolve_dtype
+        from loraserve.model_loader.config import create_model_config
+
+        device = resolve_device(self.device)
+        model_config = create_model_config(
+            self.model,
+            tokenizer=self.tokenizer,
+            served_model_name=self.served_model_name,
+            dtype=self.dtype,
+            device=device,
+            max_model_len=self.max_model_len,
+            hf_overrides=self.hf_overrides,
+            trust_remote_code=self.trust_remote_code,
+            model_impl=self.model_impl,
+            config_format=self.config_format,
+            revision=self.revision,
+            seed=self.seed,
+        )
+        lora_config = None
+        if self.enable_lora:
+            lora_dtype = None if self.lora_dtype == "auto" else resolve_dtype(self.lora_dtype, device)
+            lora_config = LoRAConfig(
+                max_loras=self.max_loras,
+                max_cpu_loras=self.max_cpu_loras,
+                max_lora_rank=self.max_lora_rank,
+                lora_dtype=lora_dtype,
+                enable_lora_bias=self.enable_lora_bias,
+            )
+        max_batched = max(self.max_num_batched_tokens, 1)
+        if not self.enable_chunked_prefill:
+            max_batched = max(max_batched, model_config.max_model_len)
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=model_config.max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            device=device,
+            lora=lora_config,
+        )

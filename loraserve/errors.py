@@ -1,0 +1,19 @@
+"""Exception types that cross module boundaries; the server maps them to HTTP statuses."""
+
+from __future__ import annotations
+
+
+class LoRAAdapterError(ValueError):
+    """An adapter is invalid or cannot be loaded (HTTP 400). The message names the adapter and field."""
+
+
+class LoRAAdapterNotFoundError(LoRAAdapterError):
+    """An adapter's path or name does not exist (HTTP 404)."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit in max_model_len (HTTP 400)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; every running request failed and /health reports it (HTTP 500)."""
