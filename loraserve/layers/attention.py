@@ -26,6 +26,8 @@ class AttentionMetadata:
     output_index:       [T] index into the flattened padded [B * max_q] output for each new token.
     context_slots:      [B, max_ctx] flat cache slot of each context position (pads point at slot 0).
     mask:               [B, 1, max_q, max_ctx] bool, True where the query may attend.
+    sliding_mask:       the same, further limited to the model's sliding window (None without one);
+                        layers with a window use it (Mistral: all layers, Qwen2: per `layer_types`).
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +35,7 @@ class AttentionMetadata:
     output_index: torch.Tensor
     context_slots: torch.Tensor
     mask: torch.Tensor
+    sliding_mask: torch.Tensor | None
     num_seqs: int
     max_query_len: int
     max_context_len: int
@@ -78,11 +81,12 @@ def build_attention_metadata(
 
     q_pos = (ctx_lens - q_lens).unsqueeze(1) + col  # [B, max_q] absolute positions
     k_pos = pos.view(1, 1, -1)
-    mask = (k_pos <= q_pos.unsqueeze(2)) & valid_k.unsqueeze(1)
-    if sliding_window is not None:
-        mask &= k_pos > (q_pos.unsqueeze(2) - sliding_window)
     # Pad query rows attend to key 0 so softmax never sees an all-masked row (their output is dropped).
-    mask |= (~valid_q).unsqueeze(2) & (k_pos == 0)
+    pad_rows = (~valid_q).unsqueeze(2) & (k_pos == 0)
+    mask = ((k_pos <= q_pos.unsqueeze(2)) & valid_k.unsqueeze(1)) | pad_rows
+    sliding_mask = None
+    if sliding_window is not None:
+        sliding_mask = (mask & (k_pos > (q_pos.unsqueeze(2) - sliding_window))) | pad_rows
 
     slot_mapping = torch.cat(
         [context_slots[i, ctx - q : ctx] for i, (q, ctx) in enumerate(zip(query_lens, context_lens))]
@@ -93,6 +97,7 @@ def build_attention_metadata(
         output_index=output_index.to(device),
         context_slots=context_slots.to(device),
         mask=mask.unsqueeze(1).to(device),
+        sliding_mask=None if sliding_mask is None else sliding_mask.unsqueeze(1).to(device),
         num_seqs=num_seqs,
         max_query_len=max_q,
         max_context_len=max_ctx,
@@ -102,8 +107,11 @@ def build_attention_metadata(
 class PagedAttention(nn.Module):
     """Attention for one layer over its paged KV cache ([num_blocks * block_size, kv_heads, head_dim])."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, use_sliding_window: bool = False
+    ) -> None:
         super().__init__()
+        self.use_sliding_window = use_sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -132,7 +140,7 @@ class PagedAttention(nn.Module):
             q_pad,
             k_ctx,
             v_ctx,
-            attn_mask=meta.mask,
+            attn_mask=meta.sliding_mask if self.use_sliding_window and meta.sliding_mask is not None else meta.mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )

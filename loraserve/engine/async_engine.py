@@ -1,0 +1,189 @@
+"""AsyncLLMEngine: the LLMEngine driven by a background thread, streamed to asyncio consumers.
+
+The forward pass blocks for a whole step, so it runs on its own thread; the event loop only enqueues
+commands (add, abort, adapter changes) and receives outputs. Every command carries a Future, so
+validation errors surface in the caller's coroutine. If a step raises, every request fails with the
+error, the engine is marked dead and /health reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from loraserve.engine.arg_utils import EngineArgs
+from loraserve.engine.llm_engine import LLMEngine
+from loraserve.errors import EngineDeadError
+from loraserve.lora.request import LoRARequest
+from loraserve.outputs import RequestOutput
+from loraserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_Command = tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]
+
+
+class _Stream:
+    """Delivers one request's outputs from the engine thread to its asyncio consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.model_config = engine.model_config
+        self.tokenizer = engine.tokenizer
+        self.lora_config = engine.lora_config
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(args))
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and (self._thread is None or self._thread.is_alive())
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="loraserve-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if self.dead_error is not None or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # a crash in the forward pass fails every running request
+                logger.exception("Engine step failed; failing all running requests")
+                self._die(exc)
+                continue
+            for output in outputs:
+                self._deliver(output)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put(output)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+
+    def _die(self, exc: BaseException) -> None:
+        self.dead_error = exc
+        error = EngineDeadError(f"The engine failed while running a batch: {type(exc).__name__}: {exc}")
+        for request_id, stream in list(self._streams.items()):
+            stream.put(error)
+            self._streams.pop(request_id, None)
+        self.engine.abort_request(list(self.engine.requests))
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"The engine is dead: {self.dead_error}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        if self._thread is None:  # not started: run inline (tests, offline use)
+            self._drain_commands(block=False)
+        return await asyncio.wrap_future(future)
+
+    # ---- public API -----------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until finished; aborts the request if the consumer stops early."""
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, sampling_params, lora_request)
+            self._streams[request_id] = stream
+
+        await self._call(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        def abort(engine: LLMEngine) -> None:
+            self._streams.pop(request_id, None)
+            engine.abort_request(request_id)
+
+        if self.dead_error is None:
+            await self._call(abort)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return bool(await self._call(lambda engine: engine.add_lora(lora_request)))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; returns once its running requests have finished."""
+        removed = bool(await self._call(lambda engine: engine.remove_lora(lora_int_id)))
+        while removed and await self._call(lambda engine: lora_int_id in engine.lora.pending_removal):
+            await asyncio.sleep(0.01)
+        return removed
+
+    async def pin_lora(self, lora_int_id: int) -> bool:
+        return bool(await self._call(lambda engine: engine.pin_lora(lora_int_id)))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return list(await self._call(lambda engine: engine.list_loras()))
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            return dict(self.engine.stats())
+        except RuntimeError:  # dict changed size while the engine thread runs: report next scrape
+            return {}

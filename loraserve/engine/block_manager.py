@@ -1,0 +1,126 @@
+"""Paged KV-cache block allocation with a prefix cache keyed by token content and adapter identity.
+
+A full block is identified by a chained hash: (hash of the previous block, its token ids, the
+request's cache salt). The salt is the adapter's content digest (None for the base model), so the same
+prompt under two adapters, or under one name with new weights, never shares KV. Blocks whose
+reference count drops to zero stay cached (LRU) until their memory is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
+
+from loraserve.engine.sequence import Sequence
+
+
+def block_hash(parent: int | None, token_ids: Seq[int], salt: str | None) -> int:
+    return hash((parent, tuple(token_ids), salt))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.hash_of: dict[int, int] = {}  # block id -> block hash
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref count 0 (LRU)
+        self.seq_hashes: dict[int, list[int]] = {}  # seq id -> hashes of its full computed blocks
+        self.num_prefix_hits = 0
+        self.num_prefix_queries = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.evictable)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_ids))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give `seq` the blocks to hold `num_new_tokens` more tokens; False (and no change) if short."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_ids.append(self._take_block())
+        return True
+
+    def _take_block(self) -> int:
+        if self.free_ids:
+            block = self.free_ids.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.hash_of.pop(block)]
+        self.ref_counts[block] = 1
+        return block
+
+    def reuse_cached_prefix(self, seq: Sequence, salt: str | None) -> int:
+        """Attach the longest cached prefix of full blocks to a fresh sequence; return tokens reused.
+
+        At least one token is always left to compute, since the last position's logits are needed.
+        """
+        hashes: list[int] = []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            self.seq_hashes[seq.seq_id] = hashes
+            return 0
+        self.num_prefix_queries += 1
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        parent: int | None = None
+        for i in range(max_blocks):
+            h = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size], salt)
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                self.evictable.pop(block, None)
+            self.ref_counts[block] += 1
+            seq.block_ids.append(block)
+            hashes.append(h)
+            parent = h
+        self.seq_hashes[seq.seq_id] = hashes
+        if hashes:
+            self.num_prefix_hits += 1
+        seq.num_computed_tokens = len(hashes) * self.block_size
+        return seq.num_computed_tokens
+
+    def commit_computed(self, seq: Sequence, salt: str | None) -> None:
+        """Register every newly full, computed block of `seq` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            h = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size], salt)
+            hashes.append(h)
+            block = seq.block_ids[i]
+            if h not in self.cached and block not in self.hash_of:
+                self.cached[h] = block
+                self.hash_of[block] = h
+
+    def free(self, seq: Sequence) -> None:
+        """Release a finished or preempted sequence's blocks (cached ones stay reusable)."""
+        for block in reversed(seq.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if block in self.hash_of:
+                    self.evictable[block] = None
+                else:
+                    self.free_ids.append(block)
+        seq.block_ids = []
+        self.seq_hashes.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence uses (e.g. after an adapter is replaced)."""
+        for block in list(self.evictable):
+            del self.cached[self.hash_of.pop(block)]
+            self.free_ids.append(block)
+        self.evictable.clear()

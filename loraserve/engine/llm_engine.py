@@ -1,0 +1,271 @@
+"""The synchronous engine: add requests, run `step()` (schedule -> forward -> sample -> outputs)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from loraserve.config import EngineConfig
+from loraserve.engine.arg_utils import EngineArgs
+from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.lora_state import EngineLoRAState
+from loraserve.engine.model_runner import ModelRunner, StepResult, kv_cache_block_bytes
+from loraserve.engine.output_processor import OutputProcessor
+from loraserve.engine.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from loraserve.engine.scheduler import Scheduler
+from loraserve.engine.sequence import Request, Sequence
+from loraserve.engine.tokenization import PromptInput, load_tokenizer, prepare_prompt
+from loraserve.errors import LoRAAdapterError
+from loraserve.lora.request import LoRARequest
+from loraserve.outputs import RequestOutput
+from loraserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from loraserve.model_loader.loader import get_model
+
+        self.config = config
+        self.model_config = config.model
+        self.lora_config = config.lora
+        torch.manual_seed(config.model.seed)
+        self.tokenizer = load_tokenizer(config.model)
+        self.model = get_model(config.model, config.device)
+        self.lora: EngineLoRAState | None = None
+        if config.lora is not None:
+            from loraserve.lora.manager import LoRAModelManager
+
+            self.lora = EngineLoRAState(
+                LoRAModelManager(self.model, config.lora, config.model.dtype, config.device)
+            )
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, config.lora.max_loras if config.lora else None
+        )
+        self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.model.dtype, config.device)
+        self.sampler = Sampler()
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(config.model.hf_config, "eos_token_id", None)
+        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_id, config.model.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._seq_counter = itertools.count()
+        logger.info(
+            "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",
+            config.model.model, type(self.model).__name__, config.model.dtype, config.device,
+            num_blocks, config.cache.block_size, "on" if config.lora else "off",
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        else:
+            per_block = kv_cache_block_bytes(self.model.kv_cache_spec(), cache.block_size, self.model_config.dtype)
+            num_blocks = cache.kv_cache_memory_bytes // per_block
+        needed = -(-self.model_config.max_model_len // cache.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than one sequence "
+                f"of max_model_len={self.model_config.max_model_len} needs ({needed}); raise the KV-cache "
+                f"memory or lower max_model_len."
+            )
+        return num_blocks
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError (bad prompt/params) or LoRAAdapterError."""
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        params = (params or SamplingParams()).clone()
+        text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
+        if params.max_tokens is None:
+            params.max_tokens = self.model_config.max_model_len - len(prompt_ids)
+        salt = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise LoRAAdapterError(
+                    f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not enabled (enable_lora=True)."
+                )
+            salt = self.lora.register(lora_request)
+        request = Request(request_id, text, prompt_ids, params, lora_request, arrival_time or time.time(), salt)
+        for i in range(params.n):
+            request.seqs.append(self._new_sequence(request, i))
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        return request
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        from loraserve.engine.detokenizer import IncrementalDetokenizer
+
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
+        detok = None
+        if params.detokenize and self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
+        return Sequence(
+            seq_id=next(self._seq_counter), request=request, index=index,
+            token_ids=list(request.prompt_token_ids), num_prompt_tokens=len(request.prompt_token_ids),
+            generator=generator, detokenizer=detok,
+        )
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        aborted = []
+        for request_id in ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    self.outputs.finish(seq, "abort", None)
+            aborted.append(self.outputs.build_output(request))
+        self._finish_lora_removals()
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        lora_slots = None
+        if self.lora is not None:
+            ids = {s.seq.lora_int_id for s in sched.scheduled if s.seq.lora_int_id}
+            lora_slots = self.lora.prepare_step(ids)
+        result = self.runner.execute(sched.scheduled, lora_slots)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed(item.seq, item.seq.request.cache_salt)
+        touched = self._record_prompt_logprobs(result)
+        touched |= self._sample(result)
+        outputs = []
+        for request in touched:
+            for seq in request.seqs:
+                if seq.is_finished and seq.block_ids:
+                    self.scheduler.remove(seq)
+            outputs.append(self.outputs.build_output(request))
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+        self._finish_lora_removals()
+        return outputs
+
+    def _sample(self, result: StepResult) -> set[Request]:
+        if not result.sample_seqs:
+            return set()
+        rows = [
+            SamplingRow(seq.params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids,
+                        seq.generator, self.eos_token_id)
+            for seq in result.sample_seqs
+        ]
+        sampled = self.sampler(result.logits, rows)
+        now = time.time()
+        touched = set()
+        for i, seq in enumerate(result.sample_seqs):
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            top = sampled.top_logprobs[i] if sampled.top_logprobs else None
+            self.outputs.append_token(seq, sampled.token_ids[i], sampled.logprobs[i], top)
+            touched.add(seq.request)
+        return touched
+
+    def _record_prompt_logprobs(self, result: StepResult) -> set[Request]:
+        touched = set()
+        for chunk in result.prompt_chunks:
+            request = chunk.seq.request
+            if chunk.seq.index != 0:
+                continue
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]
+            num = chunk.logits.shape[0]
+            targets = request.prompt_token_ids[chunk.start + 1 : chunk.start + 1 + num]
+            entries = compute_prompt_logprobs(chunk.logits, targets, request.params.prompt_logprobs or 0)
+            request.prompt_logprobs.extend(self.outputs.with_text(e) for e in entries)
+        return touched
+
+    # ---- adapters -------------------------------------------------------------------------------
+    def _lora_state(self) -> EngineLoRAState:
+        if self.lora is None:
+            raise LoRAAdapterError("LoRA is not enabled; start the engine with enable_lora=True.")
+        return self.lora
+
+    def _loras_in_use(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
+
+    def _finish_lora_removals(self) -> None:
+        if self.lora is not None and self.lora.pending_removal:
+            self.lora.finish_removals(self._loras_in_use())
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        state = self._lora_state()
+        if lora_request.lora_int_id in state.requests:
+            return False
+        state.register(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_state().request_removal(lora_int_id, lora_int_id in self._loras_in_use())
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        state = self._lora_state()
+        if lora_int_id not in state.requests:
+            raise LoRAAdapterError(f"LoRA id {lora_int_id} is not registered.")
+        return bool(state.manager.pin_adapter(lora_int_id))
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora.list() if self.lora is not None else []
+
+    def stats(self) -> dict[str, Any]:
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for seq in self.scheduler.running:
+            name = seq.request.lora_name or ""
+            running[name] = running.get(name, 0) + 1
+        for seq in self.scheduler.waiting:
+            name = seq.request.lora_name or ""
+            waiting[name] = waiting.get(name, 0) + 1
+        stats: dict[str, Any] = {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "running_by_adapter": running,
+            "waiting_by_adapter": waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.block_manager.num_prefix_queries,
+            "prefix_cache_hits": self.block_manager.num_prefix_hits,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "kv_blocks_total": self.block_manager.num_blocks,
+        }
+        if self.lora is not None:
+            stats.update(self.lora.manager.stats())
+        return stats

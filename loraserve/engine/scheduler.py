@@ -1,0 +1,144 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+One token budget per step (`max_num_batched_tokens`) is shared by decodes and (chunked) prefills.
+Running sequences go first, in arrival order; when KV blocks run out the latest-arrived running
+sequence is preempted (its blocks freed, recomputed later). Waiting sequences are admitted FCFS while
+the budget, `max_num_seqs`, free blocks and the `max_loras` distinct-adapter limit allow. A waiting
+sequence held back by the adapter limit lets others with already-active adapters pass only for a
+bounded number of steps, so it never starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from loraserve.config import SchedulerConfig
+from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.sequence import Sequence, SequenceStatus
+
+MAX_LORA_BYPASS_STEPS = 8
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int | None) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.max_loras = max_loras
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # `seq` itself was preempted: nothing after it can run either
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self.num_preemptions += 1
+
+    def _active_loras(self) -> set[int]:
+        return {seq.lora_int_id for seq in self.running if seq.lora_int_id}
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        loras = self._active_loras()
+        blocked_head: Sequence | None = None
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
+                break
+            lora_id = seq.lora_int_id
+            if self.max_loras is not None and lora_id and lora_id not in loras and len(loras) >= self.max_loras:
+                if blocked_head is None:
+                    blocked_head = seq
+                    seq.num_skipped_for_lora += 1
+                    if seq.num_skipped_for_lora > MAX_LORA_BYPASS_STEPS:
+                        break  # strict FCFS until the starved request fits
+                continue
+            num_new = self._admit_tokens(seq, budget)
+            if num_new == 0:
+                break
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            if lora_id:
+                loras.add(lora_id)
+        self.running.extend(admitted)
+
+    def _admit_tokens(self, seq: Sequence, budget: int) -> int:
+        """Attach cached prefix blocks and allocate for the first chunk; 0 if it cannot start now."""
+        if not seq.block_ids:
+            self.blocks.reuse_cached_prefix(seq, seq.request.cache_salt)
+        num_new = seq.num_tokens - seq.num_computed_tokens
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                self._release_prefix(seq)
+                return 0
+            num_new = budget
+        if not self.blocks.allocate(seq, num_new):
+            self._release_prefix(seq)
+            return 0
+        return num_new
+
+    def _release_prefix(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0

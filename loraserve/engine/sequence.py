@@ -1,0 +1,103 @@
+"""Per-sequence and per-request state the scheduler, runner and output builder share."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loraserve.outputs import PositionLogprobs
+
+if TYPE_CHECKING:
+    from loraserve.engine.detokenizer import IncrementalDetokenizer
+    from loraserve.lora.request import LoRARequest
+    from loraserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One generated continuation (a request with n > 1 owns n of them).
+
+    `token_ids` holds prompt then output tokens; `num_computed_tokens` counts those whose KV is in the
+    cache. Preemption resets it to 0 and keeps the tokens, so the sequence is recomputed later.
+    """
+
+    seq_id: int
+    request: Request
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_skipped_for_lora: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def lora_int_id(self) -> int:
+        lora = self.request.lora_request
+        return lora.lora_int_id if lora is not None else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A user request: one prompt, its sampling parameters, adapter, and n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_request: LoRARequest | None
+    arrival_time: float
+    cache_salt: str | None = None  # adapter identity digest: part of every prefix-cache key
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    first_token_time: float | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None

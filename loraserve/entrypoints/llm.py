@@ -1,0 +1,150 @@
+"""The offline API: `LLM(model, ...).generate(prompts, sampling_params, lora_request=...)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from loraserve.engine.arg_utils import EngineArgs
+from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.tokenization import PromptInput
+from loraserve.lora.request import LoRARequest
+from loraserve.outputs import RequestOutput
+from loraserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate with a base model and LoRA adapters in one process, batching all prompts together."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        hf_overrides: Any = None,
+        model_impl: str = "auto",
+        trust_remote_code: bool = False,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_cpu_loras: int | None = None,
+        max_lora_rank: int = 16,
+        lora_dtype: str = "auto",
+        enable_lora_bias: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        args = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, hf_overrides=hf_overrides, model_impl=model_impl,
+            trust_remote_code=trust_remote_code, max_model_len=max_model_len, seed=seed,
+            enable_lora=enable_lora, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+            max_lora_rank=max_lora_rank, lora_dtype=lora_dtype, enable_lora_bias=enable_lora_bias, **kwargs,
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompt_list = _as_list(prompts)
+        params_list = _aligned(sampling_params, len(prompt_list), "sampling_params") or [SamplingParams()] * len(
+            prompt_list
+        )
+        lora_list = _aligned(lora_request, len(prompt_list), "lora_request") or [None] * len(prompt_list)
+        for lora in {id(r): r for r in lora_list if r is not None}.values():
+            self.engine.add_lora(lora)  # validate every adapter before queueing anything
+        ids: list[str] = []
+        try:
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
+                request_id = str(next(self._request_counter))
+                self.engine.add_request(request_id, prompt, params, lora)
+                ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(finished) < len(ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in finished])
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                chat_template=chat_template, return_dict=False,
+            )
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self.engine.pin_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
+
+
+def _as_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single list of token ids
+    return items
+
+
+def _aligned(value: Any, count: int, name: str) -> list[Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts.")
+        return list(value)
+    return [value] * count

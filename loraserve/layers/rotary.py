@@ -1,0 +1,62 @@
+"""Rotary position embedding with the rope variants transformers defines (default, linear, llama3, yarn)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The rope settings of a config, for transformers 5 (`rope_parameters`) and 4 (`rope_scaling`)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    scaling.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return scaling
+
+
+def is_supported_rope(hf_config: Any) -> bool:
+    return rope_parameters(hf_config).get("rope_type", "default") in _STATIC_ROPE_TYPES
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q/k given absolute positions; cos/sin come from a precomputed table."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        params = rope_parameters(hf_config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in _STATIC_ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported natively (use model_impl='transformers').")
+        if rope_type == "default":
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        self.head_dim = head_dim
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float().cpu())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos_table", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_table", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D] (rotary over the full head_dim, half-split layout)."""
+        cos = self.cos_table.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        sin = self.sin_table.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,90 @@
+"""What every native causal LM shares: declarative weight loading, logits, KV-cache shape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.layers.forward_batch import KVCacheSpec
+from loraserve.layers.linear import Linear
+
+
+class NativeCausalLM(nn.Module):
+    """Base for native models. Subclasses set the class attributes and build `self.lm_head`.
+
+    `packed_modules_mapping` says which checkpoint tensors are stacked into one packed layer
+    (shard order = list order); `transposed_weight_modules` lists layers whose checkpoint stores
+    [in, out] (GPT-2's Conv1D); `ignored_weight_suffixes` are checkpoint buffers to skip.
+    """
+
+    is_native = True
+    packed_modules_mapping: dict[str, list[str]] = {}
+    transposed_weight_modules: tuple[str, ...] = ()
+    ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    lm_head: Linear
+    tie_word_embeddings: bool = False
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        raise NotImplementedError  # each architecture states its own cache shape
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def _packed_target(self, name: str) -> tuple[str, int | None]:
+        """Map a checkpoint parameter name to (model parameter name, packed shard index or None)."""
+        parts = name.split(".")
+        if len(parts) >= 2:
+            for packed, shards in self.packed_modules_mapping.items():
+                if parts[-2] in shards:
+                    parts[-2] = packed
+                    return ".".join(parts), shards.index(name.split(".")[-2])
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the model; every model parameter must be provided once."""
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if ckpt_name.endswith(self.ignored_weight_suffixes):
+                continue
+            if self.tie_word_embeddings and ckpt_name.startswith("lm_head."):
+                continue
+            name, shard = self._packed_target(ckpt_name)
+            module_name, _, leaf = name.rpartition(".")
+            module = modules.get(module_name)
+            if isinstance(module, Linear):
+                if module_name.endswith(self.transposed_weight_modules) and leaf == "weight":
+                    tensor = tensor.t()
+                module.load_shard(leaf, tensor.to(module.weight.dtype), shard)
+            elif name in params:
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"shape mismatch for {ckpt_name}: model {tuple(param.shape)}, "
+                        f"checkpoint {tuple(tensor.shape)}"
+                    )
+                param.data.copy_(tensor.to(param.dtype))
+            else:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}")
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        self._check_all_loaded(loaded)
+
+    def _check_all_loaded(self, loaded: set[str]) -> None:
+        missing = []
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                if self.tie_word_embeddings and module is self.lm_head:
+                    continue
+                num_shards = len(module.output_sizes)
+                keys = [f"{name}.weight"] if num_shards == 1 else [f"{name}.weight#{i}" for i in range(num_shards)]
+                missing += [k for k in keys if k not in loaded]
+        for name, _ in self.named_parameters(recurse=True):
+            module_name = name.rpartition(".")[0]
+            if not isinstance(self.get_submodule(module_name), Linear) and name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")

@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral sliding window), with packed qkv/gate_up.
+
+Qwen2 (qkv bias) and Qwen3 (q/k norm, explicit head_dim) reuse these blocks through the flags read
+from the config in `LlamaArgs.from_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.layers.attention import PagedAttention
+from loraserve.layers.forward_batch import ForwardBatch, KVCacheSpec
+from loraserve.layers.linear import Linear
+from loraserve.layers.norm import RMSNorm
+from loraserve.layers.rotary import RotaryEmbedding
+from loraserve.models.base import NativeCausalLM
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_positions: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    sliding_window: int | None
+    sliding_layers: tuple[bool, ...]
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, cfg: Any, qkv_bias: bool | None = None, qk_norm: bool = False) -> LlamaArgs:
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        window = getattr(cfg, "sliding_window", None)
+        if getattr(cfg, "use_sliding_window", True) is False:
+            window = None
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            sliding = tuple(t == "sliding_attention" for t in layer_types)
+        else:
+            sliding = tuple(window is not None for _ in range(cfg.num_hidden_layers))
+        if not any(sliding):
+            window = None
+        bias = bool(getattr(cfg, "attention_bias", False))
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported natively (use model_impl='transformers').")
+        return cls(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=cfg.vocab_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_positions=cfg.max_position_embeddings,
+            qkv_bias=bias if qkv_bias is None else qkv_bias,
+            o_bias=bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=qk_norm,
+            hidden_act=act,
+            sliding_window=window,
+            sliding_layers=sliding,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = Linear(args.hidden_size, [q_size, kv_size, kv_size], bias=args.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(q_size, args.hidden_size, bias=args.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+            scale=args.head_dim**-0.5,
+            use_sliding_window=args.sliding_layers[layer_idx] and args.sliding_window is not None,
+        )
+        self.split_sizes = [q_size, kv_size, kv_size]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x, batch).split(self.split_sizes, dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous(), kv_cache, batch.attn)
+        return self.o_proj(out, batch)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = args.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, [size, size], bias=args.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
+        self.act = _ACTIVATIONS[args.hidden_act]
+        self.size = size
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, batch).split(self.size, dim=-1)
+        return self.down_proj(self.act(gate) * up, batch)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(args, rotary, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(args, dtype)
+
+    def forward(self, positions, x, kv_cache, batch):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(hf_config, args.head_dim, args.max_positions)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary, i, dtype) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, kv_caches, batch):  # type: ignore[no-untyped-def]
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(NativeCausalLM):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    qkv_bias: bool | None = None
+    qk_norm: bool = False
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = LlamaArgs.from_config(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(self.args, hf_config, dtype)
+        self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, dtype=dtype)
+        self.tie_word_embeddings = self.args.tie_word_embeddings
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, batch)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        a = self.args
+        return KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.sliding_window)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama with a sliding window on every layer when `sliding_window` is set."""
