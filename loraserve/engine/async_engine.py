@@ -14,14 +14,16 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.errors import EngineDeadError
-from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loraserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 _Command = tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]

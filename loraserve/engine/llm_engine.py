@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,9 +20,11 @@ from loraserve.engine.scheduler import Scheduler
 from loraserve.engine.sequence import Request, Sequence
 from loraserve.engine.tokenization import PromptInput, load_tokenizer, prepare_prompt
 from loraserve.errors import LoRAAdapterError
-from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loraserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 

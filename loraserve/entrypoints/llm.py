@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.tokenization import PromptInput
-from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loraserve.lora.request import LoRARequest
 
 
 class LLM:

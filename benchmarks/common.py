@@ -1,0 +1,83 @@
+"""Shared benchmark setup: the SmolLM-135M-shaped random model, its adapters, prompts and timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loraserve import envs
+from loraserve.demo import build_tokenizer, llama_config, save_peft_adapter, save_random_model
+
+SMOLLM_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def bench_root() -> str:
+    return os.path.join(envs.cache_root(), "bench-smollm135m")
+
+
+def build_model(vocab_size: int = 49152) -> str:
+    """The random SmolLM-135M-shaped Llama (built once, cached)."""
+    path = os.path.join(bench_root(), "model")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tokenizer(tmp, vocab_size=512)
+        save_random_model(tmp, llama_config(vocab_size, **SMOLLM_SHAPE), seed=0)
+        os.replace(tmp, path)
+    return path
+
+
+def build_adapters(model_path: str, count: int, rank: int = 16) -> list[str]:
+    """`count` rank-`rank` PEFT adapters on all 7 projections (built once, cached)."""
+    from transformers import AutoModelForCausalLM
+
+    root = os.path.join(bench_root(), f"adapters-r{rank}")
+    paths = [os.path.join(root, f"a{i:03d}") for i in range(count)]
+    missing = [i for i, p in enumerate(paths) if not os.path.exists(os.path.join(p, "adapter_config.json"))]
+    if missing:
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        for i in missing:
+            save_peft_adapter(base, paths[i], seed=1000 + i, base_name=model_path, r=rank, lora_alpha=2 * rank,
+                              target_modules=ALL_TARGETS)
+    return paths
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab_size, (length,), generator=g).tolist() for _ in range(num)]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def print_table(title: str, rows: list[tuple[str, float]], reference: str) -> None:
+    ref = dict(rows)[reference]
+    print(f"\n{title}")
+    print(f"{'system':<44}{'gen tok/s':>12}{'vs ' + reference:>28}")
+    for name, tps in rows:
+        print(f"{name:<44}{tps:>12.1f}{tps / ref:>27.2f}x")
+
+
+def save_results(name: str, data: dict[str, Any]) -> None:
+    out = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)

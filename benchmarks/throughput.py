@@ -1,0 +1,64 @@
+"""Base-model throughput: loraserve vs transformers `generate` on the same batch, in one run.
+
+SmolLM-135M-shaped random Llama, 32 requests, greedy, fixed prompt and output lengths.
+Usage: python benchmarks/throughput.py [--num-requests 32] [--prompt-len 64] [--gen-len 64] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import torch
+
+from benchmarks.common import build_model, print_table, random_prompts, save_results, timed
+from loraserve import LLM, SamplingParams
+from loraserve.config import resolve_device, resolve_dtype
+
+
+def run_transformers(path: str, prompts: list[list[int]], gen_len: int, dtype: torch.dtype) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    batch = torch.tensor(prompts)  # equal lengths: no padding needed
+    kwargs = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(batch[:2, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        seconds, out = timed(lambda: model.generate(batch, **kwargs))
+    assert out.shape[1] == batch.shape[1] + gen_len
+    return len(prompts) * gen_len / seconds
+
+
+def run_loraserve(path: str, prompts: list[list[int]], gen_len: int, dtype: str) -> float:
+    llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts))
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p[:8]} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
+    seconds, outs = timed(
+        lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    )
+    assert all(len(o.outputs[0].token_ids) == gen_len for o in outs)
+    return len(prompts) * gen_len / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--gen-len", type=int, default=64)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
+    dtype_name = str(dtype).replace("torch.", "")
+    path = build_model()
+    prompts = random_prompts(args.num_requests, args.prompt_len, 49152)
+    print(f"{platform.processor() or platform.machine()}, torch threads={torch.get_num_threads()}, {dtype_name}, "
+          f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated) tokens")
+    hf = run_transformers(path, prompts, args.gen_len, dtype)
+    ours = run_loraserve(path, prompts, args.gen_len, dtype_name)
+    rows = [("transformers generate", hf), ("loraserve", ours)]
+    print_table("Base-model throughput", rows, "transformers generate")
+    save_results("throughput", {"dtype": dtype_name, "args": vars(args), "tok_per_s": dict(rows)})
+
+
+if __name__ == "__main__":
+    main()

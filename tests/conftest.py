@@ -1,0 +1,112 @@
+"""Shared, session-scoped fixtures: one tokenizer and tiny random models of each architecture (fp32)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def _tiny_config(arch: str, vocab_size: int) -> Any:
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(vocab_size=vocab_size, **TINY)
+    if arch == "llama3":
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return tf.LlamaConfig(vocab_size=vocab_size, rope_scaling=rope, **TINY)
+    if arch == "llama_tied":
+        return tf.LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **TINY)
+    if arch == "mistral":
+        return tf.MistralConfig(vocab_size=vocab_size, sliding_window=8, **TINY)
+    if arch == "qwen2":
+        return tf.Qwen2Config(vocab_size=vocab_size, **TINY)
+    if arch == "qwen3":
+        return tf.Qwen3Config(vocab_size=vocab_size, head_dim=32, **TINY)
+    if arch == "gpt2":
+        return tf.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    if arch == "gpt_neox":  # no native implementation: served by the transformers backend
+        return tf.GPTNeoXConfig(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from loraserve.demo import build_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> Callable[[str], str]:
+    """tiny_model("llama") -> folder with config.json, weights and tokenizer (built once per session)."""
+    from transformers import AutoTokenizer
+
+    from loraserve.demo import save_random_model
+
+    built: dict[str, str] = {}
+    vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+
+    def make(arch: str) -> str:
+        if arch not in built:
+            path = str(tmp_path_factory.mktemp(f"model-{arch}"))
+            save_random_model(path, _tiny_config(arch, vocab_size), seed=1234)
+            for name in os.listdir(tokenizer_dir):
+                shutil.copy(os.path.join(tokenizer_dir, name), path)
+            built[arch] = path
+        return built[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[str], Any]:
+    """Load (and cache) the transformers reference model for a folder, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, Any] = {}
+
+    def load(path: str) -> Any:
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+
+    return load
