@@ -43,6 +43,12 @@ class LLMEngine:
         if config.lora is not None:
             from loraserve.lora.manager import LoRAModelManager
 
+            if not getattr(self.model, "is_native", True):
+                raise ValueError(
+                    f"LoRA needs a native model implementation; {config.model.architectures} runs on the "
+                    f"transformers backend, which does not support adapters."
+                )
+
             self.lora = EngineLoRAState(
                 LoRAModelManager(self.model, config.lora, config.model.dtype, config.device)
             )

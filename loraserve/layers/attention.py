@@ -132,7 +132,8 @@ class PagedAttention(nn.Module):
         v_cache.index_copy_(0, meta.slot_mapping, v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
         b, max_q, max_ctx = meta.num_seqs, meta.max_query_len, meta.max_context_len
-        q_rows = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, meta.query_index)
+        is_decode = max_q == 1  # one query per sequence: rows are already in padded order
+        q_rows = q if is_decode else torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, meta.query_index)
         q_pad = q_rows.view(b, max_q, self.num_heads, self.head_dim).transpose(1, 2)
         k_ctx = k_cache[meta.context_slots].view(b, max_ctx, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_ctx = v_cache[meta.context_slots].view(b, max_ctx, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -145,4 +146,4 @@ class PagedAttention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         out = out.transpose(1, 2).reshape(b * max_q, self.num_heads * self.head_dim)
-        return out.index_select(0, meta.output_index)
+        return out if is_decode else out.index_select(0, meta.output_index)

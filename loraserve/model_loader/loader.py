@@ -1,0 +1,65 @@
+"""Build the model: resolve its class, construct it on the device in the model dtype, load the weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from loraserve.config import ModelConfig
+from loraserve.model_loader.weights import iterate_weights
+from loraserve.models.registry import resolve_model_cls
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Scope torch's default dtype so parameters created without an explicit dtype get the model's."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _count_tensors(
+    weights: Iterator[tuple[str, torch.Tensor]], counter: list[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in weights:
+        counter[0] += 1
+        yield item
+
+
+def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
+    """The model of `model_config` on `device`, weights loaded, in eval mode."""
+    device = torch.device(device)
+    cls, arch = resolve_model_cls(
+        model_config.architectures, model_config.model_impl, hf_config=model_config.hf_config
+    )
+    start = time.perf_counter()
+    with _default_dtype(model_config.dtype), torch.device(device):
+        model: Any = cls(model_config.hf_config, model_config.dtype)
+    num_tensors = [0]
+    weights = iterate_weights(model_config.model_path, model_config.config_format)
+    model.load_weights(_count_tensors(weights, num_tensors))
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "Loaded %s as %s (%s) on %s in %s: %d checkpoint tensors, %.1fM parameters, %.2fs.",
+        model_config.model,
+        arch,
+        cls.__name__,
+        device,
+        model_config.dtype,
+        num_tensors[0],
+        num_params / 1e6,
+        time.perf_counter() - start,
+    )
+    return model

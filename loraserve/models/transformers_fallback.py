@@ -1,0 +1,301 @@
+"""Transformers backend: run any transformers causal LM through loraserve's engine and paged KV cache.
+
+The HF model is built with `attn_implementation="loraserve_paged"`, an attention function registered
+in transformers' `AttentionInterface`. transformers then creates no causal mask for it (masks exist only
+for implementations in `AttentionMaskInterface`) and every attention module hands its rotated q/k/v to
+that function, which writes K/V into our paged cache and attends with `PagedAttention` using the
+step's `AttentionMetadata`. The step context travels as a forward kwarg, which HF models pass down
+unchanged to the attention call; `module.layer_idx` selects the layer's cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+from loraserve.layers.attention import AttentionMetadata, PagedAttention
+from loraserve.layers.forward_batch import ForwardBatch, KVCacheSpec
+
+ATTN_IMPLEMENTATION = "loraserve_paged"
+_STEP_KWARG = "loraserve_step"
+# Checkpoint buffers that older exports contain but models recompute (rotary tables, causal masks).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# Attention features that change the math and that PagedAttention does not implement.
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+_KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+@dataclass(slots=True)
+class _StepContext:
+    """What the attention function needs for one forward: caches, step indices, per-layer kernels."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    attn: AttentionMetadata
+    kernels: dict[int, PagedAttention]
+    sliding_window: int | None
+    num_calls: int = 0
+    num_sliding_calls: int = 0
+    checked_mask: bool = field(default=False)
+
+
+def _check_mask_is_plain(attention_mask: torch.Tensor | None) -> None:
+    """A mask built by the model itself is ignored (ours is equivalent) unless it carries a bias (ALiBi)."""
+    if attention_mask is None or not attention_mask.is_floating_point():
+        return
+    finite = torch.isfinite(attention_mask) & (attention_mask > torch.finfo(attention_mask.dtype).min)
+    if bool((attention_mask[finite] != 0).any()):
+        raise ValueError(
+            "this model adds a positional bias through its attention mask (e.g. ALiBi), which loraserve's "
+            "paged attention does not support; use a natively supported architecture."
+        )
+
+
+def _check_call(
+    attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
+) -> tuple[_StepContext, int | None]:
+    """The step context and the layer's sliding window (None = full); refuses what PagedAttention lacks."""
+    step = kwargs.get(_STEP_KWARG)
+    if not isinstance(step, _StepContext):
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} only works inside TransformersForCausalLM.forward."
+        )
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"this model's attention uses {name!r}, which loraserve's paged attention lacks."
+            )
+    # HF passes `sliding_window` only to windowed layers (Mistral: to every layer, None without a window).
+    window = kwargs.get("sliding_window")
+    if window is not None and (window != step.sliding_window or step.attn.sliding_mask is None):
+        raise ValueError(
+            f"layer sliding_window={window} but the step's attention metadata was built for "
+            f"sliding_window={step.sliding_window} (sliding mask present: {step.attn.sliding_mask is not None})."
+        )
+    if not step.checked_mask:
+        _check_mask_is_plain(attention_mask)
+        step.checked_mask = True
+    return step, window
+
+
+def _kernel(
+    step: _StepContext, layer_idx: int, shape: tuple[int, int, int], scale: float, is_sliding: bool
+) -> PagedAttention:
+    """The layer's PagedAttention (num_heads, num_kv_heads, head_dim), built once and reused across steps."""
+    num_heads, num_kv_heads, head_dim = shape
+    kernel = step.kernels.get(layer_idx)
+    wanted = (num_heads, num_kv_heads, head_dim, scale, is_sliding)
+    if (
+        kernel is None
+        or (kernel.num_heads, kernel.num_kv_heads, kernel.head_dim, kernel.scale, kernel.use_sliding_window)
+        != wanted
+    ):
+        kernel = PagedAttention(num_heads, num_kv_heads, head_dim, scale, use_sliding_window=is_sliding)
+        step.kernels[layer_idx] = kernel
+    return kernel
+
+
+def paged_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention signature: query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
+    step, window = _check_call(attention_mask, kwargs)
+    layer_idx = getattr(module, "layer_idx", None)
+    if not isinstance(layer_idx, int):
+        raise ValueError(f"{type(module).__name__} has no integer layer_idx to select its KV cache.")
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    k_cache, v_cache = step.kv_caches[layer_idx]
+    if tuple(k_cache.shape[1:]) != (num_kv_heads, head_dim) or value.shape[-1] != head_dim:
+        raise ValueError(
+            f"layer {layer_idx}: attention has {num_kv_heads} kv heads of dims k={head_dim} v={value.shape[-1]} "
+            f"but its KV cache is shaped {tuple(k_cache.shape[1:])}."
+        )
+    scale = scaling if scaling is not None else head_dim**-0.5
+    kernel = _kernel(step, layer_idx, (num_heads, num_kv_heads, head_dim), scale, window is not None)
+    q = query[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
+    k = key[0].transpose(0, 1).reshape(num_tokens, num_kv_heads * head_dim)
+    v = value[0].transpose(0, 1).reshape(num_tokens, num_kv_heads * head_dim)
+    out = kernel(q, k, v, (k_cache, v_cache), step.attn)
+    step.num_calls += 1
+    step.num_sliding_calls += int(window is not None)
+    return out.view(1, num_tokens, num_heads, head_dim), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def kv_cache_spec_from_config(hf_config: Any) -> KVCacheSpec:
+    """Cache shape from the (text) config; the attention function re-checks it against real shapes."""
+    text = hf_config.get_text_config()
+    num_heads = int(text.num_attention_heads)
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None)
+    if num_kv_heads is None:
+        num_kv_heads = 1 if getattr(text, "multi_query", False) else num_heads
+    head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // num_heads
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    if not layer_types <= _KNOWN_LAYER_TYPES:
+        raise ValueError(
+            f"layer_types {sorted(layer_types)}: only {sorted(_KNOWN_LAYER_TYPES)} layers run on the paged KV cache."
+        )
+    sliding_window = getattr(text, "sliding_window", None)
+    if layer_types == {"full_attention"} or getattr(text, "use_sliding_window", True) is False:
+        sliding_window = None
+    return KVCacheSpec(int(text.num_hidden_layers), int(num_kv_heads), int(head_dim), sliding_window or None)
+
+
+def _incompatible_error(arch: str) -> ValueError:
+    return ValueError(
+        f"transformers' {arch} does not support custom attention backends (_supports_attention_backend=False), "
+        "so it cannot run on loraserve's paged KV cache; use a natively supported architecture."
+    )
+
+
+def _build_hf_model(hf_config: Any, dtype: torch.dtype) -> nn.Module:
+    """The HF causal LM for the first listed architecture transformers knows, with our attention."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.models.registry import remote_code_arch, transformers_knows
+
+    kwargs = {"dtype": dtype, "attn_implementation": ATTN_IMPLEMENTATION}
+    remote_arch = remote_code_arch(hf_config)
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch == remote_arch:
+            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True, **kwargs)
+        if transformers_knows(arch) and hasattr(transformers, arch):
+            cls = getattr(transformers, arch)
+            if not cls.is_backend_compatible():
+                raise _incompatible_error(arch)
+            return cls._from_config(hf_config, **kwargs)
+    return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+
+
+def _checkpoint_renamer(hf_model: Any, targets: dict[str, torch.Tensor]) -> Callable[[str], str]:
+    """Checkpoint name -> model name, with transformers' own renamings (e.g. GPT-NeoX embed_out -> lm_head)
+    and base-model prefix handling; tensors that transformers would merge or split are refused."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # transformers 4.x: checkpoints load under their saved names
+        prefix = hf_model.base_model_prefix + "."
+        return lambda name: name if name in targets or prefix + name not in targets else prefix + name
+
+    transforms = get_model_conversion_mapping(hf_model)
+    renamings: list[Any] = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters: list[Any] = [t for t in transforms if isinstance(t, WeightConverter)]
+
+    def rename(name: str) -> str:
+        renamed, converter_pattern = rename_source_key(
+            name, renamings, converters, hf_model.base_model_prefix, targets
+        )
+        if converter_pattern is not None:
+            raise ValueError(
+                f"checkpoint tensor {name!r} needs transformers' {converter_pattern!r} conversion (tensors merged "
+                "or split on load), which the transformers backend does not perform."
+            )
+        return renamed
+
+    return rename
+
+
+class TransformersForCausalLM(nn.Module):
+    """Any transformers causal LM behind loraserve's model interface (no LoRA, no packed layers)."""
+
+    is_native = False
+    packed_modules_mapping: dict[str, list[str]] = {}
+    hf_model: Any  # a transformers PreTrainedModel
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        # transformers writes dtype and attention choice into the config; keep the caller's untouched.
+        self.hf_config = copy.deepcopy(hf_config)
+        self.model_dtype = dtype
+        self.hf_model = _build_hf_model(self.hf_config, dtype)
+        if not self.hf_model.is_backend_compatible():
+            raise _incompatible_error(type(self.hf_model).__name__)
+        self._spec = kv_cache_spec_from_config(self.hf_config)
+        self._kernels: dict[int, PagedAttention] = {}
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self._spec
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """input_ids/positions [T] (many sequences, flat) -> hidden [T, H]."""
+        if batch.lora is not None and batch.lora.has_lora:
+            raise ValueError(
+                "LoRA adapters are not supported by the transformers backend (HF layers have no LoRA slots); "
+                "serve adapters on a natively supported architecture."
+            )
+        step = _StepContext(kv_caches, batch.attn, self._kernels, self._spec.sliding_window)
+        out = self.hf_model.base_model(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, **{_STEP_KWARG: step}
+        )
+        if step.num_calls != len(kv_caches):
+            raise ValueError(
+                f"{type(self.hf_model).__name__} ran paged attention {step.num_calls} times for {len(kv_caches)} "
+                "layers: its attention does not go through transformers' AttentionInterface."
+            )
+        if self._spec.sliding_window is not None and step.num_sliding_calls == 0:
+            raise ValueError(
+                f"config sets sliding_window={self._spec.sliding_window} but no layer of "
+                f"{type(self.hf_model).__name__} passed it to the attention function, so the window cannot be applied."
+            )
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in float32, with the output scalings some HF heads apply after lm_head."""
+        logits = self.hf_model.get_output_embeddings()(hidden)
+        text = self.hf_config.get_text_config()
+        if getattr(text, "logit_scale", None) is not None:
+            logits = logits * text.logit_scale
+        if getattr(text, "logits_scaling", None) is not None:
+            logits = logits / text.logits_scaling
+        cap = getattr(text, "final_logit_softcapping", None)
+        logits = logits.float()
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors by HF name; every parameter (tied ones once) must be provided."""
+        targets = self.hf_model.state_dict(keep_vars=True)
+        rename = _checkpoint_renamer(self.hf_model, targets)
+        loaded: set[int] = set()
+        for name, tensor in weights:
+            target_name = rename(name)
+            if target_name not in targets:
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                raise ValueError(
+                    f"checkpoint tensor {name!r} matches nothing in {type(self.hf_model).__name__}."
+                )
+            target = targets[target_name]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"shape mismatch for {name}: model {tuple(target.shape)}, checkpoint {tuple(tensor.shape)}."
+                )
+            with torch.no_grad():
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            loaded.add(id(target))
+        missing = [name for name, param in self.hf_model.named_parameters() if id(param) not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}.")
