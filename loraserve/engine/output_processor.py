@@ -65,9 +65,7 @@ class OutputProcessor:
                     seq.output_text = seq.output_text[:keep]
                     self.finish(seq, "stop", matched)
                     return
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            self.finish(seq, "length", None)
-        elif seq.num_tokens >= self.max_model_len:
+        if params.max_tokens is not None and num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length", None)
 
     @staticmethod

@@ -1,0 +1,164 @@
+"""Per-request sampling parameters: vLLM-compatible field names, defaults and validation messages."""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass
+
+# Temperatures below this are treated as greedy (argmax) decoding, as vLLM does.
+SAMPLING_EPS = 1e-5
+# Most top-logprobs a request may ask for, per generated or prompt position.
+MAX_LOGPROBS = 20
+# Most parallel completions one request may ask for.
+MAX_N = 128
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request; `max_tokens=None` is filled by the engine from max_model_len."""
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.seed == -1:  # the OpenAI-style "no seed" sentinel vLLM also accepts
+            self.seed = None
+        if self.best_of is None:
+            self.best_of = self.n
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._verify_counts()
+        self._verify_sampling()
+        self._verify_lengths()
+        self._verify_stops()
+        if self.temperature < SAMPLING_EPS:
+            # Greedy decoding ignores these; resetting them keeps the sampler's fast paths simple.
+            self.top_p = 1.0
+            self.top_k = -1
+            self.min_p = 0.0
+
+    def _verify_counts(self) -> None:
+        if not isinstance(self.n, int):
+            raise ValueError(f"n must be an integer, got {self.n!r}.")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N:
+            raise ValueError(f"n is too large: n must be at most {MAX_N}, got {self.n}.")
+        assert self.best_of is not None
+        if self.best_of < self.n:
+            raise ValueError(
+                f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
+            )
+        if self.best_of > MAX_N:
+            raise ValueError(f"best_of is too large: best_of must be at most {MAX_N}, got {self.best_of}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value < 0:
+                raise ValueError(f"{name} must be non-negative, got {value}.")
+            if value > MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name} is too large: requested {value} logprobs, the maximum allowed is {MAX_LOGPROBS}."
+                )
+
+    def _verify_sampling(self) -> None:
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+
+    def _verify_lengths(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+
+    def _verify_stops(self) -> None:
+        assert isinstance(self.stop, list) and self.stop_token_ids is not None
+        for stop_str in self.stop:
+            if not isinstance(stop_str, str):
+                raise ValueError(f"stop must be a string or a list of strings, got {stop_str!r}.")
+            if not stop_str:
+                raise ValueError(f"stop cannot contain an empty string, got stop={self.stop!r}.")
+        for token_id in self.stop_token_ids:
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(
+                    f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}."
+                )
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+            )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def is_top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a streamed response must hold back because they may start a stop string."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so that the engine may fill fields (max_tokens, seed per child) independently."""
+        return copy.deepcopy(self)
