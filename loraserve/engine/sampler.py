@@ -55,26 +55,37 @@ class Sampler:
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}."
             )
-        # One float32 copy: penalties and masks below work in place, the caller's tensor stays intact.
-        logits = logits.to(torch.float32, copy=True)
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        apply_min_tokens(logits, rows)
-        apply_penalties(logits, rows)
+        raw = logits.float()
+        # The sampled token's raw logprob needs only the row's logsumexp, not a full log_softmax.
+        log_normalizer = torch.logsumexp(raw, dim=-1)
+        if any(_needs_logit_edits(row) for row in rows):
+            # One copy: penalties and masks below work in place, the caller's tensor stays intact.
+            logits = raw.clone()
+            apply_min_tokens(logits, rows)
+            apply_penalties(logits, rows)
+        else:
+            logits = raw
         sampled = _sample(logits, rows)
-        sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        sampled_logprobs = raw.gather(1, sampled.unsqueeze(1)).squeeze(1) - log_normalizer
 
         top_logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if logprob_rows:
             index = torch.tensor(logprob_rows, device=logits.device)
             dicts = _position_logprobs(
-                raw_logprobs[index], sampled[index], [rows[i].params.logprobs or 0 for i in logprob_rows]
+                torch.log_softmax(raw[index], dim=-1), sampled[index], [rows[i].params.logprobs or 0 for i in logprob_rows]
             )
             for i, entry in zip(logprob_rows, dicts, strict=True):
                 top_logprobs[i] = entry
         return SamplerOutput(
             token_ids=sampled.tolist(), logprobs=sampled_logprobs.tolist(), top_logprobs=top_logprobs
         )
+
+
+def _needs_logit_edits(row: SamplingRow) -> bool:
+    params = row.params
+    masks_stops = params.min_tokens > len(row.output_token_ids)
+    return masks_stops or _has_penalty(params)
 
 
 def compute_prompt_logprobs(

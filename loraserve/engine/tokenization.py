@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from loraserve.config import ModelConfig
 from loraserve.errors import PromptTooLongError
 
-PromptInput = Union[str, list[int], dict[str, Any]]
+PromptInput = str | list[int] | dict[str, Any]
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
