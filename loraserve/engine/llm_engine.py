@@ -57,7 +57,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, config.lora.max_loras if config.lora else None
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.model.dtype, config.device)
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.cache.block_size, config.model.dtype, config.device,
+            config.lora.max_loras if config.lora else None,
+        )
         self.sampler = Sampler()
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is None:

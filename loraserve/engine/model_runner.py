@@ -41,9 +41,16 @@ def kv_cache_block_bytes(spec: KVCacheSpec, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_loras: int | None = None,
     ) -> None:
         self.model = model
+        self.max_loras = max_loras
         self.block_size = block_size
         self.device = device
         self.spec: KVCacheSpec = model.kv_cache_spec()
@@ -80,7 +87,7 @@ class ModelRunner:
         if lora_slots is not None:
             from loraserve.lora.mapping import LoRABatchMapping
 
-            lora = LoRABatchMapping.build(token_slots, self.device)
+            lora = LoRABatchMapping.build(token_slots, self.device, max_loras=self.max_loras)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

@@ -1,0 +1,129 @@
+"""Multi-LoRA throughput and cold-load latency: loraserve vs transformers and PEFT, in one run.
+
+SmolLM-135M-shaped random Llama; rank-16 adapters on all 7 projections; 32 greedy requests.
+Rows: transformers base, PEFT mixed batch (`generate(adapter_names=...)`), loraserve base,
+loraserve 1 adapter, loraserve N mixed; then N-adapter swapping with max_loras=16 and the first-request
+latency of a cold (on disk) adapter against a warm one.
+Usage: python -m benchmarks.lora_throughput [--prompt-len 32] [--gen-len 32] [--swap-adapters 64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from benchmarks.common import build_adapters, build_model, print_table, random_prompts, save_results, timed
+from benchmarks.throughput import run_transformers
+from loraserve import LLM, LoRARequest, SamplingParams
+from loraserve.config import resolve_device, resolve_dtype
+
+
+def run_peft_mixed(path: str, adapters: list[str], prompts: list[list[int]], gen_len: int,
+                   dtype: torch.dtype) -> float:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = PeftModel.from_pretrained(base, adapters[0], adapter_name="a0")
+    for i, adapter in enumerate(adapters[1:], start=1):
+        model.load_adapter(adapter, adapter_name=f"a{i}")
+    names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
+    batch = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        seconds, _ = timed(lambda: model.generate(input_ids=batch, adapter_names=names, **kwargs))
+    return len(prompts) * gen_len / seconds
+
+
+def _generate(llm: LLM, prompts: list[list[int]], gen_len: int, loras: list[LoRARequest | None]) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    seconds, outs = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                               lora_request=loras, use_tqdm=False))
+    assert all(len(o.outputs[0].token_ids) == gen_len for o in outs)
+    return len(prompts) * gen_len / seconds
+
+
+def run_loraserve(path: str, adapters: list[str], prompts: list[list[int]], gen_len: int, dtype: str,
+                  num_mixed: int) -> dict[str, float]:
+    n = len(prompts)
+    base = LLM(path, dtype=dtype, max_num_seqs=n)
+    _generate(base, prompts[:2], 4, [None, None])  # warm-up
+    results = {"loraserve base": _generate(base, prompts, gen_len, [None] * n)}
+    del base
+    llm = LLM(path, dtype=dtype, max_num_seqs=n, enable_lora=True, max_loras=16, max_lora_rank=16,
+              max_cpu_loras=max(16, num_mixed))
+    reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters[:num_mixed])]
+    _generate(llm, prompts[:2], 4, reqs[:2])  # warm-up (loads two adapters)
+    results["loraserve 1 adapter"] = _generate(llm, prompts, gen_len, [reqs[0]] * n)
+    results[f"loraserve {num_mixed} mixed"] = _generate(llm, prompts, gen_len,
+                                                        [reqs[i % num_mixed] for i in range(n)])
+    return results
+
+
+def run_swapping(path: str, adapters: list[str], prompts: list[list[int]], gen_len: int, dtype: str) -> float:
+    """Every request on a different adapter (cycling through all of them), 16 compute slots."""
+    llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts), enable_lora=True, max_loras=16,
+              max_lora_rank=16, max_cpu_loras=len(adapters))
+    reqs = [LoRARequest(f"s{i}", i + 1, p) for i, p in enumerate(adapters)]
+    for r in reqs:
+        llm.add_lora(r)
+    total_prompts = [prompts[i % len(prompts)] for i in range(len(adapters))]
+    return _generate(llm, total_prompts, gen_len, reqs)
+
+
+def first_token_latency(path: str, adapters: list[str], dtype: str, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds to the first token for a cold adapter (loaded from disk) and a warm one."""
+    llm = LLM(path, dtype=dtype, enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=len(adapters))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(10, 42))}
+    cold, warm = [], []
+    for i in range(repeats):
+        req = LoRARequest(f"c{i}", i + 1, adapters[i])
+        cold.append(timed(lambda: llm.generate(prompt, params, lora_request=req, use_tqdm=False))[0])
+        warm.append(timed(lambda: llm.generate(prompt, params, lora_request=req, use_tqdm=False))[0])
+    return statistics.median(cold), statistics.median(warm)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--num-mixed", type=int, default=16)
+    parser.add_argument("--swap-adapters", default="64,256", help="comma-separated adapter counts ('' to skip)")
+    parser.add_argument("--skip-baselines", action="store_true")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
+    dtype_name = str(dtype).replace("torch.", "")
+    swaps = [int(x) for x in args.swap_adapters.split(",") if x]
+    path = build_model()
+    adapters = build_adapters(path, max([args.num_mixed, 5, *swaps]))
+    prompts = random_prompts(args.num_requests, args.prompt_len, 49152)
+    print(f"{dtype_name}, {args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated), "
+          f"rank-16 adapters on all 7 projections")
+    rows: list[tuple[str, float]] = []
+    if not args.skip_baselines:
+        rows.append(("transformers base", run_transformers(path, prompts, args.gen_len, dtype)))
+        rows.append((f"PEFT {args.num_mixed} mixed", run_peft_mixed(path, adapters[: args.num_mixed], prompts,
+                                                                   args.gen_len, dtype)))
+    rows += list(run_loraserve(path, adapters, prompts, args.gen_len, dtype_name, args.num_mixed).items())
+    for count in swaps:
+        rows.append((f"loraserve {count} distinct (max_loras=16)",
+                     run_swapping(path, adapters[:count], prompts, args.gen_len, dtype_name)))
+    reference = "PEFT 16 mixed" if not args.skip_baselines and args.num_mixed == 16 else "loraserve base"
+    print_table("Multi-LoRA throughput", rows, reference)
+    table = dict(rows)
+    print(f"\n{args.num_mixed}-mixed / loraserve base: "
+          f"{table[f'loraserve {args.num_mixed} mixed'] / table['loraserve base']:.2f}")
+    cold, warm = first_token_latency(path, adapters[:5], dtype_name)
+    print(f"first-token latency: cold adapter {cold * 1000:.1f} ms, warm {warm * 1000:.1f} ms, "
+          f"difference {(cold - warm) * 1000:.1f} ms")
+    save_results("lora_throughput", {"dtype": dtype_name, "args": vars(args), "tok_per_s": table,
+                                     "cold_ms": cold * 1000, "warm_ms": warm * 1000})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+r"""`PEFTHelper`: an adapter_config.json parsed and validated against what the server can serve.
+
+Matching follows PEFT (read for facts): `target_modules` is a list of module-name suffixes or one
+full-match regex; `rank_pattern` / `alpha_pattern` keys match a module when
+`re.match(rf"(.*\.)?({key})$", module_name)` does, first key in file order wins; rsLoRA scales by
+alpha / sqrt(r) instead of alpha / r. `fan_in_fan_out` only says how the *base* Conv1D weight is
+stored: PEFT keeps lora_A / lora_B in nn.Linear orientation either way, so it needs no handling here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+
+CONFIG_NAME = "adapter_config.json"
+
+# LoraConfig fields that change what the adapter computes; any non-default value is refused.
+_UNSUPPORTED_FIELDS: dict[str, str] = {
+    "use_qalora": "QA-LoRA",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "layer_replication": "layer replication",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on parameters (target_parameters)",
+    "arrow_config": "Arrow routing",
+    "use_bdlora": "block-diagonal LoRA",
+    "kasa_config": "KaSA",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA",
+}
+# Initialisations that also rewrite the base weights: such an adapter is wrong on the original base
+# unless it was converted (PEFT's path_initial_model_for_weight_conversion saves init_lora_weights=True).
+_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "lora_ga")
+
+
+@dataclass(frozen=True)
+class PEFTHelper:
+    """The fields of a LoRA adapter_config.json that serving needs, validated."""
+
+    adapter_name: str
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str | None
+    exclude_modules: tuple[str, ...] | str | None
+    layers_to_transform: tuple[int, ...] | None
+    layers_pattern: tuple[str, ...] | None
+    rank_pattern: Mapping[str, int]
+    alpha_pattern: Mapping[str, float]
+    use_rslora: bool
+    fan_in_fan_out: bool
+    bias: str
+    lora_bias: bool
+    use_dora: bool
+    modules_to_save: tuple[str, ...]
+    peft_type: str
+    base_model_name_or_path: str | None
+    bias_enabled: bool
+    config_json: str  # canonical JSON of the file, part of the adapter's content digest
+
+    @classmethod
+    def from_local_dir(
+        cls, path: str | Path, lora_name: str, max_lora_rank: int, enable_lora_bias: bool = False
+    ) -> PEFTHelper:
+        """Read `path/adapter_config.json`; raise LoRAAdapterError naming the adapter and field."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise LoRAAdapterNotFoundError(
+                f"LoRA adapter '{lora_name}' not found: {str(path)!r} is not a directory"
+            )
+        config_file = folder / CONFIG_NAME
+        if not config_file.is_file():
+            raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} not found in {str(path)!r}")
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LoRAAdapterError(
+                f"LoRA adapter '{lora_name}': {CONFIG_NAME} is not valid JSON ({e})"
+            ) from None
+        except OSError as e:
+            raise LoRAAdapterError(
+                f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})"
+            ) from None
+        return cls.from_dict(config, lora_name, max_lora_rank, enable_lora_bias)
+
+    @classmethod
+    def from_dict(
+        cls, config: Any, lora_name: str, max_lora_rank: int, enable_lora_bias: bool = False
+    ) -> PEFTHelper:
+        if not isinstance(config, dict):
+            raise LoRAAdapterError(
+                f"LoRA adapter '{lora_name}': {CONFIG_NAME} must hold a JSON object, got {type(config).__name__}"
+            )
+        v = _Validator(lora_name, config)
+        peft_type = v.get("peft_type", "LORA")
+        if str(peft_type).upper() != "LORA":
+            v.fail("peft_type", f"only LORA adapters are supported, got {peft_type!r}")
+        r = v.positive_int("r", 8)
+        rank_pattern = v.pattern_dict("rank_pattern", is_rank=True)
+        for module, rank in [("", r), *rank_pattern.items()]:
+            if rank > max_lora_rank:
+                where = f" (rank_pattern {module!r})" if module else ""
+                field = "rank_pattern" if module else "r"
+                v.fail(field, f"LoRA rank {rank}{where} is greater than max_lora_rank {max_lora_rank}")
+        if v.get("use_dora", False):
+            v.fail("use_dora", "DoRA is not supported")
+        modules_to_save = v.name_list("modules_to_save")
+        if modules_to_save:
+            v.fail("modules_to_save", f"modules_to_save is not supported, got {list(modules_to_save)}")
+        _check_unsupported_features(v, config)
+        bias, lora_bias = v.get("bias", "none"), bool(v.get("lora_bias", False))
+        if bias not in ("none", "all", "lora_only"):
+            v.fail("bias", f"must be 'none', 'all' or 'lora_only', got {bias!r}")
+        if (bias != "none" or lora_bias) and not enable_lora_bias:
+            field = "bias" if bias != "none" else "lora_bias"
+            v.fail(field, "Adapter bias cannot be used without --enable-lora-bias")
+        return cls(
+            adapter_name=lora_name,
+            r=r,
+            lora_alpha=v.number("lora_alpha", 8),
+            target_modules=v.targets("target_modules"),
+            exclude_modules=v.targets("exclude_modules"),
+            layers_to_transform=v.int_list("layers_to_transform"),
+            layers_pattern=v.name_list("layers_pattern") or None,
+            rank_pattern=rank_pattern,
+            alpha_pattern=v.pattern_dict("alpha_pattern", is_rank=False),
+            use_rslora=bool(v.get("use_rslora", False)),
+            fan_in_fan_out=bool(v.get("fan_in_fan_out", False)),
+            bias=bias,
+            lora_bias=lora_bias,
+            use_dora=False,
+            modules_to_save=modules_to_save,
+            peft_type="LORA",
+            base_model_name_or_path=v.get("base_model_name_or_path", None),
+            bias_enabled=enable_lora_bias,
+            config_json=json.dumps(config, sort_keys=True, default=str),
+        )
+
+    def rank_for(self, module_name: str) -> int:
+        """Rank of `module_name` (full dotted name): rank_pattern first, else r."""
+        key = _pattern_key(self.rank_pattern, module_name)
+        return self.rank_pattern[key] if key is not None else self.r
+
+    def alpha_for(self, module_name: str) -> float:
+        key = _pattern_key(self.alpha_pattern, module_name)
+        return self.alpha_pattern[key] if key is not None else self.lora_alpha
+
+    def scaling_for(self, module_name: str) -> float:
+        """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA, per module."""
+        rank, alpha = self.rank_for(module_name), self.alpha_for(module_name)
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+    def targets_module(self, module_name: str) -> bool:
+        """Whether PEFT would have put a LoRA on `module_name` (full dotted name) under this config."""
+        if self.exclude_modules is not None and _matches_targets(self.exclude_modules, module_name):
+            return False
+        targets = self.target_modules
+        if targets is None:
+            return False
+        if isinstance(targets, str):
+            return targets == "all-linear" or re.fullmatch(targets, module_name) is not None
+        if module_name in targets:
+            return True  # PEFT skips the layer filter for an exact name
+        if not any(module_name.endswith(f".{t}") for t in targets):
+            return False
+        if not self.layers_to_transform:
+            return True
+        layer = _layer_index(module_name, self.layers_pattern)
+        return layer is not None and layer in self.layers_to_transform
+
+
+def _pattern_key(patterns: Mapping[str, Any], module_name: str) -> str | None:
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return key
+    return None
+
+
+def _matches_targets(targets: tuple[str, ...] | str, module_name: str) -> bool:
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, module_name) is not None
+    return any(module_name == t or module_name.endswith(f".{t}") for t in targets)
+
+
+def _layer_index(module_name: str, layers_pattern: tuple[str, ...] | None) -> int | None:
+    # The first numbered segment is the layer index (not an expert index further down).
+    if not layers_pattern:
+        match = re.match(r".*?\.[^.]*\.(\d+)\.", module_name)
+        return int(match.group(1)) if match else None
+    for pattern in layers_pattern:
+        match = re.match(rf"(?:^|.*?\.){pattern}\.(\d+)\.", module_name)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def _check_unsupported_features(v: _Validator, config: dict[str, Any]) -> None:
+    for field, feature in _UNSUPPORTED_FIELDS.items():
+        if config.get(field) not in (None, False, [], {}, ""):
+            v.fail(field, f"{feature} is not supported")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
+        v.fail(
+            "init_lora_weights",
+            f"{init!r} adapters also modify the base weights; convert the adapter with PEFT's "
+            "path_initial_model_for_weight_conversion first",
+        )
+
+
+class _Validator:
+    """Typed field access that raises LoRAAdapterError naming the adapter and the field."""
+
+    def __init__(self, lora_name: str, config: dict[str, Any]) -> None:
+        self.lora_name = lora_name
+        self.config = config
+
+    def fail(self, field: str, message: str) -> NoReturn:
+        raise LoRAAdapterError(
+            f"LoRA adapter '{self.lora_name}': {message} (field '{field}' in {CONFIG_NAME})"
+        )
+
+    def get(self, field: str, default: Any) -> Any:
+        value = self.config.get(field)
+        return default if value is None else value
+
+    def positive_int(self, field: str, default: int) -> int:
+        value = self.get(field, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            self.fail(field, f"LoRA rank must be a positive integer, got {value!r}")
+        return int(value)
+
+    def number(self, field: str, default: float) -> float:
+        value = self.get(field, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            self.fail(field, f"must be a finite number, got {value!r}")
+        return float(value)
+
+    def name_list(self, field: str) -> tuple[str, ...]:
+        value = self.get(field, [])
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            self.fail(field, f"must be a string or a list of strings, got {value!r}")
+        return tuple(value)
+
+    def targets(self, field: str) -> tuple[str, ...] | str | None:
+        value = self.config.get(field)
+        if value is None or isinstance(value, list | tuple):
+            return None if value is None else self.name_list(field)
+        if not isinstance(value, str):
+            self.fail(field, f"must be a regex string or a list of module names, got {value!r}")
+        try:
+            re.compile(value)
+        except re.error as e:
+            self.fail(field, f"invalid regular expression {value!r} ({e})")
+        return str(value)
+
+    def int_list(self, field: str) -> tuple[int, ...] | None:
+        value = self.config.get(field)
+        if value is None:
+            return None
+        values = [value] if isinstance(value, int) else value
+        if not isinstance(values, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in values
+        ):
+            self.fail(field, f"must be an integer or a list of integers, got {value!r}")
+        return tuple(values)
+
+    def pattern_dict(self, field: str, is_rank: bool) -> dict[str, Any]:
+        value = self.get(field, {})
+        if not isinstance(value, dict):
+            self.fail(field, f"must be an object mapping module patterns to values, got {value!r}")
+        parsed: dict[str, Any] = {}
+        for key, item in value.items():
+            try:
+                re.compile(rf"(.*\.)?({key})$")
+            except re.error as e:
+                self.fail(field, f"invalid pattern {key!r} ({e})")
+            bad_rank = isinstance(item, bool) or not isinstance(item, int) or item <= 0
+            bad_alpha = isinstance(item, bool) or not isinstance(item, int | float) or not math.isfinite(item)
+            if bad_rank if is_rank else bad_alpha:
+                kind = "a positive integer rank" if is_rank else "a finite number"
+                self.fail(field, f"value for {key!r} must be {kind}, got {item!r}")
+            parsed[key] = int(item) if is_rank else float(item)
+        return parsed

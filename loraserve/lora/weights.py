@@ -1,0 +1,73 @@
+"""Per-module adapter weights: one module's A/B pair, or the slices of a packed module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class LoRALayerWeights:
+    """delta(x) = scaling * lora_b @ lora_a @ x + bias for one module (or one slice of a packed one).
+
+    lora_a: [rank, in]; lora_b: [out, rank] (nn.Linear orientation, as PEFT stores them, also for
+    GPT-2's fan_in_fan_out Conv1D modules); bias: [out], added as is (already scaled) or None.
+    rank 0 is a bias-only entry (a module whose base bias the adapter retrained).
+    """
+
+    module_name: str
+    rank: int
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+    bias: torch.Tensor | None = None
+
+    @property
+    def in_features(self) -> int:
+        return int(self.lora_a.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.lora_b.shape[0])
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [self.lora_a, self.lora_b] + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def optimize(self) -> LoRALayerWeights:
+        """Fold `scaling` into lora_b so the forward pass needs no extra multiply."""
+        if self.scaling != 1.0:
+            self.lora_b = self.lora_b * self.scaling
+            self.scaling = 1.0
+        return self
+
+
+@dataclass(slots=True)
+class PackedLoRALayerWeights:
+    """Adapters for the output slices of one packed module (qkv_proj, gate_up_proj).
+
+    `slices[i]` covers output slice i (e.g. q, k, v); None means the adapter leaves that slice alone
+    (an adapter on q_proj and v_proj only contributes zero to the k slice).
+    """
+
+    module_name: str
+    slices: list[LoRALayerWeights | None]
+
+    @property
+    def rank(self) -> int:
+        return max((s.rank for s in self.slices if s is not None), default=0)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.num_bytes for s in self.slices if s is not None)
+
+    def optimize(self) -> PackedLoRALayerWeights:
+        for s in self.slices:
+            if s is not None:
+                s.optimize()
+        return self
+
+
+ModuleLoRA = LoRALayerWeights | PackedLoRALayerWeights

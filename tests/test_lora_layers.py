@@ -1,0 +1,178 @@
+"""LinearWithLoRA against the dense computation W + scaling * B @ A, several slots in one batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from loraserve.config import LoRAConfig
+from loraserve.layers.linear import Linear
+from loraserve.lora import layers as lora_layers
+from loraserve.lora.layers import LinearWithLoRA, LoRATargets, lora_target_modules, wrap_model_for_lora
+from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
+
+IN, MAX_LORAS, MAX_RANK = 24, 4, 8
+
+
+def _linear(output_sizes: list[int], bias: bool = True, seed: int = 0) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    layer = Linear(IN, output_sizes, bias=bias, dtype=torch.float32)
+    layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g))
+    if layer.bias is not None:
+        layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=g))
+    return layer
+
+
+def _lora(name: str, out: int, rank: int, seed: int, bias: bool = False) -> LoRALayerWeights:
+    g = torch.Generator().manual_seed(seed)
+    return LoRALayerWeights(
+        name,
+        rank,
+        torch.randn(rank, IN, generator=g),
+        torch.randn(out, rank, generator=g),
+        scaling=0.5 + seed,
+        bias=torch.randn(out, generator=g) if bias else None,
+    )
+
+
+def _dense_delta(lora: LoRALayerWeights | PackedLoRALayerWeights, sizes: list[int]) -> torch.Tensor:
+    """[out, in] delta weight the adapter adds to the layer (zero for slices it leaves alone)."""
+    if isinstance(lora, LoRALayerWeights):
+        return lora.scaling * lora.lora_b @ lora.lora_a
+    parts = [
+        torch.zeros(size, IN) if s is None else s.scaling * s.lora_b @ s.lora_a
+        for s, size in zip(lora.slices, sizes, strict=True)
+    ]
+    return torch.cat(parts)
+
+
+def _batch(slots: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(lora=LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS))
+
+
+@pytest.mark.parametrize("layout", ["runs", "grouped", "padded"])
+def test_packed_layer_matches_dense(layout: str) -> None:
+    sizes = [16, 8, 8]  # q, k, v
+    base = _linear(sizes)
+    layer = LinearWithLoRA(base, MAX_LORAS, MAX_RANK)
+    adapters = {
+        0: PackedLoRALayerWeights("qkv", [_lora("q", 16, 4, 1), None, _lora("v", 8, 2, 2)]),  # q and v only
+        2: PackedLoRALayerWeights("qkv", [_lora("q", 16, 8, 3), _lora("k", 8, 3, 4), _lora("v", 8, 5, 5)]),
+        3: _lora("qkv", 32, 6, 6),  # an adapter on the packed module as a whole
+    }
+    for slot, weights in adapters.items():
+        layer.set_lora(slot, weights)
+    slots = [2, -1, 0, 3, 0, 2, 2, -1, 3]
+    x = torch.randn(len(slots), IN)
+    batch = SimpleNamespace(lora=LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS, layout=layout))
+    y = layer(x, batch)
+    for i, slot in enumerate(slots):
+        weight = base.weight + (_dense_delta(adapters[slot], sizes) if slot >= 0 else 0)
+        torch.testing.assert_close(y[i], weight @ x[i] + base.bias, atol=1e-4, rtol=1e-4)
+
+
+def test_slot_reuse_bias_and_reset() -> None:
+    base = _linear([20])
+    layer = LinearWithLoRA(base, MAX_LORAS, MAX_RANK, bias_enabled=True)
+    first, second = _lora("m", 20, 8, 1, bias=True), _lora("m", 20, 3, 2, bias=False)
+    layer.set_lora(1, first)
+    layer.set_lora(1, second)  # a smaller adapter in the same slot leaves nothing of the first behind
+    x = torch.randn(3, IN)
+    y = layer(x, _batch([1, -1, 1]))
+    expected = x @ (base.weight + _dense_delta(second, [20])).t() + base.bias
+    torch.testing.assert_close(y[[0, 2]], expected[[0, 2]], atol=1e-4, rtol=1e-4)
+    layer.set_lora(2, first)
+    y = layer(x, _batch([2, 1, -1]))
+    torch.testing.assert_close(
+        y[0], (base.weight + _dense_delta(first, [20])) @ x[0] + base.bias + first.bias
+    )
+    torch.testing.assert_close(y[2], base.weight @ x[2] + base.bias)
+    layer.reset_lora(2)
+    torch.testing.assert_close(layer(x, _batch([2, 2, 2])), base(x))
+
+
+def test_bias_needs_enable_lora_bias() -> None:
+    layer = LinearWithLoRA(_linear([20]), MAX_LORAS, MAX_RANK, bias_enabled=False)
+    with pytest.raises(ValueError, match="enable-lora-bias"):
+        layer.set_lora(0, _lora("m", 20, 4, 1, bias=True))
+
+
+def test_rejects_weights_that_do_not_fit() -> None:
+    layer = LinearWithLoRA(_linear([20]), MAX_LORAS, MAX_RANK)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.set_lora(0, _lora("m", 21, 4, 1))
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.set_lora(0, LoRALayerWeights("m", 9, torch.zeros(9, IN), torch.zeros(20, 9), 1.0))
+    with pytest.raises(ValueError, match="out of range"):
+        layer.set_lora(MAX_LORAS, _lora("m", 20, 4, 1))
+
+
+def test_no_adapter_tokens_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = _linear([20])
+    layer = LinearWithLoRA(base, MAX_LORAS, MAX_RANK)
+    layer.set_lora(0, _lora("m", 20, 4, 1))
+
+    def fail(*args: object) -> None:
+        raise AssertionError("LoRA op called for a batch that needs none")
+
+    monkeypatch.setattr(lora_layers, "add_lora", fail)
+    x = torch.randn(4, IN)
+    for batch in (
+        None,
+        SimpleNamespace(lora=None),
+        _batch([-1] * 4),
+        _batch([1, 1, -1, 1]),
+    ):  # slot 1 is empty
+        assert torch.equal(layer(x, batch), base(x))
+
+
+def test_lora_dtype_differs_from_model_dtype() -> None:
+    base = _linear([20])
+    layer = LinearWithLoRA(base, MAX_LORAS, MAX_RANK, dtype=torch.float64)
+    lora = _lora("m", 20, 4, 1)
+    layer.set_lora(0, lora)
+    x = torch.randn(2, IN)
+    y = layer(x, _batch([0, -1]))
+    assert y.dtype == torch.float32 and layer.lora_a_stacked.dtype == torch.float64
+    torch.testing.assert_close(
+        y[0], (base.weight + _dense_delta(lora, [20])) @ x[0] + base.bias, atol=1e-4, rtol=1e-4
+    )
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = _linear([16, 8, 8])
+        self.o_proj = _linear([IN], bias=False)
+
+
+class _TinyModel(nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.lm_head = _linear([50], bias=False)
+
+
+def test_wrap_model_in_place() -> None:
+    model = _TinyModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    targets = LoRATargets.from_model(model)
+    assert sorted(targets.modules) == [f"layers.{i}.{m}" for i in range(2) for m in ("o_proj", "qkv_proj")]
+    assert targets.sub_modules["layers.1.k_proj"] == ("layers.1.qkv_proj", 1)
+    assert targets.supported_leaf_names() == ["k_proj", "o_proj", "q_proj", "qkv_proj", "v_proj"]
+    wrapped = wrap_model_for_lora(model, LoRAConfig(max_loras=2, max_lora_rank=4))
+    assert set(wrapped) == set(targets.modules) and isinstance(model.layers[0].qkv_proj, LinearWithLoRA)
+    assert not isinstance(model.lm_head, LinearWithLoRA)
+    # Same parameter names and values; the slot buffers stay out of the state dict.
+    assert {k: v for k, v in model.state_dict().items()}.keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert wrap_model_for_lora(model, LoRAConfig(max_loras=2, max_lora_rank=4)) == wrapped
+    assert set(lora_target_modules(model)) == set(targets.modules)
+    assert wrapped["layers.0.qkv_proj"].lora_a_stacked.shape == (2, 3 * 4, IN)
+    assert wrapped["layers.0.qkv_proj"].lora_b_stacked.shape == (2, 32, 3 * 4)

@@ -1,0 +1,159 @@
+"""LoRA shrink/expand ops and the batch mapping, against a naive per-token reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from loraserve.lora import ops
+from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.lora.ops import torch_ops
+
+L, R, IN, OUT = 6, 8, 40, 56
+
+
+def _zipf_slots(num_tokens: int, num_slots: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    probs = 1.0 / torch.arange(1, num_slots + 1, dtype=torch.float64) ** 1.3
+    return torch.multinomial(probs, num_tokens, replacement=True, generator=g).tolist()
+
+
+MIXES: dict[str, list[int]] = {
+    "one_adapter": [3] * 20,
+    "all_different": [5, 0, 4, 1, 3, 2],
+    "zipf": _zipf_slots(40, L, seed=1),
+    "some_without": [-1, 2, 2, -1, 0, -1, 5, 2, -1, 0, 0],
+    "all_without": [-1] * 7,
+    "contiguous_runs": [1] * 5 + [4] * 3 + [-1] * 2 + [1] * 4,
+    "single_token": [2],
+}
+
+
+def _naive(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token float64 reference: t[i] = scale * A[s] x[i]; delta[i] = B[s] t[i]."""
+    t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
+    delta = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
+    for i, s in enumerate(slots):
+        if s >= 0:
+            t[i] = scale * (a[s].double() @ x[i].double())
+            delta[i] = b[s].double() @ t[i]
+    return t, delta
+
+
+def _weights(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(L, R, IN, generator=g).to(dtype)
+    # B stored [L, R, out] and passed as its [L, out, R] transpose, as LinearWithLoRA does.
+    b = torch.randn(L, R, OUT, generator=g).to(dtype).transpose(1, 2)
+    return a, b
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.5, "rtol": 0.05}
+
+
+@pytest.mark.parametrize("layout", [None, "runs", "grouped", "padded"])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_ops_match_naive(mix: str, layout: str | None, dtype: torch.dtype) -> None:
+    slots = MIXES[mix]
+    x = torch.randn(len(slots), IN, generator=torch.Generator().manual_seed(2)).to(dtype)
+    a, b = _weights(dtype)
+    t_ref, delta_ref = _naive(x, a, b, slots, scale=0.5)
+    for max_loras in (L, None):
+        mapping = LoRABatchMapping.build(slots, "cpu", max_loras=max_loras, layout=layout)
+        t = torch_ops.lora_shrink(x, a, mapping, scale=0.5)
+        torch.testing.assert_close(t.double(), t_ref, **_tol(dtype))
+        y0 = torch.randn(len(slots), OUT + 10, generator=torch.Generator().manual_seed(3)).to(dtype)
+        y = torch_ops.lora_expand(y0.clone(), t, b, mapping, offset=4)
+        torch.testing.assert_close(
+            y[:, 4 : 4 + OUT].double(), y0[:, 4 : 4 + OUT].double() + delta_ref, **_tol(dtype)
+        )
+        assert torch.equal(y[:, :4], y0[:, :4]) and torch.equal(y[:, 4 + OUT :], y0[:, 4 + OUT :])
+        y_fused = torch_ops.add_lora(y0.clone(), x, a, b, mapping, offset=4)
+        fused_ref = y0[:, 4 : 4 + OUT].double() + 2 * delta_ref  # add_lora has no scale (0.5 above)
+        torch.testing.assert_close(y_fused[:, 4 : 4 + OUT].double(), fused_ref, **_tol(dtype))
+        # Rows without an adapter are left bit-for-bit alone.
+        none_rows = [i for i, s in enumerate(slots) if s < 0]
+        assert torch.equal(y_fused[none_rows], y0[none_rows])
+
+
+def test_contiguous_weights_and_dispatch_match() -> None:
+    slots = MIXES["zipf"]
+    x = torch.randn(len(slots), IN)
+    a, b = _weights(torch.float32)
+    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=L)
+    y1 = ops.add_lora(torch.zeros(len(slots), OUT), x, a, b, mapping)
+    y2 = ops.lora_expand(
+        torch.zeros(len(slots), OUT), ops.lora_shrink(x, a.contiguous(), mapping), b.contiguous(), mapping
+    )
+    torch.testing.assert_close(y1, y2)
+
+
+def test_mapping_indices() -> None:
+    slots = [2, -1, 0, 2, 2, -1, 0]
+    m = LoRABatchMapping.build(slots, "cpu", max_loras=4)
+    assert m.active_slots == (0, 2) and m.num_tokens == 7 and m.num_active_tokens == 5
+    assert m.sorted_token_ids.tolist() == [2, 6, 0, 3, 4]
+    assert m.seg_starts.tolist() == [0, 2] and m.seg_lens.tolist() == [2, 3] and m.max_seg_len == 3
+    assert m.token_slots.tolist() == slots and m.has_lora
+    assert not LoRABatchMapping.build([-1, -1], "cpu").has_lora
+    assert not LoRABatchMapping.build([], "cpu").has_lora
+    assert LoRABatchMapping.build(torch.tensor(slots), "cpu").sorted_token_ids.tolist() == [2, 6, 0, 3, 4]
+
+
+def test_layout_choice() -> None:
+    # One adapter for the whole batch: plain matmuls on views, no gather.
+    assert LoRABatchMapping.build([3] * 32, "cpu", max_loras=16).layout == "runs"
+    # Many adapters with two tokens each (a decode step): one bmm over all slots, no weight gather.
+    many = LoRABatchMapping.build([i % 16 for i in range(32)], "cpu", max_loras=16)
+    assert many.layout == "padded" and many.padded is not None and many.padded.uses_all_slots
+
+
+@pytest.mark.parametrize("bad", [[-2], [0, 7], [1.5]])
+def test_mapping_rejects_bad_slots(bad: list[int]) -> None:
+    with pytest.raises(ValueError, match="token slot"):
+        LoRABatchMapping.build(bad, "cpu", max_loras=4)
+
+
+def _triton_device() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+@pytest.mark.skipif(_triton_device() is None, reason="needs CUDA + Triton (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_matches_torch(mix: str, dtype: torch.dtype) -> None:
+    from loraserve.lora.ops import triton_ops
+
+    device = _triton_device()
+    assert device is not None
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter has no bf16 dot")
+    slots = MIXES[mix]
+    x = torch.randn(len(slots), IN).to(dtype)
+    a, b = _weights(dtype)
+    t_ref, delta_ref = _naive(x, a, b, slots, scale=0.5)
+    mapping = LoRABatchMapping.build(slots, device, max_loras=L)
+    x, a, b = x.to(device), a.to(device), b.to(device)
+    tol = _tol(torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    t = triton_ops.lora_shrink(x, a, mapping, scale=0.5)
+    torch.testing.assert_close(t.double().cpu(), t_ref, **tol)
+    y0 = torch.randn(len(slots), OUT + 10).to(dtype).to(device)
+    y = triton_ops.lora_expand(y0.clone(), t, b, mapping, offset=4)
+    torch.testing.assert_close(
+        y[:, 4 : 4 + OUT].double().cpu(), y0[:, 4 : 4 + OUT].double().cpu() + delta_ref, **tol
+    )
+    assert torch.equal(y[:, :4], y0[:, :4])
+    y_fused = triton_ops.add_lora(y0.clone(), x, a, b, mapping, offset=4)
+    fused_ref = y0[:, 4 : 4 + OUT].double().cpu() + 2 * delta_ref
+    torch.testing.assert_close(y_fused[:, 4 : 4 + OUT].double().cpu(), fused_ref, **tol)

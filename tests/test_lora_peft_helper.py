@@ -1,0 +1,155 @@
+"""adapter_config.json parsing: each bad adapter gets its own error; PEFT's matching rules as oracle."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+from loraserve.lora.peft_helper import PEFTHelper
+
+
+def _write(folder: Path, config: Any) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    text = config if isinstance(config, str) else json.dumps(config)
+    (folder / "adapter_config.json").write_text(text)
+    return folder
+
+
+def _base(**overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    config.update(overrides)
+    return config
+
+
+def test_parses_fields(tmp_path: Path) -> None:
+    folder = _write(
+        tmp_path / "a", _base(layers_to_transform=[1], layers_pattern="layers", fan_in_fan_out=True)
+    )
+    helper = PEFTHelper.from_local_dir(folder, "a", max_lora_rank=16)
+    assert helper.r == 8 and helper.lora_alpha == 16.0 and helper.target_modules == ("q_proj", "v_proj")
+    assert helper.layers_to_transform == (1,) and helper.layers_pattern == ("layers",)
+    assert helper.fan_in_fan_out and helper.peft_type == "LORA" and helper.bias == "none"
+    assert helper.scaling_for("model.layers.0.self_attn.q_proj") == 2.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "message"),
+    [
+        ({"peft_type": "IA3"}, "peft_type", "only LORA"),
+        ({"r": 0}, "r", "positive integer"),
+        ({"r": -4}, "r", "positive integer"),
+        ({"r": "8"}, "r", "positive integer"),
+        ({"r": 32}, "r", "LoRA rank 32 is greater than max_lora_rank 16"),
+        (
+            {"rank_pattern": {"q_proj": 64}},
+            "rank_pattern",
+            "LoRA rank 64 .* is greater than max_lora_rank 16",
+        ),
+        ({"use_dora": True}, "use_dora", "DoRA is not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save", "modules_to_save is not supported"),
+        ({"bias": "all"}, "bias", "without --enable-lora-bias"),
+        ({"bias": "lora_only"}, "bias", "without --enable-lora-bias"),
+        ({"lora_bias": True}, "lora_bias", "without --enable-lora-bias"),
+        ({"bias": "sometimes"}, "bias", "must be 'none'"),
+        ({"lora_alpha": "x"}, "lora_alpha", "finite number"),
+        ({"target_modules": "q_proj(("}, "target_modules", "invalid regular expression"),
+        ({"alpha_pattern": {"q_proj": "big"}}, "alpha_pattern", "finite number"),
+        ({"use_qalora": True}, "use_qalora", "QA-LoRA is not supported"),
+        ({"alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens", "is not supported"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights", "modify the base weights"),
+        ({"target_parameters": ["experts.w1"]}, "target_parameters", "is not supported"),
+    ],
+)
+def test_each_bad_config_has_its_error(
+    tmp_path: Path, overrides: dict[str, Any], field: str, message: str
+) -> None:
+    folder = _write(tmp_path / "bad", _base(**overrides))
+    with pytest.raises(LoRAAdapterError, match=message) as info:
+        PEFTHelper.from_local_dir(folder, "bad-adapter", max_lora_rank=16)
+    assert "'bad-adapter'" in str(info.value) and f"field '{field}'" in str(info.value)
+    assert type(info.value) is LoRAAdapterError
+
+
+def test_bias_allowed_with_flag(tmp_path: Path) -> None:
+    folder = _write(tmp_path / "b", _base(bias="lora_only", lora_bias=True))
+    helper = PEFTHelper.from_local_dir(folder, "b", max_lora_rank=16, enable_lora_bias=True)
+    assert helper.bias == "lora_only" and helper.lora_bias and helper.bias_enabled
+
+
+def test_missing_or_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(LoRAAdapterNotFoundError, match="'gone' not found"):
+        PEFTHelper.from_local_dir(tmp_path / "nope", "gone", max_lora_rank=16)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoRAAdapterError, match="adapter_config.json not found") as info:
+        PEFTHelper.from_local_dir(tmp_path / "empty", "empty", max_lora_rank=16)
+    assert type(info.value) is LoRAAdapterError
+    with pytest.raises(LoRAAdapterError, match="not valid JSON"):
+        PEFTHelper.from_local_dir(_write(tmp_path / "j", "{r: 8,"), "j", max_lora_rank=16)
+    with pytest.raises(LoRAAdapterError, match="JSON object"):
+        PEFTHelper.from_local_dir(_write(tmp_path / "l", "[1, 2]"), "l", max_lora_rank=16)
+
+
+def test_rslora_scaling(tmp_path: Path) -> None:
+    helper = PEFTHelper.from_local_dir(_write(tmp_path / "rs", _base(r=4, use_rslora=True)), "rs", 16)
+    assert math.isclose(helper.scaling_for("model.layers.0.self_attn.q_proj"), 16 / math.sqrt(4))
+
+
+def _tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize(
+    "config_kwargs",
+    [
+        {
+            "target_modules": ["q_proj", "v_proj", "down_proj"],
+            "rank_pattern": {"layers.1.self_attn.q_proj": 2, r"layers\.2\..*proj": 6},
+            "alpha_pattern": {"v_proj": 3.0, "down_proj": 5},
+        },
+        {"target_modules": r".*\.(k_proj|up_proj)", "use_rslora": True, "lora_alpha": 7},
+        {
+            "target_modules": ["o_proj", "gate_proj"],
+            "layers_to_transform": [0, 2],
+            "layers_pattern": "layers",
+        },
+        {"target_modules": ["q_proj", "up_proj"], "layers_to_transform": [1], "exclude_modules": ["up_proj"]},
+    ],
+)
+def test_matching_agrees_with_peft(tmp_path: Path, config_kwargs: dict[str, Any]) -> None:
+    """targets_module / rank_for / scaling_for against the LoRA layers PEFT actually built."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = get_peft_model(_tiny_llama(), LoraConfig(**{"r": 4, "lora_alpha": 8, **config_kwargs}))
+    peft_model.save_pretrained(tmp_path / "ad")
+    helper = PEFTHelper.from_local_dir(tmp_path / "ad", "ad", max_lora_rank=16)
+    base = peft_model.base_model.model
+    peft_layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    assert peft_layers
+    for name, module in base.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith(("lora_A.default", "lora_B.default")):
+            assert helper.targets_module(name) == (name in peft_layers), name
+    for name, layer in peft_layers.items():
+        assert helper.rank_for(name) == layer.r["default"], name
+        assert math.isclose(helper.scaling_for(name), layer.scaling["default"]), name
