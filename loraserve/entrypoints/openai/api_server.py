@@ -1,0 +1,199 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, routes, auth, and the process that runs it.
+
+`build_app(engine, options)` wires an engine (anything with AsyncLLMEngine's interface) into routes;
+`launcher.run_server(args)` loads plugins and the model, binds the socket and serves.
+`python -m loraserve.entrypoints.openai.api_server MODEL [flags]` is `loraserve serve`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraserve import __version__, envs
+from loraserve.entrypoints.openai.auth import APIKeyMiddleware
+from loraserve.entrypoints.openai.disconnect import ClientDisconnected, run_until_disconnect
+from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception, error_response, sse_error
+from loraserve.entrypoints.openai.metrics import ServerMetrics
+from loraserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from loraserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from loraserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from loraserve.entrypoints.openai.serving_models import BaseModelPath, LoRAModulePath, OpenAIServingModels
+
+logger = logging.getLogger("loraserve.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """What the HTTP layer needs beyond the engine."""
+
+    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
+    api_keys: list[str] = field(default_factory=list)
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    allow_runtime_lora_updating: bool | None = None  # None: read the environment
+
+
+async def build_app(engine: Any, options: ServerOptions) -> FastAPI:
+    """The app for `engine`, with the --lora-modules adapters registered (LoRAAdapterError if one fails)."""
+    model_config = engine.model_config
+    names = options.served_model_names or [model_config.served_model_name or model_config.model]
+    runtime_updating = options.allow_runtime_lora_updating
+    if runtime_updating is None:
+        runtime_updating = envs.allow_runtime_lora_updating()
+    metrics = ServerMetrics(engine.stats)
+    models = OpenAIServingModels(
+        engine,
+        [BaseModelPath(name, model_config.model) for name in names],
+        static_lora_modules=options.lora_modules,
+        allow_runtime_lora_updating=runtime_updating,
+        metrics=metrics,
+    )
+    await models.init_static_loras()
+    app = FastAPI(title="loraserve", version=__version__)
+    app.state.engine = engine
+    app.state.models = models
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, models, metrics)
+    _add_generation_routes(
+        app, OpenAIServingCompletion(engine, models, metrics), OpenAIServingChat(engine, models, metrics)
+    )
+    if runtime_updating:
+        _add_lora_routes(app, models)
+    if options.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        where = ".".join(loc)
+        message = first.get("msg", "Invalid request")
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem(s))"
+        return error_response(f"{where}: {message}" if where else message, 400, where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        error = api_error_from_exception(exc)
+        return error_response(error.message, error.status, error.param)
+
+
+def _add_info_routes(app: FastAPI, engine: Any, models: OpenAIServingModels, metrics: ServerMetrics) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy():
+            return Response(status_code=200)
+        reason = getattr(engine, "dead_error", None) or "the engine loop is not running"
+        return error_response(f"The engine is dead: {reason}", 500)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(models.list_models().model_dump())
+
+
+def _add_generation_routes(
+    app: FastAPI, completion: OpenAIServingCompletion, chat: OpenAIServingChat
+) -> None:
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await _respond(raw_request, lambda: completion.create_completion(body))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await _respond(raw_request, lambda: chat.create_chat_completion(body))
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await models.load_lora_adapter(body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await models.unload_lora_adapter(body))
+
+
+async def _respond(
+    raw_request: Request, handle: Callable[[], Awaitable[BaseModel | AsyncIterator[str]]]
+) -> Response:
+    """Run a generation handler; a stream starts only once its first chunk (or first error) is known."""
+
+    async def produce() -> Response:
+        result = await handle()
+        if isinstance(result, BaseModel):
+            return JSONResponse(result.model_dump(exclude_none=False))
+        first = await anext(result)
+        return StreamingResponse(_continue_stream(first, result), media_type="text/event-stream")
+
+    try:
+        return await run_until_disconnect(raw_request, produce())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as exc:
+        error = api_error_from_exception(exc)
+        return error_response(error.message, error.status, error.param)
+
+
+async def _continue_stream(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """SSE lines; a failure mid-stream becomes an error event followed by [DONE]."""
+    yield first
+    try:
+        async for line in rest:
+            yield line
+    except Exception as exc:
+        error = api_error_from_exception(exc)
+        yield sse_error(error.message, error.status, error.param)
+        yield "data: [DONE]\n\n"
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loraserve.entrypoints.openai.cli_args import parse_serve_args
+    from loraserve.entrypoints.openai.launcher import serve_main
+
+    prog = "python -m loraserve.entrypoints.openai.api_server"
+    return serve_main(parse_serve_args(argv, prog=prog), prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

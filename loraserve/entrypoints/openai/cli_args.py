@@ -1,0 +1,254 @@
+"""The `serve` command line: vLLM's flag names, parsed into EngineArgs and ServerOptions.
+
+Nothing here imports torch or transformers, so `--help` and flag errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any, NoReturn
+
+from loraserve import envs
+from loraserve.entrypoints.openai.serving_models import LoRAModulePath
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_DTYPES = ["auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16"]
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad flag as one line (plus a pointer to --help) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def positive_int(value: str) -> int:
+    number = human_int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
+
+
+def human_int(value: str) -> int:
+    """An integer with an optional size suffix, as vLLM reads them.
+
+    Lowercase k/m/g/t and kB/MB/GB are decimal ("8k" = 8000); uppercase K/M/G/T and KiB/MiB/GiB are
+    binary ("1G" = "1GiB" = 2**30).
+    """
+    match = _SIZE.match(value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 8k or 1GiB, got {value!r}")
+    number, unit, rest = match.groups()
+    if not unit:
+        if "." in number or rest:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}")
+        return int(number)
+    is_binary = rest.lower().startswith("i") or (unit.isupper() and not rest)
+    base = 1024 if is_binary else 1000
+    return int(float(number) * base ** ("kmgt".index(unit.lower()) + 1))
+
+
+def json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {exc.msg}") from exc
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
+def lora_module(value: str) -> LoRAModulePath:
+    """`name=path` or `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    value = value.strip()
+    if value.startswith("{"):
+        data = json_object(value)
+        unknown = set(data) - {"name", "path", "base_model_name"}
+        if unknown or not isinstance(data.get("name"), str) or not isinstance(data.get("path"), str):
+            raise argparse.ArgumentTypeError(
+                f"a JSON --lora-modules entry needs string 'name' and 'path' (optional 'base_model_name') "
+                f"and nothing else, got {value!r}"
+            )
+        if not data["name"] or not data["path"]:
+            raise argparse.ArgumentTypeError(f"name and path must not be empty in {value!r}")
+        return LoRAModulePath(data["name"], data["path"], data.get("base_model_name"))
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {value!r}")
+    return LoRAModulePath(name.strip(), path.strip())
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Every `serve` flag, with vLLM's names and meanings."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Model folder or Hugging Face repo id. Omitted: the embedded demo model and its adapters.",
+    )
+    parser.add_argument("--model", default=None, help="Same as the positional MODEL.")
+    _add_server_args(parser.add_argument_group("server"))
+    _add_model_args(parser.add_argument_group("model"))
+    _add_scheduler_args(parser.add_argument_group("scheduler and cache"))
+    _add_lora_args(parser.add_argument_group("LoRA"))
+
+
+def _add_server_args(server: Any) -> None:
+    server.add_argument("--host", default="0.0.0.0", help="Interface to listen on (default: all interfaces).")
+    server.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000).")
+    server.add_argument(
+        "--api-key",
+        default=envs.get_env("API_KEY"),
+        help="Require 'Authorization: Bearer KEY' on every route but /health (default: $LORASERVE_API_KEY).",
+    )
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Name(s) clients use in the 'model' field (default: MODEL as given). The first one is reported.",
+    )
+
+
+def _add_model_args(model: Any) -> None:
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=_DTYPES,
+        help="Weight and activation dtype (default: auto = the checkpoint's, fp32 on CPUs without bf16).",
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="Longest prompt + completion in tokens, e.g. 2048 or 4k (default: from the config).",
+    )
+    model.add_argument(
+        "--hf-overrides",
+        type=json_object,
+        default=None,
+        help="JSON object of model config overrides, e.g. '{\"rope_theta\": 20000}'.",
+    )
+    model.add_argument(
+        "--trust-remote-code", action="store_true", help="Allow custom code from the model repo."
+    )
+    model.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=["auto", "native", "transformers"],
+        help="auto: native implementation when there is one, else the transformers fallback.",
+    )
+    model.add_argument("--seed", type=int, default=0, help="Random seed for sampling (default: 0).")
+    model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto).")
+
+
+def _add_scheduler_args(sched: Any) -> None:
+    sched.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=128,
+        help="Most sequences in one batch (default: %(default)s).",
+    )
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=2048,
+        help="Most tokens processed in one engine step, prefill chunks included (default: %(default)s).",
+    )
+    sched.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=16,
+        help="Tokens per KV-cache block (default: %(default)s).",
+    )
+    sched.add_argument(
+        "--kv-cache-memory",
+        type=positive_int,
+        default=1 << 30,
+        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: 1GiB).",
+    )
+    sched.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Reuse KV blocks of shared prompt prefixes (keyed by adapter too).",
+    )
+
+
+def _add_lora_args(lora: Any) -> None:
+    lora.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters.")
+    lora.add_argument(
+        "--lora-modules",
+        type=lora_module,
+        nargs="+",
+        action="extend",
+        default=[],
+        help="Adapters to register at startup: name=path or a JSON object "
+        '{"name": ..., "path": ..., "base_model_name": ...}; several allowed.',
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=positive_int,
+        default=None,
+        help="Adapters usable in one batch (default: 1; for the demo model, all of its adapters).",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=positive_int,
+        default=None,
+        help="Adapters kept in host memory (default: --max-loras).",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        default=16,
+        help="Largest adapter rank accepted (default: %(default)s).",
+    )
+    lora.add_argument(
+        "--lora-dtype",
+        default="auto",
+        choices=_DTYPES,
+        help="Adapter weight dtype (default: auto = the model's).",
+    )
+    lora.add_argument("--enable-lora-bias", action="store_true", help="Accept adapters with bias terms.")
+
+
+def make_serve_parser(prog: str = "loraserve serve") -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog=prog,
+        description="Serve one base model and its LoRA adapters over an OpenAI-compatible HTTP API.",
+        epilog="Environment: LORASERVE_ALLOW_RUNTIME_LORA_UPDATING=true enables /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter and resolver plugins; LORASERVE_PLUGINS filters plugins; "
+        "LORASERVE_LORA_RESOLVER_CACHE_DIR and LORASERVE_LORA_RESOLVER_HF_REPO_LIST configure the "
+        "built-in resolvers (VLLM_* spellings accepted).",
+    )
+    add_serve_args(parser)
+    return parser
+
+
+def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Cross-flag checks; reports through `parser.error` (one line, exit 2)."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one of them")
+    args.model = args.model or args.model_tag
+    if args.lora_modules and not args.enable_lora and args.model is not None:
+        parser.error("--lora-modules needs --enable-lora")
+    max_loras = args.max_loras or 1
+    if args.max_cpu_loras is not None and args.max_cpu_loras < max_loras:
+        parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be >= --max-loras ({max_loras})")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    seen: set[str] = set()
+    for module in args.lora_modules:
+        if module.name in seen:
+            parser.error(f"--lora-modules names {module.name!r} twice")
+        seen.add(module.name)
+    return args
+
+
+def parse_serve_args(argv: list[str] | None = None, prog: str = "loraserve serve") -> argparse.Namespace:
+    parser = make_serve_parser(prog)
+    return check_serve_args(parser, parser.parse_args(sys.argv[1:] if argv is None else argv))

@@ -1,0 +1,214 @@
+"""Running the server process: flags to EngineArgs, plugins, model load, socket, uvicorn, clean errors.
+
+Used by `loraserve serve` and `python -m loraserve.entrypoints.openai.api_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from loraserve import envs
+from loraserve.entrypoints.openai.api_server import ServerOptions, build_app
+from loraserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+
+logger = logging.getLogger("loraserve.server")
+# How long SIGTERM waits for running requests before closing their connections.
+GRACEFUL_SHUTDOWN_S = 30
+
+
+def engine_args_from(args: argparse.Namespace) -> Any:
+    """EngineArgs from parsed `serve` flags."""
+    from loraserve.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=args.model,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        hf_overrides=args.hf_overrides,
+        trust_remote_code=args.trust_remote_code,
+        model_impl=args.model_impl,
+        seed=args.seed,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras or 1,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_dtype=args.lora_dtype,
+        enable_lora_bias=args.enable_lora_bias,
+    )
+
+
+def use_demo_model(args: argparse.Namespace) -> None:
+    """No model given: serve the embedded demo model with its adapters registered."""
+    from loraserve.demo import build_demo
+
+    paths = build_demo()
+    logger.info("No model given: serving the embedded demo model from %s.", paths.model_dir)
+    args.model = paths.model_dir
+    args.served_model_name = args.served_model_name or ["loraserve-demo"]
+    args.enable_lora = True
+    if args.max_loras is None:
+        args.max_loras = len(paths.adapters)
+    taken = {module.name for module in args.lora_modules}
+    args.lora_modules += [
+        LoRAModulePath(name, path) for name, path in paths.adapters.items() if name not in taken
+    ]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
+def _graceful_server_class() -> type:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's SIGINT/SIGTERM handling, minus re-raising the signal once serving stops.
+
+        uvicorn re-raises the signal after its shutdown, which would kill the process before the engine
+        is shut down; here the caller finishes the shutdown and the process exits 0.
+        """
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
+async def serve_app(app: FastAPI, sock: socket.socket) -> None:
+    """Serve `app` on an already bound socket until SIGINT/SIGTERM; running requests get time to finish."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=envs.logging_level().lower(),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    await _graceful_server_class()(config).serve(sockets=[sock])
+
+
+async def run_server(args: argparse.Namespace) -> None:
+    """Load plugins and the model, register adapters, serve; the engine is shut down on the way out."""
+    from loraserve.engine.async_engine import AsyncLLMEngine
+    from loraserve.plugins import load_general_plugins
+
+    sock = bind_socket(args.host, args.port)  # before the slow model load, so a busy port fails at once
+    try:
+        load_general_plugins()
+        if args.model is None:
+            use_demo_model(args)
+        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
+        await engine.start()
+        try:
+            options = ServerOptions(
+                served_model_names=args.served_model_name or [],
+                api_keys=[args.api_key] if args.api_key else [],
+                lora_modules=args.lora_modules,
+            )
+            app = await build_app(engine, options)
+            _log_startup(app, engine, args, sock)
+            await serve_app(app, sock)
+        finally:
+            await engine.shutdown()
+    finally:
+        sock.close()
+
+
+def _log_startup(app: FastAPI, engine: Any, args: argparse.Namespace, sock: socket.socket) -> None:
+    models: OpenAIServingModels = app.state.models
+    config = engine.model_config
+    logger.info(
+        "Model %s loaded from %s (served as %s, max_model_len=%d, dtype=%s).",
+        config.model,
+        config.model_path,
+        ", ".join(p.name for p in models.base_model_paths),
+        config.max_model_len,
+        getattr(config, "dtype", "?"),
+    )
+    lora = engine.lora_config
+    if lora is None:
+        logger.info("LoRA disabled (start with --enable-lora to serve adapters).")
+    else:
+        logger.info(
+            "LoRA enabled: max_loras=%d, max_cpu_loras=%s, max_lora_rank=%d; adapters: %s.",
+            lora.max_loras,
+            lora.cpu_capacity,
+            lora.max_lora_rank,
+            ", ".join(f"{r.lora_name} ({r.lora_path})" for r in models.lora_requests.values()) or "none",
+        )
+    if models.allow_runtime_lora_updating and lora is None:
+        logger.warning("LORASERVE_ALLOW_RUNTIME_LORA_UPDATING is on but LoRA is disabled; it has no effect.")
+    elif models.allow_runtime_lora_updating:
+        logger.warning(
+            "Runtime LoRA updating is on: /v1/load_lora_adapter and /v1/unload_lora_adapter are served; "
+            "resolvers: %s.",
+            [type(r).__name__ for r in models.lora_resolvers] or "none",
+        )
+    logger.info(
+        "Serving on http://%s:%d (API key %s).",
+        args.host,
+        sock.getsockname()[1],
+        "required" if args.api_key else "not required",
+    )
+
+
+def configure_logging() -> None:
+    logging.basicConfig(
+        level=envs.logging_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s", force=True
+    )
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def serve_main(args: argparse.Namespace, prog: str) -> int:
+    """Run the server for parsed flags; any startup failure is one line on stderr and exit status 1."""
+    configure_logging()
+    try:
+        asyncio.run(run_server(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.exception("Server failed")
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        return 1
+    return 0

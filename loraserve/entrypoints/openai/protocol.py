@@ -1,0 +1,210 @@
+"""Pydantic models of the OpenAI-compatible API: request bodies, responses and stream chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenId = Annotated[int, Field(ge=0)]
+# The same bound the engine's SamplingParams enforces, repeated so the schema documents it.
+MAX_LOGPROBS = 20
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are accepted (OpenAI clients send new ones often) and reported by the serving layer.
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by completions and chat completions, with vLLM's extra sampling parameters."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions (the openai client sends them through `extra_body`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:<id>" (exact, for clients)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIBaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "loraserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str | None = None
+    lora_int_id: int | None = None

@@ -1,0 +1,250 @@
+"""OpenAIServingModels: which names the server answers to, and how an adapter name becomes loaded.
+
+A request's `model` is a served base-model name or an adapter name. Loaded adapters are looked up
+directly; unknown names go to the registered LoRA resolvers (only when runtime LoRA updating is on),
+one name at a time under a per-name lock so concurrent first requests load an adapter once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from loraserve import envs
+from loraserve.entrypoints.openai.errors import APIError
+from loraserve.entrypoints.openai.metrics import ServerMetrics
+from loraserve.entrypoints.openai.protocol import (
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
+from loraserve.errors import LoRAAdapterNotFoundError
+from loraserve.lora.request import LoRARequest
+from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BaseModelPath:
+    name: str  # the name clients use
+    model_path: str  # what the user gave to --model
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModulePath:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def not_found_message(lora_name: str) -> str:
+    return f"The lora adapter '{lora_name}' cannot be found."
+
+
+@dataclass(slots=True)
+class _LockEntry:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    num_users: int = 0
+
+
+class NamedLocks:
+    """One asyncio lock per name, dropped when nobody holds or waits for it (names are client input)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _LockEntry] = {}
+
+    @asynccontextmanager
+    async def hold(self, name: str) -> AsyncIterator[None]:
+        entry = self._entries.setdefault(name, _LockEntry())
+        entry.num_users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.num_users -= 1
+            if entry.num_users == 0:
+                del self._entries[name]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class OpenAIServingModels:
+    """Served base-model names plus the adapters registered in the engine, and the resolver chain."""
+
+    def __init__(
+        self,
+        engine: Any,
+        base_model_paths: list[BaseModelPath],
+        static_lora_modules: list[LoRAModulePath] | None = None,
+        allow_runtime_lora_updating: bool | None = None,
+        lora_resolvers: list[LoRAResolver] | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        if not base_model_paths:
+            raise ValueError("base_model_paths must name at least one served model.")
+        self.engine = engine
+        self.base_model_paths = list(base_model_paths)
+        self.static_lora_modules = list(static_lora_modules or [])
+        if allow_runtime_lora_updating is None:
+            allow_runtime_lora_updating = envs.allow_runtime_lora_updating()
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        if lora_resolvers is None:
+            names = LoRAResolverRegistry.get_supported_resolvers()
+            lora_resolvers = [LoRAResolverRegistry.get_resolver(name) for name in names]
+        # Resolvers are never consulted unless runtime updating is on, so keep none at all otherwise.
+        self.lora_resolvers = list(lora_resolvers) if allow_runtime_lora_updating else []
+        self.lora_requests: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        self._locks = NamedLocks()
+        self.metrics = metrics
+
+    @property
+    def lora_enabled(self) -> bool:
+        return getattr(self.engine, "lora_config", None) is not None
+
+    @property
+    def served_model_name(self) -> str:
+        return self.base_model_paths[0].name
+
+    @property
+    def base_model_name(self) -> str:
+        """The name resolvers match adapters against: the model as the user named it (model_config.model)."""
+        return self.engine.model_config.model
+
+    def is_base_model(self, name: str | None) -> bool:
+        return name is None or any(path.name == name for path in self.base_model_paths)
+
+    async def init_static_loras(self) -> None:
+        """Register the --lora-modules adapters; raises LoRAAdapterError naming the first bad one."""
+        for module in self.static_lora_modules:
+            await self._add_lora(module.name, module.path, module.base_model_name)
+            logger.info("Registered LoRA adapter %r from %s.", module.name, module.path)
+
+    async def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRARequest for `name`, None for the base model; APIError 404/400 otherwise."""
+        if self.is_base_model(name):
+            return None
+        assert name is not None
+        if name in self.lora_requests:
+            return self.lora_requests[name]
+        if not self.lora_enabled or not self.allow_runtime_lora_updating or not self.lora_resolvers:
+            raise APIError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
+        async with self._locks.hold(name):
+            # Another request may have resolved the name while this one waited for the lock.
+            if name in self.lora_requests:
+                return self.lora_requests[name]
+            return await self._resolve_unlocked(name)
+
+    async def _resolve_unlocked(self, name: str) -> LoRARequest:
+        load_error: ValueError | None = None
+        for resolver in self.lora_resolvers:
+            try:
+                found = await resolver.resolve_lora(self.base_model_name, name)
+            except Exception:
+                # A broken plugin must not turn every unknown name into a 500; the next resolver tries.
+                logger.exception("LoRA resolver %s failed on %r.", type(resolver).__name__, name)
+                continue
+            if found is None:
+                continue
+            try:
+                return await self._add_lora(name, found.lora_path, found.base_model_name)
+            except ValueError as exc:  # LoRAAdapterError, or another validation failure
+                logger.warning(
+                    "Adapter %r found by %s failed to load: %s", name, type(resolver).__name__, exc
+                )
+                load_error = load_error or exc
+        if load_error is not None:
+            raise APIError(
+                f"The lora adapter '{name}' was found but failed to load: {load_error}",
+                HTTPStatus.BAD_REQUEST,
+                param="model",
+            )
+        raise APIError(not_found_message(name), HTTPStatus.NOT_FOUND, param="model")
+
+    async def _add_lora(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
+        """Register one adapter in the engine under a fresh id; nothing is kept if the engine refuses it."""
+        lora_request = LoRARequest(
+            lora_name=name,
+            lora_int_id=next(self._lora_ids),
+            lora_path=path,
+            base_model_name=base_model_name or self.base_model_name,
+        )
+        start = time.perf_counter()
+        await self.engine.add_lora(lora_request)
+        if self.metrics is not None:
+            self.metrics.lora_add_seconds.observe(time.perf_counter() - start)
+        self.lora_requests[name] = lora_request
+        return lora_request
+
+    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
+        """POST /v1/load_lora_adapter: validate, then register; APIError with the status otherwise."""
+        name, path = request.lora_name.strip(), request.lora_path.strip()
+        if not name or not path:
+            raise APIError("Both 'lora_name' and 'lora_path' must be provided.", HTTPStatus.BAD_REQUEST)
+        if not self.lora_enabled:
+            raise APIError(
+                "LoRA is not enabled; start the server with --enable-lora.", HTTPStatus.BAD_REQUEST
+            )
+        if self.is_base_model(name):
+            raise APIError(
+                f"'{name}' is the name of a served base model.", HTTPStatus.BAD_REQUEST, "lora_name"
+            )
+        async with self._locks.hold(name):
+            if name in self.lora_requests:
+                raise APIError(
+                    f"The lora adapter '{name}' has already been loaded.", HTTPStatus.BAD_REQUEST, "lora_name"
+                )
+            try:
+                await self._add_lora(name, path, None)
+            except LoRAAdapterNotFoundError as exc:
+                raise APIError(str(exc), HTTPStatus.NOT_FOUND, "lora_path") from exc
+            except ValueError as exc:  # LoRAAdapterError and any other validation failure
+                raise APIError(str(exc), HTTPStatus.BAD_REQUEST, "lora_path") from exc
+        logger.info("Loaded LoRA adapter %r from %s.", name, path)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
+        """POST /v1/unload_lora_adapter: forget the name at once, then wait for its running requests."""
+        name = self._find_unload_target(request)
+        async with self._locks.hold(name):
+            lora_request = self.lora_requests.pop(name, None)
+            if lora_request is None:
+                raise APIError(not_found_message(name), HTTPStatus.NOT_FOUND, "lora_name")
+            await self.engine.remove_lora(lora_request.lora_int_id)
+        logger.info("Unloaded LoRA adapter %r.", name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _find_unload_target(self, request: UnloadLoRAAdapterRequest) -> str:
+        if request.lora_name:
+            return request.lora_name
+        if request.lora_int_id is None:
+            raise APIError("Either 'lora_name' or 'lora_int_id' must be provided.", HTTPStatus.BAD_REQUEST)
+        for lora_request in self.lora_requests.values():
+            if lora_request.lora_int_id == request.lora_int_id:
+                return lora_request.lora_name
+        raise APIError(
+            f"No lora adapter has lora_int_id {request.lora_int_id}.", HTTPStatus.NOT_FOUND, "lora_int_id"
+        )
+
+    def list_models(self) -> ModelList:
+        """GET /v1/models: every served base name, then every registered adapter."""
+        max_model_len = self.engine.model_config.max_model_len
+        cards = [
+            ModelCard(id=path.name, root=path.model_path, max_model_len=max_model_len)
+            for path in self.base_model_paths
+        ]
+        for lora in self.lora_requests.values():
+            base = lora.base_model_name
+            parent = base if base and self.is_base_model(base) else self.served_model_name
+            cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path, parent=parent))
+        return ModelList(data=cards)

@@ -1,0 +1,108 @@
+"""The `lora_filesystem_resolver` plugin: adapters found by name in one local directory.
+
+`<LORASERVE_LORA_RESOLVER_CACHE_DIR>/<lora_name>/adapter_config.json` must describe a PEFT LoRA adapter
+trained for the served base model. Names never escape the directory: absolute names, `..` components and
+symlinks pointing outside it resolve to nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from loraserve import envs
+from loraserve.lora.request import LoRARequest
+from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "lora_filesystem_resolver"
+# The serving layer replaces this with a unique id before the adapter reaches the engine.
+UNASSIGNED_LORA_INT_ID = 1
+
+
+def path_inside(root: str, name: str) -> str | None:
+    """`root/name` with every symlink resolved, or None when it is not strictly inside `root`."""
+    if not name or "\x00" in name or os.path.isabs(name) or name.startswith(("/", "\\")):
+        return None
+    parts = name.replace("\\", "/").split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return None
+    real_root = os.path.realpath(root)
+    candidate = os.path.realpath(os.path.join(real_root, *parts))
+    if candidate == real_root or os.path.commonpath([real_root, candidate]) != real_root:
+        return None
+    return candidate
+
+
+def read_adapter_config(lora_path: str) -> dict | None:
+    """The parsed adapter_config.json in `lora_path`, or None when missing or not a JSON object."""
+    config_file = os.path.join(lora_path, "adapter_config.json")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        logger.info("No usable adapter_config.json at %s: %s", config_file, exc)
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def lora_request_from_path(lora_name: str, lora_path: str, base_model_name: str) -> LoRARequest | None:
+    """A LoRARequest for a PEFT LoRA adapter at `lora_path` made for `base_model_name`; else None."""
+    if not os.path.isdir(lora_path):
+        return None
+    config = read_adapter_config(lora_path)
+    if config is None:
+        return None
+    if config.get("peft_type") != "LORA":
+        logger.info("Adapter %r skipped: peft_type is %r, not 'LORA'.", lora_name, config.get("peft_type"))
+        return None
+    if config.get("base_model_name_or_path") != base_model_name:
+        logger.info(
+            "Adapter %r skipped: base_model_name_or_path %r is not the served model %r.",
+            lora_name,
+            config.get("base_model_name_or_path"),
+            base_model_name,
+        )
+        return None
+    return LoRARequest(
+        lora_name=lora_name,
+        lora_int_id=UNASSIGNED_LORA_INT_ID,
+        lora_path=lora_path,
+        base_model_name=base_model_name,
+    )
+
+
+class FilesystemResolver(LoRAResolver):
+    """Resolves `lora_name` to the adapter folder `lora_cache_dir/lora_name`."""
+
+    def __init__(self, lora_cache_dir: str) -> None:
+        self.lora_cache_dir = lora_cache_dir
+
+    async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
+        lora_path = path_inside(self.lora_cache_dir, lora_name)
+        if lora_path is None:
+            logger.info("Adapter name %r does not name a folder inside the resolver directory.", lora_name)
+            return None
+        return lora_request_from_path(lora_name, lora_path, base_model_name)
+
+
+def register_filesystem_resolver() -> None:
+    """Entry point: register the resolver when LORASERVE_LORA_RESOLVER_CACHE_DIR names a directory."""
+    cache_dir = envs.lora_resolver_cache_dir()
+    if not cache_dir:
+        if PLUGIN_NAME in (envs.plugins() or []):
+            logger.warning(
+                "%s is enabled in LORASERVE_PLUGINS but LORASERVE_LORA_RESOLVER_CACHE_DIR is not set; "
+                "the filesystem resolver is not registered.",
+                PLUGIN_NAME,
+            )
+        return
+    if not os.path.isdir(cache_dir):
+        raise ValueError(
+            f"{cache_dir!r} is not a directory: LORASERVE_LORA_RESOLVER_CACHE_DIR must be set to a valid "
+            "directory for Filesystem Resolver plugin to function"
+        )
+    LoRAResolverRegistry.register_resolver("Filesystem Resolver", FilesystemResolver(cache_dir))
+    logger.info("Filesystem LoRA resolver registered for %s.", cache_dir)

@@ -1,0 +1,275 @@
+"""The command line: flag parsing into EngineArgs, one-line errors, and a real `serve` process that
+starts, registers --lora-modules (both spellings), answers the OpenAI client and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from loraserve.entrypoints.openai.cli_args import human_int, parse_serve_args
+from loraserve.entrypoints.openai.launcher import engine_args_from
+from loraserve.entrypoints.openai.serving_models import LoRAModulePath
+
+CLI = [sys.executable, "-m", "loraserve.entrypoints.cli"]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_flags_map_to_engine_args() -> None:
+    args = parse_serve_args(
+        [
+            "some/model",
+            "--served-model-name",
+            "a",
+            "b",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4k",
+            "--hf-overrides",
+            '{"rope_theta": 5.0}',
+            "--trust-remote-code",
+            "--model-impl",
+            "transformers",
+            "--seed",
+            "3",
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            "7",
+            "--max-num-batched-tokens",
+            "512",
+            "--enable-lora",
+            "--lora-modules",
+            "x=/p/x",
+            '{"name": "y", "path": "/p/y", "base_model_name": "b"}',
+            "--lora-modules",
+            "z=/p/z",
+            "--max-loras",
+            "2",
+            "--max-cpu-loras",
+            "5",
+            "--max-lora-rank",
+            "32",
+            "--lora-dtype",
+            "bfloat16",
+            "--enable-lora-bias",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "64MiB",
+            "--no-enable-prefix-caching",
+            "--api-key",
+            "k",
+            "--port",
+            "0",
+        ]
+    )
+    assert args.lora_modules == [
+        LoRAModulePath("x", "/p/x"),
+        LoRAModulePath("y", "/p/y", "b"),
+        LoRAModulePath("z", "/p/z"),
+    ]
+    engine_args = engine_args_from(args)
+    expected = dict(
+        model="some/model",
+        served_model_name="a",
+        dtype="float32",
+        max_model_len=4000,
+        hf_overrides={"rope_theta": 5.0},
+        trust_remote_code=True,
+        model_impl="transformers",
+        seed=3,
+        device="cpu",
+        max_num_seqs=7,
+        max_num_batched_tokens=512,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=5,
+        max_lora_rank=32,
+        lora_dtype="bfloat16",
+        enable_lora_bias=True,
+        block_size=32,
+        kv_cache_memory_bytes=64 << 20,
+        enable_prefix_caching=False,
+    )
+    assert {k: getattr(engine_args, k) for k in expected} == expected
+    assert [human_int(v) for v in ("4096", "8k", "8K", "1GiB", "1G", "2GB")] == [
+        4096,
+        8000,
+        8192,
+        1 << 30,
+        1 << 30,
+        2 * 10**9,
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["serve", "m", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        (["serve", "m", "--hf-overrides", "{bad"], "invalid JSON"),
+        (["serve", "m", "--enable-lora", "--lora-modules", "no-equals-sign"], "expected name=path"),
+        (["serve", "m", "--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+        (["serve", "m", "--max-num-seqs", "0"], "must be a positive integer"),
+        (
+            ["serve", "m", "--max-loras", "4", "--max-cpu-loras", "2"],
+            "--max-cpu-loras (2) must be >= --max-loras (4)",
+        ),
+        (["serve", "m", "--dtype", "int3"], "invalid choice"),
+    ],
+)
+def test_bad_flags_are_one_line(argv: list[str], fragment: str) -> None:
+    from loraserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+
+
+def test_bad_flag_in_a_process() -> None:
+    result = run_cli("serve", "m", "--enable-lora", "--lora-modules", '{"name": "x"}')
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "'name' and 'path'" in result.stderr
+
+
+def test_bad_model_is_one_line(
+    tmp_path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loraserve.entrypoints.openai import launcher
+
+    monkeypatch.setattr(launcher, "configure_logging", lambda: None)  # keep pytest's logging setup
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("LORASERVE_PLUGINS", "")
+    args = parse_serve_args([str(tmp_path / "no-such-model"), "--host", "127.0.0.1", "--port", "0"])
+    assert launcher.serve_main(args, "loraserve serve") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("loraserve serve: error:") and "no-such-model" in err[0]
+    assert "0x" not in err[0]
+
+
+def test_help_lists_every_flag() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "loraserve.entrypoints.openai.api_server", "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--dtype",
+        "--max-model-len",
+        "--hf-overrides",
+        "--trust-remote-code",
+        "--model-impl",
+        "--seed",
+        "--device",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--enable-lora",
+        "--lora-modules",
+        "--max-loras",
+        "--max-cpu-loras",
+        "--max-lora-rank",
+        "--lora-dtype",
+        "--enable-lora-bias",
+        "--api-key",
+        "--block-size",
+        "--kv-cache-memory",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+    ):
+        assert flag in result.stdout, flag
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_process(tiny_model: Any, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.demo import save_peft_adapter
+
+    model_dir = tiny_model("llama")
+    adapter = str(tmp_path / "sql")
+    save_peft_adapter(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        adapter,
+        7,
+        model_dir,
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+    )
+    port = _free_port()
+    module_json = json.dumps({"name": "sql-json", "path": adapter, "base_model_name": "tiny"})
+    process = subprocess.Popen(
+        [
+            *CLI,
+            "serve",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--kv-cache-memory",
+            "16MiB",
+            "--enable-lora",
+            "--lora-modules",
+            f"sql={adapter}",
+            module_json,
+            "--api-key",
+            "secret",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "LORASERVE_LOGGING_LEVEL": "INFO"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"tiny", "sql", "sql-json"} and cards["sql"].root == adapter
+        result = client.completions.create(model="sql-json", prompt="The quick", max_tokens=3)
+        assert result.usage.completion_tokens <= 3 and result.choices[0].finish_reason in ("length", "stop")
+        assert httpx.get(url + "/v1/models").status_code == 401
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert "sql (" in output and "Serving on http://127.0.0.1" in output and "Traceback" not in output
