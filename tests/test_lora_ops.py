@@ -29,6 +29,10 @@ MIXES: dict[str, list[int]] = {
     "all_without": [-1] * 7,
     "contiguous_runs": [1] * 5 + [4] * 3 + [-1] * 2 + [1] * 4,
     "single_token": [2],
+    # Sorted by slot with equal segments (what the runner produces for a balanced decode batch):
+    # the padded grid is a view of the activations, after some base tokens; also over all slots.
+    "slot_grid": [-1, -1] + [s for s in (0, 2, 5) for _ in range(3)],
+    "slot_grid_all": [s for s in range(L) for _ in range(2)],
 }
 
 

@@ -63,7 +63,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], lora_slots: dict[int, int] | None) -> StepResult:
         """Run one forward pass. `lora_slots` maps adapter int id -> compute slot (None: LoRA off)."""
-        scheduled = sorted(scheduled, key=lambda s: s.seq.lora_int_id)
+        if lora_slots is not None:
+            # Base tokens first, then one contiguous segment per slot in slot order: a balanced
+            # multi-adapter decode batch becomes a [slots, tokens] grid the LoRA ops use as a view.
+            scheduled = sorted(scheduled, key=lambda s: lora_slots.get(s.seq.lora_int_id, -1))
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []

@@ -43,6 +43,9 @@ class PaddedLayout:
     scatter_index: [T] grid cell of each token; tokens without an adapter point at an appended zero
                    row num_groups * max_len.
     uses_all_slots: group g is slot g for g in range(max_loras), so the stacked weights need no gather.
+    contiguous_start: when the grid is exactly tokens [start, start + cells) in order (the runner sorts
+                   sequences by slot, so a balanced decode batch lands here), the ops take views of
+                   the activations instead of gathering and scattering; else None.
     """
 
     group_slots: torch.Tensor
@@ -52,6 +55,7 @@ class PaddedLayout:
     num_groups: int
     max_len: int
     uses_all_slots: bool
+    contiguous_start: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +125,8 @@ class LoRABatchMapping:
         if chosen == "padded":
             group_slots_t, gather, cell_tokens, scatter = views[5:9]
             padded = PaddedLayout(
-                group_slots_t, gather, cell_tokens, scatter, len(group_slots_t), max(counts), use_all
+                group_slots_t, gather, cell_tokens, scatter, len(group_slots_t), max(counts), use_all,
+                _contiguous_start(parts[6]),
             )
         return cls(
             token_slots=views[0],
@@ -168,12 +173,24 @@ def _token_runs(slots: list[int]) -> tuple[tuple[int, int, int], ...]:
     return tuple(runs)
 
 
+def _contiguous_start(gather: list[int]) -> int | None:
+    start = gather[0]
+    return start if gather == list(range(start, start + len(gather))) else None
+
+
 def _choose_layout(
     token_runs: tuple[tuple[int, int, int], ...], counts: list[int], max_loras: int | None
 ) -> tuple[str, bool]:
     """(layout, padded grid over all max_loras slots) with the lowest modelled cost."""
     num_active, num_rows, max_len = len(counts), sum(counts), max(counts)
     row_cost = _ROW_COST * num_rows
+    # Runs of equal length in ascending slot order: the grid is a view of the activations.
+    is_grid = len(token_runs) == num_active and len(set(counts)) == 1 and all(
+        a[2] == b[1] and a[0] < b[0] for a, b in zip(token_runs, token_runs[1:])
+    )
+    if is_grid and num_active > 1:
+        use_all = max_loras is not None and num_active == max_loras
+        return "padded", use_all
     costs = {
         ("runs", False): _RUN_COST * len(token_runs) + row_cost,
         ("grouped", False): _GROUPED_BASE_COST + _SEGMENT_COST * num_active + row_cost,

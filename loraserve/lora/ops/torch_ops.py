@@ -115,8 +115,17 @@ def add_lora(
         assert mapping.padded is not None
         pad = mapping.padded
         tp = torch.bmm(_gather_padded(x, pad), _slot_weights(a_stacked, pad).transpose(1, 2))
-        yp = torch.bmm(tp, _slot_weights(b_stacked, pad).transpose(1, 2))
-        target.index_add_(0, pad.cell_tokens, yp.reshape(-1, out_features))
+        b_t = _slot_weights(b_stacked, pad).transpose(1, 2)
+        if pad.contiguous_start is not None:
+            start = pad.contiguous_start
+            grid = target[start : start + pad.num_groups * pad.max_len]
+            if grid.is_contiguous():
+                grid.view(pad.num_groups, pad.max_len, out_features).baddbmm_(tp, b_t)
+            else:
+                grid.add_(torch.bmm(tp, b_t).view(grid.shape))
+        else:
+            yp = torch.bmm(tp, b_t)
+            target.index_add_(0, pad.cell_tokens, yp.reshape(-1, out_features))
     elif mapping.layout == "runs":
         for slot, start, end in mapping.runs:
             target[start:end].addmm_(F.linear(x[start:end], a_stacked[slot]), b_stacked[slot].t())
@@ -131,6 +140,10 @@ def add_lora(
 
 def _gather_padded(rows: torch.Tensor, pad: PaddedLayout) -> torch.Tensor:
     """[T, d] -> [groups, max_len, d]; empty cells read an appended zero row."""
+    if pad.contiguous_start is not None:
+        start = pad.contiguous_start
+        grid = rows[start : start + pad.num_groups * pad.max_len]
+        return grid.reshape(pad.num_groups, pad.max_len, rows.shape[1])
     padded = F.pad(rows, (0, 0, 0, 1)).index_select(0, pad.gather_index)
     return padded.view(pad.num_groups, pad.max_len, rows.shape[1])
 
