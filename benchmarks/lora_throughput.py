@@ -77,12 +77,15 @@ def first_token_latency(path: str, adapters: list[str], dtype: str, repeats: int
     """Median seconds to the first token for a cold adapter (loaded from disk) and a warm one."""
     llm = LLM(path, dtype=dtype, enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=len(adapters))
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(10, 42))}
+    # A fresh prompt for every measurement, so no prefix-cache hit flatters the warm case.
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2 * repeats + 1, 32, 49152, seed=7)]
+    llm.generate(prompts[-1], params, use_tqdm=False)  # warm-up of the forward pass itself
     cold, warm = [], []
     for i in range(repeats):
         req = LoRARequest(f"c{i}", i + 1, adapters[i])
-        cold.append(timed(lambda: llm.generate(prompt, params, lora_request=req, use_tqdm=False))[0])
-        warm.append(timed(lambda: llm.generate(prompt, params, lora_request=req, use_tqdm=False))[0])
+        cold.append(timed(lambda: llm.generate(prompts[2 * i], params, lora_request=req, use_tqdm=False))[0])
+        warm.append(timed(lambda: llm.generate(prompts[2 * i + 1], params, lora_request=req,
+                                                use_tqdm=False))[0])
     return statistics.median(cold), statistics.median(warm)
 
 

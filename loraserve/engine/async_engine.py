@@ -140,6 +140,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until finished; aborts the request if the consumer stops early."""
         stream = _Stream(asyncio.get_running_loop())
+        await self._preload(lora_request)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, sampling_params, lora_request)
@@ -168,7 +169,18 @@ class AsyncLLMEngine:
         if self.dead_error is None:
             await self._call(abort)
 
+    async def _preload(self, lora_request: LoRARequest | None) -> None:
+        """Read and validate a new adapter on a worker thread, so the step loop never stalls on disk.
+
+        The manager is thread-safe and loads each adapter once; the engine thread then finds it cached.
+        """
+        lora = self.engine.lora
+        if lora_request is None or lora is None or lora_request.lora_int_id in lora.requests:
+            return
+        await asyncio.to_thread(lora.manager.load_and_add, lora_request)
+
     async def add_lora(self, lora_request: LoRARequest) -> bool:
+        await self._preload(lora_request)
         return bool(await self._call(lambda engine: engine.add_lora(lora_request)))
 
     async def remove_lora(self, lora_int_id: int) -> bool:
@@ -186,6 +198,10 @@ class AsyncLLMEngine:
 
     def stats(self) -> dict[str, Any]:
         try:
-            return dict(self.engine.stats())
+            stats = dict(self.engine.stats())
         except RuntimeError:  # dict changed size while the engine thread runs: report next scrape
             return {}
+        if self.engine.lora is not None:
+            # Each scrape takes the load latencies observed since the last one (a histogram's input).
+            stats["lora_load_seconds"] = self.engine.lora.manager.drain_load_latencies()
+        return stats
