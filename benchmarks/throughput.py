@@ -40,6 +40,35 @@ def run_loraserve(path: str, prompts: list[list[int]], gen_len: int, dtype: str)
     return len(prompts) * gen_len / seconds
 
 
+def run_matmul_floor(path: str, num_requests: int, prompt_len: int, gen_len: int, dtype: torch.dtype) -> float:
+    """Generated tok/s of a plain loop over only the model's linear layers (no attention, no
+    sampling, no framework): the ceiling any engine on this machine can reach in this dtype."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    head_dim = hidden // cfg.num_attention_heads
+    qkv = hidden + 2 * cfg.num_key_value_heads * head_dim
+    shapes = [(hidden, qkv), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
+    weights = [torch.randn(out, inp, dtype=dtype) for inp, out in shapes]
+    lm_head = torch.randn(cfg.vocab_size, hidden, dtype=dtype)
+    inputs = {(m, inp): torch.randn(m, inp, dtype=dtype) for m in (num_requests * prompt_len, num_requests)
+              for inp, _ in shapes}
+
+    def step(rows: int) -> None:
+        for _ in range(cfg.num_hidden_layers):
+            for (inp, _), w in zip(shapes, weights):
+                F.linear(inputs[(rows, inp)], w)
+        F.linear(inputs[(num_requests, hidden)], lm_head)
+
+    with torch.inference_mode():
+        step(num_requests)
+        seconds, _ = timed(lambda: [step(num_requests * prompt_len)] + [step(num_requests)
+                                                                       for _ in range(gen_len - 1)])
+    return num_requests * gen_len / seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--num-requests", type=int, default=32)
@@ -55,7 +84,8 @@ def main() -> None:
           f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated) tokens")
     hf = run_transformers(path, prompts, args.gen_len, dtype)
     ours = run_loraserve(path, prompts, args.gen_len, dtype_name)
-    rows = [("transformers generate", hf), ("loraserve", ours)]
+    floor = run_matmul_floor(path, args.num_requests, args.prompt_len, args.gen_len, dtype)
+    rows = [("transformers generate", hf), ("loraserve", ours), ("linear layers only (ceiling)", floor)]
     print_table("Base-model throughput", rows, "transformers generate")
     save_results("throughput", {"dtype": dtype_name, "args": vars(args), "tok_per_s": dict(rows)})
 

@@ -1,0 +1,108 @@
+"""Scheduler and block manager without a model: budgets, adapter limit, fairness, preemption, prefix cache."""
+
+from __future__ import annotations
+
+import itertools
+
+from loraserve.config import SchedulerConfig
+from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.scheduler import Scheduler
+from loraserve.engine.sequence import Request, Sequence, SequenceStatus
+from loraserve.lora.request import LoRARequest
+from loraserve.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def _seq(num_prompt: int, lora_id: int = 0, max_tokens: int = 4, salt: str | None = None,
+         token: int = 7) -> Sequence:
+    lora = LoRARequest(f"a{lora_id}", lora_id, f"/x/{lora_id}") if lora_id else None
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    request = Request(str(next(_ids)), None, [token] * num_prompt, params, lora, arrival_time=0.0,
+                      cache_salt=salt)
+    seq = Sequence(next(_ids), request, 0, list(request.prompt_token_ids), num_prompt, None, None)
+    request.seqs.append(seq)
+    return seq
+
+
+def _step(scheduler: Scheduler) -> list[tuple[Sequence, int]]:
+    """One fake engine step: schedule, mark computed, append a token to sampled sequences, finish."""
+    out = scheduler.schedule()
+    for item in out.scheduled:
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(1)
+            if seq.num_output_tokens >= (seq.params.max_tokens or 0):
+                seq.status = SequenceStatus.FINISHED
+                scheduler.remove(seq)
+    return [(i.seq, i.num_new_tokens) for i in out.scheduled]
+
+
+def _scheduler(max_loras: int | None = None, num_blocks: int = 64, budget: int = 64, max_seqs: int = 8,
+               chunked: bool = True) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=256,
+                          enable_chunked_prefill=chunked)
+    return Scheduler(cfg, BlockManager(num_blocks, 4), max_loras)
+
+
+def test_budget_chunking_and_max_seqs() -> None:
+    sched = _scheduler(budget=10, max_seqs=2)
+    seqs = [_seq(25), _seq(3), _seq(3)]
+    for s in seqs:
+        sched.add(s)
+    first = _step(sched)
+    assert first == [(seqs[0], 10)]  # the long prompt is chunked to the whole budget
+    assert _step(sched) == [(seqs[0], 10)]
+    third = _step(sched)
+    assert third == [(seqs[0], 5), (seqs[1], 3)]  # budget left over goes to the next, max 2 seqs
+
+
+def test_never_more_than_max_loras_adapters_and_no_starvation() -> None:
+    sched = _scheduler(max_loras=2, max_seqs=8, num_blocks=256)
+    for i in range(4):
+        sched.add(_seq(4, lora_id=1 + i % 2, max_tokens=6))
+    starved = _seq(4, lora_id=3, max_tokens=2)
+    sched.add(starved)
+    finished_at = None
+    for step in range(60):
+        # Keep adapters 1 and 2 busy with a steady stream of new requests.
+        sched.add(_seq(4, lora_id=1 + step % 2, max_tokens=6))
+        scheduled = _step(sched)
+        assert len({s.lora_int_id for s, _ in scheduled if s.lora_int_id}) <= 2
+        if starved.is_finished and finished_at is None:
+            finished_at = step
+    assert finished_at is not None and finished_at < 30
+
+
+def test_preemption_frees_blocks_and_recomputes() -> None:
+    sched = _scheduler(num_blocks=6, budget=64)
+    a, b = _seq(8, max_tokens=8), _seq(8, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        _step(sched)
+    assert a.is_finished and b.is_finished
+    assert sched.num_preemptions > 0
+    assert sched.blocks.num_free_blocks == 6
+
+
+def test_prefix_cache_keyed_by_salt() -> None:
+    blocks = BlockManager(32, 4)
+    first = _seq(13, salt="adapter-v1")
+    blocks.allocate(first, 13)
+    first.num_computed_tokens = 13
+    blocks.commit_computed(first, "adapter-v1")
+    blocks.free(first)
+    same = _seq(13, salt="adapter-v1")
+    assert blocks.reuse_cached_prefix(same, "adapter-v1") == 12  # 3 full blocks; the last token stays
+    other = _seq(13, salt="adapter-v2")
+    assert blocks.reuse_cached_prefix(other, "adapter-v2") == 0
+    base = _seq(13)
+    assert blocks.reuse_cached_prefix(base, None) == 0
+    blocks.free(same)
+    blocks.free(other)
+    blocks.free(base)
+    assert blocks.num_free_blocks == 32
