@@ -80,12 +80,14 @@ def first_token_latency(path: str, adapters: list[str], dtype: str, repeats: int
     # A fresh prompt for every measurement, so no prefix-cache hit flatters the warm case.
     prompts = [{"prompt_token_ids": p} for p in random_prompts(2 * repeats + 1, 32, 49152, seed=7)]
     llm.generate(prompts[-1], params, use_tqdm=False)  # warm-up of the forward pass itself
+    def seconds(prompt: dict, req: LoRARequest) -> float:
+        return timed(lambda: llm.generate(prompt, params, lora_request=req, use_tqdm=False))[0]
+
     cold, warm = [], []
     for i in range(repeats):
         req = LoRARequest(f"c{i}", i + 1, adapters[i])
-        cold.append(timed(lambda: llm.generate(prompts[2 * i], params, lora_request=req, use_tqdm=False))[0])
-        warm.append(timed(lambda: llm.generate(prompts[2 * i + 1], params, lora_request=req,
-                                                use_tqdm=False))[0])
+        cold.append(seconds(prompts[2 * i], req))
+        warm.append(seconds(prompts[2 * i + 1], req))
     return statistics.median(cold), statistics.median(warm)
 
 
@@ -108,14 +110,20 @@ def main() -> None:
     print(f"{dtype_name}, {args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated), "
           f"rank-16 adapters on all 7 projections")
     rows: list[tuple[str, float]] = []
+
+    def record(name: str, tok_per_s: float) -> None:
+        rows.append((name, tok_per_s))
+        print(f"  {name}: {tok_per_s:.1f} tok/s", flush=True)
+
     if not args.skip_baselines:
-        rows.append(("transformers base", run_transformers(path, prompts, args.gen_len, dtype)))
-        rows.append((f"PEFT {args.num_mixed} mixed", run_peft_mixed(path, adapters[: args.num_mixed], prompts,
-                                                                   args.gen_len, dtype)))
-    rows += list(run_loraserve(path, adapters, prompts, args.gen_len, dtype_name, args.num_mixed).items())
+        record("transformers base", run_transformers(path, prompts, args.gen_len, dtype))
+        record(f"PEFT {args.num_mixed} mixed",
+               run_peft_mixed(path, adapters[: args.num_mixed], prompts, args.gen_len, dtype))
+    for name, tps in run_loraserve(path, adapters, prompts, args.gen_len, dtype_name, args.num_mixed).items():
+        record(name, tps)
     for count in swaps:
-        rows.append((f"loraserve {count} distinct (max_loras=16)",
-                     run_swapping(path, adapters[:count], prompts, args.gen_len, dtype_name)))
+        record(f"loraserve {count} distinct (max_loras=16)",
+               run_swapping(path, adapters[:count], prompts, args.gen_len, dtype_name))
     reference = "PEFT 16 mixed" if not args.skip_baselines and args.num_mixed == 16 else "loraserve base"
     print_table("Multi-LoRA throughput", rows, reference)
     table = dict(rows)

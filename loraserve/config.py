@@ -53,7 +53,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype: 
     if device.type == "cpu":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if isinstance(config_dtype, str):
-        config_dtype = _DTYPE_NAMES.get(config_dtype.replace("torch.", ""), None)
+        config_dtype = _DTYPE_NAMES.get(config_dtype.replace("torch.", ""))
     if config_dtype in (torch.float16, torch.bfloat16):
         return config_dtype
     return torch.bfloat16

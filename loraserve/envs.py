@@ -59,5 +59,10 @@ def cache_root() -> str:
     return get_env("CACHE_ROOT", default) or default
 
 
+def cpu_packed_linear() -> bool:
+    """Reorder linear weights into oneDNN's layout on CPU (default on; "0" turns it off)."""
+    return (get_env("CPU_PACKED_LINEAR", "1") or "1").strip().lower() not in ("0", "false")
+
+
 def hf_hub_offline() -> bool:
     return _is_true(os.environ.get("HF_HUB_OFFLINE")) or _is_true(os.environ.get("TRANSFORMERS_OFFLINE"))

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+pytest_plugins = ["fake_server_fixtures"]
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,

@@ -151,3 +151,51 @@ def test_chat_template(llama_path: str) -> None:
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     expected = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert out.prompt_token_ids == llm.get_tokenizer().encode(expected)
+
+
+def test_prompt_logprobs_survive_preemption(llama_path: str) -> None:
+    prompts = _prompts(512, lengths=(20, 30, 9, 17))  # 12 blocks at admission, 22 by the end
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    ref = LLM(llama_path, dtype="float32").generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                   use_tqdm=False)
+    tight = LLM(llama_path, dtype="float32", block_size=8, num_kv_blocks=12, max_model_len=96,
+                enable_prefix_caching=False)
+    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for prompt, a, b in zip(prompts, ref, outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            assert math.isclose(b.prompt_logprobs[pos][prompt[pos]].logprob,
+                                a.prompt_logprobs[pos][prompt[pos]].logprob, abs_tol=1e-5)
+
+
+def test_generation_config_eos_ids_stop(llama_path: str, tmp_path: Any) -> None:
+    import json
+    import shutil
+
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    greedy = LLM(llama_path, dtype="float32").generate("SELECT name", params, use_tqdm=False)[0].outputs[0]
+    eot = greedy.token_ids[3]
+    model = shutil.copytree(llama_path, str(tmp_path / "model"))
+    with open(f"{model}/generation_config.json", "w", encoding="utf-8") as f:
+        json.dump({"eos_token_id": [2, eot]}, f)
+    out = LLM(model, dtype="float32").generate("SELECT name", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(eot) + 1]
+
+
+def test_stream_never_shows_a_partial_stop_string(llama_path: str) -> None:
+    llm = LLM(llama_path, dtype="float32")
+    free = llm.generate("The quick", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = free[4:9]
+    assert len(stop) == 5
+    engine = llm.engine
+    engine.add_request("s", "The quick", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                         stop=[stop]))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert texts[-1] == free[: free.index(stop)]
+    assert all(texts[-1].startswith(t) for t in texts)  # streamed text only ever grows to the final

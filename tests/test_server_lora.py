@@ -30,13 +30,6 @@ class CountingResolver(LoRAResolver):
         return await self.inner.resolve_lora(base_model_name, lora_name)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
 @pytest.fixture()
 def adapters(tmp_path) -> str:
     for name in ("a", "b", "c", "shared"):

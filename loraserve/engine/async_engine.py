@@ -50,6 +50,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._closed = False
         self.dead_error: BaseException | None = None
 
     @classmethod
@@ -61,7 +62,8 @@ class AsyncLLMEngine:
         return self.dead_error is not None
 
     def is_healthy(self) -> bool:
-        return self.dead_error is None and (self._thread is None or self._thread.is_alive())
+        alive = self._thread is None or self._thread.is_alive()
+        return self.dead_error is None and not self._closed and alive
 
     async def start(self) -> None:
         if self._thread is None:
@@ -69,10 +71,12 @@ class AsyncLLMEngine:
             self._thread.start()
 
     async def shutdown(self) -> None:
+        """Stop the step loop; requests still open fail with EngineDeadError, later calls too."""
+        self._closed = True
         self._stop.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
-            self._thread = None
+        self._fail_pending(EngineDeadError("The engine has been shut down."))
 
     # ---- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -97,6 +101,12 @@ class AsyncLLMEngine:
         while True:
             fn, future = command
             if future.set_running_or_notify_cancel():
+                if self.dead_error is not None:  # queued before the crash: refuse, never run
+                    future.set_exception(EngineDeadError(f"The engine is dead: {self.dead_error}"))
+                    command = self._next_command()
+                    if command is None:
+                        return
+                    continue
                 try:
                     future.set_result(fn(self.engine))
                 except BaseException as exc:
@@ -113,17 +123,35 @@ class AsyncLLMEngine:
             if output.finished:
                 self._streams.pop(output.request_id, None)
 
+    def _next_command(self) -> _Command | None:
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
     def _die(self, exc: BaseException) -> None:
         self.dead_error = exc
-        error = EngineDeadError(f"The engine failed while running a batch: {type(exc).__name__}: {exc}")
+        self._fail_pending(
+            EngineDeadError(f"The engine failed while running a batch: {type(exc).__name__}: {exc}")
+        )
+        try:
+            self.engine.abort_request(list(self.engine.requests))
+        except Exception:  # the engine is already broken; its state no longer matters
+            logger.exception("Cleaning up after the failed step also failed")
+
+    def _fail_pending(self, error: EngineDeadError) -> None:
         for request_id, stream in list(self._streams.items()):
             stream.put(error)
             self._streams.pop(request_id, None)
-        self.engine.abort_request(list(self.engine.requests))
+        while (command := self._next_command()) is not None:
+            if command[1].set_running_or_notify_cancel():
+                command[1].set_exception(error)
 
     async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         if self.dead_error is not None:
             raise EngineDeadError(f"The engine is dead: {self.dead_error}")
+        if self._closed:
+            raise EngineDeadError("The engine has been shut down.")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         if self._thread is None:  # not started: run inline (tests, offline use)
@@ -146,7 +174,11 @@ class AsyncLLMEngine:
             engine.add_request(request_id, prompt, sampling_params, lora_request)
             self._streams[request_id] = stream
 
-        await self._call(add)
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            await self.abort(request_id)  # the add may have run before the cancellation landed
+            raise
         finished = False
         try:
             while True:
@@ -163,10 +195,12 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         def abort(engine: LLMEngine) -> None:
+            # A consumer still iterating gets the final 'abort' output instead of waiting forever.
+            for output in engine.abort_request(request_id):
+                self._deliver(output)
             self._streams.pop(request_id, None)
-            engine.abort_request(request_id)
 
-        if self.dead_error is None:
+        if self.dead_error is None and not self._closed:
             await self._call(abort)
 
     async def _preload(self, lora_request: LoRARequest | None) -> None:

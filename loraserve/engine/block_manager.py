@@ -8,14 +8,20 @@ reference count drops to zero stay cached (LRU) until their memory is needed.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
 from loraserve.engine.sequence import Sequence
 
 
-def block_hash(parent: int | None, token_ids: Seq[int], salt: str | None) -> int:
-    return hash((parent, tuple(token_ids), salt))
+def block_hash(parent: bytes | None, token_ids: Seq[int], salt: str | None) -> bytes:
+    """sha256 over (parent digest, the block's token ids, salt): collisions cannot be crafted."""
+    h = hashlib.sha256(parent or b"root")
+    h.update(array("q", token_ids).tobytes())  # fixed width per token, so the encoding is unambiguous
+    h.update(b"|" + (salt or "").encode())
+    return h.digest()
 
 
 class BlockManager:
@@ -25,10 +31,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
-        self.hash_of: dict[int, int] = {}  # block id -> block hash
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.hash_of: dict[int, bytes] = {}  # block id -> block hash
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref count 0 (LRU)
-        self.seq_hashes: dict[int, list[int]] = {}  # seq id -> hashes of its full computed blocks
+        self.seq_hashes: dict[int, list[bytes]] = {}  # seq id -> hashes of its full computed blocks
         self.num_prefix_hits = 0
         self.num_prefix_queries = 0
 
@@ -66,13 +72,13 @@ class BlockManager:
 
         At least one token is always left to compute, since the last position's logits are needed.
         """
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             self.seq_hashes[seq.seq_id] = hashes
             return 0
         self.num_prefix_queries += 1
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent: int | None = None
+        parent: bytes | None = None
         for i in range(max_blocks):
             h = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size], salt)
             block = self.cached.get(h)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loraserve import envs
 from loraserve.config import EngineConfig
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
@@ -39,6 +40,8 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.tokenizer = load_tokenizer(config.model)
         self.model = get_model(config.model, config.device)
+        if config.device.type == "cpu" and envs.cpu_packed_linear():
+            _pack_linears(self.model)
         self.lora: EngineLoRAState | None = None
         if config.lora is not None:
             from loraserve.lora.manager import LoRAModelManager
@@ -55,7 +58,10 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, config.lora.max_loras if config.lora else None
+            config.scheduler,
+            self.block_manager,
+            config.lora.max_loras if config.lora else None,
+            self.lora.manager.can_activate if self.lora is not None else None,
         )
         self.runner = ModelRunner(
             self.model, num_blocks, config.cache.block_size, config.model.dtype, config.device,
@@ -66,6 +72,8 @@ class LLMEngine:
         if eos is None:
             eos = getattr(config.model.hf_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        # Chat models often end turns with more tokens than the tokenizer's eos (e.g. <|eot_id|>).
+        self.extra_eos_ids = sorted(_generation_eos_ids(config.model) - {self.eos_token_id})
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_id, config.model.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
@@ -109,6 +117,8 @@ class LLMEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         params = (params or SamplingParams()).clone()
         text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
+        if self.extra_eos_ids and not params.ignore_eos:
+            params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(self.extra_eos_ids))
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(prompt_ids)
         salt = None
@@ -172,16 +182,26 @@ class LLMEngine:
         if sched.is_empty:
             return []
         lora_slots = None
+        failed_outputs: list[RequestOutput] = []
         if self.lora is not None:
             ids = {s.seq.lora_int_id for s in sched.scheduled if s.seq.lora_int_id}
-            lora_slots = self.lora.prepare_step(ids)
-        result = self.runner.execute(sched.scheduled, lora_slots)
+            lora_slots, failed = self.lora.prepare_step(ids)
+            if failed:
+                failed_outputs = self._fail_adapter_requests(failed)
+                sched.scheduled = [s for s in sched.scheduled if s.seq.lora_int_id not in failed]
+        if not sched.scheduled:
+            self._end_step()
+            return failed_outputs
+        try:
+            result = self.runner.execute(sched.scheduled, lora_slots)
+        finally:
+            self._end_step()
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed(item.seq, item.seq.request.cache_salt)
         touched = self._record_prompt_logprobs(result)
         touched |= self._sample(result)
-        outputs = []
+        outputs = failed_outputs
         for request in touched:
             for seq in request.seqs:
                 if seq.is_finished and seq.block_ids:
@@ -190,6 +210,26 @@ class LLMEngine:
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
         self._finish_lora_removals()
+        return outputs
+
+    def _end_step(self) -> None:
+        if self.lora is not None:
+            self.lora.end_step()
+
+    def _fail_adapter_requests(self, failed: dict[int, Exception]) -> list[RequestOutput]:
+        """An adapter that could not be reloaded fails its own requests and nothing else."""
+        outputs = []
+        for request in [r for r in self.requests.values() if r.lora_request is not None]:
+            error = failed.get(request.lora_request.lora_int_id)
+            if error is None:
+                continue
+            request.error = str(error)
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    self.outputs.finish(seq, "abort", None)
+            outputs.append(self.outputs.build_output(request))
+            del self.requests[request.request_id]
         return outputs
 
     def _sample(self, result: StepResult) -> set[Request]:
@@ -219,9 +259,14 @@ class LLMEngine:
                 continue
             if request.prompt_logprobs is None:
                 request.prompt_logprobs = [None]
-            num = chunk.logits.shape[0]
-            targets = request.prompt_token_ids[chunk.start + 1 : chunk.start + 1 + num]
-            entries = compute_prompt_logprobs(chunk.logits, targets, request.params.prompt_logprobs or 0)
+            # After a preemption the prompt is recomputed: skip positions already recorded.
+            skip = max(0, len(request.prompt_logprobs) - 1 - chunk.start)
+            logits = chunk.logits[skip:]
+            start = chunk.start + skip
+            if logits.shape[0] == 0:
+                continue
+            targets = request.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+            entries = compute_prompt_logprobs(logits, targets, request.params.prompt_logprobs or 0)
             request.prompt_logprobs.extend(self.outputs.with_text(e) for e in entries)
         return touched
 
@@ -242,7 +287,7 @@ class LLMEngine:
         state = self._lora_state()
         if lora_request.lora_int_id in state.requests:
             return False
-        state.register(lora_request)
+        state.register(lora_request, explicit=True)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -280,3 +325,36 @@ class LLMEngine:
         if self.lora is not None:
             stats.update(self.lora.manager.stats())
         return stats
+
+
+def _generation_eos_ids(model_config: Any) -> set[int]:
+    """Every end-of-sequence id that the model's generation_config.json and config declare."""
+    ids: set[int] = set()
+    sources: list[Any] = [getattr(model_config.hf_config, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+
+        sources.append(GenerationConfig.from_pretrained(model_config.model_path).eos_token_id)
+    except (OSError, ValueError):
+        pass  # no generation_config.json: the config's ids are all there is
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _pack_linears(model: Any) -> None:
+    """oneDNN-packed weights for every Linear; tensors shared with other layers (tied embeddings)
+    keep their dense copy."""
+    from loraserve.layers.linear import Linear, pack_cpu_linears
+
+    shared = {
+        param.data_ptr()
+        for module in model.modules()
+        if not isinstance(module, Linear)
+        for param in module.parameters(recurse=False)
+    }
+    num_packed = pack_cpu_linears(model, shared)
+    logger.info("Packed %d linear layers into oneDNN's CPU layout", num_packed)

@@ -74,11 +74,17 @@ class OutputProcessor:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
 
+    @staticmethod
+    def _visible_text(seq: Sequence) -> str:
+        """Hold back a tail that may still become a stop string, so streams never show one."""
+        hold = seq.params.output_text_buffer_length if not seq.is_finished else 0
+        return seq.output_text[:-hold] if hold > 0 else seq.output_text
+
     def build_output(self, request: Request) -> RequestOutput:
         outputs = [
             CompletionOutput(
                 index=seq.index,
-                text=seq.output_text,
+                text=self._visible_text(seq),
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,

@@ -11,6 +11,7 @@ bounded number of steps, so it never starves.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraserve.config import SchedulerConfig
@@ -37,10 +38,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int | None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_loras: int | None,
+        can_activate: Callable[[set[int]], bool] | None = None,
+    ) -> None:
         self.config = config
         self.blocks = block_manager
         self.max_loras = max_loras
+        # Asks the LoRA manager whether a set of adapters fits its slots (pinned adapters hold theirs).
+        self.can_activate = can_activate
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -105,7 +114,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
             lora_id = seq.lora_int_id
-            if self.max_loras is not None and lora_id and lora_id not in loras and len(loras) >= self.max_loras:
+            if not self._lora_fits(loras, lora_id):
                 if blocked_head is None:
                     blocked_head = seq
                     seq.num_skipped_for_lora += 1
@@ -123,6 +132,14 @@ class Scheduler:
             if lora_id:
                 loras.add(lora_id)
         self.running.extend(admitted)
+
+    def _lora_fits(self, loras: set[int], lora_id: int) -> bool:
+        if self.max_loras is None or not lora_id or lora_id in loras:
+            return True
+        wanted = loras | {lora_id}
+        if self.can_activate is not None:
+            return self.can_activate(wanted)
+        return len(wanted) <= self.max_loras
 
     def _admit_tokens(self, seq: Sequence, budget: int) -> int:
         """Attach cached prefix blocks and allocate for the first chunk; 0 if it cannot start now."""

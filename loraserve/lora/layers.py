@@ -93,6 +93,7 @@ class LinearWithLoRA(Linear):
         self.out_features = base.out_features
         self.weight = base.weight
         self.bias = base.bias
+        self.packed_weight = base.packed_weight
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.num_slices = len(self.output_sizes)
@@ -169,7 +170,7 @@ class LinearWithLoRA(Linear):
             self._slot_has_bias[slot] = True
 
     def forward(self, x: torch.Tensor, batch: object | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.base_forward(x)
         mapping = getattr(batch, "lora", None)
         if mapping is None or not mapping.has_lora:
             return y

@@ -154,6 +154,16 @@ class LoRAModelManager:
         self._in_use = self._in_use - {adapter_id}
         del self._host[adapter_id]
 
+    def reserve(self, adapter_ids: Collection[int]) -> None:
+        """Protect a step's adapters from host eviction (by loads on other threads) until `release`."""
+        with self._lock:
+            self._in_use = frozenset(adapter_ids)
+
+    def release(self) -> None:
+        """The step is over: its adapters may be evicted again (their requests reload them if needed)."""
+        with self._lock:
+            self._in_use = frozenset()
+
     def can_activate(self, adapter_ids: set[int]) -> bool:
         """Whether `activate(adapter_ids)` would find a slot for each (pinned slots stay taken)."""
         with self._lock:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loraserve.layers.forward_batch import KVCacheSpec
@@ -31,7 +30,7 @@ class NativeCausalLM(nn.Module):
         raise NotImplementedError  # each architecture states its own cache shape
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head.base_forward(hidden).float()
 
     def _packed_target(self, name: str) -> tuple[str, int | None]:
         """Map a checkpoint parameter name to (model parameter name, packed shard index or None)."""
