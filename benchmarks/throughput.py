@@ -42,25 +42,32 @@ def run_loraserve(path: str, prompts: list[list[int]], gen_len: int, dtype: str)
 
 def run_matmul_floor(path: str, num_requests: int, prompt_len: int, gen_len: int, dtype: torch.dtype) -> float:
     """Generated tok/s of a plain loop over only the model's linear layers (no attention, no
-    sampling, no framework): the ceiling any engine on this machine can reach in this dtype."""
-    import torch.nn.functional as F
+    sampling, no framework), with the same oneDNN-packed weights loraserve uses where the CPU allows:
+    the ceiling for any engine on this machine in this dtype."""
     from transformers import AutoConfig
+
+    from loraserve.layers.linear import Linear, pack_cpu_linears
 
     cfg = AutoConfig.from_pretrained(path)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     head_dim = hidden // cfg.num_attention_heads
     qkv = hidden + 2 * cfg.num_key_value_heads * head_dim
     shapes = [(hidden, qkv), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
-    weights = [torch.randn(out, inp, dtype=dtype) for inp, out in shapes]
-    lm_head = torch.randn(cfg.vocab_size, hidden, dtype=dtype)
+    # Distinct weights per transformer layer, as in the model (reusing one set would flatter the cache).
+    layers = [[Linear(inp, out, dtype=dtype) for inp, out in shapes] for _ in range(cfg.num_hidden_layers)]
+    lm_head = Linear(hidden, cfg.vocab_size, dtype=dtype)
+    every = [layer for group in layers for layer in group] + [lm_head]
+    for layer in every:
+        layer.weight.data.normal_()
+    pack_cpu_linears(torch.nn.ModuleList(every))
     inputs = {(m, inp): torch.randn(m, inp, dtype=dtype) for m in (num_requests * prompt_len, num_requests)
               for inp, _ in shapes}
 
     def step(rows: int) -> None:
-        for _ in range(cfg.num_hidden_layers):
-            for (inp, _), w in zip(shapes, weights):
-                F.linear(inputs[(rows, inp)], w)
-        F.linear(inputs[(num_requests, hidden)], lm_head)
+        for group in layers:
+            for (inp, _), layer in zip(shapes, group):
+                layer.base_forward(inputs[(rows, inp)])
+        lm_head.base_forward(inputs[(num_requests, hidden)])
 
     with torch.inference_mode():
         step(num_requests)
