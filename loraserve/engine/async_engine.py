@@ -95,26 +95,24 @@ class AsyncLLMEngine:
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+            command: _Command | None = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        while True:
-            fn, future = command
-            if future.set_running_or_notify_cancel():
-                if self.dead_error is not None:  # queued before the crash: refuse, never run
-                    future.set_exception(EngineDeadError(f"The engine is dead: {self.dead_error}"))
-                    command = self._next_command()
-                    if command is None:
-                        return
-                    continue
-                try:
-                    future.set_result(fn(self.engine))
-                except BaseException as exc:
-                    future.set_exception(exc)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        while command is not None:
+            self._run_command(command)
+            command = self._next_command()
+
+    def _run_command(self, command: _Command) -> None:
+        fn, future = command
+        if not future.set_running_or_notify_cancel():
+            return
+        if self.dead_error is not None:  # queued before the crash: refuse, never run
+            future.set_exception(EngineDeadError(f"The engine is dead: {self.dead_error}"))
+            return
+        try:
+            future.set_result(fn(self.engine))
+        except BaseException as exc:
+            future.set_exception(exc)
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
@@ -220,7 +218,9 @@ class AsyncLLMEngine:
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Unregister an adapter; returns once its running requests have finished."""
         removed = bool(await self._call(lambda engine: engine.remove_lora(lora_int_id)))
-        while removed and await self._call(lambda engine: lora_int_id in engine.lora.pending_removal):
+        while removed and await self._call(
+            lambda engine: engine.lora is not None and lora_int_id in engine.lora.pending_removal
+        ):
             await asyncio.sleep(0.01)
         return removed
 

@@ -39,7 +39,7 @@ class LLMEngine:
         self.lora_config = config.lora
         torch.manual_seed(config.model.seed)
         self.tokenizer = load_tokenizer(config.model)
-        self.model = get_model(config.model, config.device)
+        self.model: Any = get_model(config.model, config.device)
         if config.device.type == "cpu" and envs.cpu_packed_linear():
             _pack_linears(self.model)
         self.lora: EngineLoRAState | None = None
@@ -219,8 +219,8 @@ class LLMEngine:
     def _fail_adapter_requests(self, failed: dict[int, Exception]) -> list[RequestOutput]:
         """An adapter that could not be reloaded fails its own requests and nothing else."""
         outputs = []
-        for request in [r for r in self.requests.values() if r.lora_request is not None]:
-            error = failed.get(request.lora_request.lora_int_id)
+        for request in list(self.requests.values()):
+            error = failed.get(request.lora_request.lora_int_id) if request.lora_request else None
             if error is None:
                 continue
             request.error = str(error)
@@ -242,7 +242,7 @@ class LLMEngine:
         ]
         sampled = self.sampler(result.logits, rows)
         now = time.time()
-        touched = set()
+        touched: set[Request] = set()
         for i, seq in enumerate(result.sample_seqs):
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
@@ -252,7 +252,7 @@ class LLMEngine:
         return touched
 
     def _record_prompt_logprobs(self, result: StepResult) -> set[Request]:
-        touched = set()
+        touched: set[Request] = set()
         for chunk in result.prompt_chunks:
             request = chunk.seq.request
             if chunk.seq.index != 0:

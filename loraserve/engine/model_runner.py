@@ -8,9 +8,9 @@ each adapter's tokens are contiguous for the multi-LoRA ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
 from loraserve.engine.scheduler import ScheduledSeq
 from loraserve.engine.sequence import Sequence
@@ -42,7 +42,7 @@ def kv_cache_block_bytes(spec: KVCacheSpec, block_size: int, dtype: torch.dtype)
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -53,7 +53,7 @@ class ModelRunner:
         self.max_loras = max_loras
         self.block_size = block_size
         self.device = device
-        self.spec: KVCacheSpec = model.kv_cache_spec()
+        self.spec: KVCacheSpec = self.model.kv_cache_spec()
         shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

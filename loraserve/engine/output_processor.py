@@ -58,8 +58,9 @@ class OutputProcessor:
                 self.finish(seq, "stop", token_id)
                 return
             if params.stop and seq.detokenizer is not None:
+                stops = [params.stop] if isinstance(params.stop, str) else params.stop
                 matched, keep = find_stop_string(
-                    seq.output_text, delta_len, params.stop, params.include_stop_str_in_output
+                    seq.output_text, delta_len, stops, params.include_stop_str_in_output
                 )
                 if matched is not None:
                     seq.output_text = seq.output_text[:keep]

@@ -136,7 +136,7 @@ class LLM:
 def _as_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single list of token ids
     return items

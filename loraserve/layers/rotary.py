@@ -28,6 +28,9 @@ def is_supported_rope(hf_config: Any) -> bool:
 class RotaryEmbedding(nn.Module):
     """Applies rope to q/k given absolute positions; cos/sin come from a precomputed table."""
 
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
         params = rope_parameters(hf_config)

@@ -304,5 +304,5 @@ def _digest(tensors: dict[str, torch.Tensor], config_json: str) -> str:
     for key in sorted(tensors):
         t = tensors[key].detach().contiguous().cpu()
         h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the array's buffer: no copy
     return h.hexdigest()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,12 +44,12 @@ class GPT2Block(nn.Module):
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
         self.ln_1 = _layer_norm(hidden, cfg.layer_norm_epsilon, dtype)
-        self.attn = nn.Module()
+        self.attn: Any = nn.Module()  # a plain container keeps HF's parameter names (attn.c_attn...)
         self.attn.c_attn = Linear(hidden, 3 * hidden, bias=True, dtype=dtype)
         self.attn.c_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
         self.attn_op = PagedAttention(heads, heads, self.head_dim, scale)
         self.ln_2 = _layer_norm(hidden, cfg.layer_norm_epsilon, dtype)
-        self.mlp = nn.Module()
+        self.mlp: Any = nn.Module()
         self.mlp.c_fc = Linear(hidden, inner, bias=True, dtype=dtype)
         self.mlp.c_proj = Linear(inner, hidden, bias=True, dtype=dtype)
         act = cfg.activation_function
@@ -74,7 +74,7 @@ class GPT2LMHeadModel(NativeCausalLM):
         if getattr(hf_config, "reorder_and_upcast_attn", False):
             raise ValueError("reorder_and_upcast_attn=True is not supported natively.")
         self.config = hf_config
-        self.transformer = nn.Module()
+        self.transformer: Any = nn.Module()
         self.transformer.wte = nn.Embedding(hf_config.vocab_size, hf_config.n_embd, dtype=dtype)
         self.transformer.wpe = nn.Embedding(hf_config.n_positions, hf_config.n_embd, dtype=dtype)
         self.transformer.h = nn.ModuleList(GPT2Block(hf_config, i, dtype) for i in range(hf_config.n_layer))
@@ -83,7 +83,7 @@ class GPT2LMHeadModel(NativeCausalLM):
         self.lm_head = Linear(hf_config.n_embd, hf_config.vocab_size, dtype=dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+            self.lm_head.weight = cast(nn.Parameter, self.transformer.wte.weight)
 
     def forward(
         self,

@@ -6,8 +6,9 @@ from the config in `LlamaArgs.from_config`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,12 @@ from loraserve.layers.norm import RMSNorm
 from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.models.base import NativeCausalLM
 
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ class LlamaMLP(nn.Module):
         size = args.intermediate_size
         self.gate_up_proj = Linear(args.hidden_size, [size, size], bias=args.mlp_bias, dtype=dtype)
         self.down_proj = Linear(size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
-        self.act = _ACTIVATIONS[args.hidden_act]
+        self.act: Callable[[torch.Tensor], torch.Tensor] = _ACTIVATIONS[args.hidden_act]
         self.size = size
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -174,7 +180,7 @@ class LlamaForCausalLM(NativeCausalLM):
         self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, dtype=dtype)
         self.tie_word_embeddings = self.args.tie_word_embeddings
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
 
     def forward(
         self,
