@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -25,6 +26,13 @@ class NativeCausalLM(nn.Module):
     ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
     lm_head: Linear
     tie_word_embeddings: bool = False
+
+    def _build_lm_head(self, embedding: nn.Embedding, vocab_size: int, tie: bool, dtype: torch.dtype) -> None:
+        """The output projection; with tied embeddings it shares the input embedding's weight."""
+        self.lm_head = Linear(embedding.embedding_dim, vocab_size, dtype=dtype)
+        self.tie_word_embeddings = tie
+        if tie:
+            self.lm_head.weight = cast(nn.Parameter, embedding.weight)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError  # each architecture states its own cache shape

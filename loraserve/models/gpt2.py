@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,10 +80,8 @@ class GPT2LMHeadModel(NativeCausalLM):
         self.transformer.h = nn.ModuleList(GPT2Block(hf_config, i, dtype) for i in range(hf_config.n_layer))
         self.transformer.ln_f = _layer_norm(hf_config.n_embd, hf_config.layer_norm_epsilon, dtype)
         self.transformer.requires_grad_(False)
-        self.lm_head = Linear(hf_config.n_embd, hf_config.vocab_size, dtype=dtype)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = cast(nn.Parameter, self.transformer.wte.weight)
+        tie = bool(getattr(hf_config, "tie_word_embeddings", True))
+        self._build_lm_head(self.transformer.wte, hf_config.vocab_size, tie, dtype)
 
     def forward(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -177,10 +177,7 @@ class LlamaForCausalLM(NativeCausalLM):
         super().__init__()
         self.args = LlamaArgs.from_config(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
         self.model = LlamaModel(self.args, hf_config, dtype)
-        self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, dtype=dtype)
-        self.tie_word_embeddings = self.args.tie_word_embeddings
-        if self.tie_word_embeddings:
-            self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
+        self._build_lm_head(self.model.embed_tokens, self.args.vocab_size, self.args.tie_word_embeddings, dtype)
 
     def forward(
         self,
