@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,51 +98,72 @@ class LoRAModel:
         path: str = "",
     ) -> LoRAModel:
         name = lora_request.lora_name
-        targets = LoRATargets.from_model(model)
-        by_module = _group_keys(tensors, name, peft_helper.bias != "none")
-        if not by_module:
-            raise LoRAAdapterError(f"LoRA adapter '{name}' has no LoRA weights")
-        _check_supported(by_module, targets, name)
-        untargeted = sorted(
-            m for m, p in by_module.items() if p.lora_a is not None and not peft_helper.targets_module(m)
-        )
-        if untargeted:
-            logger.warning(
-                "LoRA adapter '%s' has weights for modules its config does not target: %s", name, untargeted
-            )
-        loras: dict[str, ModuleLoRA] = {}
-        packed: dict[str, list[LoRALayerWeights | None]] = {}
-        for module_name, parts in sorted(by_module.items()):
-            base, packed_name, index = _locate(module_name, targets)
-            offsets = base.slice_offsets() if packed_name else [0, base.out_features]
-            weights = _layer_weights(
-                module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name
-            )
-            if weights.bias is not None and not peft_helper.bias_enabled:
-                raise LoRAAdapterError(
-                    f"LoRA adapter '{name}': {module_name} has a bias; Adapter bias cannot be used without "
-                    "--enable-lora-bias"
-                )
-            weights = _to(weights, dtype, device).optimize()
-            if packed_name is None:
-                loras[module_name] = weights
-            else:
-                packed.setdefault(packed_name, [None] * len(base.output_sizes))[index] = weights
-        for packed_name, slices in packed.items():
-            if packed_name in loras:
-                raise LoRAAdapterError(
-                    f"LoRA adapter '{name}' has weights for {packed_name} and for its sub-modules"
-                )
-            loras[packed_name] = PackedLoRALayerWeights(packed_name, slices)
+        # Hashing (the adapter's identity) runs beside the parsing below: hashlib releases the GIL,
+        # and nothing here mutates `tensors`.
+        digest: list[str] = []
+        hasher = threading.Thread(target=lambda: digest.append(_digest(tensors, peft_helper.config_json)))
+        hasher.start()
+        try:
+            loras, num_bytes = _build_loras(tensors, name, peft_helper, model, dtype, device)
+        finally:
+            hasher.join()
         return cls(
             lora_int_id=lora_request.lora_int_id,
             name=name,
             path=path or lora_request.lora_path,
             rank=max(w.rank for w in loras.values()),
             loras=loras,
-            identity=AdapterIdentity(name, _digest(tensors, peft_helper.config_json)),
-            num_bytes=sum(w.num_bytes for w in loras.values()),
+            identity=AdapterIdentity(name, digest[0] if digest else _digest(tensors, peft_helper.config_json)),
+            num_bytes=num_bytes,
         )
+
+
+def _build_loras(
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    peft_helper: PEFTHelper,
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[dict[str, ModuleLoRA], int]:
+    """Validated, scaled per-module weights (packed where the model packs) and their byte count."""
+    targets = LoRATargets.from_model(model)
+    by_module = _group_keys(tensors, name, peft_helper.bias != "none")
+    if not by_module:
+        raise LoRAAdapterError(f"LoRA adapter '{name}' has no LoRA weights")
+    _check_supported(by_module, targets, name)
+    untargeted = sorted(
+        m for m, p in by_module.items() if p.lora_a is not None and not peft_helper.targets_module(m)
+    )
+    if untargeted:
+        logger.warning(
+            "LoRA adapter '%s' has weights for modules its config does not target: %s", name, untargeted
+        )
+    loras: dict[str, ModuleLoRA] = {}
+    packed: dict[str, list[LoRALayerWeights | None]] = {}
+    for module_name, parts in sorted(by_module.items()):
+        base, packed_name, index = _locate(module_name, targets)
+        offsets = base.slice_offsets() if packed_name else [0, base.out_features]
+        weights = _layer_weights(
+            module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name
+        )
+        if weights.bias is not None and not peft_helper.bias_enabled:
+            raise LoRAAdapterError(
+                f"LoRA adapter '{name}': {module_name} has a bias; Adapter bias cannot be used without "
+                "--enable-lora-bias"
+            )
+        weights = _to(weights, dtype, device).optimize()
+        if packed_name is None:
+            loras[module_name] = weights
+        else:
+            packed.setdefault(packed_name, [None] * len(base.output_sizes))[index] = weights
+    for packed_name, slices in packed.items():
+        if packed_name in loras:
+            raise LoRAAdapterError(
+                f"LoRA adapter '{name}' has weights for {packed_name} and for its sub-modules"
+            )
+        loras[packed_name] = PackedLoRALayerWeights(packed_name, slices)
+    return loras, sum(w.num_bytes for w in loras.values())
 
 
 def _locate(module_name: str, targets: LoRATargets) -> tuple[Linear, str | None, int]:
@@ -272,7 +295,7 @@ def _layer_weights(
             )
         # A sum is non-finite iff some element is (or the sum overflows, itself unusable): one pass,
         # no boolean temporary, ~5x cheaper than isfinite().all() on the CPU.
-        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
+        if not tensor.is_floating_point() or not math.isfinite(float(tensor.sum(dtype=torch.float32))):
             raise LoRAAdapterError(
                 f"LoRA adapter '{name}': {module_name} {label} has non-finite or non-float values"
             )
