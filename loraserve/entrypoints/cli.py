@@ -60,7 +60,8 @@ async def run_demo(args: argparse.Namespace) -> None:
     from loraserve.sampling_params import SamplingParams
 
     paths = build_demo()
-    print(f"Demo model: {paths.model_dir}")
+    print(f"Demo model: {paths.model_dir} (random weights: the text is noise by design; what matters is that")
+    print("the base model and every adapter run in one shared batch and each gives its own output)")
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs(model=paths.model_dir, device=args.device, enable_lora=True, max_loras=len(paths.adapters))
     )
