@@ -235,11 +235,7 @@ class LLMEngine:
     def _sample(self, result: StepResult) -> set[Request]:
         if not result.sample_seqs:
             return set()
-        rows = [
-            SamplingRow(seq.params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids,
-                        seq.generator, self.eos_token_id)
-            for seq in result.sample_seqs
-        ]
+        rows = [self._sampling_row(seq) for seq in result.sample_seqs]
         sampled = self.sampler(result.logits, rows)
         now = time.time()
         touched: set[Request] = set()
@@ -250,6 +246,17 @@ class LLMEngine:
             self.outputs.append_token(seq, sampled.token_ids[i], sampled.logprobs[i], top)
             touched.add(seq.request)
         return touched
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        """Token history is copied only for rows whose penalties or min_tokens read it: the copies
+        grow with the context, and most requests use neither."""
+        params = seq.params
+        penalised = (
+            params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        )
+        prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
+        output_ids = seq.output_token_ids if penalised or params.min_tokens > 0 else []
+        return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_token_id)
 
     def _record_prompt_logprobs(self, result: StepResult) -> set[Request]:
         touched: set[Request] = set()
