@@ -1,21 +1,30 @@
 """Property-based fuzzing of the whole HTTP API (from /openapi.json) against the real engine: whatever a
-client sends, the answer is never a 5xx and the engine stays healthy."""
+client sends, the answer is never a 5xx and the engine stays healthy.
+
+The schemathesis CLI drives a live server (its pytest plugin tracks pytest internals too closely to be
+a stable dependency)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from test_server_harness import RunningServer
 
-schemathesis = pytest.importorskip("schemathesis")
+from loraserve.engine.arg_utils import EngineArgs
+from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.entrypoints.openai.api_server import ServerOptions
 
-from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from test_server_harness import RunningServer  # noqa: E402
 
-from loraserve.engine.arg_utils import EngineArgs  # noqa: E402
-from loraserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from loraserve.entrypoints.openai.api_server import ServerOptions  # noqa: E402
+def _schemathesis() -> str:
+    found = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
+    if not Path(found).exists():
+        pytest.fail("the schemathesis CLI is missing: install the test extra (pip install -e '.[test]')")
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +39,12 @@ def running(tiny_model: Any):
         yield server
 
 
-@pytest.fixture(scope="module")
-def api_schema(running: RunningServer) -> Any:
-    return schemathesis.openapi.from_url(running.url + "/openapi.json")
-
-
-schema = schemathesis.pytest.from_fixture("api_schema")
-
-
-@schema.parametrize()
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-def test_no_server_errors(case: Any, running: RunningServer) -> None:
-    case.call_and_validate(checks=[not_a_server_error])
+def test_no_server_errors(running: RunningServer) -> None:
+    command = [
+        _schemathesis(), "run", running.url + "/openapi.json", "--checks", "not_a_server_error",
+        "--max-examples", "12", "--seed", "20261129", "--workers", "1",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "passed" in result.stdout
     assert running.engine.is_healthy()
