@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -135,4 +135,3 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: torch.device
     lora: LoRAConfig | None = None
-    extra: dict[str, Any] = field(default_factory=dict)

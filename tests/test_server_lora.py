@@ -56,6 +56,10 @@ def complete(server: RunningServer, model: str, **extra) -> httpx.Response:
     return server.http.post("/v1/completions", json=body, timeout=30)
 
 
+def load(server: RunningServer, name: str, path: str) -> httpx.Response:
+    return server.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+
 def model_ids(server: RunningServer) -> set[str]:
     return {card["id"] for card in server.http.get("/v1/models").json()["data"]}
 
@@ -158,13 +162,7 @@ def test_bad_loads_under_good_traffic(tokenizer, adapters: str, monkeypatch) -> 
     monkeypatch.setenv("LORASERVE_ALLOW_RUNTIME_LORA_UPDATING", "true")
     engine = FakeEngine(tokenizer)
     with RunningServer(engine, ServerOptions(served_model_names=["base"])) as server:
-        assert (
-            server.http.post(
-                "/v1/load_lora_adapter",
-                json={"lora_name": "a", "lora_path": os.path.join(adapters, "a")},
-            ).status_code
-            == 200
-        )
+        assert load(server, "a", os.path.join(adapters, "a")).status_code == 200
         bad_bodies = [
             {
                 "lora_name": f"bad{i}",
@@ -188,10 +186,7 @@ def test_bad_loads_under_good_traffic(tokenizer, adapters: str, monkeypatch) -> 
         assert [r.status_code for r in good] == [200] * len(good)
         assert all(r.status_code in (400, 404) for r in bad), [r.status_code for r in bad]
         assert model_ids(server) == {"base", "a"}
-        ok = server.http.post(
-            "/v1/load_lora_adapter",
-            json={"lora_name": "c", "lora_path": os.path.join(adapters, "c")},
-        )
+        ok = load(server, "c", os.path.join(adapters, "c"))
         assert ok.status_code == 200 and complete(server, "c").status_code == 200
 
 
@@ -199,13 +194,7 @@ def test_unload_waits_for_running_requests(tokenizer, adapters: str, monkeypatch
     monkeypatch.setenv("LORASERVE_ALLOW_RUNTIME_LORA_UPDATING", "true")
     engine = FakeEngine(tokenizer)
     with RunningServer(engine, ServerOptions(served_model_names=["base"])) as server:
-        assert (
-            server.http.post(
-                "/v1/load_lora_adapter",
-                json={"lora_name": "a", "lora_path": os.path.join(adapters, "a")},
-            ).status_code
-            == 200
-        )
+        assert load(server, "a", os.path.join(adapters, "a")).status_code == 200
         server.call(lambda: setattr(engine, "gate", asyncio.Event()))
         results: dict[str, httpx.Response] = {}
         runners = [

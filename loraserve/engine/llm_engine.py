@@ -173,9 +173,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -237,11 +234,8 @@ class LLMEngine:
             return set()
         rows = [self._sampling_row(seq) for seq in result.sample_seqs]
         sampled = self.sampler(result.logits, rows)
-        now = time.time()
         touched: set[Request] = set()
         for i, seq in enumerate(result.sample_seqs):
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
             top = sampled.top_logprobs[i] if sampled.top_logprobs else None
             self.outputs.append_token(seq, sampled.token_ids[i], sampled.logprobs[i], top)
             touched.add(seq.request)

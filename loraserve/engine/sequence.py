@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -90,9 +90,7 @@ class Request:
     cache_salt: str | None = None  # adapter identity digest: part of every prefix-cache key
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    first_token_time: float | None = None
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_finished(self) -> bool:
