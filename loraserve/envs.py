@@ -64,5 +64,10 @@ def cpu_packed_linear() -> bool:
     return (get_env("CPU_PACKED_LINEAR", "1") or "1").strip().lower() not in ("0", "false")
 
 
+def cpu_lora_kernel() -> bool:
+    """Run float32 CPU LoRA through the fused C kernel (default on; "0" keeps the torch ops)."""
+    return (get_env("CPU_LORA_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
+
+
 def hf_hub_offline() -> bool:
     return _is_true(os.environ.get("HF_HUB_OFFLINE")) or _is_true(os.environ.get("TRANSFORMERS_OFFLINE"))

@@ -88,9 +88,12 @@ def _check_against_peft(outputs: list[Any], cases: list[tuple[str | None, int]],
             assert math.isclose(ours, logprobs[pos - 1, prompts[i][pos]].item(), abs_tol=1e-4)
 
 
-@pytest.mark.parametrize("max_loras,max_cpu_loras", [(6, None), (2, 3)])
+@pytest.mark.parametrize("max_loras,max_cpu_loras,cpu_kernel", [(6, None, "1"), (2, 3, "1"), (6, None, "0")])
 def test_mixed_batch_matches_peft(tiny_model: Any, llama_adapters: dict[str, str], max_loras: int,
-                                  max_cpu_loras: int | None) -> None:
+                                  max_cpu_loras: int | None, cpu_kernel: str,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both CPU compute paths (the fused kernel, and the torch ops with it off) against PEFT."""
+    monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
     path = tiny_model("llama")
     prompts = _prompts(3)
     ref = _peft_reference(path, llama_adapters, prompts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from loraserve.layers.linear import Linear
 from loraserve.lora import layers as lora_layers
 from loraserve.lora.layers import LinearWithLoRA, LoRATargets, lora_target_modules, wrap_model_for_lora
 from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.lora.ops import cpu_ops
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
 
 IN, MAX_LORAS, MAX_RANK = 24, 4, 8
@@ -54,8 +56,24 @@ def _batch(slots: list[int]) -> SimpleNamespace:
     return SimpleNamespace(lora=LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS))
 
 
-@pytest.mark.parametrize("layout", ["runs", "grouped", "padded"])
-def test_packed_layer_matches_dense(layout: str) -> None:
+@pytest.mark.parametrize("layout", ["kernel", "runs", "grouped", "padded"])
+def test_packed_layer_matches_dense(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compute path: the fused CPU kernel, and each layout of the torch ops (kernel off)."""
+    if layout == "kernel" and not cpu_ops.kernel_available():
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    calls = {"kernel": 0, "torch": 0}
+    run, add = cpu_ops.run, lora_layers.add_lora
+
+    def count(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrapper(*args: object) -> torch.Tensor:
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(cpu_ops, "run", count("kernel", run))
+    monkeypatch.setattr(lora_layers, "add_lora", count("torch", add))
+    if layout != "kernel":
+        monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", "0")
     sizes = [16, 8, 8]  # q, k, v
     base = _linear(sizes)
     layer = LinearWithLoRA(base, MAX_LORAS, MAX_RANK)
@@ -68,8 +86,10 @@ def test_packed_layer_matches_dense(layout: str) -> None:
         layer.set_lora(slot, weights)
     slots = [2, -1, 0, 3, 0, 2, 2, -1, 3]
     x = torch.randn(len(slots), IN)
-    batch = SimpleNamespace(lora=LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS, layout=layout))
+    forced = None if layout == "kernel" else layout
+    batch = SimpleNamespace(lora=LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS, layout=forced))
     y = layer(x, batch)
+    assert calls == ({"kernel": 1, "torch": 0} if layout == "kernel" else {"kernel": 0, "torch": 1})
     for i, slot in enumerate(slots):
         weight = base.weight + (_dense_delta(adapters[slot], sizes) if slot >= 0 else 0)
         torch.testing.assert_close(y[i], weight @ x[i] + base.bias, atol=1e-4, rtol=1e-4)
@@ -120,6 +140,7 @@ def test_no_adapter_tokens_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None
         raise AssertionError("LoRA op called for a batch that needs none")
 
     monkeypatch.setattr(lora_layers, "add_lora", fail)
+    monkeypatch.setattr(cpu_ops, "run", fail)
     x = torch.randn(4, IN)
     for batch in (
         None,

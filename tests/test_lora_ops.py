@@ -10,7 +10,7 @@ import torch
 
 from loraserve.lora import ops
 from loraserve.lora.mapping import LoRABatchMapping
-from loraserve.lora.ops import torch_ops
+from loraserve.lora.ops import cpu_ops, torch_ops
 
 L, R, IN, OUT = 6, 8, 40, 56
 
@@ -161,3 +161,79 @@ def test_triton_matches_torch(mix: str, dtype: torch.dtype) -> None:
     y_fused = triton_ops.add_lora(y0.clone(), x, a, b, mapping, offset=4)
     fused_ref = y0[:, 4 : 4 + OUT].double().cpu() + 2 * delta_ref
     torch.testing.assert_close(y_fused[:, 4 : 4 + OUT].double().cpu(), fused_ref, **tol)
+
+
+def _sliced_weights(sizes: list[int], ranks: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-diagonal A [L, n*R, IN] and Bt [L, n*R, out] as LinearWithLoRA stores them: slice q of
+    slot s uses rows [q*R, q*R + ranks[s, q]) and its own output columns; everything else is zero."""
+    g = torch.Generator().manual_seed(seed)
+    n, out = len(sizes), sum(sizes)
+    a, bt = torch.zeros(L, n * R, IN), torch.zeros(L, n * R, out)
+    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    for s in range(L):
+        for q in range(n):
+            r = int(ranks[s, q])
+            a[s, q * R : q * R + r] = torch.randn(r, IN, generator=g)
+            bt[s, q * R : q * R + r, offsets[q] : offsets[q + 1]] = torch.randn(r, sizes[q], generator=g)
+    return a, bt
+
+
+# Slice layouts: plain, qkv-like (uneven), gate_up-like, and widths that are not multiples of the
+# kernel's vector and chunk sizes (scalar tails).
+SLICES = {"plain": [56], "qkv": [40, 8, 8], "gate_up": [300, 300], "odd": [37, 5]}
+
+
+@pytest.mark.parametrize("sizes", list(SLICES.values()), ids=list(SLICES))
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_cpu_kernel_matches_naive(mix: str, sizes: list[int]) -> None:
+    if not cpu_ops.kernel_available():
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    slots = MIXES[mix]
+    g = torch.Generator().manual_seed(4)
+    ranks = torch.randint(0, R + 1, (L, len(sizes)), generator=g, dtype=torch.int32)
+    ranks[:, 0] = R  # full rank somewhere, and rank 0 (slice untouched) somewhere else
+    ranks[1, -1] = 0
+    a, bt = _sliced_weights(sizes, ranks, seed=5)
+    slices = cpu_ops.LoRASlices(torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()]), ranks, R)
+    # x is a column window of a wider tensor: rows have a stride larger than IN.
+    x = torch.randn(len(slots), IN + 7, generator=g)[:, 3 : 3 + IN]
+    y0 = torch.randn(len(slots), sum(sizes), generator=g)
+    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=L)
+    y = cpu_ops.fused_add_lora(y0.clone(), x, a, bt, slices, mapping)
+    _, delta = _naive(x, a, bt.transpose(1, 2), slots, scale=1.0)
+    torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
+    none_rows = [i for i, s in enumerate(slots) if s < 0]
+    assert torch.equal(y[none_rows], y0[none_rows])
+    # The torch twin gives the same answer from the same block-diagonal buffers.
+    y_torch = torch_ops.add_lora(y0.clone(), x.contiguous(), a, bt.transpose(1, 2), mapping)
+    torch.testing.assert_close(y, y_torch, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
+    a, bt = _sliced_weights([56], torch.full((L, 1), R, dtype=torch.int32), seed=0)
+    slices = cpu_ops.LoRASlices(torch.tensor([0, 56]), torch.full((L, 1), R, dtype=torch.int32), R)
+    mapping = LoRABatchMapping.build([0, 1], "cpu", max_loras=L)
+    x, y = torch.randn(2, IN), torch.zeros(2, 56)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        cpu_ops.fused_add_lora(y, x.double(), a, bt, slices, mapping)
+    long_segment = LoRABatchMapping.build([0] * (cpu_ops.MAX_SEGMENT_LEN + 1), "cpu", max_loras=L)
+    assert not cpu_ops.applies(torch.zeros(33, IN), torch.zeros(33, 56), long_segment)
+    assert cpu_ops.layer_args(a.double(), bt.double(), slices) is None
+    assert cpu_ops.layer_args(a.transpose(1, 2), bt, slices) is None  # not contiguous
+    if cpu_ops.kernel_available():
+        with pytest.raises(ValueError, match="do not fit"):
+            cpu_ops.fused_add_lora(torch.zeros(3, 56), torch.randn(3, IN), a, bt, slices, mapping)
+
+
+def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", "0")
+    assert not cpu_ops.kernel_available()
+    monkeypatch.delenv("LORASERVE_CPU_LORA_KERNEL")
+    # A compiler that fails: the kernel is reported unavailable (with the reason), nothing raises.
+    monkeypatch.setattr(cpu_ops, "_loaded", False)
+    monkeypatch.setattr(cpu_ops, "_kernel", None)
+    monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert not cpu_ops.kernel_available()
+    assert "CPU LoRA kernel unavailable" in caplog.text

@@ -22,7 +22,8 @@ from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.layers.linear import Linear
-from loraserve.lora.ops import add_lora
+from loraserve.lora.ops import add_lora, cpu_ops
+from loraserve.lora.ops.cpu_ops import LoRASlices
 from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
 
 # Linear modules that never take LoRA: the vocab projection (served from the base model only).
@@ -115,8 +116,15 @@ class LinearWithLoRA(Linear):
             persistent=False,
         )
         # Per slot: does the adapter there touch this layer / carry a bias? Lets forward skip work.
-        self._slot_active = [False] * max_loras
-        self._slot_has_bias = [False] * max_loras
+        self._active_mask = 0  # bit s: the adapter in slot s has A/B here
+        self._bias_mask = 0  # bit s: the adapter in slot s has a bias here
+        self._kernel_args: tuple[int, int, tuple[int, ...] | None] | None = None
+        # Rank per (slot, slice): the fused CPU kernel reads only these blocks of the buffers.
+        self.lora_slices = LoRASlices(
+            offsets=torch.tensor(self.slice_offsets(), dtype=torch.long),
+            ranks=torch.zeros(max_loras, self.num_slices, dtype=torch.int32),
+            max_rank=max_lora_rank,
+        )
 
     @property
     def lora_b_stacked(self) -> torch.Tensor:
@@ -128,8 +136,9 @@ class LinearWithLoRA(Linear):
         self._lora_b_t[slot].zero_()
         if self.lora_bias_stacked is not None:
             self.lora_bias_stacked[slot].zero_()
-        self._slot_active[slot] = False
-        self._slot_has_bias[slot] = False
+        self.lora_slices.ranks[slot].zero_()
+        self._active_mask &= ~(1 << slot)
+        self._bias_mask &= ~(1 << slot)
 
     def set_lora(self, slot: int, lora: ModuleLoRA) -> None:
         """Write one adapter's weights for this layer into `slot` (scaling folded into B)."""
@@ -145,37 +154,48 @@ class LinearWithLoRA(Linear):
             for i, part in enumerate(lora.slices):
                 if part is not None:
                     self._write(slot, part, i * self.max_lora_rank, offsets[i], offsets[i + 1])
-        else:
-            # One A/B pair over the whole output (a plain layer, or a packed layer targeted as a whole).
+        elif self.num_slices == 1:
             self._write(slot, lora, 0, 0, self.out_features)
+        else:
+            # A packed layer targeted as a whole (one A, one B over every slice): B @ A x splits by
+            # output rows into B_i @ A x, so each slice gets the same A and its rows of B. The
+            # buffers then keep one layout, block-diagonal by slice, whatever the adapter targets.
+            self._check_fits(lora, self.out_features)
+            for i in range(self.num_slices):
+                part = lora.row_slice(offsets[i], offsets[i + 1])
+                self._write(slot, part, i * self.max_lora_rank, offsets[i], offsets[i + 1])
 
-    def _write(self, slot: int, lora: LoRALayerWeights, col: int, out_start: int, out_end: int) -> None:
-        expected = (out_end - out_start, self.in_features)
-        if (lora.out_features, lora.in_features) != expected or lora.rank > self.max_lora_rank:
+    def _check_fits(self, lora: LoRALayerWeights, out_features: int) -> None:
+        if (lora.out_features, lora.in_features) != (out_features, self.in_features) \
+                or lora.rank > self.max_lora_rank:
             raise ValueError(
                 f"{lora.module_name}: LoRA of shape out={lora.out_features}, in={lora.in_features}, "
-                f"rank={lora.rank} does not fit a layer slice of out={expected[0]}, in={expected[1]}, "
+                f"rank={lora.rank} does not fit a layer slice of out={out_features}, in={self.in_features}, "
                 f"max_lora_rank={self.max_lora_rank}"
             )
+
+    def _write(self, slot: int, lora: LoRALayerWeights, col: int, out_start: int, out_end: int) -> None:
+        self._check_fits(lora, out_end - out_start)
         rank = lora.rank
         if rank:
             self.lora_a_stacked[slot, col : col + rank].copy_(lora.lora_a)
             b = lora.lora_b if lora.scaling == 1.0 else lora.lora_b * lora.scaling
             self._lora_b_t[slot, col : col + rank, out_start:out_end].copy_(b.t())
-            self._slot_active[slot] = True
+            self.lora_slices.ranks[slot, col // self.max_lora_rank] = rank
+            self._active_mask |= 1 << slot
         if lora.bias is not None:
             if self.lora_bias_stacked is None:
                 raise ValueError(f"{lora.module_name}: the adapter has a bias but --enable-lora-bias is off")
             self.lora_bias_stacked[slot, out_start:out_end].copy_(lora.bias)
-            self._slot_has_bias[slot] = True
+            self._bias_mask |= 1 << slot
 
     def forward(self, x: torch.Tensor, batch: object | None = None) -> torch.Tensor:
         y = self.base_forward(x)
         mapping = getattr(batch, "lora", None)
-        if mapping is None or not mapping.has_lora:
+        if mapping is None:
             return y
-        use_ab = any(self._slot_active[s] for s in mapping.active_slots)
-        use_bias = any(self._slot_has_bias[s] for s in mapping.active_slots)
+        use_ab = self._active_mask & mapping.active_mask
+        use_bias = self._bias_mask & mapping.active_mask
         if not (use_ab or use_bias):
             return y
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
@@ -183,7 +203,12 @@ class LinearWithLoRA(Linear):
         same_dtype = lora_dtype == y.dtype
         delta = y2 if same_dtype else torch.zeros(y2.shape, dtype=lora_dtype, device=y2.device)
         if use_ab:
-            add_lora(delta, x2.to(lora_dtype), self.lora_a_stacked, self.lora_b_stacked, mapping)
+            x2 = x2.to(lora_dtype)
+            args = self._cpu_kernel_args()
+            if args is not None and cpu_ops.applies(x2, delta, mapping):
+                cpu_ops.run(x2, delta, args, mapping)
+            else:
+                add_lora(delta, x2, self.lora_a_stacked, self.lora_b_stacked, mapping)
         if use_bias:
             assert self.lora_bias_stacked is not None
             # Row max_loras of the padded table is zero: tokens without an adapter add nothing.
@@ -193,6 +218,16 @@ class LinearWithLoRA(Linear):
         if not same_dtype:
             y2.add_(delta.to(y2.dtype))
         return y
+
+    def _cpu_kernel_args(self) -> tuple[int, ...] | None:
+        """The fused CPU kernel's per-layer arguments, recomputed only if the buffers moved."""
+        a_ptr = self.lora_a_stacked.data_ptr()
+        cached = self._kernel_args
+        if cached is None or cached[0] != a_ptr or cached[1] != self._lora_b_t.data_ptr():
+            args = cpu_ops.layer_args(self.lora_a_stacked, self._lora_b_t, self.lora_slices)
+            cached = (a_ptr, self._lora_b_t.data_ptr(), args)
+            self._kernel_args = cached
+        return cached[2]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}"

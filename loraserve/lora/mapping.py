@@ -68,6 +68,10 @@ class LoRABatchMapping:
     seg_starts/lens:  [num_active_slots] segment of each active slot inside `sorted_token_ids`.
     runs:             (slot, start, end): token ranges when `layout == "runs"`, else each active
                       slot's segment of `sorted_token_ids`.
+    active_mask:      bit s set for each active slot s (layers test it against their own slots).
+    kernel_args:      on CPU, the raw pointers and counts the fused C kernel takes (token_ids,
+                      seg_slots, seg_starts, seg_lens, num_segs, num_active), computed once per step;
+                      the tensors they point into are fields of this mapping, so they stay alive.
     """
 
     token_slots: torch.Tensor
@@ -82,6 +86,8 @@ class LoRABatchMapping:
     layout: str
     runs: tuple[tuple[int, int, int], ...]
     padded: PaddedLayout | None
+    active_mask: int = 0
+    kernel_args: tuple[int, ...] | None = None
 
     @property
     def has_lora(self) -> bool:
@@ -128,6 +134,10 @@ class LoRABatchMapping:
                 group_slots_t, gather, cell_tokens, scatter, len(group_slots_t), max(counts), use_all,
                 _contiguous_start(parts[6]),
             )
+        kernel_args = None
+        if views[0].device.type == "cpu":
+            kernel_args = (views[2].data_ptr(), views[1].data_ptr(), views[3].data_ptr(), views[4].data_ptr(),
+                           len(active), sum(counts))
         return cls(
             token_slots=views[0],
             num_tokens=len(slots),
@@ -141,6 +151,8 @@ class LoRABatchMapping:
             layout=chosen,
             runs=runs,
             padded=padded,
+            active_mask=sum(1 << slot for slot in active),
+            kernel_args=kernel_args,
         )
 
 

@@ -36,6 +36,12 @@ class LoRALayerWeights:
         tensors = [self.lora_a, self.lora_b] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def row_slice(self, start: int, end: int) -> LoRALayerWeights:
+        """The same adapter restricted to output rows [start, end) (shares A; views of B and bias)."""
+        bias = self.bias[start:end] if self.bias is not None else None
+        return LoRALayerWeights(self.module_name, self.rank, self.lora_a, self.lora_b[start:end],
+                                self.scaling, bias)
+
     def optimize(self) -> LoRALayerWeights:
         """Fold `scaling` into lora_b so the forward pass needs no extra multiply."""
         if self.scaling != 1.0:
