@@ -136,6 +136,9 @@ def test_llama_adapters_match_peft(tmp_path: Path) -> None:
     paths = {1: "qv", 2: "all", 3: "up"}
     for i, folder in paths.items():
         manager.load_and_add(LoRARequest(folder, i, str(tmp_path / folder)))
+    # Loads upload into free slots at once (off the engine's step); with none free, they wait for a step.
+    assert manager.slot_of(1) is not None and manager.slot_of(2) is not None and manager.slot_of(3) is None
+    assert manager.stats()["lora_num_slot_evictions"] == 0
     qv = manager.get_adapter(1)
     assert qv is not None
     packed = qv.loras["model.layers.0.self_attn.qkv_proj"]
@@ -218,8 +221,9 @@ def test_weights_and_identity(llama_and_adapter: tuple[Any, Any, Path], tmp_path
     assert isinstance(q, PackedLoRALayerWeights) and isinstance(q.slices[0], LoRALayerWeights)
     a = tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
     b = tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
-    assert q.slices[0].scaling == 1.0  # optimize() folded alpha / r = 2 into B
-    torch.testing.assert_close(q.slices[0].lora_b @ q.slices[0].lora_a, 2.0 * b @ a)
+    # alpha / r = 2 stays beside B until a slot folds it in (LinearWithLoRA.set_lora).
+    assert q.slices[0].scaling == 2.0
+    torch.testing.assert_close(q.slices[0].lora_b @ q.slices[0].lora_a, b @ a)
     assert model.rank == 4 and model.identity.name == "a"
     assert _load(folder, native).identity == model.identity
     changed = {k: (v + 1 if k.endswith("lora_B.weight") else v) for k, v in tensors.items()}

@@ -233,7 +233,8 @@ def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatc
     # A compiler that fails: the kernel is reported unavailable (with the reason), nothing raises.
     monkeypatch.setattr(cpu_ops, "_loaded", False)
     monkeypatch.setattr(cpu_ops, "_kernel", None)
+    monkeypatch.setattr(cpu_ops, "_write_kernel", None)
     monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    assert not cpu_ops.kernel_available()
+    assert not cpu_ops.kernel_available() and not cpu_ops.write_kernel_available()
     assert "CPU LoRA kernel unavailable" in caplog.text

@@ -24,6 +24,7 @@ from loraserve.config import LoRAConfig
 from loraserve.layers.linear import Linear
 from loraserve.lora.ops import add_lora, cpu_ops
 from loraserve.lora.ops.cpu_ops import LoRASlices
+from loraserve.lora.slot_writer import SlotWriter
 from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
 
 # Linear modules that never take LoRA: the vocab projection (served from the base model only).
@@ -72,6 +73,19 @@ def lora_target_modules(model: nn.Module) -> dict[str, Linear]:
     }
 
 
+@dataclass(slots=True)
+class _SlotState:
+    """Per-slot bookkeeping of a LinearWithLoRA, kept out of nn.Module's slow attribute machinery.
+
+    active_mask / bias_mask: bit s set when the adapter in slot s has A/B (a bias) in this layer.
+    ranks: ranks[s][q], the rank written in slot s for slice q (what a later write must zero).
+    """
+
+    ranks: list[list[int]]
+    active_mask: int = 0
+    bias_mask: int = 0
+
+
 class LinearWithLoRA(Linear):
     """A `Linear` plus `max_loras` adapter slots: y = x W^T + b + B[s] A[s] x (+ bias[s]) per token."""
 
@@ -116,8 +130,8 @@ class LinearWithLoRA(Linear):
             persistent=False,
         )
         # Per slot: does the adapter there touch this layer / carry a bias? Lets forward skip work.
-        self._active_mask = 0  # bit s: the adapter in slot s has A/B here
-        self._bias_mask = 0  # bit s: the adapter in slot s has a bias here
+        self._state = _SlotState(ranks=[[0] * self.num_slices for _ in range(max_loras)])
+        self._offsets = self.slice_offsets()
         self._kernel_args: tuple[int, int, tuple[int, ...] | None] | None = None
         # Rank per (slot, slice): the fused CPU kernel reads only these blocks of the buffers.
         self.lora_slices = LoRASlices(
@@ -131,39 +145,50 @@ class LinearWithLoRA(Linear):
         """[max_loras, out, num_slices * max_lora_rank] view of the B buffers."""
         return self._lora_b_t.transpose(1, 2)
 
-    def reset_lora(self, slot: int) -> None:
-        self.lora_a_stacked[slot].zero_()
-        self._lora_b_t[slot].zero_()
-        if self.lora_bias_stacked is not None:
-            self.lora_bias_stacked[slot].zero_()
-        self.lora_slices.ranks[slot].zero_()
-        self._active_mask &= ~(1 << slot)
-        self._bias_mask &= ~(1 << slot)
+    def reset_lora(self, slot: int, writer: SlotWriter | None = None) -> None:
+        """Empty `slot`, zeroing only what its adapter wrote (the rest of the buffers is always zero).
 
-    def set_lora(self, slot: int, lora: ModuleLoRA) -> None:
-        """Write one adapter's weights for this layer into `slot` (scaling folded into B)."""
+        With a `writer`, the zeroing happens at its `flush` (batched with other layers' writes)."""
+        self._check_slot(slot)
+        self._write_slices(slot, [None] * self.num_slices, writer)
+
+    def set_lora(self, slot: int, lora: ModuleLoRA, writer: SlotWriter | None = None) -> None:
+        """Write one adapter's weights for this layer into `slot`, its scaling folded into B.
+
+        Everything is validated before the first write, so a refused adapter leaves the slot as it was.
+        With a `writer`, the copies happen at its `flush` (batched with other layers' writes).
+        """
+        self._check_slot(slot)
+        self._write_slices(slot, self._slice_parts(lora), writer)
+
+    def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot {slot} is out of range for max_loras={self.max_loras}")
-        self.reset_lora(slot)
-        offsets = self.slice_offsets()
+
+    def _slice_parts(self, lora: ModuleLoRA) -> list[LoRALayerWeights | None]:
+        """The adapter's weights per output slice of this layer, each checked to fit."""
+        offsets = self._offsets
         if isinstance(lora, PackedLoRALayerWeights):
             if len(lora.slices) != self.num_slices:
                 raise ValueError(
                     f"{lora.module_name}: adapter has {len(lora.slices)} slices, layer has {self.num_slices}"
                 )
-            for i, part in enumerate(lora.slices):
-                if part is not None:
-                    self._write(slot, part, i * self.max_lora_rank, offsets[i], offsets[i + 1])
+            parts = list(lora.slices)
         elif self.num_slices == 1:
-            self._write(slot, lora, 0, 0, self.out_features)
+            parts = [lora]
         else:
             # A packed layer targeted as a whole (one A, one B over every slice): B @ A x splits by
             # output rows into B_i @ A x, so each slice gets the same A and its rows of B. The
             # buffers then keep one layout, block-diagonal by slice, whatever the adapter targets.
             self._check_fits(lora, self.out_features)
-            for i in range(self.num_slices):
-                part = lora.row_slice(offsets[i], offsets[i + 1])
-                self._write(slot, part, i * self.max_lora_rank, offsets[i], offsets[i + 1])
+            parts = [lora.row_slice(offsets[i], offsets[i + 1]) for i in range(self.num_slices)]
+        for i, part in enumerate(parts):
+            if part is None:
+                continue
+            self._check_fits(part, offsets[i + 1] - offsets[i])
+            if part.bias is not None and self.lora_bias_stacked is None:
+                raise ValueError(f"{part.module_name}: the adapter has a bias but --enable-lora-bias is off")
+        return parts
 
     def _check_fits(self, lora: LoRALayerWeights, out_features: int) -> None:
         if (lora.out_features, lora.in_features) != (out_features, self.in_features) \
@@ -174,28 +199,44 @@ class LinearWithLoRA(Linear):
                 f"max_lora_rank={self.max_lora_rank}"
             )
 
-    def _write(self, slot: int, lora: LoRALayerWeights, col: int, out_start: int, out_end: int) -> None:
-        self._check_fits(lora, out_end - out_start)
-        rank = lora.rank
-        if rank:
-            self.lora_a_stacked[slot, col : col + rank].copy_(lora.lora_a)
-            b = lora.lora_b if lora.scaling == 1.0 else lora.lora_b * lora.scaling
-            self._lora_b_t[slot, col : col + rank, out_start:out_end].copy_(b.t())
-            self.lora_slices.ranks[slot, col // self.max_lora_rank] = rank
-            self._active_mask |= 1 << slot
-        if lora.bias is not None:
-            if self.lora_bias_stacked is None:
-                raise ValueError(f"{lora.module_name}: the adapter has a bias but --enable-lora-bias is off")
-            self.lora_bias_stacked[slot, out_start:out_end].copy_(lora.bias)
-            self._bias_mask |= 1 << slot
+    def _write_slices(self, slot: int, parts: list[LoRALayerWeights | None], writer: SlotWriter | None) -> None:
+        """Write each slice's rows, then zero the rows the previous occupant had beyond them."""
+        own_writer = writer is None
+        out = SlotWriter() if writer is None else writer
+        state, offsets, max_rank = self._state, self._offsets, self.max_lora_rank
+        old_ranks = state.ranks[slot]
+        new_ranks = [part.rank if part is not None else 0 for part in parts]
+        a_buf, b_buf = self.lora_a_stacked, self._lora_b_t
+        for q, (part, old, new) in enumerate(zip(parts, old_ranks, new_ranks)):
+            row, lo, hi = q * max_rank, offsets[q], offsets[q + 1]
+            if part is not None and new:
+                out.write(a_buf, slot, row, new, 0, self.in_features, part.lora_a)
+                out.write(b_buf, slot, row, new, lo, hi, part.lora_b, part.scaling, transposed=True)
+            if old > new:
+                out.write(a_buf, slot, row + new, old - new, 0, self.in_features, None)
+                out.write(b_buf, slot, row + new, old - new, lo, hi, None)
+        bit = 1 << slot
+        has_bias = any(part is not None and part.bias is not None for part in parts)
+        if self.lora_bias_stacked is not None and (has_bias or state.bias_mask & bit):
+            self.lora_bias_stacked[slot].zero_()
+            for q, part in enumerate(parts):
+                if part is not None and part.bias is not None:
+                    self.lora_bias_stacked[slot, offsets[q] : offsets[q + 1]].copy_(part.bias)
+        if own_writer:
+            out.flush()
+        if new_ranks != old_ranks:
+            self.lora_slices.ranks[slot] = torch.tensor(new_ranks, dtype=torch.int32)
+            state.ranks[slot] = new_ranks
+        state.active_mask = state.active_mask | bit if any(new_ranks) else state.active_mask & ~bit
+        state.bias_mask = state.bias_mask | bit if has_bias else state.bias_mask & ~bit
 
     def forward(self, x: torch.Tensor, batch: object | None = None) -> torch.Tensor:
         y = self.base_forward(x)
         mapping = getattr(batch, "lora", None)
         if mapping is None:
             return y
-        use_ab = self._active_mask & mapping.active_mask
-        use_bias = self._bias_mask & mapping.active_mask
+        use_ab = self._state.active_mask & mapping.active_mask
+        use_bias = self._state.bias_mask & mapping.active_mask
         if not (use_ab or use_bias):
             return y
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)

@@ -9,20 +9,18 @@ Sub-module weights (q_proj, k_proj, v_proj) are packed into the model's packed m
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import safetensors.torch
 import torch
 from torch import nn
 
 from loraserve.errors import LoRAAdapterError
 from loraserve.layers.linear import Linear
+from loraserve.lora.checkpoint import AdapterFile, PendingDigest, read_adapter_file
 from loraserve.lora.layers import LoRATargets
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
@@ -30,7 +28,6 @@ from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayer
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 _PREFIX = "base_model.model."
 _LORA_KEY = re.compile(
     r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$"
@@ -63,8 +60,13 @@ class LoRAModel:
     path: str
     rank: int
     loras: dict[str, ModuleLoRA]
-    identity: AdapterIdentity
+    pending_digest: PendingDigest
     num_bytes: int = field(default=0)
+
+    @property
+    def identity(self) -> AdapterIdentity:
+        """Name + content digest (waits for the digest if it is still being hashed)."""
+        return AdapterIdentity(self.name, self.pending_digest.result())
 
     @property
     def id(self) -> int:
@@ -83,8 +85,8 @@ class LoRAModel:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> LoRAModel:
-        tensors = read_adapter_tensors(Path(lora_dir), lora_request.lora_name)
-        return cls.from_tensors(tensors, lora_request, peft_helper, model, dtype, device, path=str(lora_dir))
+        adapter = read_adapter_file(Path(lora_dir), lora_request.lora_name)
+        return cls.from_adapter_file(adapter, lora_request, peft_helper, model, dtype, device, str(lora_dir))
 
     @classmethod
     def from_tensors(
@@ -97,23 +99,37 @@ class LoRAModel:
         device: torch.device | str = "cpu",
         path: str = "",
     ) -> LoRAModel:
+        adapter = AdapterFile(lora_request.lora_name, Path(path or lora_request.lora_path), tensors)
+        return cls.from_adapter_file(adapter, lora_request, peft_helper, model, dtype, device, path)
+
+    @classmethod
+    def from_adapter_file(
+        cls,
+        adapter: AdapterFile,
+        lora_request: LoRARequest,
+        peft_helper: PEFTHelper,
+        model: nn.Module,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        path: str = "",
+    ) -> LoRAModel:
         name = lora_request.lora_name
-        # Hashing (the adapter's identity) runs beside the parsing below: hashlib releases the GIL,
-        # and nothing here mutates `tensors`.
-        digest: list[str] = []
-        hasher = threading.Thread(target=lambda: digest.append(_digest(tensors, peft_helper.config_json)))
-        hasher.start()
+        # The identity digest is hashed on background threads (hashlib releases the GIL) while the
+        # weights are parsed here and, often, uploaded to a slot; `identity` waits for it.
+        pending = adapter.start_digest(peft_helper.config_json)
         try:
-            loras, num_bytes = _build_loras(tensors, name, peft_helper, model, dtype, device)
-        finally:
-            hasher.join()
+            check_each = not adapter.all_finite()
+            loras, num_bytes = _build_loras(adapter.tensors, name, peft_helper, model, dtype, device, check_each)
+        except BaseException:
+            pending.result()  # never leave hashing threads behind a failed load
+            raise
         return cls(
             lora_int_id=lora_request.lora_int_id,
             name=name,
             path=path or lora_request.lora_path,
             rank=max(w.rank for w in loras.values()),
             loras=loras,
-            identity=AdapterIdentity(name, digest[0] if digest else _digest(tensors, peft_helper.config_json)),
+            pending_digest=pending,
             num_bytes=num_bytes,
         )
 
@@ -125,8 +141,11 @@ def _build_loras(
     model: nn.Module,
     dtype: torch.dtype,
     device: torch.device | str,
+    check_finite: bool = True,
 ) -> tuple[dict[str, ModuleLoRA], int]:
-    """Validated, scaled per-module weights (packed where the model packs) and their byte count."""
+    """Validated per-module weights (packed where the model packs) and their byte count. The scaling
+    stays beside B: slots fold it in as they copy B (`LinearWithLoRA.set_lora`), saving a pass here.
+    `check_finite` False: the caller has already checked every value at once."""
     targets = LoRATargets.from_model(model)
     by_module = _group_keys(tensors, name, peft_helper.bias != "none")
     if not by_module:
@@ -145,14 +164,14 @@ def _build_loras(
         base, packed_name, index = _locate(module_name, targets)
         offsets = base.slice_offsets() if packed_name else [0, base.out_features]
         weights = _layer_weights(
-            module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name
+            module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name, check_finite
         )
         if weights.bias is not None and not peft_helper.bias_enabled:
             raise LoRAAdapterError(
                 f"LoRA adapter '{name}': {module_name} has a bias; Adapter bias cannot be used without "
                 "--enable-lora-bias"
             )
-        weights = _to(weights, dtype, device).optimize()
+        weights = _to(weights, dtype, device)
         if packed_name is None:
             loras[module_name] = weights
         else:
@@ -180,33 +199,6 @@ def _to(weights: LoRALayerWeights, dtype: torch.dtype, device: torch.device | st
     if weights.bias is not None:
         weights.bias = weights.bias.to(device=device, dtype=dtype)
     return weights
-
-
-def read_adapter_tensors(lora_dir: Path, lora_name: str) -> dict[str, torch.Tensor]:
-    """The adapter's tensors from the first weights file present, read without running code."""
-    weight_file = next((lora_dir / f for f in WEIGHT_FILES if (lora_dir / f).is_file()), None)
-    if weight_file is None:
-        raise LoRAAdapterError(
-            f"LoRA adapter '{lora_name}': no weights file ({', '.join(WEIGHT_FILES)}) in {str(lora_dir)!r}"
-        )
-    try:
-        if weight_file.suffix == ".safetensors":
-            tensors = safetensors.torch.load_file(str(weight_file), device="cpu")
-        else:
-            tensors = torch.load(str(weight_file), map_location="cpu", weights_only=True)
-    except Exception as e:  # any parse failure (bad pickle, corrupt zip/header) is the adapter's fault
-        reason = re.sub(r"0x[0-9a-fA-F]+", "0x?", str(e).strip().splitlines()[0] if str(e).strip() else "")
-        raise LoRAAdapterError(
-            f"LoRA adapter '{lora_name}': cannot load {weight_file.name} safely "
-            f"({type(e).__name__}: {reason[:300]})"
-        ) from None
-    if not isinstance(tensors, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
-    ):
-        raise LoRAAdapterError(
-            f"LoRA adapter '{lora_name}': {weight_file.name} is not a mapping of names to tensors"
-        )
-    return tensors
 
 
 def _group_keys(
@@ -270,6 +262,7 @@ def _layer_weights(
     out_start: int,
     out_end: int,
     name: str,
+    check_finite: bool = True,
 ) -> LoRALayerWeights:
     """Validate one module's tensors against the model and the config; scaling not yet folded in."""
     in_features, out_features = base.in_features, out_end - out_start
@@ -295,7 +288,9 @@ def _layer_weights(
             )
         # A sum is non-finite iff some element is (or the sum overflows, itself unusable): one pass,
         # no boolean temporary, ~5x cheaper than isfinite().all() on the CPU.
-        if not tensor.is_floating_point() or not math.isfinite(float(tensor.sum(dtype=torch.float32))):
+        if not tensor.is_floating_point() or (
+            check_finite and not math.isfinite(float(tensor.sum(dtype=torch.float32)))
+        ):
             raise LoRAAdapterError(
                 f"LoRA adapter '{name}': {module_name} {label} has non-finite or non-float values"
             )
@@ -320,12 +315,3 @@ def _combined_bias(
         delta = parts.base_bias.float() - base_bias.detach()[start:end].float().cpu()
         bias = delta if bias is None else bias + delta
     return bias
-
-
-def _digest(tensors: dict[str, torch.Tensor], config_json: str) -> str:
-    h = hashlib.sha256(config_json.encode())
-    for key in sorted(tensors):
-        t = tensors[key].detach().contiguous().cpu()
-        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the array's buffer: no copy
-    return h.hexdigest()

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from array import array
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -39,9 +40,9 @@ logger = logging.getLogger(__name__)
 
 MAX_SEGMENT_LEN = 32  # longest per-slot token segment the kernel beats the bmm path on (see above)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-_SYMBOL = "lora_fused_f32"
 _lock = threading.Lock()
-_kernel: Any = None  # the ctypes function, once loaded
+_kernel: Any = None  # lora_fused_f32, once loaded
+_write_kernel: Any = None  # lora_write_blocks, once loaded
 _loaded = False
 
 
@@ -95,28 +96,47 @@ def _load() -> Any:
     try:
         if not os.path.exists(target):
             _build(compiler, source, target)
-        fn = getattr(ctypes.CDLL(target), _SYMBOL)
+        lib = ctypes.CDLL(target)
+        fused, write = lib.lora_fused_f32, lib.lora_write_blocks
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("CPU LoRA kernel unavailable (%s %s); using the torch ops", e, detail[-500:])
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64,
-                   ctypes.c_int]
-    return fn
+    fused.restype = ctypes.c_int
+    fused.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64,
+                      ctypes.c_int]
+    write.restype = None
+    write.argtypes = [i64, ptr, ptr, ctypes.c_int]
+    return fused, write
 
 
 def kernel_available() -> bool:
-    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built."""
-    global _kernel, _loaded
+    """Builds (once per process) and loads the kernels; False if disabled or they cannot be built."""
+    global _kernel, _write_kernel, _loaded
     if not envs.cpu_lora_kernel():
         return False
     with _lock:
         if not _loaded:
-            _kernel = _load()
+            loaded = _load()
+            _kernel, _write_kernel = loaded if loaded is not None else (None, None)
             _loaded = True
     return _kernel is not None
+
+
+def write_kernel_available() -> bool:
+    """Whether `write_blocks` runs in C (same build and switch as the fused kernel)."""
+    return kernel_available() and _write_kernel is not None
+
+
+def write_blocks(records: array, scales: array) -> None:
+    """Run the slot writes `records` (7 int64 per block; see cpu_kernel.c) with their `scales`."""
+    if len(records) != 7 * len(scales) or records.typecode != "q" or scales.typecode != "f":
+        raise ValueError("write_blocks needs 7 int64 values and one float32 scale per block")
+    assert _write_kernel is not None
+    records_ptr, _ = records.buffer_info()
+    scales_ptr, _ = scales.buffer_info()
+    _write_kernel(len(scales), records_ptr, scales_ptr, torch.get_num_threads())
 
 
 def layer_args(a: torch.Tensor, b_t: torch.Tensor, slices: LoRASlices) -> tuple[int, ...] | None:
