@@ -9,6 +9,7 @@ Sub-module weights (q_proj, k_proj, v_proj) are packed into the model's packed m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -86,12 +87,12 @@ class LoRAModel:
         device: torch.device | str = "cpu",
     ) -> LoRAModel:
         adapter = read_adapter_file(Path(lora_dir), lora_request.lora_name)
-        return cls.from_adapter_file(adapter, lora_request, peft_helper, model, dtype, device, str(lora_dir))
+        return cls.from_tensors(adapter, lora_request, peft_helper, model, dtype, device, str(lora_dir))
 
     @classmethod
     def from_tensors(
         cls,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor] | AdapterFile,
         lora_request: LoRARequest,
         peft_helper: PEFTHelper,
         model: nn.Module,
@@ -99,20 +100,10 @@ class LoRAModel:
         device: torch.device | str = "cpu",
         path: str = "",
     ) -> LoRAModel:
-        adapter = AdapterFile(lora_request.lora_name, Path(path or lora_request.lora_path), tensors)
-        return cls.from_adapter_file(adapter, lora_request, peft_helper, model, dtype, device, path)
-
-    @classmethod
-    def from_adapter_file(
-        cls,
-        adapter: AdapterFile,
-        lora_request: LoRARequest,
-        peft_helper: PEFTHelper,
-        model: nn.Module,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        path: str = "",
-    ) -> LoRAModel:
+        """An adapter from its tensors (a dict, or a file read by `read_adapter_file`)."""
+        adapter = tensors if isinstance(tensors, AdapterFile) else AdapterFile(
+            lora_request.lora_name, Path(path or lora_request.lora_path), tensors
+        )
         name = lora_request.lora_name
         # The identity digest is hashed on background threads (hashlib releases the GIL) while the
         # weights are parsed here and, often, uploaded to a slot; `identity` waits for it.
@@ -121,7 +112,8 @@ class LoRAModel:
             check_each = not adapter.all_finite()
             loras, num_bytes = _build_loras(adapter.tensors, name, peft_helper, model, dtype, device, check_each)
         except BaseException:
-            pending.result()  # never leave hashing threads behind a failed load
+            with contextlib.suppress(Exception):
+                pending.result()  # never leave hashing threads behind a failed load
             raise
         return cls(
             lora_int_id=lora_request.lora_int_id,
