@@ -197,3 +197,25 @@ def test_wrap_model_in_place() -> None:
     assert set(lora_target_modules(model)) == set(targets.modules)
     assert wrapped["layers.0.qkv_proj"].lora_a_stacked.shape == (2, 3 * 4, IN)
     assert wrapped["layers.0.qkv_proj"].lora_b_stacked.shape == (2, 32, 3 * 4)
+
+
+@pytest.mark.parametrize("cpu_kernel", ["1", "0"])
+def test_slot_rewrite_leaves_no_trace(cpu_kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing a smaller adapter over a bigger one gives the same buffers as writing it into a fresh
+    layer (rows past the new ranks zeroed, off-diagonal blocks untouched); a reset gives zeros."""
+    monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
+    sizes = [16, 8, 8]
+    big = PackedLoRALayerWeights("qkv", [_lora("q", 16, 8, 1), _lora("k", 8, 8, 2), _lora("v", 8, 8, 3)])
+    small = PackedLoRALayerWeights("qkv", [_lora("q", 16, 3, 4), None, _lora("v", 8, 5, 5)])
+    whole = _lora("qkv", 32, 2, 6)  # the packed layer targeted as a whole
+    used, fresh = LinearWithLoRA(_linear(sizes), MAX_LORAS, MAX_RANK), LinearWithLoRA(_linear(sizes), MAX_LORAS, MAX_RANK)
+    for later in (small, whole):
+        used.set_lora(1, big)
+        used.set_lora(1, later)
+        fresh.reset_lora(1)
+        fresh.set_lora(1, later)
+        assert torch.equal(used.lora_a_stacked, fresh.lora_a_stacked)
+        assert torch.equal(used.lora_b_stacked, fresh.lora_b_stacked)
+        assert torch.equal(used.lora_slices.ranks, fresh.lora_slices.ranks)
+    used.reset_lora(1)
+    assert not used.lora_a_stacked.any() and not used.lora_b_stacked.any() and not used.lora_slices.ranks.any()

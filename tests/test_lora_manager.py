@@ -18,6 +18,7 @@ from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.manager import LoRAModelManager
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
+from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
 
 H, KV, INTER, RANK = 16, 8, 24, 4
 
@@ -232,3 +233,37 @@ def test_concurrent_first_requests_load_once(tmp_path: Path) -> None:
         t.join()
     assert len(results) == 6 and all(r is results[0] for r in results)
     assert manager.counters.num_loads == 1 and manager._load_locks == {}
+
+
+def _slot_is_clean(manager: LoRAModelManager, slot: int) -> bool:
+    """Every buffer row of `slot` is zero and no layer records a rank or activity there."""
+    for layer in manager.modules.values():
+        if layer.lora_a_stacked[slot].any() or layer.lora_b_stacked[slot].any():
+            return False
+        if layer.lora_slices.ranks[slot].any() or layer._state.active_mask & (1 << slot):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("cpu_kernel", ["1", "0"])
+def test_activation_refused_midway_leaves_a_clean_free_slot(cpu_kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
+    manager = _manager(2, 4, [1, 2])
+    manager.activate({1})
+    manager.activate({2})
+    victim_slot = manager.slot_of(2)
+    # An adapter whose last module does not fit its layer: earlier layers are written, then refused.
+    broken = _adapter(manager.model, 3)
+    last = "model.layers.1.mlp.down_proj"
+    good = broken.loras[last]
+    assert not isinstance(good, PackedLoRALayerWeights)
+    broken.loras[last] = LoRALayerWeights(last, RANK, good.lora_a[:, :-1], good.lora_b, good.scaling)
+    assert manager.add_adapter(broken)
+    # Adapter 2's slot is the LRU victim: layer 0 gets adapter 3, then layer 1 refuses it, so the
+    # slot holds parts of both when the manager cleans it up.
+    with pytest.raises(ValueError, match="does not fit"):
+        manager.activate({1, 3})
+    assert victim_slot is not None and manager.slot_of(2) is None and manager.slot_of(3) is None
+    assert _slot_is_clean(manager, victim_slot)
+    slot_1 = manager.slot_of(1)
+    assert slot_1 is not None and _slot_holds(manager, slot_1, 1)  # the other slot is untouched

@@ -271,6 +271,8 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
         ("rank_mismatch", r"lora_A has shape \(4, 32\), expected \(8, 32\)"),
         ("missing_b", "has no lora_B weight"),
         ("nan", "non-finite"),
+        ("inf_in_bin", "non-finite"),  # a .bin file: checked tensor by tensor, not in one pass
+        ("overflow_once_scaled", r"lora_B has non-finite .* overflow the LoRA dtype once scaled by 1e\+41"),
         ("bias_without_flag", "without --enable-lora-bias"),
         ("empty", "has no LoRA weights"),
     ],
@@ -300,13 +302,20 @@ def test_bad_adapters(
     elif case == "nan":
         tensors[q_a] = tensors[q_a].clone()
         tensors[q_a][0, 0] = float("nan")
+    elif case == "inf_in_bin":
+        tensors[q_a] = tensors[q_a].clone()
+        tensors[q_a][0, 1] = float("inf")
+    elif case == "overflow_once_scaled":
+        config["lora_alpha"] = 4e41  # scaling alpha / r = 1e41: finite B values overflow float32 in a slot
     elif case == "bias_without_flag":
         tensors[q_a.replace("lora_A.weight", "lora_B.bias")] = torch.randn(32)
     elif case == "empty":
         tensors = {}
     target = _copy_adapter(folder, tmp_path / case, tensors, **config)
-    if case == "no_weights":
+    if case in ("no_weights", "inf_in_bin"):
         (target / "adapter_model.safetensors").unlink()
+    if case == "inf_in_bin":
+        torch.save(tensors, target / "adapter_model.bin")
     with pytest.raises(LoRAAdapterError, match=message) as info:
         _load(target, native, name="bad")
     assert "'bad'" in str(info.value)

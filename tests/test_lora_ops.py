@@ -220,9 +220,18 @@ def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
     assert not cpu_ops.applies(torch.zeros(33, IN), torch.zeros(33, 56), long_segment)
     assert cpu_ops.layer_args(a.double(), bt.double(), slices) is None
     assert cpu_ops.layer_args(a.transpose(1, 2), bt, slices) is None  # not contiguous
+    with pytest.raises(ValueError, match="do not cut"):
+        cpu_ops.layer_args(a, bt, cpu_ops.LoRASlices(torch.tensor([0, 4096]), slices.ranks, R))
     if cpu_ops.kernel_available():
         with pytest.raises(ValueError, match="do not fit"):
             cpu_ops.fused_add_lora(torch.zeros(3, 56), torch.randn(3, IN), a, bt, slices, mapping)
+        far = LoRABatchMapping.build([0, 100_000], "cpu")  # no max_loras: the mapping cannot check
+        with pytest.raises(ValueError, match="out of range"):
+            cpu_ops.fused_add_lora(y, x, a, bt, slices, far)
+        # Ranks past max_rank are clamped by the kernel, never read past the buffers.
+        wild = cpu_ops.LoRASlices(torch.tensor([0, 56]), torch.full((L, 1), 10**6, dtype=torch.int32), R)
+        expected = cpu_ops.fused_add_lora(torch.zeros(2, 56), x, a, bt, slices, mapping)
+        torch.testing.assert_close(cpu_ops.fused_add_lora(torch.zeros(2, 56), x, a, bt, wild, mapping), expected)
 
 
 def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object,

@@ -191,10 +191,14 @@ class LinearWithLoRA(Linear):
         return parts
 
     def _check_fits(self, lora: LoRALayerWeights, out_features: int) -> None:
-        if (lora.out_features, lora.in_features) != (out_features, self.in_features) \
-                or lora.rank > self.max_lora_rank:
+        # Full shapes, not just in/out: the batched slot writes read the sources through raw pointers.
+        shapes = (tuple(lora.lora_a.shape), tuple(lora.lora_b.shape),
+                  None if lora.bias is None else tuple(lora.bias.shape))
+        expected = ((lora.rank, self.in_features), (out_features, lora.rank),
+                    None if lora.bias is None else (out_features,))
+        if shapes != expected or not 0 <= lora.rank <= self.max_lora_rank:
             raise ValueError(
-                f"{lora.module_name}: LoRA of shape out={lora.out_features}, in={lora.in_features}, "
+                f"{lora.module_name}: LoRA with A {shapes[0]}, B {shapes[1]}, bias {shapes[2]} and "
                 f"rank={lora.rank} does not fit a layer slice of out={out_features}, in={self.in_features}, "
                 f"max_lora_rank={self.max_lora_rank}"
             )

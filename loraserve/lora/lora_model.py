@@ -109,8 +109,8 @@ class LoRAModel:
         # weights are parsed here and, often, uploaded to a slot; `identity` waits for it.
         pending = adapter.start_digest(peft_helper.config_json)
         try:
-            check_each = not adapter.all_finite()
-            loras, num_bytes = _build_loras(adapter.tensors, name, peft_helper, model, dtype, device, check_each)
+            bound = adapter.max_abs()
+            loras, num_bytes = _build_loras(adapter.tensors, name, peft_helper, model, dtype, device, bound)
         except BaseException:
             with contextlib.suppress(Exception):
                 pending.result()  # never leave hashing threads behind a failed load
@@ -133,11 +133,12 @@ def _build_loras(
     model: nn.Module,
     dtype: torch.dtype,
     device: torch.device | str,
-    check_finite: bool = True,
+    bound: float | None = None,
 ) -> tuple[dict[str, ModuleLoRA], int]:
     """Validated per-module weights (packed where the model packs) and their byte count. The scaling
     stays beside B: slots fold it in as they copy B (`LinearWithLoRA.set_lora`), saving a pass here.
-    `check_finite` False: the caller has already checked every value at once."""
+    `bound`: the largest |value| of all tensors when the caller has found it in one pass (else each
+    tensor is checked on its own)."""
     targets = LoRATargets.from_model(model)
     by_module = _group_keys(tensors, name, peft_helper.bias != "none")
     if not by_module:
@@ -156,7 +157,8 @@ def _build_loras(
         base, packed_name, index = _locate(module_name, targets)
         offsets = base.slice_offsets() if packed_name else [0, base.out_features]
         weights = _layer_weights(
-            module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name, check_finite
+            module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name,
+            _ValueCheck(bound, torch.finfo(dtype).max if dtype.is_floating_point else math.inf),
         )
         if weights.bias is not None and not peft_helper.bias_enabled:
             raise LoRAAdapterError(
@@ -246,6 +248,25 @@ def _check_supported(by_module: dict[str, _ModuleTensors], targets: LoRATargets,
         )
 
 
+@dataclass(frozen=True)
+class _ValueCheck:
+    """Values must be finite and stay below `limit` (the LoRA dtype's max) once scaled; `bound`, when
+    known, is the largest |value| of the whole adapter, which settles most tensors without a pass."""
+
+    bound: float | None
+    limit: float
+
+    def ok(self, tensor: torch.Tensor, factor: float) -> bool:
+        factor = abs(factor)
+        if self.bound is not None and self.bound * factor <= self.limit:
+            return True
+        if tensor.numel() == 0:
+            return True
+        low, high = torch.aminmax(tensor)  # one pass, NaN propagates
+        largest = max(abs(float(low)), abs(float(high)))
+        return math.isfinite(largest) and largest * factor <= self.limit
+
+
 def _layer_weights(
     module_name: str,
     parts: _ModuleTensors,
@@ -254,7 +275,7 @@ def _layer_weights(
     out_start: int,
     out_end: int,
     name: str,
-    check_finite: bool = True,
+    values: _ValueCheck,
 ) -> LoRALayerWeights:
     """Validate one module's tensors against the model and the config; scaling not yet folded in."""
     in_features, out_features = base.in_features, out_end - out_start
@@ -262,13 +283,14 @@ def _layer_weights(
         missing = "lora_A" if parts.lora_a is None else "lora_B"
         raise LoRAAdapterError(f"LoRA adapter '{name}': {module_name} has no {missing} weight")
     rank = helper.rank_for(module_name) if parts.lora_a is not None else 0
+    scaling = helper.scaling_for(module_name) if rank else 1.0
     lora_a = parts.lora_a if parts.lora_a is not None else torch.zeros(0, in_features)
     lora_b = parts.lora_b if parts.lora_b is not None else torch.zeros(out_features, 0)
-    for label, tensor, expected in (
-        ("lora_A", lora_a, (rank, in_features)),
-        ("lora_B", lora_b, (out_features, rank)),
-        ("lora_B bias", parts.lora_b_bias, (out_features,)),
-        ("bias", parts.base_bias, (out_features,)),
+    for label, tensor, expected, factor in (
+        ("lora_A", lora_a, (rank, in_features), 1.0),
+        ("lora_B", lora_b, (out_features, rank), scaling),
+        ("lora_B bias", parts.lora_b_bias, (out_features,), scaling),
+        ("bias", parts.base_bias, (out_features,), 1.0),
     ):
         if tensor is None:
             continue
@@ -278,15 +300,11 @@ def _layer_weights(
                 f"rank differs from {helper.rank_for(module_name)} in adapter_config.json): {module_name} "
                 f"{label} has shape {tuple(tensor.shape)}, expected {expected}"
             )
-        # A sum is non-finite iff some element is (or the sum overflows, itself unusable): one pass,
-        # no boolean temporary, ~5x cheaper than isfinite().all() on the CPU.
-        if not tensor.is_floating_point() or (
-            check_finite and not math.isfinite(float(tensor.sum(dtype=torch.float32)))
-        ):
+        if not tensor.is_floating_point() or not values.ok(tensor, factor):
             raise LoRAAdapterError(
-                f"LoRA adapter '{name}': {module_name} {label} has non-finite or non-float values"
+                f"LoRA adapter '{name}': {module_name} {label} has non-finite or non-float values, or "
+                f"values that overflow the LoRA dtype once scaled by {factor:g}"
             )
-    scaling = helper.scaling_for(module_name) if rank else 1.0
     bias = _combined_bias(parts, scaling, base, out_start, out_end, module_name, name)
     return LoRALayerWeights(module_name, rank, lora_a.float(), lora_b.float(), scaling, bias)
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
+from loraserve.errors import LoRAAdapterError
 from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.peft_helper import PEFTHelper
@@ -330,8 +331,12 @@ class LoRAModelManager:
                 raise
             if not added:
                 return self._host[lora_model.id]  # another thread registered it meanwhile
+            try:
+                self._preactivate(lora_model.id)
+            except Exception as e:
+                self.counters.num_load_failures += 1
+                raise LoRAAdapterError(f"LoRA adapter '{lora_model.name}' does not fit a slot: {e}") from None
             self.counters.num_loads += 1
             self.counters.load_seconds_total += elapsed
             self._load_latencies.append(elapsed)
-            self._preactivate(lora_model.id)
         return lora_model

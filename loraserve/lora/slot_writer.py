@@ -20,11 +20,13 @@ class SlotWriter:
     """Collects block writes `dst[slot, rows, cols] = scale * src` (src None: zeros) until `flush`.
 
     dst buffers are [max_loras, rows, width] contiguous; src is [rows, cols], or [cols, rows] when
-    `transposed` (lora_b written as its transpose). Sources are kept alive until the flush.
+    `transposed` (lora_b written as its transpose); callers check the shapes (the kernel reads through
+    raw pointers). Sources are kept alive until the flush. Blocks of one flush must not overlap: they
+    are written in parallel, in no set order.
     """
 
     def __init__(self, use_kernel: bool | None = None) -> None:
-        self._use_kernel = cpu_ops.write_kernel_available() if use_kernel is None else use_kernel
+        self._use_kernel = (use_kernel is not False) and cpu_ops.write_kernel_available()
         self._records = array("q")
         self._scales = array("f")
         self._sources: list[torch.Tensor] = []

@@ -75,7 +75,15 @@ static void axpy_block(float *y, const float *t, const float *b, int64_t ld, int
     }
 }
 
-/* Returns 0 on success, 1 when the scratch buffer cannot be allocated (nothing written then). */
+/* A slot's rank for one slice, clamped to [0, max_rank] so no value can index past the buffers. */
+static inline int64_t slice_rank(const int32_t *ranks, int64_t index, int64_t max_rank) {
+    const int64_t rank = ranks[index];
+    return rank < 0 ? 0 : (rank > max_rank ? max_rank : rank);
+}
+
+/* Returns 0 on success, 1 when the scratch buffer cannot be allocated (nothing written then).
+ * The caller guarantees: token_ids < rows of x and y, seg_slots < L, slice offsets increasing
+ * from 0 to out_features (cpu_ops.py checks all three). */
 int lora_fused_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t in_features,
                    int64_t out_features, const float *a, const float *bt, int64_t max_rank,
                    int64_t num_slices, const int64_t *slice_offsets, const int32_t *ranks,
@@ -95,7 +103,7 @@ int lora_fused_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < shrink_items; ++item) {
             const int64_t seg = item / stacked_rank, row = item % stacked_rank, slot = seg_slots[seg];
-            if (row % max_rank >= ranks[slot * num_slices + row / max_rank]) continue;
+            if (row % max_rank >= slice_rank(ranks, slot * num_slices + row / max_rank, max_rank)) continue;
             const float *a_row = a + (slot * stacked_rank + row) * in_features;
             const int64_t start = seg_starts[seg], len = seg_lens[seg];
             for (int64_t m = 0; m < len; m += 2) {
@@ -115,7 +123,7 @@ int lora_fused_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
                 if (chunk < n) break;
                 chunk -= n;
             }
-            const int64_t rank = ranks[slot * num_slices + q];
+            const int64_t rank = slice_rank(ranks, slot * num_slices + q, max_rank);
             if (rank == 0) continue;
             const int64_t col = slice_offsets[q] + chunk * CHUNK;
             const int64_t width = slice_offsets[q + 1] - col < CHUNK ? slice_offsets[q + 1] - col : CHUNK;

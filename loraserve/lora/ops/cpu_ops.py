@@ -140,8 +140,9 @@ def write_blocks(records: array, scales: array) -> None:
 
 
 def layer_args(a: torch.Tensor, b_t: torch.Tensor, slices: LoRASlices) -> tuple[int, ...] | None:
-    """The per-layer half of the kernel's arguments, or None when the kernel cannot serve this layer
-    (not float32 contiguous CPU buffers, or no kernel). Layers compute it once and reuse it."""
+    """The per-layer half of the kernel's arguments (plus the slot count, last), or None when the kernel
+    cannot serve this layer (not float32 contiguous CPU buffers, or no kernel). Layers compute it once
+    and reuse it. Raises ValueError for slice offsets that do not cut the outputs."""
     tensors = (a, b_t, slices.offsets, slices.ranks)
     if a.dtype != torch.float32 or b_t.dtype != torch.float32 or any(t.device.type != "cpu" for t in tensors):
         return None
@@ -150,10 +151,13 @@ def layer_args(a: torch.Tensor, b_t: torch.Tensor, slices: LoRASlices) -> tuple[
             or stacked != num_slices * slices.max_rank or slices.ranks.shape != (a.shape[0], num_slices) \
             or slices.ranks.dtype != torch.int32 or slices.offsets.dtype != torch.int64:
         return None
+    offsets = slices.offsets.tolist()
+    if offsets[0] != 0 or offsets[-1] != b_t.shape[2] or any(x >= y for x, y in zip(offsets, offsets[1:])):
+        raise ValueError(f"slice offsets {offsets} do not cut the {b_t.shape[2]} outputs into slices")
     if not kernel_available():
         return None
     return (a.shape[2], b_t.shape[2], a.data_ptr(), b_t.data_ptr(), slices.max_rank, num_slices,
-            slices.offsets.data_ptr(), slices.ranks.data_ptr())
+            slices.offsets.data_ptr(), slices.ranks.data_ptr(), a.shape[0])
 
 
 def applies(x: torch.Tensor, y: torch.Tensor, mapping: LoRABatchMapping) -> bool:
@@ -173,7 +177,9 @@ def run(x: torch.Tensor, y: torch.Tensor, args: tuple[int, ...], mapping: LoRABa
     if x.shape[0] != mapping.num_tokens or y.shape[0] != mapping.num_tokens or (x.shape[1], y.shape[1]) != args[:2]:
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} do not fit {mapping.num_tokens} tokens "
                          f"and a layer of in={args[0]}, out={args[1]}")
-    status = _kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *args, *mapping.kernel_args,
+    if mapping.active_slots and mapping.active_slots[-1] >= args[-1]:
+        raise ValueError(f"slot {mapping.active_slots[-1]} is out of range for a layer of {args[-1]} slots")
+    status = _kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *args[:-1], *mapping.kernel_args,
                      torch.get_num_threads())
     if status != 0:
         raise MemoryError("CPU LoRA kernel could not allocate its scratch buffer")
