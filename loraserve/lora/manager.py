@@ -26,6 +26,7 @@ from loraserve.config import LoRAConfig
 from loraserve.errors import LoRAAdapterError
 from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
+from loraserve.lora.ops import cpu_ops
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.slot_writer import SlotWriter
@@ -67,6 +68,8 @@ class LoRAModelManager:
         self._load_latencies: list[float] = []
         self._load_locks: dict[int, threading.Lock] = {}
         self._lock = threading.RLock()
+        if self.device.type == "cpu" and self.lora_dtype == torch.float32:
+            cpu_ops.kernel_available()  # build the CPU kernel (~1 s) now, not on a first request
 
     @property
     def max_loras(self) -> int:
