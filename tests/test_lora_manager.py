@@ -258,6 +258,13 @@ def test_activation_refused_midway_leaves_a_clean_free_slot(cpu_kernel: str, mon
     good = broken.loras[last]
     assert not isinstance(good, PackedLoRALayerWeights)
     broken.loras[last] = LoRALayerWeights(last, RANK, good.lora_a[:, :-1], good.lora_b, good.scaling)
+    # Lower ranks than adapter 2 in layer 0, so writing it there must also zero adapter 2's extra rows.
+    for name, weights in list(broken.loras.items()):
+        if name.startswith("model.layers.0."):
+            parts = weights.slices if isinstance(weights, PackedLoRALayerWeights) else [weights]
+            for part in parts:
+                if part is not None:
+                    part.rank, part.lora_a, part.lora_b = 2, part.lora_a[:2], part.lora_b[:, :2]
     assert manager.add_adapter(broken)
     # Adapter 2's slot is the LRU victim: layer 0 gets adapter 3, then layer 1 refuses it, so the
     # slot holds parts of both when the manager cleans it up.

@@ -29,7 +29,7 @@ from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.ops import cpu_ops
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
-from loraserve.lora.slot_writer import SlotWriter
+from loraserve.lora.slot_writer import clear_slot, write_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class LoRAModelManager:
         slot = self._slot_lru.pop(adapter_id, None)
         if slot is not None:
             self._slot_ids[slot] = None
-            self._reset_slot(slot)
+            clear_slot(self.modules, slot)
         self._pinned.discard(adapter_id)
         self._in_use = self._in_use - {adapter_id}
         del self._host[adapter_id]
@@ -214,39 +214,16 @@ class LoRAModelManager:
                 )
             slot = self._slot_lru.pop(victim)
             self.counters.num_slot_evictions += 1
-        lora_model = self._host[adapter_id]
         try:
-            # Every layer's copies in one batched write: a few ms instead of ~600 small torch ops.
-            # Flushed even when a layer refuses its weights, so each layer's buffers match the ranks it
-            # recorded and the reset below zeroes exactly what was written.
-            writer = SlotWriter()
-            try:
-                for name, layer in self.modules.items():
-                    weights = lora_model.get_lora(name)
-                    if weights is None:
-                        layer.reset_lora(slot, writer)
-                    else:
-                        layer.set_lora(slot, weights, writer)
-            finally:
-                writer.flush()
+            write_adapter(self.modules, slot, self._host[adapter_id])
         except Exception:
-            # Leave a clean, free slot behind rather than half an adapter.
             self._slot_ids[slot] = None
-            self._reset_slot(slot)
             raise
         self._slot_ids[slot] = adapter_id
         self._slot_lru[adapter_id] = slot
         self.counters.num_slot_loads += 1
         logger.info("Activating LoRA. int id: %d, slot index: %d", adapter_id, slot)
         return slot
-
-    def _reset_slot(self, slot: int) -> None:
-        writer = SlotWriter()
-        try:
-            for layer in self.modules.values():
-                layer.reset_lora(slot, writer)
-        finally:
-            writer.flush()
 
     def _preactivate(self, adapter_id: int) -> None:
         """Upload a freshly loaded adapter to a free slot now, on the loading thread (while its digest

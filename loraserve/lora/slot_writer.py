@@ -10,10 +10,16 @@ kernel (`lora_write_blocks`), or falls back to the same torch ops for other dtyp
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraserve.lora.ops import cpu_ops
+
+if TYPE_CHECKING:
+    from loraserve.lora.layers import LinearWithLoRA
+    from loraserve.lora.lora_model import LoRAModel
 
 
 class SlotWriter:
@@ -76,3 +82,34 @@ class SlotWriter:
         if self._scales:
             cpu_ops.write_blocks(self._records, self._scales)
         self._records, self._scales, self._sources = array("q"), array("f"), []
+
+
+def write_adapter(layers: Mapping[str, LinearWithLoRA], slot: int, lora_model: LoRAModel) -> None:
+    """Put an adapter in `slot` of every layer (layers it does not touch are cleared), in one batched
+    write. If a layer refuses its weights, the slot is left clean and free of any adapter and the
+    error propagates: the writes recorded so far are flushed first, so every layer's buffers match
+    the ranks it recorded and the clearing zeroes exactly what was written."""
+    writer = SlotWriter()
+    try:
+        try:
+            for name, layer in layers.items():
+                weights = lora_model.get_lora(name)
+                if weights is None:
+                    layer.reset_lora(slot, writer)
+                else:
+                    layer.set_lora(slot, weights, writer)
+        finally:
+            writer.flush()
+    except Exception:
+        clear_slot(layers, slot)
+        raise
+
+
+def clear_slot(layers: Mapping[str, LinearWithLoRA], slot: int) -> None:
+    """Zero what every layer holds in `slot`, in one batched write."""
+    writer = SlotWriter()
+    try:
+        for layer in layers.values():
+            layer.reset_lora(slot, writer)
+    finally:
+        writer.flush()
