@@ -1,12 +1,13 @@
-"""Reading an adapter's weights file: tensors, a content digest and a finiteness check, fast.
+"""Reading an adapter's weights file: tensors, a content digest and a range check, fast.
 
-A cold adapter's first request waits for all of this, so the common case (one safetensors file of one
-float dtype) is read with one `readinto` and parsed without copying: every tensor is a view into the
-file's bytes, the digest hashes those bytes on two threads (GIL released, beside the parsing), and
-the values are range-checked (finite, no overflow once scaled) with one min/max over the data region. Per-tensor torch ops cost ~5-20 us each on a small
-CPU, and an all-7-projection adapter of a 30-layer model has 420 tensors, so they are kept to one per
-tensor. Anything unusual (unaligned offsets, exotic dtypes) goes through the safetensors library;
-`.bin` / `.pt` files load with `torch.load(weights_only=True)`.
+A cold adapter's first request waits for all of this. In the common case (one safetensors file of
+one float dtype, tensors stored in name order) two threads read the two halves of the data into one
+uninitialised buffer and hash them (`digest.py`; the GIL is released for both), while this thread
+builds the tensors as views of that buffer: one typed view per dtype, one `as_strided` per tensor.
+Values are range-checked (finite, no overflow once scaled) with one min/max over the data region.
+Per-tensor torch ops cost ~5-20 us each on a small CPU and an all-7-projection adapter of a 30-layer
+model has 420 tensors, hence the care. Anything unusual (unaligned offsets, gaps, exotic dtypes)
+goes through the safetensors library; `.bin` / `.pt` files load with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import json
 import math
 import os
 import re
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -26,6 +25,7 @@ import safetensors.torch
 import torch
 
 from loraserve.errors import LoRAAdapterError
+from loraserve.lora.digest import HashPart, PendingDigest
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -45,7 +45,8 @@ class AdapterFile:
     tensors: dict[str, torch.Tensor]
     raw: torch.Tensor | None = None  # uint8: the whole file, header and data, as read
     data_start: int = 0  # where the tensor data begins in `raw`
-    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> [begin, end) in `raw`
+    # The two halves (by name order) of the content, read and being hashed by the reader's threads.
+    hash_parts: list[HashPart] | None = None
 
     def digest(self, config_json: str) -> str:
         return self.start_digest(config_json).result()
@@ -65,24 +66,12 @@ class AdapterFile:
         prefix = hashlib.sha256(config_json.encode())
         prefix.update(meta.encode())
         half = len(keys) // 2
-        return PendingDigest(prefix, [self._hash_part(keys[:half]), self._hash_part(keys[half:])])
+        parts = self.hash_parts or [self._hash_part(keys[:half]), self._hash_part(keys[half:])]
+        return PendingDigest(prefix, parts)
 
-    def _hash_part(self, keys: list[str]) -> Callable[[], bytes]:
-        spans = [self.spans.get(k) for k in keys]
-        if self.raw is not None and keys and all(spans) and all(
-            a[1] == b[0] for a, b in zip(spans, spans[1:])  # type: ignore[index]
-        ):
-            raw = self.raw.numpy().data[spans[0][0] : spans[-1][1]]  # type: ignore[index]
-            return lambda: hashlib.sha256(raw).digest()
+    def _hash_part(self, keys: list[str]) -> HashPart:
         tensors = [self.tensors[k].detach().contiguous().cpu() for k in keys]
-
-        def hash_tensors() -> bytes:
-            h = hashlib.sha256()
-            for t in tensors:
-                h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-            return h.digest()
-
-        return hash_tensors
+        return HashPart(lambda: (t.reshape(-1).view(torch.uint8).numpy().data for t in tensors))
 
     def max_abs(self) -> float | None:
         """The largest |value| of all tensors, in one pass when the file holds one float dtype; None
@@ -98,40 +87,6 @@ class AdapterFile:
         low, high = torch.aminmax(region)  # NaN propagates into both
         largest = max(abs(float(low)), abs(float(high)))
         return largest if math.isfinite(largest) else None
-
-
-class PendingDigest:
-    """A digest whose parts are being hashed on background threads."""
-
-    def __init__(self, prefix: hashlib._Hash, parts: list[Callable[[], bytes]]) -> None:
-        self._prefix = prefix
-        self._results: list[bytes | BaseException | None] = [None] * len(parts)
-        self._threads = [threading.Thread(target=self._run, args=(i, part), daemon=True)
-                         for i, part in enumerate(parts)]
-        self._digest: str | None = None
-        self._lock = threading.Lock()  # result() may be called from several threads
-        for thread in self._threads:
-            thread.start()
-
-    def _run(self, index: int, part: Callable[[], bytes]) -> None:
-        try:
-            self._results[index] = part()
-        except BaseException as e:  # noqa: BLE001 - re-raised by result() in the caller's thread
-            self._results[index] = e
-
-    def result(self) -> str:
-        with self._lock:
-            if self._digest is None:
-                for thread in self._threads:
-                    thread.join()
-                h = self._prefix.copy()
-                for part in self._results:
-                    if isinstance(part, BaseException):
-                        raise part
-                    assert part is not None
-                    h.update(part)
-                self._digest = h.hexdigest()
-            return self._digest
 
 
 def read_adapter_file(lora_dir: Path, lora_name: str) -> AdapterFile:
@@ -164,20 +119,52 @@ def read_adapter_file(lora_dir: Path, lora_name: str) -> AdapterFile:
 
 def _read_safetensors(path: Path, lora_name: str) -> AdapterFile:
     with open(path, "rb") as f:
-        # torch.empty, not bytearray: no 20 MB zero-fill before the read overwrites it.
-        raw = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-        if f.readinto(raw.numpy().data) != raw.numel():
-            raise ValueError("short read")
-    header = _parse_header(raw)
-    if header is None:  # valid, but not for the zero-copy path: let the library decide
-        return AdapterFile(lora_name, path, safetensors.torch.load(raw.numpy().tobytes()))
-    data_start = 8 + int.from_bytes(raw[:8].numpy().tobytes(), "little")
+        fd = f.fileno()
+        # torch.empty, not bytearray: no zero-fill before the reads overwrite it.
+        raw = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8)
+        buffer = raw.numpy()
+        if raw.numel() < 8:
+            raise ValueError("file too short for a safetensors header")
+        _pread_into(fd, buffer[:8], 0)
+        data_start = 8 + min(int.from_bytes(buffer[:8].tobytes(), "little"), raw.numel() - 8)
+        _pread_into(fd, buffer[8:data_start], 8)
+        header = _parse_header(raw)
+        halves = _name_order_halves(header) if header is not None else None
+        if header is None or halves is None:
+            _pread_into(fd, buffer[data_start:], data_start)
+            if header is None:  # valid, but not for the zero-copy path: let the library decide
+                return AdapterFile(lora_name, path, safetensors.torch.load(buffer.tobytes()))
+            parts = None
+        else:
+            # Two threads read and hash the two halves in parallel; the views are built meanwhile.
+            parts = [_read_and_hash(fd, buffer, data_start + lo, data_start + hi) for lo, hi in halves]
+        try:
+            tensors = _views(raw, header, data_start)
+        finally:
+            _wait_all_loaded(parts or [])  # before the file closes, and before anyone reads the data
+    return AdapterFile(lora_name, path, tensors, raw, data_start, parts)
+
+
+def _wait_all_loaded(parts: list[HashPart]) -> None:
+    """Wait for every read (none may still use the file after this), then raise the first error."""
+    errors: list[BaseException] = []
+    for part in parts:
+        try:
+            part.wait_loaded()
+        except BaseException as e:  # noqa: BLE001 - raised below, once all reads are over
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def _views(raw: torch.Tensor, header: dict[str, tuple[torch.dtype, list[int], int, int]],
+           data_start: int) -> dict[str, torch.Tensor]:
+    """One typed view of the data per dtype, then one `as_strided` per tensor."""
     typed: dict[torch.dtype, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
-    spans: dict[str, tuple[int, int]] = {}
-    for key, (dtype, shape, begin, count) in header.items():
+    for key, (dtype, shape, begin, _) in header.items():
         size = _SIZES[dtype]
-        if dtype not in typed:  # one typed view of the data per dtype; a tensor is then one op
+        if dtype not in typed:
             end = raw.numel() - (raw.numel() - data_start) % size
             typed[dtype] = raw[data_start:end].view(dtype)
         strides = [1] * len(shape)
@@ -185,8 +172,34 @@ def _read_safetensors(path: Path, lora_name: str) -> AdapterFile:
             strides[i] = strides[i + 1] * shape[i + 1]
         view = typed[dtype]  # as_strided's offset counts from the storage start, not from the view's
         tensors[key] = view.as_strided(shape, strides, view.storage_offset() + begin // size)
-        spans[key] = (data_start + begin, data_start + begin + count * size)
-    return AdapterFile(lora_name, path, tensors, raw, data_start, spans)
+    return tensors
+
+
+def _name_order_halves(header: dict[str, tuple[torch.dtype, list[int], int, int]]) -> list[tuple[int, int]] | None:
+    """Byte ranges (in the data region) of the tensors of each half of the names, in name order, when
+    the file stores them back to back in that order (safetensors does for one dtype); else None."""
+    keys = sorted(header)
+    spans = [(header[k][2], header[k][2] + header[k][3] * _SIZES[header[k][0]]) for k in keys]
+    if not spans or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        return None
+    half = len(spans) // 2
+    middle = spans[half][0]
+    return [(spans[0][0], middle), (middle, spans[-1][1])]
+
+
+def _read_and_hash(fd: int, buffer: Any, begin: int, end: int) -> HashPart:
+    view = buffer[begin:end]
+    return HashPart(lambda: [view.data], read=lambda: _pread_into(fd, view, begin))
+
+
+def _pread_into(fd: int, view: Any, offset: int) -> None:
+    """Fill the numpy byte `view` from the file at `offset` (the GIL is released during the read)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise ValueError("the file is shorter than its header says")
+        done += got
 
 
 def _parse_header(raw: torch.Tensor) -> dict[str, tuple[torch.dtype, list[int], int, int]] | None:
