@@ -39,12 +39,13 @@ def running(tiny_model: Any):
         yield server
 
 
-def test_no_server_errors(running: RunningServer) -> None:
+def test_no_server_errors(running: RunningServer, tmp_path: Path) -> None:
     command = [
         _schemathesis(), "run", running.url + "/openapi.json", "--checks", "not_a_server_error",
         "--max-examples", "12", "--seed", "20261129", "--workers", "1",
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    # Run from a temporary folder: schemathesis keeps a cache (.schemathesis/) in its working directory.
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "passed" in result.stdout
     assert running.engine.is_healthy()
