@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from conftest import MINI_LLAMA
 
 from loraserve.model_loader.config import create_model_config, derive_max_model_len, load_hf_config
 from loraserve.models.registry import get_supported_archs, resolve_architecture
@@ -23,15 +24,7 @@ NATIVE = ["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2For
 
 
 def _llama_dict(**changes: Any) -> dict[str, Any]:
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=128,
-    ).to_dict()
+    config = transformers.LlamaConfig(**MINI_LLAMA).to_dict()
     config["architectures"] = ["LlamaForCausalLM"]
     for key, value in changes.items():
         if value is None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import MINI_LLAMA
 from safetensors.torch import save_file
 
 from loraserve.layers.attention import build_attention_metadata
@@ -22,16 +23,7 @@ from loraserve.model_loader.weights import iterate_weights
 
 def _tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=128,
-        rope_theta=10000.0,
-    )
+    config = transformers.LlamaConfig(**MINI_LLAMA, rope_theta=10000.0)
     return transformers.LlamaForCausalLM(config).eval()
 
 
