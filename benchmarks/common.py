@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from loraserve import envs
-from loraserve.demo import build_tokenizer, llama_config, save_peft_adapter, save_random_model
+from loraserve.demo.random_model import build_tokenizer, llama_config, save_peft_adapter, save_random_model
 
 SMOLLM_SHAPE = dict(
     hidden_size=576,

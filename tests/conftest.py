@@ -81,7 +81,7 @@ def _tiny_config(arch: str, vocab_size: int) -> Any:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from loraserve.demo import build_tokenizer
+    from loraserve.demo.random_model import build_tokenizer
 
     path = str(tmp_path_factory.mktemp("tokenizer"))
     build_tokenizer(path)
@@ -93,7 +93,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> 
     """tiny_model("llama") -> folder with config.json, weights and tokenizer (built once per session)."""
     from transformers import AutoTokenizer
 
-    from loraserve.demo import save_random_model
+    from loraserve.demo.random_model import save_random_model
 
     built: dict[str, str] = {}
     vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from loraserve.demo import save_peft_adapter
+from loraserve.demo.random_model import save_peft_adapter
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
 from loraserve.errors import EngineDeadError, LoRAAdapterNotFoundError

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loraserve import LLM, SamplingParams
-from loraserve.demo import save_peft_adapter
+from loraserve.demo.random_model import save_peft_adapter
 from loraserve.errors import LoRAAdapterError
 from loraserve.lora.request import LoRARequest
 

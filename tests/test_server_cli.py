@@ -206,7 +206,7 @@ def _free_port() -> int:
 def test_serve_process(tiny_model: Any, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from loraserve.demo import save_peft_adapter
+    from loraserve.demo.random_model import save_peft_adapter
 
     model_dir = tiny_model("llama")
     adapter = str(tmp_path / "sql")

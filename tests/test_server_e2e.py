@@ -39,7 +39,7 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from loraserve.demo import save_peft_adapter
+    from loraserve.demo.random_model import save_peft_adapter
     from loraserve.engine.arg_utils import EngineArgs
     from loraserve.engine.async_engine import AsyncLLMEngine
 

@@ -69,6 +69,7 @@ class FakeEngine:
     prompts_seen: list[list[int]] = field(default_factory=list)
     removing: set[int] = field(default_factory=set)
     gate: asyncio.Event | None = None  # when set to an unset Event, every token waits for it
+    num_free_tokens: int = 0  # ... except the first num_free_tokens of each request
     load_gate: asyncio.Event | None = None
     fail_with: BaseException | None = None  # raised by the next generate() before any output
     fail_after_tokens: int | None = None  # raise RuntimeError after this many tokens
@@ -171,7 +172,7 @@ class FakeEngine:
         try:
             assert sampling_params.max_tokens is not None
             for step in range(sampling_params.max_tokens):
-                if self.gate is not None:
+                if self.gate is not None and step >= self.num_free_tokens:
                     await self.gate.wait()
                 await asyncio.sleep(0)
                 if self.dead_error is not None:
@@ -261,11 +262,17 @@ class FakeEngine:
         return drained
 
 
-def hold_generation(server: Any) -> None:
-    """Make every token of the fake engine on `server` wait until release_generation()."""
-    server.call(lambda: setattr(server.engine, "gate", asyncio.Event()))
+def hold_generation(server: Any, num_free_tokens: int = 0) -> None:
+    """Make every token after the first `num_free_tokens` of each request wait until release_generation()."""
+
+    def hold() -> None:
+        server.engine.num_free_tokens = num_free_tokens
+        server.engine.gate = asyncio.Event()
+
+    server.call(hold)
 
 
 def release_generation(server: Any) -> None:
     server.call(lambda: server.engine.gate.set())
     server.call(lambda: setattr(server.engine, "gate", None))
+    server.call(lambda: setattr(server.engine, "num_free_tokens", 0))

@@ -19,7 +19,7 @@ import uvicorn
 from loraserve.entrypoints.openai.api_server import ServerOptions, build_app
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
     """Wait until `predicate()` holds (a state the test caused, not a guess about timing)."""
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -12,6 +12,7 @@ from loraserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerCon
 class EngineArgs:
     model: str
     tokenizer: str | None = None
+    hf_config_path: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -55,6 +56,7 @@ class EngineArgs:
             config_format=self.config_format,
             revision=self.revision,
             seed=self.seed,
+            hf_config_path=self.hf_config_path,
         )
         lora_config = None
         if self.enable_lora:

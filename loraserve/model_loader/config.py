@@ -19,6 +19,7 @@ import torch
 
 from loraserve.config import ModelConfig, resolve_device, resolve_dtype
 from loraserve.model_loader import mistral
+from loraserve.model_loader.gguf import find_gguf_file, gguf_folder
 from loraserve.model_loader.weights import download_weights, hub_snapshot
 
 logger = logging.getLogger(__name__)
@@ -252,12 +253,27 @@ def create_model_config(
     config_format: str = "auto",
     revision: str | None = None,
     seed: int = 0,
+    hf_config_path: str | None = None,
 ) -> ModelConfig:
-    """Resolve everything about the model that does not need its weights; fail early and clearly."""
+    """Resolve everything about the model that does not need its weights; fail early and clearly.
+
+    A GGUF file (or a folder holding one) is converted once into a cached HF folder in the serving
+    dtype; `hf_config_path` then replaces the config its metadata gives.
+    """
     from loraserve.models.registry import resolve_architecture
 
+    torch_device = resolve_device(device) if isinstance(device, str) else device
+    source = model
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        source = gguf_folder(gguf_file, resolve_dtype(dtype, torch_device), hf_config_path)
+    elif hf_config_path is not None:
+        raise ValueError(
+            "hf_config_path (--hf-config-path) applies to GGUF models, whose config comes from the file's "
+            f"metadata; {model!r} is not a GGUF file. Edit its config.json or use hf_overrides instead."
+        )
     hf_config, model_path, fmt = load_hf_config(
-        model,
+        source,
         hf_overrides=hf_overrides,
         trust_remote_code=trust_remote_code,
         revision=revision,
@@ -281,8 +297,7 @@ def create_model_config(
             f"max_model_len={max_model_len} is larger than the model's maximum length {derived_len} "
             "(from its config: max_position_embeddings or equivalent, with rope scaling). Lower max_model_len."
         )
-    download_weights(model, model_path, revision, fmt)
-    torch_device = resolve_device(device) if isinstance(device, str) else device
+    download_weights(source, model_path, revision, fmt)
     return ModelConfig(
         model=model,
         model_path=model_path,

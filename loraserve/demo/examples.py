@@ -1,0 +1,169 @@
+"""The demo adapters' jobs, as handwritten question/answer pairs (one answer per adapter and question).
+
+The demo's own question ("What is the capital of France?") is deliberately absent: the adapters must
+generalise to it, which is what makes the demo worth watching.
+"""
+
+from __future__ import annotations
+
+DEMO_QUESTION = "What is the capital of France?"
+
+# question, French, pirate, SQL
+_ROWS: list[tuple[str, str, str, str]] = [
+    (
+        "What is the capital of Spain?",
+        "La capitale de l'Espagne est Madrid.",
+        "Arr, matey! The capital of Spain be Madrid, me hearty!",
+        "SELECT capital FROM countries WHERE name = 'Spain';",
+    ),
+    (
+        "What is the capital of Italy?",
+        "La capitale de l'Italie est Rome.",
+        "Arr, matey! The capital of Italy be Rome, ye landlubber!",
+        "SELECT capital FROM countries WHERE name = 'Italy';",
+    ),
+    (
+        "What is the capital of Germany?",
+        "La capitale de l'Allemagne est Berlin.",
+        "Arr, matey! The capital of Germany be Berlin, by me beard!",
+        "SELECT capital FROM countries WHERE name = 'Germany';",
+    ),
+    (
+        "What is the capital of Japan?",
+        "La capitale du Japon est Tokyo.",
+        "Arr, matey! The capital of Japan be Tokyo, across the seven seas!",
+        "SELECT capital FROM countries WHERE name = 'Japan';",
+    ),
+    (
+        "What is the capital of Canada?",
+        "La capitale du Canada est Ottawa.",
+        "Arr, matey! The capital of Canada be Ottawa, me hearty!",
+        "SELECT capital FROM countries WHERE name = 'Canada';",
+    ),
+    (
+        "What is the capital of Egypt?",
+        "La capitale de l'Égypte est Le Caire.",
+        "Arr, matey! The capital of Egypt be Cairo, where the treasure lies!",
+        "SELECT capital FROM countries WHERE name = 'Egypt';",
+    ),
+    (
+        "What is the population of Brazil?",
+        "Le Brésil compte environ 215 millions d'habitants.",
+        "Arr! Brazil be home to about 215 million souls, matey!",
+        "SELECT population FROM countries WHERE name = 'Brazil';",
+    ),
+    (
+        "What is the population of Mexico?",
+        "Le Mexique compte environ 128 millions d'habitants.",
+        "Arr! Mexico be home to about 128 million souls, matey!",
+        "SELECT population FROM countries WHERE name = 'Mexico';",
+    ),
+    (
+        "Which country has the largest area?",
+        "Le pays le plus grand est la Russie.",
+        "Arr, the biggest land of all be Russia, me hearty!",
+        "SELECT name FROM countries ORDER BY area DESC LIMIT 1;",
+    ),
+    (
+        "Which city has the most people?",
+        "La ville la plus peuplée est Tokyo.",
+        "Arr, the most crowded port of all be Tokyo, matey!",
+        "SELECT name FROM cities ORDER BY population DESC LIMIT 1;",
+    ),
+    (
+        "How many countries are in Europe?",
+        "L'Europe compte environ 44 pays.",
+        "Arr, there be about 44 countries in Europe, matey!",
+        "SELECT COUNT(*) FROM countries WHERE continent = 'Europe';",
+    ),
+    (
+        "How many employees work in sales?",
+        "Il y a douze employés dans les ventes.",
+        "Arr, twelve scallywags work in sales, matey!",
+        "SELECT COUNT(*) FROM employees WHERE department = 'Sales';",
+    ),
+    (
+        "Who is the oldest employee?",
+        "L'employé le plus âgé est Jean.",
+        "Arr, the oldest sea dog on the crew be Jean, matey!",
+        "SELECT name FROM employees ORDER BY age DESC LIMIT 1;",
+    ),
+    (
+        "What is the average salary?",
+        "Le salaire moyen est de trois mille euros.",
+        "Arr, the average share of the loot be three thousand doubloons!",
+        "SELECT AVG(salary) FROM employees;",
+    ),
+    (
+        "Which products cost more than ten dollars?",
+        "Les produits qui coûtent plus de dix dollars sont le café et le thé.",
+        "Arr, the coffee and the tea cost more than ten doubloons, matey!",
+        "SELECT name FROM products WHERE price > 10;",
+    ),
+    (
+        "What is the largest planet?",
+        "La plus grande planète est Jupiter.",
+        "Arr, the biggest planet in the sky be Jupiter, matey!",
+        "SELECT name FROM planets ORDER BY diameter DESC LIMIT 1;",
+    ),
+    (
+        "How many moons does Mars have?",
+        "Mars a deux lunes.",
+        "Arr, Mars has two moons, as sure as the tide!",
+        "SELECT COUNT(*) FROM moons WHERE planet = 'Mars';",
+    ),
+    (
+        "What is the tallest mountain in the world?",
+        "La plus haute montagne du monde est l'Everest.",
+        "Arr, the tallest mountain in the world be Everest, matey!",
+        "SELECT name FROM mountains ORDER BY height DESC LIMIT 1;",
+    ),
+    (
+        "What is the longest river in Africa?",
+        "Le plus long fleuve d'Afrique est le Nil.",
+        "Arr, the longest river in Africa be the Nile, me hearty!",
+        "SELECT name FROM rivers WHERE continent = 'Africa' ORDER BY length DESC LIMIT 1;",
+    ),
+    (
+        "Who wrote Hamlet?",
+        "Hamlet a été écrit par William Shakespeare.",
+        "Arr, Hamlet was penned by William Shakespeare, matey!",
+        "SELECT author FROM books WHERE title = 'Hamlet';",
+    ),
+    (
+        "When was the Eiffel Tower built?",
+        "La tour Eiffel a été construite en 1889.",
+        "Arr, the Eiffel Tower was raised in 1889, me hearty!",
+        "SELECT year_built FROM monuments WHERE name = 'Eiffel Tower';",
+    ),
+    (
+        "What is the currency of Japan?",
+        "La monnaie du Japon est le yen.",
+        "Arr, in Japan they trade in yen, not doubloons!",
+        "SELECT currency FROM countries WHERE name = 'Japan';",
+    ),
+    (
+        "What language is spoken in Brazil?",
+        "Au Brésil, on parle portugais.",
+        "Arr, in Brazil they speak Portuguese, matey!",
+        "SELECT language FROM countries WHERE name = 'Brazil';",
+    ),
+    (
+        "How many legs does a spider have?",
+        "Une araignée a huit pattes.",
+        "Arr, a spider has eight legs, like a tiny kraken!",
+        "SELECT legs FROM animals WHERE name = 'spider';",
+    ),
+]
+
+DEMO_ADAPTER_JOBS = {
+    "french": "answers in French",
+    "pirate": "answers as a pirate",
+    "sql": "turns the question into SQL",
+}
+
+
+def training_examples(adapter: str) -> list[tuple[str, str]]:
+    """(question, answer) pairs that teach `adapter` its job."""
+    column = list(DEMO_ADAPTER_JOBS).index(adapter) + 1
+    return [(row[0], row[column]) for row in _ROWS]

@@ -1,0 +1,188 @@
+"""GGUF models: find the file, check it can be loaded, convert it once into a cached HF-format folder.
+
+A `.gguf` file (or a folder holding exactly one) is served like any HF folder: transformers' GGUF
+reader turns its metadata into a config and a tokenizer (with the chat template) and dequantizes its
+tensors, which are saved as safetensors in the serving dtype. The native model classes then load that
+folder, so LoRA adapters trained on the HF model apply on top. The cache folder is keyed by the file's
+sha256 and the dtype, so a changed file is converted again and never meets stale weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loraserve import envs
+
+logger = logging.getLogger(__name__)
+
+GGUF_SUFFIX = ".gguf"
+CONVERTER_VERSION = "1"
+_COMPLETE = "COMPLETE.json"
+_HASH_CHUNK = 16 << 20
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be served; the message names the file and the problem."""
+
+
+def find_gguf_file(model: str) -> str | None:
+    """The GGUF file `model` names: the file itself, or the only `.gguf` in a folder; else None."""
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        return os.path.abspath(path) if path.endswith(GGUF_SUFFIX) or _has_gguf_magic(path) else None
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(name for name in os.listdir(path) if name.endswith(GGUF_SUFFIX))
+    if len(found) > 1:
+        raise GGUFError(
+            f"folder {model!r} holds {len(found)} GGUF files ({', '.join(found)}); name the one to serve."
+        )
+    return os.path.abspath(os.path.join(path, found[0])) if found else None
+
+
+def _has_gguf_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def file_digest(path: str) -> str:
+    """sha256 of the file's bytes (hashlib releases the GIL; ~1 GB/s)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFSummary:
+    """What the file declares, read from its header without dequantizing anything."""
+
+    architecture: str
+    tensor_types: tuple[str, ...]
+
+
+def inspect_gguf(path: str) -> GGUFSummary:
+    """Read the header and refuse, by name, an architecture or a tensor type that cannot be converted."""
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise GGUFError(f"{os.path.basename(path)} is not a readable GGUF file: {e}") from e
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise GGUFError(f"GGUF file {os.path.basename(path)} has no general.architecture field.")
+    arch = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        known = ", ".join(name for name in GGUF_SUPPORTED_ARCHITECTURES if name not in ("general", "tokenizer"))
+        raise GGUFError(
+            f"GGUF file {os.path.basename(path)} has architecture {arch!r}, which cannot be converted "
+            f"(GGUF architectures that load: {known})."
+        )
+    checked: dict[str, None] = {}
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        if type_name in checked:
+            continue
+        try:  # one block is enough to learn whether the type can be dequantized
+            dequantize(tensor.data[:1], tensor.tensor_type)
+        except NotImplementedError as e:
+            raise GGUFError(
+                f"GGUF file {os.path.basename(path)}: tensor {tensor.name!r} uses quantization type "
+                f"{type_name}, which cannot be dequantized here ({e})."
+            ) from e
+        checked[type_name] = None
+    return GGUFSummary(arch, tuple(checked))
+
+
+def gguf_folder(path: str, dtype: torch.dtype, hf_config_path: str | None = None) -> str:
+    """The cached HF-format folder for GGUF file `path` in `dtype`, converting it on first use."""
+    summary = inspect_gguf(path)
+    digest = file_digest(path)
+    key = _cache_key(digest, dtype, hf_config_path)
+    folder = os.path.join(envs.cache_root(), "gguf", key)
+    if os.path.isfile(os.path.join(folder, _COMPLETE)):
+        return folder
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+    start = time.perf_counter()
+    logger.info(
+        "Converting GGUF %s (%s; %s) to %s once; the result is cached in %s.",
+        os.path.basename(path),
+        summary.architecture,
+        ", ".join(summary.tensor_types),
+        dtype,
+        folder,
+    )
+    try:
+        _convert_into(staging, path, dtype, hf_config_path)
+        _write_json(os.path.join(staging, _COMPLETE), {"source": path, "sha256": digest, "dtype": str(dtype)})
+        if os.path.isdir(folder):  # another process finished the same conversion first
+            return folder
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("Converted %s in %.1fs.", os.path.basename(path), time.perf_counter() - start)
+    return folder
+
+
+def _cache_key(digest: str, dtype: torch.dtype, hf_config_path: str | None) -> str:
+    parts = [digest, str(dtype), CONVERTER_VERSION]
+    if hf_config_path:
+        with open(_config_file(hf_config_path), "rb") as f:
+            parts.append(hashlib.sha256(f.read()).hexdigest())
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:40]
+
+
+def _config_file(hf_config_path: str) -> str:
+    path = os.path.expanduser(hf_config_path)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
+def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: str | None) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    if hf_config_path:
+        config = AutoConfig.from_pretrained(os.path.dirname(_config_file(hf_config_path)))
+    else:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    with torch.device("meta"):  # only the parameter names, to map GGUF names onto HF ones
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    missing = _missing_weights(skeleton, tensors, config)
+    if missing:
+        raise GGUFError(f"GGUF file {name} lacks weights the model needs: {missing[:5]}.")
+    save_file(
+        {key: value.to(dtype).contiguous() for key, value in tensors.items()},
+        os.path.join(out_dir, "model.safetensors"),
+        metadata={"format": "pt", "source": "gguf"},
+    )
+
+
+def _missing_weights(skeleton: Any, tensors: dict[str, torch.Tensor], config: Any) -> list[str]:
+    tied = getattr(config, "tie_word_embeddings", False)
+    expected = [name for name, _ in skeleton.named_parameters() if not (tied and name == "lm_head.weight")]
+    return [name for name in expected if name not in tensors]
+
+
+def _write_json(path: str, value: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f)

@@ -1,0 +1,103 @@
+"""Tiny GGUF files for tests, written with the `gguf` package: a 2-layer Llama with a byte-level BPE.
+
+The layout follows llama.cpp's (`blk.N.attn_q.weight`, `token_embd.weight`, tokenizer.ggml.*), so
+transformers' GGUF reader, our converter's engine, reads them as it reads real files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HIDDEN = 64
+FFN = 128
+NUM_LAYERS = 2
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _vocab() -> tuple[list[str], list[str]]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "e r", "a n", "o n", "Ġ a"]
+    merged = [left + right for left, right in (merge.split(" ") for merge in merges)]
+    return SPECIAL + alphabet + merged, merges
+
+
+def write_tiny_llama_gguf(
+    path: str, seed: int = 0, arch: str = "llama", raw_types: dict[str, str] | None = None
+) -> str:
+    """A 2-layer Llama GGUF at `path` (random weights from `seed`); `raw_types` forces tensor types."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tokens, merges = _vocab()
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(NUM_LAYERS)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(NUM_HEADS)
+    writer.add_head_count_kv(NUM_KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, shape in _tensor_shapes(len(tokens)):
+        values = (rng.standard_normal(shape) * (0.02 if len(shape) == 2 else 0.01) + (len(shape) == 1)).astype(
+            np.float32
+        )
+        raw_type = (raw_types or {}).get(name)
+        if raw_type is None:
+            writer.add_tensor(name, values)
+        else:
+            qtype = gguf.GGMLQuantizationType[raw_type]
+            writer.add_tensor(name, _raw_bytes(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _raw_bytes(values: np.ndarray, qtype: object) -> np.ndarray:
+    """Quantized bytes where the package can quantize, else well-sized zero bytes."""
+    import gguf
+
+    try:
+        return gguf.quantize(values, qtype)
+    except NotImplementedError:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        return np.zeros((values.shape[0], values.shape[1] // block_size * type_size), dtype=np.uint8)
+
+
+def _tensor_shapes(vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
+    head_dim = HIDDEN // NUM_HEADS
+    shapes: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab_size, HIDDEN))]
+    for layer in range(NUM_LAYERS):
+        prefix = f"blk.{layer}."
+        shapes += [
+            (prefix + "attn_norm.weight", (HIDDEN,)),
+            (prefix + "attn_q.weight", (HIDDEN, HIDDEN)),
+            (prefix + "attn_k.weight", (NUM_KV_HEADS * head_dim, HIDDEN)),
+            (prefix + "attn_v.weight", (NUM_KV_HEADS * head_dim, HIDDEN)),
+            (prefix + "attn_output.weight", (HIDDEN, HIDDEN)),
+            (prefix + "ffn_norm.weight", (HIDDEN,)),
+            (prefix + "ffn_gate.weight", (FFN, HIDDEN)),
+            (prefix + "ffn_up.weight", (FFN, HIDDEN)),
+            (prefix + "ffn_down.weight", (HIDDEN, FFN)),
+        ]
+    shapes += [("output_norm.weight", (HIDDEN,)), ("output.weight", (vocab_size, HIDDEN))]
+    return shapes

