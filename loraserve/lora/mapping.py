@@ -9,7 +9,8 @@ Three layouts of the same mapping serve the torch ops (see `ops/torch_ops.py` fo
 - "grouped": tokens are gathered into slot order once (`sorted_token_ids`), each slot's segment is a
   matmul, and the result is scattered back; used for a few adapters with interleaved tokens.
 - "padded": tokens are gathered into a [groups, max_len] grid (one group per slot) so one `bmm`
-  serves all adapters; used for many adapters with short segments (decode).
+  serves all adapters; used for many adapters with short segments (decode). Empty cells of the grid
+  are computed but never written to a token, so a non-finite slot reaches only its own tokens.
 The Triton kernels use the grouped indices (`sorted_token_ids`, `seg_starts`, `seg_lens`).
 """
 
@@ -27,7 +28,7 @@ _RUN_COST = 80.0  # two matmuls on a view
 _GROUPED_BASE_COST = 150.0  # gather + scatter of the activations
 _SEGMENT_COST = 80.0  # two matmuls per slot
 _ROW_COST = 11.0  # compute per active token (runs and grouped)
-_PADDED_BASE_COST = 200.0  # pad + gather + two bmm + index_add
+_PADDED_BASE_COST = 200.0  # pad + gather + two bmm + index_add (+ select of the filled cells)
 _PADDED_ROW_COST = 10.0  # compute per grid cell, empty or not
 _SLOT_GATHER_COST = 50.0  # copying one slot's A and B out of the stacked buffers
 
@@ -37,21 +38,24 @@ class PaddedLayout:
     """Tokens laid out as a [num_groups, max_len] grid, one group per slot in `group_slots`.
 
     gather_index:  [num_groups * max_len] token index per grid cell; empty cells point at row T, a
-                   zero row the op appends to its input, so their products are exact zeros.
-    cell_tokens:   gather_index with empty cells pointing at token 0 (they add exact zeros there),
-                   for `index_add_` back into [T, out]: cheaper than padding the [cells, out] output.
+                   zero row the op appends to its input.
     scatter_index: [T] grid cell of each token; tokens without an adapter point at an appended zero
                    row num_groups * max_len.
+    filled_cells:  [num_active_tokens] the non-empty cells in grid order, or None when no cell is
+                   empty. Results leave the grid through these cells only: an empty cell computes
+                   0 @ W, which is NaN when its group's slot holds NaN or inf, and must reach no token.
+    cell_tokens:   [num_active_tokens] the token of each non-empty cell (where `index_add_` puts it).
     uses_all_slots: group g is slot g for g in range(max_loras), so the stacked weights need no gather.
-    contiguous_start: when the grid is exactly tokens [start, start + cells) in order (the runner sorts
-                   sequences by slot, so a balanced decode batch lands here), the ops take views of
-                   the activations instead of gathering and scattering; else None.
+    contiguous_start: when the grid is exactly tokens [start, start + cells) in order, with no empty
+                   cell (the runner sorts sequences by slot, so a balanced decode batch lands here),
+                   the ops take views of the activations instead of gathering and scattering; else None.
     """
 
     group_slots: torch.Tensor
     gather_index: torch.Tensor
-    cell_tokens: torch.Tensor
     scatter_index: torch.Tensor
+    filled_cells: torch.Tensor | None
+    cell_tokens: torch.Tensor
     num_groups: int
     max_len: int
     uses_all_slots: bool
@@ -103,10 +107,10 @@ class LoRABatchMapping:
     ) -> LoRABatchMapping:
         """Index tensors for one step, built in Python (~0.1-0.2 ms for a decode batch on the dev CPU)
         and moved to `device` in one copy. `max_loras` lets the padded layout skip the weight
-        gather when most slots are in use; `layout` forces one layout (tests and benchmarks)."""
+        gather when most slots are in use. `layout` forces one layout (tests and benchmarks): "runs",
+        "grouped", "padded" (grid over the active slots) or "padded_all" (grid over all `max_loras`
+        slots; the mapping's `layout` is then "padded" with `padded.uses_all_slots`)."""
         slots = _as_slot_list(token_slots, max_loras)
-        if layout not in (None, "runs", "grouped", "padded"):
-            raise ValueError(f"layout must be runs, grouped or padded, got {layout!r}")
         by_slot: dict[int, list[int]] = {}
         for i, slot in enumerate(slots):
             if slot >= 0:
@@ -115,9 +119,7 @@ class LoRABatchMapping:
         counts = [len(by_slot[s]) for s in active]
         starts = list(itertools.accumulate(counts, initial=0))[:-1]
         token_runs = _token_runs(slots)
-        chosen, use_all = _choose_layout(token_runs, counts, max_loras) if active else ("runs", False)
-        if layout is not None and active and layout != chosen:
-            chosen, use_all = layout, False
+        chosen, use_all = _pick_layout(layout, token_runs, counts, max_loras)
         ends = list(itertools.accumulate(counts))
         segments = tuple(zip(active, starts, ends, strict=True))
         runs = token_runs if chosen == "runs" else segments
@@ -127,13 +129,7 @@ class LoRABatchMapping:
             parts.extend([group_slots, *_padded_parts(len(slots), by_slot, group_slots)])
         flat = torch.tensor([v for part in parts for v in part], dtype=torch.long)
         views = torch.split(flat.to(device), [len(part) for part in parts])
-        padded = None
-        if chosen == "padded":
-            group_slots_t, gather, cell_tokens, scatter = views[5:9]
-            padded = PaddedLayout(
-                group_slots_t, gather, cell_tokens, scatter, len(group_slots_t), max(counts), use_all,
-                _contiguous_start(parts[6]),
-            )
+        padded = _padded_layout(parts[5:], views[5:], len(slots), use_all) if chosen == "padded" else None
         kernel_args = None
         if views[0].device.type == "cpu":
             kernel_args = (views[2].data_ptr(), views[1].data_ptr(), views[3].data_ptr(), views[4].data_ptr(),
@@ -185,9 +181,42 @@ def _token_runs(slots: list[int]) -> tuple[tuple[int, int, int], ...]:
     return tuple(runs)
 
 
-def _contiguous_start(gather: list[int]) -> int | None:
+def _padded_layout(
+    lists: list[list[int]], tensors: tuple[torch.Tensor, ...], num_tokens: int, use_all: bool
+) -> PaddedLayout:
+    """The layout from group_slots and `_padded_parts`' lists, and the same on the device."""
+    group_slots, gather, _, filled, _ = lists
+    group_slots_t, gather_t, scatter_t, filled_t, cell_tokens_t = tensors
+    return PaddedLayout(
+        group_slots_t, gather_t, scatter_t, None if len(filled) == len(gather) else filled_t, cell_tokens_t,
+        len(group_slots), len(gather) // len(group_slots), use_all, _contiguous_start(gather, num_tokens),
+    )
+
+
+def _contiguous_start(gather: list[int], num_tokens: int) -> int | None:
+    """First token of the grid when its cells are tokens [start, start + cells) in order, else None.
+
+    The range must end within the T tokens: an empty cell holds index T, which right after tokens
+    ..., T-1 would pass for the next one, and the ops' view would then reach past the activations."""
     start = gather[0]
+    if start + len(gather) > num_tokens:
+        return None
     return start if gather == list(range(start, start + len(gather))) else None
+
+
+def _pick_layout(
+    forced: str | None, token_runs: tuple[tuple[int, int, int], ...], counts: list[int], max_loras: int | None
+) -> tuple[str, bool]:
+    """(layout, padded grid over all max_loras slots): `forced` if given, else the cost model's pick."""
+    if forced not in (None, "runs", "grouped", "padded", "padded_all"):
+        raise ValueError(f"layout must be runs, grouped, padded or padded_all, got {forced!r}")
+    if forced == "padded_all" and max_loras is None:
+        raise ValueError("layout='padded_all' needs max_loras")
+    if not counts:
+        return "runs", False  # no adapter token: the ops have nothing to do
+    if forced is None:
+        return _choose_layout(token_runs, counts, max_loras)
+    return ("padded", True) if forced == "padded_all" else (forced, False)
 
 
 def _choose_layout(
@@ -217,13 +246,15 @@ def _choose_layout(
 
 
 def _padded_parts(num_tokens: int, by_slot: dict[int, list[int]], group_slots: list[int]) -> list[list[int]]:
-    """gather_index, cell_tokens, scatter_index of the padded layout over `group_slots`."""
+    """gather_index, scatter_index, filled_cells and cell_tokens of the padded layout over `group_slots`."""
     max_len = max(len(v) for v in by_slot.values())
     gather = [num_tokens] * (len(group_slots) * max_len)
     scatter = [len(gather)] * num_tokens
+    filled: list[int] = []
     for group, slot in enumerate(group_slots):
         for j, token in enumerate(by_slot.get(slot, ())):
-            gather[group * max_len + j] = token
-            scatter[token] = group * max_len + j
-    cell_tokens = [0 if token == num_tokens else token for token in gather]
-    return [gather, cell_tokens, scatter]
+            cell = group * max_len + j
+            gather[cell] = token
+            scatter[token] = cell
+            filled.append(cell)
+    return [gather, scatter, filled, [gather[cell] for cell in filled]]

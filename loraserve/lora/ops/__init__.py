@@ -4,7 +4,9 @@ Both backends share the semantics documented in `torch_ops`:
     lora_shrink(x [T, in], a_stacked [L, R, in], mapping, scale) -> t [T, R]
     lora_expand(y [T, *], t [T, R], b_stacked [L, out, R], mapping, offset) adds into y[:, offset:offset+out]
     add_lora(y, x, a_stacked, b_stacked, mapping, offset) = lora_expand(y, lora_shrink(x, ...), ...)
-where row i uses slot mapping.token_slots[i] and slot -1 contributes nothing.
+where row i uses slot mapping.token_slots[i] and slot -1 contributes nothing (its rows of y are left
+bit-for-bit alone). Row i reads only slot s_i's weights: a NaN or inf in one slot never reaches a
+token of another slot, whatever the layout.
 """
 
 from __future__ import annotations

@@ -188,11 +188,14 @@ def run(x: torch.Tensor, y: torch.Tensor, args: tuple[int, ...], mapping: LoRABa
 
 def fused_add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
                    slices: LoRASlices, mapping: LoRABatchMapping) -> torch.Tensor:
-    """y[i, off_q:off_q+1] += Bt[s_i, qR:qR+r]^T @ A[s_i, qR:qR+r] @ x[i] for each slice q; returns y.
+    """Semantics: y[i, off_q:off_q+1] += Bt[s_i, qR:qR+r]^T @ A[s_i, qR:qR+r] @ x[i] for each slice q
+    of each token with slot s_i >= 0; returns y. Same result as `torch_ops.add_lora(y, x, a, b_t^T,
+    ...)` up to float summation order, with the same isolation: row i reads only slot s_i's blocks
+    (a NaN slot reaches only its own tokens), rows of slot -1 are left alone. Raises ValueError when
+    the kernel cannot serve these tensors.
 
-    x: [T, in]; y: [T, out] (updated in place); a: [L, n*R, in]; b_t: [L, n*R, out] (the transposed
-    storage of the [L, out, n*R] B buffer). Same result as `torch_ops.add_lora(y, x, a, b_t^T, ...)`
-    up to float summation order. Raises ValueError when the kernel cannot serve these tensors.
+    Shape: x [T, in]; y [T, out] (updated in place); a [L, n*R, in]; b_t [L, n*R, out] (the
+    transposed storage of the [L, out, n*R] B buffer).
     """
     args = layer_args(a, b_t, slices)
     if args is None or not applies(x, y, mapping):

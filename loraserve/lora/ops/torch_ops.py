@@ -41,9 +41,10 @@ from loraserve.lora.mapping import LoRABatchMapping, PaddedLayout
 def lora_shrink(
     x: torch.Tensor, a_stacked: torch.Tensor, mapping: LoRABatchMapping, scale: float = 1.0
 ) -> torch.Tensor:
-    """t[i] = scale * a_stacked[s_i] @ x[i] for tokens with slot s_i >= 0, else 0.
+    """Semantics: t[i] = scale * a_stacked[s_i] @ x[i] for tokens with slot s_i >= 0, else 0; row i
+    reads only slot s_i's weights, so a non-finite slot reaches only its own tokens' rows.
 
-    x: [T, in]; a_stacked: [L, R, in] (any strides); returns t: [T, R] in x's dtype.
+    Shape: x [T, in]; a_stacked [L, R, in] (any strides); returns t [T, R] in x's dtype.
     """
     num_tokens, rank = x.shape[0], a_stacked.shape[1]
     if mapping.layout == "padded":
@@ -70,11 +71,12 @@ def lora_shrink(
 def lora_expand(
     y: torch.Tensor, t: torch.Tensor, b_stacked: torch.Tensor, mapping: LoRABatchMapping, offset: int = 0
 ) -> torch.Tensor:
-    """y[i, offset:offset+out] += b_stacked[s_i] @ t[i] for tokens with slot s_i >= 0; returns y.
+    """Semantics: y[i, offset:offset+out] += b_stacked[s_i] @ t[i] for tokens with slot s_i >= 0;
+    returns y. Rows of t for tokens without an adapter are ignored and their rows of y are left
+    bit-for-bit alone; row i reads only slot s_i's weights (a NaN slot reaches only its own tokens).
 
-    y: [T, >= offset+out] (updated in place); t: [T, R]; b_stacked: [L, out, R] (any strides; stored
-    as a [L, R, out] buffer transposed, its transpose is contiguous, which `bmm` runs fastest).
-    Rows of t for tokens without an adapter are ignored.
+    Shape: y [T, >= offset+out] (updated in place); t [T, R]; b_stacked [L, out, R] (any strides;
+    stored as a [L, R, out] buffer transposed, its transpose is contiguous, which `bmm` runs fastest).
     """
     out_features = b_stacked.shape[1]
     target = y[:, offset : offset + out_features]
@@ -83,7 +85,7 @@ def lora_expand(
         pad = mapping.padded
         tp = _gather_padded(t, pad)
         yp = torch.bmm(tp, _slot_weights(b_stacked, pad).transpose(1, 2))
-        target.index_add_(0, pad.cell_tokens, yp.reshape(-1, out_features))
+        target.index_add_(0, pad.cell_tokens, _filled_rows(yp, pad))
     elif mapping.layout == "runs":
         for slot, start, end in mapping.runs:
             target[start:end].addmm_(t[start:end], b_stacked[slot].t())
@@ -104,10 +106,13 @@ def add_lora(
     mapping: LoRABatchMapping,
     offset: int = 0,
 ) -> torch.Tensor:
-    """y[i, offset:offset+out] += b_stacked[s_i] @ a_stacked[s_i] @ x[i]: shrink then expand, fused.
+    """Semantics: y[i, offset:offset+out] += b_stacked[s_i] @ a_stacked[s_i] @ x[i] for tokens with
+    slot s_i >= 0, i.e. `lora_expand(y, lora_shrink(x, a, m), b, m, offset)` with the same isolation;
+    the intermediate stays in the mapping's layout (no scatter/gather between the two matmuls),
+    which saves 3-4 ops per layer.
 
-    Same semantics as `lora_expand(y, lora_shrink(x, a, m), b, m, offset)`, but the intermediate stays
-    in the mapping's layout (no scatter/gather between the two matmuls), which saves 3-4 ops per layer.
+    Shape: y [T, >= offset+out] (updated in place, returned); x [T, in]; a_stacked [L, R, in];
+    b_stacked [L, out, R].
     """
     out_features = b_stacked.shape[1]
     target = y[:, offset : offset + out_features]
@@ -124,8 +129,7 @@ def add_lora(
             else:
                 grid.add_(torch.bmm(tp, b_t).view(grid.shape))
         else:
-            yp = torch.bmm(tp, b_t)
-            target.index_add_(0, pad.cell_tokens, yp.reshape(-1, out_features))
+            target.index_add_(0, pad.cell_tokens, _filled_rows(torch.bmm(tp, b_t), pad))
     elif mapping.layout == "runs":
         for slot, start, end in mapping.runs:
             target[start:end].addmm_(F.linear(x[start:end], a_stacked[slot]), b_stacked[slot].t())
@@ -139,7 +143,9 @@ def add_lora(
 
 
 def _gather_padded(rows: torch.Tensor, pad: PaddedLayout) -> torch.Tensor:
-    """[T, d] -> [groups, max_len, d]; empty cells read an appended zero row."""
+    """Semantics: the grid of `rows`; empty cells read an appended zero row.
+
+    Shape: rows [T, d] -> [groups, max_len, d]."""
     if pad.contiguous_start is not None:
         start = pad.contiguous_start
         grid = rows[start : start + pad.num_groups * pad.max_len]
@@ -148,8 +154,20 @@ def _gather_padded(rows: torch.Tensor, pad: PaddedLayout) -> torch.Tensor:
     return padded.view(pad.num_groups, pad.max_len, rows.shape[1])
 
 
+def _filled_rows(grid: torch.Tensor, pad: PaddedLayout) -> torch.Tensor:
+    """Semantics: the rows of the grid's non-empty cells, in `pad.cell_tokens` order. An empty cell
+    holds 0 @ W, which is NaN when its slot's weights hold NaN or inf (0 * inf), so it must never be
+    added to a token; the select costs one op, and only for grids with empty cells.
+
+    Shape: grid [groups, max_len, d] -> [num_active_tokens, d]."""
+    rows = grid.reshape(-1, grid.shape[-1])
+    return rows if pad.filled_cells is None else rows.index_select(0, pad.filled_cells)
+
+
 def _scatter_padded(cells: torch.Tensor, pad: PaddedLayout) -> torch.Tensor:
-    """[groups * max_len, d] -> [T, d]; tokens without an adapter read an appended zero row."""
+    """Semantics: each token's grid row; tokens without an adapter read an appended zero row.
+
+    Shape: cells [groups * max_len, d] -> [T, d]."""
     return F.pad(cells, (0, 0, 0, 1)).index_select(0, pad.scatter_index)
 
 
