@@ -44,8 +44,8 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """Every field that has a flag of the same dest; a flag left unset (None) keeps the default."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
-        return cls(**values)
+        values = {f.name: getattr(args, f.name, None) for f in fields(cls)}
+        return cls(**{name: value for name, value in values.items() if value is not None})
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model (config, dtype, max_model_len) and build every frozen config."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -279,19 +280,12 @@ class LLMEngine:
         return self.lora.list() if self.lora is not None else []
 
     def stats(self) -> dict[str, Any]:
-        running: dict[str, int] = {}
-        waiting: dict[str, int] = {}
-        for seq in self.scheduler.running:
-            name = seq.request.lora_name or ""
-            running[name] = running.get(name, 0) + 1
-        for seq in self.scheduler.waiting:
-            name = seq.request.lora_name or ""
-            waiting[name] = waiting.get(name, 0) + 1
+        running, waiting = self.scheduler.running, self.scheduler.waiting
         stats: dict[str, Any] = {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "running_by_adapter": running,
-            "waiting_by_adapter": waiting,
+            "num_running": len(running),
+            "num_waiting": len(waiting),
+            "running_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in running)),
+            "waiting_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in waiting)),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.block_manager.num_prefix_queries,
             "prefix_cache_hits": self.block_manager.num_prefix_hits,

@@ -78,6 +78,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
     def update(self, scheduled: list[ScheduledSeq], sampled: list[SampledToken]) -> None:
         """Apply a step that ran: computed tokens and their full blocks, then the sampled tokens."""
         for item in scheduled:
@@ -98,24 +105,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
-
-    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        block_ids = self.blocks.allocate(seq, num_new_tokens)
-        if block_ids is None:
-            return False
-        seq.block_ids.extend(block_ids)
-        return True
-
-    def _free(self, seq: Sequence) -> None:
-        self.blocks.free(seq)
-        seq.block_ids = []
-
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
-        return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -202,6 +191,17 @@ class Scheduler:
     def _release_prefix(self, seq: Sequence) -> None:
         self._free(seq)
         seq.num_computed_tokens = 0
+
+    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        block_ids = self.blocks.allocate(seq, num_new_tokens)
+        if block_ids is None:
+            return False
+        seq.block_ids.extend(block_ids)
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.block_ids = []
 
 
 def _append(token: SampledToken) -> None:

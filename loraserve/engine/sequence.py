@@ -83,7 +83,10 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """A user request: one prompt, its sampling parameters, adapter, and n sequences."""
+    """A user request: one prompt, its sampling parameters, adapter, and n sequences.
+
+    The engine creates it and sets `error`; the output processor records `prompt_logprobs`.
+    """
 
     request_id: str
     prompt: str | None
