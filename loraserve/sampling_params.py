@@ -149,6 +149,11 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must read this request's token history to penalise repeats."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def is_top_k_enabled(self) -> bool:
         return self.top_k > 0
 

@@ -10,6 +10,7 @@ import pytest
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.errors import EngineDeadError, LoRAAdapterNotFoundError
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ def test_crash_fails_everything_and_later_calls(tiny_model: Any) -> None:
 def test_external_abort_ends_the_stream_and_id_is_reusable(tiny_model: Any) -> None:
     async def main() -> None:
         engine = _engine(tiny_model("llama"))
+        assert isinstance(engine, EngineClient)  # what the serving layer is typed against
         await engine.start()
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         outputs = []

@@ -6,8 +6,8 @@ import itertools
 
 from loraserve.config import SchedulerConfig
 from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.scheduler import Scheduler
-from loraserve.engine.sequence import Request, Sequence, SequenceStatus
+from loraserve.engine.scheduler import SampledToken, Scheduler
+from loraserve.engine.sequence import Request, Sequence
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 
@@ -26,16 +26,15 @@ def _seq(num_prompt: int, lora_id: int = 0, max_tokens: int = 4, salt: str | Non
 
 
 def _step(scheduler: Scheduler) -> list[tuple[Sequence, int]]:
-    """One fake engine step: schedule, mark computed, append a token to sampled sequences, finish."""
+    """One fake engine step: schedule, then sample token 1 for every sequence whose context is computed."""
     out = scheduler.schedule()
+    sampled = []
     for item in out.scheduled:
         seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(1)
-            if seq.num_output_tokens >= (seq.params.max_tokens or 0):
-                seq.status = SequenceStatus.FINISHED
-                scheduler.remove(seq)
+        if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens:
+            is_last = seq.num_output_tokens + 1 >= (seq.params.max_tokens or 0)
+            sampled.append(SampledToken(seq, 1, 0.0, None, "length" if is_last else None))
+    scheduler.update(out.scheduled, sampled)
     return [(i.seq, i.num_new_tokens) for i in out.scheduled]
 
 
@@ -92,16 +91,17 @@ def test_preemption_frees_blocks_and_recomputes() -> None:
 def test_prefix_cache_keyed_by_salt() -> None:
     blocks = BlockManager(32, 4)
     first = _seq(13, salt="adapter-v1")
-    blocks.allocate(first, 13)
+    first.block_ids = blocks.allocate(first, 13) or []
     first.num_computed_tokens = 13
     blocks.commit_computed(first, "adapter-v1")
     blocks.free(first)
     same = _seq(13, salt="adapter-v1")
-    assert blocks.reuse_cached_prefix(same, "adapter-v1") == 12  # 3 full blocks; the last token stays
+    same.block_ids = blocks.reuse_cached_prefix(same, "adapter-v1")
+    assert same.block_ids == first.block_ids[:3]  # 3 full blocks; the last token stays to compute
     other = _seq(13, salt="adapter-v2")
-    assert blocks.reuse_cached_prefix(other, "adapter-v2") == 0
+    assert blocks.reuse_cached_prefix(other, "adapter-v2") == []
     base = _seq(13)
-    assert blocks.reuse_cached_prefix(base, None) == 0
+    assert blocks.reuse_cached_prefix(base, None) == []
     blocks.free(same)
     blocks.free(other)
     blocks.free(base)

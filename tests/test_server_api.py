@@ -13,6 +13,7 @@ from fake_server_fixtures import expected_ids, sql_id
 from test_server_fake_engine import hold_generation, release_generation
 from test_server_harness import RunningServer, wait_for
 
+from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.sampling_params import SamplingParams
 
 API_KEY = "sk-test-key"
@@ -118,6 +119,10 @@ def test_chat_uses_template_and_streams(server: RunningServer, client: openai.Op
             server.engine.expected_token_ids(prompt_ids, SamplingParams(max_tokens=5), sql_id(server), index)
         )
     assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_fake_engine_is_an_engine_client(server: RunningServer) -> None:
+    assert isinstance(server.engine, EngineClient)
 
 
 def test_models_version_health_metrics(

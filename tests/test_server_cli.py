@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from typing import Any
 
 import httpx
@@ -17,8 +18,8 @@ import openai
 import pytest
 import torch
 
+from loraserve.engine.arg_utils import EngineArgs
 from loraserve.entrypoints.openai.cli_args import human_int, parse_serve_args
-from loraserve.entrypoints.openai.launcher import engine_args_from
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
 
 CLI = [sys.executable, "-m", "loraserve.entrypoints.cli"]
@@ -83,10 +84,10 @@ def test_flags_map_to_engine_args() -> None:
         LoRAModulePath("y", "/p/y", "b"),
         LoRAModulePath("z", "/p/z"),
     ]
-    engine_args = engine_args_from(args)
+    engine_args = EngineArgs.from_cli_args(args)
     expected = dict(
         model="some/model",
-        served_model_name="a",
+        served_model_name=["a", "b"],
         dtype="float32",
         max_model_len=4000,
         hf_overrides={"rope_theta": 5.0},
@@ -161,9 +162,22 @@ def test_bad_model_is_one_line(
     assert "0x" not in err[0]
 
 
+def test_unset_flags_keep_engine_defaults_and_every_engine_flag_is_a_field() -> None:
+    args = parse_serve_args(["some/model"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs(model="some/model")
+    # A flag is read into EngineArgs by its dest: one that names no field would be silently dropped.
+    server_flags = {"model_tag", "host", "port", "api_key", "lora_modules"}
+    assert set(vars(args)) - server_flags <= {f.name for f in fields(EngineArgs)}
+
+
+def test_served_model_names_give_the_engine_the_first(tiny_model: Any) -> None:
+    args = parse_serve_args([tiny_model("llama"), "--served-model-name", "a", "b"])
+    assert EngineArgs.from_cli_args(args).create_engine_config().model.served_model_name == "a"
+
+
 def test_help_lists_every_flag() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "loraserve.entrypoints.openai.api_server", "--help"],
+        [sys.executable, "-m", "loraserve.entrypoints.openai.launcher", "--help"],
         capture_output=True,
         text=True,
     )

@@ -1,4 +1,4 @@
-"""A fake engine for server tests: AsyncLLMEngine's interface over a deterministic toy "model".
+"""A fake engine for server tests: an `EngineClient` over a deterministic toy "model".
 
 It offers hooks the real engine cannot: gates that hold generation or adapter loads, injected failures,
 and counters of what the server asked for. Tests use it for fault injection and exact concurrency; end

@@ -124,11 +124,10 @@ def test_resolvers_and_concurrent_first_requests(tokenizer, adapters: str, resol
     engine = FakeEngine(tokenizer)
     with RunningServer(engine, ServerOptions(served_model_names=["base"])) as server:
         server.call(lambda: setattr(engine, "load_gate", asyncio.Event()))
-        locks = server.app.state.models._locks
+        locks = server.app.state.models.name_locks
 
         def num_waiters() -> int:
-            entry = locks._entries.get("shared")
-            return entry.num_users if entry is not None else 0
+            return locks.num_users("shared")
 
         async def first_requests() -> list[httpx.Response]:
             body = {"model": "shared", "prompt": "hello", "max_tokens": 3}

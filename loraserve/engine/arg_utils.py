@@ -1,8 +1,13 @@
-"""EngineArgs: the flat, user-facing engine options (Python API and CLI) turned into an EngineConfig."""
+"""EngineArgs: the flat, user-facing engine options (Python API and CLI) turned into an EngineConfig.
+
+This is the one list of engine options: the `serve` flags are read into it by field name, so a new
+option is a field here plus a flag (with the same dest) in `entrypoints/openai/cli_args.py`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 from typing import Any
 
 from loraserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, resolve_device
@@ -13,7 +18,7 @@ class EngineArgs:
     model: str
     tokenizer: str | None = None
     hf_config_path: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # a list (as --served-model-name takes): the first
     dtype: str = "auto"
     max_model_len: int | None = None
     hf_overrides: dict[str, Any] | Any | None = None  # dict or callable(PretrainedConfig) -> PretrainedConfig
@@ -37,16 +42,25 @@ class EngineArgs:
     lora_dtype: str = "auto"
     enable_lora_bias: bool = False
 
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Every field that has a flag of the same dest; a flag left unset (None) keeps the default."""
+        values = {f.name: getattr(args, f.name, None) for f in fields(cls)}
+        return cls(**{name: value for name, value in values.items() if value is not None})
+
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model (config, dtype, max_model_len) and build every frozen config."""
         from loraserve.config import resolve_dtype
         from loraserve.model_loader.config import create_model_config
 
         device = resolve_device(self.device)
+        served_model_name = self.served_model_name
+        if isinstance(served_model_name, list):
+            served_model_name = served_model_name[0] if served_model_name else None
         model_config = create_model_config(
             self.model,
             tokenizer=self.tokenizer,
-            served_model_name=self.served_model_name,
+            served_model_name=served_model_name,
             dtype=self.dtype,
             device=device,
             max_model_len=self.max_model_len,

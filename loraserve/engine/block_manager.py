@@ -4,6 +4,8 @@ A full block is identified by a chained hash: (hash of the previous block, its t
 request's cache salt). The salt is the adapter's content digest (None for the base model), so the same
 prompt under two adapters, or under one name with new weights, never shares KV. Blocks whose
 reference count drops to zero stay cached (LRU) until their memory is needed.
+
+It reads sequences and hands out block ids; the scheduler records them on the sequence.
 """
 
 from __future__ import annotations
@@ -46,17 +48,12 @@ class BlockManager:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_ids))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Give `seq` the blocks to hold `num_new_tokens` more tokens; False (and no change) if short."""
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
+        """The new blocks `seq` needs to hold `num_new_tokens` more tokens; None (and no change) if short."""
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
-            return False
-        for _ in range(needed):
-            seq.block_ids.append(self._take_block())
-        return True
+            return None
+        return [self._take_block() for _ in range(needed)]
 
     def _take_block(self) -> int:
         if self.free_ids:
@@ -67,15 +64,16 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def reuse_cached_prefix(self, seq: Sequence, salt: str | None) -> int:
-        """Attach the longest cached prefix of full blocks to a fresh sequence; return tokens reused.
+    def reuse_cached_prefix(self, seq: Sequence, salt: str | None) -> list[int]:
+        """The blocks of the longest cached prefix of a fresh sequence, now referenced by it.
 
         At least one token is always left to compute, since the last position's logits are needed.
         """
         hashes: list[bytes] = []
+        block_ids: list[int] = []
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             self.seq_hashes[seq.seq_id] = hashes
-            return 0
+            return block_ids
         self.num_prefix_queries += 1
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent: bytes | None = None
@@ -87,14 +85,13 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.evictable.pop(block, None)
             self.ref_counts[block] += 1
-            seq.block_ids.append(block)
+            block_ids.append(block)
             hashes.append(h)
             parent = h
         self.seq_hashes[seq.seq_id] = hashes
         if hashes:
             self.num_prefix_hits += 1
-        seq.num_computed_tokens = len(hashes) * self.block_size
-        return seq.num_computed_tokens
+        return block_ids
 
     def commit_computed(self, seq: Sequence, salt: str | None) -> None:
         """Register every newly full, computed block of `seq` in the prefix cache."""
@@ -113,7 +110,8 @@ class BlockManager:
                 self.hash_of[block] = h
 
     def free(self, seq: Sequence) -> None:
-        """Release a finished or preempted sequence's blocks (cached ones stay reusable)."""
+        """Release a finished or preempted sequence's blocks (cached ones stay reusable); the caller
+        then forgets them."""
         for block in reversed(seq.block_ids):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
@@ -121,7 +119,6 @@ class BlockManager:
                     self.evictable[block] = None
                 else:
                     self.free_ids.append(block)
-        seq.block_ids = []
         self.seq_hashes.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> None:

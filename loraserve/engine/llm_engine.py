@@ -1,25 +1,29 @@
-"""The synchronous engine: add requests, run `step()` (schedule -> forward -> sample -> outputs)."""
+"""The synchronous engine: add requests, run `step()` (schedule -> run -> update -> outputs).
+
+It wires the parts together and owns the request table; the scheduler owns each sequence's state,
+the output processor its text, the model loader the weights, tokenization the prompt and eos ids.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loraserve import envs
 from loraserve.config import EngineConfig
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.lora_state import EngineLoRAState
 from loraserve.engine.model_runner import ModelRunner, StepResult, kv_cache_block_bytes
 from loraserve.engine.output_processor import OutputProcessor
-from loraserve.engine.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-from loraserve.engine.scheduler import Scheduler
+from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from loraserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from loraserve.engine.sequence import Request, Sequence
-from loraserve.engine.tokenization import PromptInput, load_tokenizer, prepare_prompt
+from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.errors import LoRAAdapterError
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -40,8 +44,6 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.tokenizer = load_tokenizer(config.model)
         self.model: Any = get_model(config.model, config.device)
-        if config.device.type == "cpu" and envs.cpu_packed_linear():
-            _pack_linears(self.model)
         self.lora: EngineLoRAState | None = None
         if config.lora is not None:
             from loraserve.lora.manager import LoRAModelManager
@@ -68,13 +70,8 @@ class LLMEngine:
             config.lora.max_loras if config.lora else None,
         )
         self.sampler = Sampler()
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(config.model.hf_config, "eos_token_id", None)
-        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
-        # Chat models often end turns with more tokens than the tokenizer's eos (e.g. <|eot_id|>).
-        self.extra_eos_ids = sorted(_generation_eos_ids(config.model) - {self.eos_token_id})
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_id, config.model.max_model_len)
+        self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         logger.info(
@@ -115,12 +112,8 @@ class LLMEngine:
         """Validate and queue a request. Raises ValueError (bad prompt/params) or LoRAAdapterError."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        params = (params or SamplingParams()).clone()
         text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
-        if self.extra_eos_ids and not params.ignore_eos:
-            params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(self.extra_eos_ids))
-        if params.max_tokens is None:
-            params.max_tokens = self.model_config.max_model_len - len(prompt_ids)
+        params = self._sampling_params(params, len(prompt_ids))
         salt = None
         if lora_request is not None:
             if self.lora is None:
@@ -135,6 +128,16 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.add(seq)
         return request
+
+    def _sampling_params(self, params: SamplingParams | None, num_prompt_tokens: int) -> SamplingParams:
+        """The request's own copy, with the model's extra eos ids and the max_tokens left by the prompt."""
+        params = (params or SamplingParams()).clone()
+        extra_eos_ids = self.eos_ids.extra_eos_ids
+        if extra_eos_ids and not params.ignore_eos:
+            params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(extra_eos_ids))
+        if params.max_tokens is None:
+            params.max_tokens = self.model_config.max_model_len - num_prompt_tokens
+        return params
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         from loraserve.engine.detokenizer import IncrementalDetokenizer
@@ -164,8 +167,7 @@ class LLMEngine:
                 continue
             for seq in request.seqs:
                 if not seq.is_finished:
-                    self.scheduler.remove(seq)
-                    self.outputs.finish(seq, "abort", None)
+                    self.scheduler.finish(seq, "abort")
             aborted.append(self.outputs.build_output(request))
         self._finish_lora_removals()
         return aborted
@@ -175,43 +177,38 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
             return []
-        lora_slots = None
-        failed_outputs: list[RequestOutput] = []
-        if self.lora is not None:
-            ids = {s.seq.lora_int_id for s in sched.scheduled if s.seq.lora_int_id}
-            lora_slots, failed = self.lora.prepare_step(ids)
-            if failed:
-                failed_outputs = self._fail_adapter_requests(failed)
-                sched.scheduled = [s for s in sched.scheduled if s.seq.lora_int_id not in failed]
-        if not sched.scheduled:
-            self._end_step()
-            return failed_outputs
-        try:
-            result = self.runner.execute(sched.scheduled, lora_slots)
-        finally:
-            self._end_step()
-        for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit_computed(item.seq, item.seq.request.cache_salt)
-        touched = self._record_prompt_logprobs(result)
-        touched |= self._sample(result)
-        outputs = failed_outputs
-        for request in touched:
-            for seq in request.seqs:
-                if seq.is_finished and seq.block_ids:
-                    self.scheduler.remove(seq)
-            outputs.append(self.outputs.build_output(request))
-            if request.is_finished:
-                self.requests.pop(request.request_id, None)
+        result, outputs = self._execute(batch)
+        if result is None:
+            return outputs
+        sampled = self.outputs.process(result, self._sample(result))
+        self.scheduler.update(batch.scheduled, sampled)
+        outputs += self._request_outputs(sampled)
         self._finish_lora_removals()
         return outputs
 
-    def _end_step(self) -> None:
+    def _execute(self, batch: SchedulerOutput) -> tuple[StepResult | None, list[RequestOutput]]:
+        """Activate the batch's adapters and run the model; None when nothing is left to run.
+
+        Requests whose adapter could not be reloaded fail here and leave the batch; their outputs
+        come back with the result.
+        """
+        lora_slots = None
+        failed_outputs: list[RequestOutput] = []
         if self.lora is not None:
-            self.lora.end_step()
+            ids = {s.seq.lora_int_id for s in batch.scheduled if s.seq.lora_int_id}
+            lora_slots, failed = self.lora.prepare_step(ids)
+            if failed:
+                failed_outputs = self._fail_adapter_requests(failed)
+                batch.scheduled = [s for s in batch.scheduled if s.seq.lora_int_id not in failed]
+        try:
+            result = self.runner.execute(batch.scheduled, lora_slots) if batch.scheduled else None
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
+        return result, failed_outputs
 
     def _fail_adapter_requests(self, failed: dict[int, Exception]) -> list[RequestOutput]:
         """An adapter that could not be reloaded fails its own requests and nothing else."""
@@ -223,53 +220,32 @@ class LLMEngine:
             request.error = str(error)
             for seq in request.seqs:
                 if not seq.is_finished:
-                    self.scheduler.remove(seq)
-                    self.outputs.finish(seq, "abort", None)
+                    self.scheduler.finish(seq, "abort")
             outputs.append(self.outputs.build_output(request))
             del self.requests[request.request_id]
         return outputs
 
-    def _sample(self, result: StepResult) -> set[Request]:
-        if not result.sample_seqs:
-            return set()
-        rows = [self._sampling_row(seq) for seq in result.sample_seqs]
-        sampled = self.sampler(result.logits, rows)
-        touched: set[Request] = set()
-        for i, seq in enumerate(result.sample_seqs):
-            top = sampled.top_logprobs[i] if sampled.top_logprobs else None
-            self.outputs.append_token(seq, sampled.token_ids[i], sampled.logprobs[i], top)
-            touched.add(seq.request)
-        return touched
+    def _sample(self, result: StepResult) -> SamplerOutput:
+        if not result.sample_seqs:  # only prefill chunks ran: there is no row to sample
+            return SamplerOutput([], [], [])
+        return self.sampler(result.logits, [self._sampling_row(seq) for seq in result.sample_seqs])
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         """Token history is copied only for rows whose penalties or min_tokens read it: the copies
         grow with the context, and most requests use neither."""
         params = seq.params
-        penalised = (
-            params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-        )
         prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
-        output_ids = seq.output_token_ids if penalised or params.min_tokens > 0 else []
-        return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_token_id)
+        output_ids = seq.output_token_ids if params.has_penalties or params.min_tokens > 0 else []
+        return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_ids.eos_token_id)
 
-    def _record_prompt_logprobs(self, result: StepResult) -> set[Request]:
-        touched: set[Request] = set()
-        for chunk in result.prompt_chunks:
-            request = chunk.seq.request
-            if chunk.seq.index != 0:
-                continue
-            if request.prompt_logprobs is None:
-                request.prompt_logprobs = [None]
-            # After a preemption the prompt is recomputed: skip positions already recorded.
-            skip = max(0, len(request.prompt_logprobs) - 1 - chunk.start)
-            logits = chunk.logits[skip:]
-            start = chunk.start + skip
-            if logits.shape[0] == 0:
-                continue
-            targets = request.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
-            entries = compute_prompt_logprobs(logits, targets, request.params.prompt_logprobs or 0)
-            request.prompt_logprobs.extend(self.outputs.with_text(e) for e in entries)
-        return touched
+    def _request_outputs(self, sampled: list[SampledToken]) -> list[RequestOutput]:
+        """One output per request that got a token; finished requests leave the table."""
+        outputs = []
+        for request in dict.fromkeys(token.seq.request for token in sampled):
+            outputs.append(self.outputs.build_output(request))
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+        return outputs
 
     # ---- adapters -------------------------------------------------------------------------------
     def _lora_state(self) -> EngineLoRAState:
@@ -304,19 +280,12 @@ class LLMEngine:
         return self.lora.list() if self.lora is not None else []
 
     def stats(self) -> dict[str, Any]:
-        running: dict[str, int] = {}
-        waiting: dict[str, int] = {}
-        for seq in self.scheduler.running:
-            name = seq.request.lora_name or ""
-            running[name] = running.get(name, 0) + 1
-        for seq in self.scheduler.waiting:
-            name = seq.request.lora_name or ""
-            waiting[name] = waiting.get(name, 0) + 1
+        running, waiting = self.scheduler.running, self.scheduler.waiting
         stats: dict[str, Any] = {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "running_by_adapter": running,
-            "waiting_by_adapter": waiting,
+            "num_running": len(running),
+            "num_waiting": len(waiting),
+            "running_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in running)),
+            "waiting_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in waiting)),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.block_manager.num_prefix_queries,
             "prefix_cache_hits": self.block_manager.num_prefix_hits,
@@ -327,35 +296,3 @@ class LLMEngine:
             stats.update(self.lora.manager.stats())
         return stats
 
-
-def _generation_eos_ids(model_config: Any) -> set[int]:
-    """Every end-of-sequence id that the model's generation_config.json and config declare."""
-    ids: set[int] = set()
-    sources: list[Any] = [getattr(model_config.hf_config, "eos_token_id", None)]
-    try:
-        from transformers import GenerationConfig
-
-        sources.append(GenerationConfig.from_pretrained(model_config.model_path).eos_token_id)
-    except (OSError, ValueError):
-        pass  # no generation_config.json: the config's ids are all there is
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids
-
-
-def _pack_linears(model: Any) -> None:
-    """oneDNN-packed weights for every Linear; tensors shared with other layers (tied embeddings)
-    keep their dense copy."""
-    from loraserve.layers.linear import Linear, pack_cpu_linears
-
-    shared = {
-        param.data_ptr()
-        for module in model.modules()
-        if not isinstance(module, Linear)
-        for param in module.parameters(recurse=False)
-    }
-    num_packed = pack_cpu_linears(model, shared)
-    logger.info("Packed %d linear layers into oneDNN's CPU layout", num_packed)

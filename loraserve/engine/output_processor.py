@@ -1,12 +1,22 @@
-"""After sampling: append tokens, detokenize, apply stop conditions, and build RequestOutputs."""
+"""After sampling: detokenize, decide stop conditions, record prompt logprobs, build RequestOutputs.
+
+It never changes a sequence: each sampled token becomes a `SampledToken` report (token, logprobs,
+finish reason) that the scheduler applies. What it does own is text: every sequence's detokenizer
+(stop strings cut there) and each request's prompt logprobs.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from loraserve.engine.detokenizer import find_stop_string
-from loraserve.engine.sequence import Request, Sequence, SequenceStatus
+from loraserve.engine.model_runner import PromptLogprobChunk, StepResult
+from loraserve.engine.sampler import SamplerOutput, compute_prompt_logprobs
+from loraserve.engine.scheduler import SampledToken
+from loraserve.engine.sequence import Request, Sequence
 from loraserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+Finish = tuple[str | None, int | str | None]  # (finish_reason, stop_reason)
 
 
 class OutputProcessor:
@@ -30,50 +40,61 @@ class OutputProcessor:
             lp.decoded_token = self.decode_token(token_id)
         return entry
 
-    def append_token(
-        self, seq: Sequence, token_id: int, logprob: float, top: dict[int, Logprob] | None
-    ) -> None:
-        """Add one sampled token to `seq` and finish it if a stop condition holds."""
-        seq.token_ids.append(token_id)
-        seq.cumulative_logprob += logprob
-        if seq.params.logprobs is not None:
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append(self.with_text(top) or {})
-        delta_len = 0
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.append(token_id)
-            seq.output_text += delta
-            delta_len = len(delta)
-        self._check_stop(seq, token_id, delta_len)
+    def process(self, result: StepResult, sampled: SamplerOutput) -> list[SampledToken]:
+        """Record the step's prompt logprobs and report what each sampled token does to its sequence."""
+        self._record_prompt_logprobs(result.prompt_chunks)
+        reports = []
+        for i, seq in enumerate(result.sample_seqs):
+            top = sampled.top_logprobs[i] if sampled.top_logprobs else None
+            reports.append(self._report(seq, sampled.token_ids[i], sampled.logprobs[i], top))
+        return reports
 
-    def _check_stop(self, seq: Sequence, token_id: int, delta_len: int) -> None:
+    def _report(
+        self, seq: Sequence, token_id: int, logprob: float, top: dict[int, Logprob] | None
+    ) -> SampledToken:
+        top_logprobs = (self.with_text(top) or {}) if seq.params.logprobs is not None else None
+        delta_len = len(seq.detokenizer.append(token_id)) if seq.detokenizer is not None else 0
+        reason, stop_reason = self._check_stop(seq, token_id, delta_len)
+        return SampledToken(seq, token_id, logprob, top_logprobs, reason, stop_reason)
+
+    def _check_stop(self, seq: Sequence, token_id: int, delta_len: int) -> Finish:
+        """Whether `token_id`, about to be appended to `seq`, ends it; a matched stop string is cut."""
         params = seq.params
-        num_out = seq.num_output_tokens
-        if num_out >= params.min_tokens:
+        num_output_tokens = seq.num_output_tokens + 1
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id == self.eos_token_id:
-                self.finish(seq, "stop", None)
-                return
+                return "stop", None
             if params.stop_token_ids and token_id in params.stop_token_ids:
-                self.finish(seq, "stop", token_id)
-                return
+                return "stop", token_id
             if params.stop and seq.detokenizer is not None:
                 stops = [params.stop] if isinstance(params.stop, str) else params.stop
                 matched, keep = find_stop_string(
                     seq.output_text, delta_len, stops, params.include_stop_str_in_output
                 )
                 if matched is not None:
-                    seq.output_text = seq.output_text[:keep]
-                    self.finish(seq, "stop", matched)
-                    return
-        if params.max_tokens is not None and num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, "length", None)
+                    seq.detokenizer.truncate(keep)
+                    return "stop", matched
+        is_max_tokens = params.max_tokens is not None and num_output_tokens >= params.max_tokens
+        if is_max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+            return "length", None
+        return None, None
 
-    @staticmethod
-    def finish(seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
+    def _record_prompt_logprobs(self, chunks: list[PromptLogprobChunk]) -> None:
+        for chunk in chunks:
+            request = chunk.seq.request
+            if chunk.seq.index != 0:
+                continue
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]
+            # After a preemption the prompt is recomputed: skip positions already recorded.
+            skip = max(0, len(request.prompt_logprobs) - 1 - chunk.start)
+            logits = chunk.logits[skip:]
+            start = chunk.start + skip
+            if logits.shape[0] == 0:
+                continue
+            targets = request.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+            entries = compute_prompt_logprobs(logits, targets, request.params.prompt_logprobs or 0)
+            request.prompt_logprobs.extend(self.with_text(e) for e in entries)
 
     @staticmethod
     def _visible_text(seq: Sequence) -> str:

@@ -85,7 +85,7 @@ class Sampler:
 def _needs_logit_edits(row: SamplingRow) -> bool:
     params = row.params
     masks_stops = params.min_tokens > len(row.output_token_ids)
-    return masks_stops or _has_penalty(params)
+    return masks_stops or params.has_penalties
 
 
 def compute_prompt_logprobs(
@@ -162,15 +162,9 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[index[0], index[1]] = float("-inf")
 
 
-def _has_penalty(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-    )
-
-
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Repetition (prompt + output), frequency and presence (output) penalties, as vLLM applies them."""
-    penalised = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
     if not penalised:
         return
     device = logits.device

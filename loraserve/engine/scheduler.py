@@ -1,4 +1,9 @@
-"""Continuous batching: which sequences run this step, and how many tokens each.
+"""Continuous batching and the sequence lifecycle: which sequences run this step, how many tokens
+each, and what the step did to them.
+
+The scheduler is the only writer of a `Sequence`. `schedule()` admits, chunks and preempts;
+`update()` applies a finished step (computed tokens, committed prefix blocks, sampled tokens, finished
+sequences freed), as nano-vllm's `postprocess`; `finish()` ends one early (abort, failed adapter).
 
 One token budget per step (`max_num_batched_tokens`) is shared by decodes and (chunked) prefills.
 Running sequences go first, in arrival order; when KV blocks run out the latest-arrived running
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from loraserve.config import SchedulerConfig
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.sequence import Sequence, SequenceStatus
+from loraserve.outputs import PositionLogprobs
 
 MAX_LORA_BYPASS_STEPS = 8
 
@@ -25,6 +31,18 @@ MAX_LORA_BYPASS_STEPS = 8
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One sampled token and what it does to its sequence, as the output processor decided."""
+
+    seq: Sequence
+    token_id: int
+    logprob: float
+    top_logprobs: PositionLogprobs | None  # None unless the request asked for logprobs
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -60,14 +78,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.blocks.free(seq)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -75,12 +85,33 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def update(self, scheduled: list[ScheduledSeq], sampled: list[SampledToken]) -> None:
+        """Apply a step that ran: computed tokens and their full blocks, then the sampled tokens."""
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.commit_computed(item.seq, item.seq.request.cache_salt)
+        for token in sampled:
+            _append(token)
+            if token.finish_reason is not None:
+                self.finish(token.seq, token.finish_reason, token.stop_reason)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End `seq` (stop, length or abort) and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.allocate(seq, num_new):
+            while not self._allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
@@ -95,7 +126,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -144,18 +175,40 @@ class Scheduler:
     def _admit_tokens(self, seq: Sequence, budget: int) -> int:
         """Attach cached prefix blocks and allocate for the first chunk; 0 if it cannot start now."""
         if not seq.block_ids:
-            self.blocks.reuse_cached_prefix(seq, seq.request.cache_salt)
+            seq.block_ids = self.blocks.reuse_cached_prefix(seq, seq.request.cache_salt)
+            seq.num_computed_tokens = len(seq.block_ids) * self.blocks.block_size
         num_new = seq.num_tokens - seq.num_computed_tokens
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
                 self._release_prefix(seq)
                 return 0
             num_new = budget
-        if not self.blocks.allocate(seq, num_new):
+        if not self._allocate(seq, num_new):
             self._release_prefix(seq)
             return 0
         return num_new
 
     def _release_prefix(self, seq: Sequence) -> None:
-        self.blocks.free(seq)
+        self._free(seq)
         seq.num_computed_tokens = 0
+
+    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        block_ids = self.blocks.allocate(seq, num_new_tokens)
+        if block_ids is None:
+            return False
+        seq.block_ids.extend(block_ids)
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.block_ids = []
+
+
+def _append(token: SampledToken) -> None:
+    seq = token.seq
+    seq.token_ids.append(token.token_id)
+    seq.cumulative_logprob += token.logprob
+    if token.top_logprobs is not None:
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append(token.top_logprobs)

@@ -1,4 +1,8 @@
-"""Per-sequence and per-request state the scheduler, runner and output builder share."""
+"""Per-sequence and per-request state.
+
+The scheduler is the only writer of a `Sequence`: it admits, preempts, advances computed tokens,
+appends sampled tokens and finishes it. The runner, sampler and output processor only read it.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class Sequence:
 
     `token_ids` holds prompt then output tokens; `num_computed_tokens` counts those whose KV is in the
     cache. Preemption resets it to 0 and keeps the tokens, so the sequence is recomputed later.
+    The detokenizer holds the output text; only the output processor feeds it.
     """
 
     seq_id: int
@@ -40,7 +45,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -73,13 +77,16 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def arrival_time(self) -> float:
-        return self.request.arrival_time
+    def output_text(self) -> str:
+        return self.detokenizer.output_text if self.detokenizer is not None else ""
 
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """A user request: one prompt, its sampling parameters, adapter, and n sequences."""
+    """A user request: one prompt, its sampling parameters, adapter, and n sequences.
+
+    The engine creates it and sets `error`; the output processor records `prompt_logprobs`.
+    """
 
     request_id: str
     prompt: str | None

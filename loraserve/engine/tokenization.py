@@ -1,7 +1,9 @@
-"""Tokenizer loading and prompt normalisation (text, {"prompt"}, {"prompt_token_ids"}) with validation."""
+"""Tokenizer loading, the model's end-of-sequence ids, and prompt normalisation (text, {"prompt"},
+{"prompt_token_ids"}) with validation."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from loraserve.config import ModelConfig
@@ -21,6 +23,42 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         raise ValueError(
             f"Could not load a tokenizer from {model_config.tokenizer or model_config.model_path!r}: {exc}"
         ) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class EndOfSequenceIds:
+    """The tokenizer's end-of-sequence id and the other ids the model ends a turn with."""
+
+    eos_token_id: int | None
+    # Chat models often end turns with more tokens than the tokenizer's eos (e.g. <|eot_id|>); they
+    # become stop tokens of every request that does not ignore eos.
+    extra_eos_ids: tuple[int, ...]
+
+
+def end_of_sequence_ids(tokenizer: Any, model_config: ModelConfig) -> EndOfSequenceIds:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model_config.hf_config, "eos_token_id", None)
+    eos_token_id = eos[0] if isinstance(eos, list) else eos
+    return EndOfSequenceIds(eos_token_id, tuple(sorted(_generation_eos_ids(model_config) - {eos_token_id})))
+
+
+def _generation_eos_ids(model_config: ModelConfig) -> set[int]:
+    """Every end-of-sequence id that the model's generation_config.json and config declare."""
+    ids: set[int] = set()
+    sources: list[Any] = [getattr(model_config.hf_config, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+
+        sources.append(GenerationConfig.from_pretrained(model_config.model_path).eos_token_id)
+    except (OSError, ValueError):
+        pass  # no generation_config.json: the config's ids are all there is
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
 
 
 def prepare_prompt(prompt: PromptInput, tokenizer: Any, model_config: ModelConfig) -> tuple[str | None, list[int]]:

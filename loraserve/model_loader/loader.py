@@ -1,4 +1,5 @@
-"""Build the model: resolve its class, construct it on the device in the model dtype, load the weights."""
+"""Build the model: resolve its class, construct it on the device in the model dtype, load the weights,
+and on CPU pack the linear weights into oneDNN's layout."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from loraserve import envs
 from loraserve.config import ModelConfig
+from loraserve.layers.linear import Linear, pack_cpu_linears
 from loraserve.model_loader.weights import iterate_weights
 from loraserve.models.registry import resolve_model_cls
 
@@ -38,7 +41,7 @@ def _count_tensors(
 
 
 def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
-    """The model of `model_config` on `device`, weights loaded, in eval mode."""
+    """The model of `model_config` on `device`, weights loaded (packed on CPU), in eval mode."""
     device = torch.device(device)
     cls, arch = resolve_model_cls(
         model_config.architectures, model_config.model_impl, hf_config=model_config.hf_config
@@ -62,4 +65,19 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
         num_params / 1e6,
         time.perf_counter() - start,
     )
+    if device.type == "cpu" and envs.cpu_packed_linear():
+        _pack_linears(model)
     return model
+
+
+def _pack_linears(model: nn.Module) -> None:
+    """oneDNN-packed weights for every Linear; tensors shared with other layers (tied embeddings)
+    keep their dense copy."""
+    shared = {
+        param.data_ptr()
+        for module in model.modules()
+        if not isinstance(module, Linear)
+        for param in module.parameters(recurse=False)
+    }
+    num_packed = pack_cpu_linears(model, shared)
+    logger.info("Packed %d linear layers into oneDNN's CPU layout", num_packed)

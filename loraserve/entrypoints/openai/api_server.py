@@ -1,17 +1,14 @@
-"""The OpenAI-compatible HTTP server: FastAPI app, routes, auth, and the process that runs it.
+"""The OpenAI-compatible HTTP app: FastAPI routes, auth and error handlers over an EngineClient.
 
-`build_app(engine, options)` wires an engine (anything with AsyncLLMEngine's interface) into routes;
-`launcher.run_server(args)` loads plugins and the model, binds the socket and serves.
-`python -m loraserve.entrypoints.openai.api_server MODEL [flags]` is `loraserve serve`.
+`build_app(engine, options)` wires an engine (`AsyncLLMEngine`, or any `EngineClient`) into routes;
+the process around it (flags, model load, socket, uvicorn) is `launcher.py`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loraserve import __version__, envs
 from loraserve.entrypoints.openai.auth import APIKeyMiddleware
 from loraserve.entrypoints.openai.disconnect import ClientDisconnected, run_until_disconnect
+from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception, error_response, sse_error
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
@@ -47,7 +45,7 @@ class ServerOptions:
     allow_runtime_lora_updating: bool | None = None  # None: read the environment
 
 
-async def build_app(engine: Any, options: ServerOptions) -> FastAPI:
+async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     """The app for `engine`, with the --lora-modules adapters registered (LoRAAdapterError if one fails)."""
     model_config = engine.model_config
     names = options.served_model_names or [model_config.served_model_name or model_config.model]
@@ -105,12 +103,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(error.message, error.status, error.param)
 
 
-def _add_info_routes(app: FastAPI, engine: Any, models: OpenAIServingModels, metrics: ServerMetrics) -> None:
+def _add_info_routes(
+    app: FastAPI, engine: EngineClient, models: OpenAIServingModels, metrics: ServerMetrics
+) -> None:
     @app.get("/health")
     async def health() -> Response:
         if engine.is_healthy():
             return Response(status_code=200)
-        reason = getattr(engine, "dead_error", None) or "the engine loop is not running"
+        reason = engine.dead_error or "the engine loop is not running"
         return error_response(f"The engine is dead: {reason}", 500)
 
     @app.get("/version")
@@ -185,15 +185,3 @@ async def _continue_stream(first: str, rest: AsyncIterator[str]) -> AsyncIterato
         aclose = getattr(rest, "aclose", None)
         if aclose is not None:
             await aclose()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from loraserve.entrypoints.openai.cli_args import parse_serve_args
-    from loraserve.entrypoints.openai.launcher import serve_main
-
-    prog = "python -m loraserve.entrypoints.openai.api_server"
-    return serve_main(parse_serve_args(argv, prog=prog), prog)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

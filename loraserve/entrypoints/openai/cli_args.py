@@ -1,6 +1,8 @@
 """The `serve` command line: vLLM's flag names, parsed into EngineArgs and ServerOptions.
 
-Nothing here imports torch or transformers, so `--help` and flag errors are instant.
+An engine flag's dest is the name of its `EngineArgs` field, which `EngineArgs.from_cli_args` reads;
+the server flags (host, port, api key, adapters to register) go to the launcher. Nothing here imports
+torch or transformers, so `--help` and flag errors are instant.
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ def _add_scheduler_args(sched: Any) -> None:
     )
     sched.add_argument(
         "--kv-cache-memory",
+        dest="kv_cache_memory_bytes",
+        metavar="KV_CACHE_MEMORY",
         type=positive_int,
         default=1 << 30,
         help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: 1GiB).",

@@ -1,6 +1,7 @@
 """Running the server process: flags to EngineArgs, plugins, model load, socket, uvicorn, clean errors.
 
-Used by `loraserve serve` and `python -m loraserve.entrypoints.openai.api_server`.
+Used by `loraserve serve`; `python -m loraserve.entrypoints.openai.launcher MODEL [flags]` is the same.
+It builds the app with `api_server.build_app` and nothing there imports back.
 """
 
 from __future__ import annotations
@@ -14,45 +15,21 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from loraserve import envs
 from loraserve.entrypoints.openai.api_server import ServerOptions, build_app
+from loraserve.entrypoints.openai.cli_args import parse_serve_args
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+
+if TYPE_CHECKING:
+    from loraserve.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("loraserve.server")
 # How long SIGTERM waits for running requests before closing their connections.
 GRACEFUL_SHUTDOWN_S = 30
-
-
-def engine_args_from(args: argparse.Namespace) -> Any:
-    """EngineArgs from parsed `serve` flags."""
-    from loraserve.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=args.model,
-        served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        hf_overrides=args.hf_overrides,
-        trust_remote_code=args.trust_remote_code,
-        model_impl=args.model_impl,
-        seed=args.seed,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_lora=args.enable_lora,
-        max_loras=args.max_loras or 1,
-        max_cpu_loras=args.max_cpu_loras,
-        max_lora_rank=args.max_lora_rank,
-        lora_dtype=args.lora_dtype,
-        enable_lora_bias=args.enable_lora_bias,
-    )
 
 
 def use_demo_model(args: argparse.Namespace) -> None:
@@ -128,6 +105,8 @@ async def serve_app(app: FastAPI, sock: socket.socket) -> None:
 
 async def run_server(args: argparse.Namespace) -> None:
     """Load plugins and the model, register adapters, serve; the engine is shut down on the way out."""
+    # Imported here so that `--help` and flag errors never wait for torch.
+    from loraserve.engine.arg_utils import EngineArgs
     from loraserve.engine.async_engine import AsyncLLMEngine
     from loraserve.plugins import load_general_plugins
 
@@ -136,7 +115,7 @@ async def run_server(args: argparse.Namespace) -> None:
         load_general_plugins()
         if args.model is None:
             use_demo_model(args)
-        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
         await engine.start()
         try:
             options = ServerOptions(
@@ -153,7 +132,7 @@ async def run_server(args: argparse.Namespace) -> None:
         sock.close()
 
 
-def _log_startup(app: FastAPI, engine: Any, args: argparse.Namespace, sock: socket.socket) -> None:
+def _log_startup(app: FastAPI, engine: AsyncLLMEngine, args: argparse.Namespace, sock: socket.socket) -> None:
     models: OpenAIServingModels = app.state.models
     config = engine.model_config
     logger.info(
@@ -162,7 +141,7 @@ def _log_startup(app: FastAPI, engine: Any, args: argparse.Namespace, sock: sock
         config.model_path,
         ", ".join(p.name for p in models.base_model_paths),
         config.max_model_len,
-        getattr(config, "dtype", "?"),
+        config.dtype,
     )
     lora = engine.lora_config
     if lora is None:
@@ -215,3 +194,12 @@ def serve_main(args: argparse.Namespace, prog: str) -> int:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "python -m loraserve.entrypoints.openai.launcher"
+    return serve_main(parse_serve_args(argv, prog=prog), prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import SamplingRequest
@@ -47,7 +48,7 @@ class OpenAIServing:
     """Shared machinery of the generation endpoints."""
 
     def __init__(
-        self, engine: Any, models: OpenAIServingModels, metrics: ServerMetrics | None = None
+        self, engine: EngineClient, models: OpenAIServingModels, metrics: ServerMetrics | None = None
     ) -> None:
         self.engine = engine
         self.models = models
@@ -60,12 +61,12 @@ class OpenAIServing:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.model_config.max_model_len)
+        return self.engine.model_config.max_model_len
 
     async def resolve_model(self, request: SamplingRequest) -> tuple[str, LoRARequest | None]:
         """(name to report in responses, adapter or None); 404/400 APIError for unknown or broken names."""
-        if getattr(self.engine, "errored", False):
-            raise EngineDeadError(str(getattr(self.engine, "dead_error", None) or "the engine loop stopped"))
+        if self.engine.errored:
+            raise EngineDeadError(str(self.engine.dead_error or "the engine loop stopped"))
         lora_request = await self.models.resolve_model(request.model)
         name = request.model if request.model is not None else self.models.served_model_name
         return name, lora_request
@@ -90,9 +91,9 @@ class OpenAIServing:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab_size = getattr(self.engine.model_config, "vocab_size", None)
+        vocab_size = self.engine.model_config.vocab_size
         for token_id in token_ids:
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            if token_id < 0 or token_id >= vocab_size:
                 raise APIError(
                     f"Token id {token_id} is out of vocabulary (vocab_size={vocab_size}).",
                     HTTPStatus.BAD_REQUEST,

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
 
 from loraserve import envs
+from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
@@ -74,6 +74,11 @@ class NamedLocks:
             if entry.num_users == 0:
                 del self._entries[name]
 
+    def num_users(self, name: str) -> int:
+        """Holders and waiters of `name`'s lock."""
+        entry = self._entries.get(name)
+        return entry.num_users if entry is not None else 0
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -83,7 +88,7 @@ class OpenAIServingModels:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         base_model_paths: list[BaseModelPath],
         static_lora_modules: list[LoRAModulePath] | None = None,
         allow_runtime_lora_updating: bool | None = None,
@@ -105,12 +110,12 @@ class OpenAIServingModels:
         self.lora_resolvers = list(lora_resolvers) if allow_runtime_lora_updating else []
         self.lora_requests: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)
-        self._locks = NamedLocks()
+        self.name_locks = NamedLocks()  # adapter name -> lock held while it is resolved or loaded
         self.metrics = metrics
 
     @property
     def lora_enabled(self) -> bool:
-        return getattr(self.engine, "lora_config", None) is not None
+        return self.engine.lora_config is not None
 
     @property
     def served_model_name(self) -> str:
@@ -139,7 +144,7 @@ class OpenAIServingModels:
             return self.lora_requests[name]
         if not self.lora_enabled or not self.allow_runtime_lora_updating or not self.lora_resolvers:
             raise APIError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
-        async with self._locks.hold(name):
+        async with self.name_locks.hold(name):
             # Another request may have resolved the name while this one waited for the lock.
             if name in self.lora_requests:
                 return self.lora_requests[name]
@@ -199,7 +204,7 @@ class OpenAIServingModels:
             raise APIError(
                 f"'{name}' is the name of a served base model.", HTTPStatus.BAD_REQUEST, "lora_name"
             )
-        async with self._locks.hold(name):
+        async with self.name_locks.hold(name):
             if name in self.lora_requests:
                 raise APIError(
                     f"The lora adapter '{name}' has already been loaded.", HTTPStatus.BAD_REQUEST, "lora_name"
@@ -216,7 +221,7 @@ class OpenAIServingModels:
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
         """POST /v1/unload_lora_adapter: forget the name at once, then wait for its running requests."""
         name = self._find_unload_target(request)
-        async with self._locks.hold(name):
+        async with self.name_locks.hold(name):
             lora_request = self.lora_requests.pop(name, None)
             if lora_request is None:
                 raise APIError(not_found_message(name), HTTPStatus.NOT_FOUND, "lora_name")

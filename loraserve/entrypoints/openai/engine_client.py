@@ -1,0 +1,74 @@
+"""EngineClient: the engine as the serving layer uses it, and nothing more.
+
+`AsyncLLMEngine` satisfies it, and so does the fake engine of the server tests; the routes and
+handlers reach the engine only through these members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from loraserve.config import LoRAConfig
+    from loraserve.lora.request import LoRARequest
+    from loraserve.outputs import RequestOutput
+    from loraserve.sampling_params import SamplingParams
+
+
+class ServedModelConfig(Protocol):
+    """The parts of `ModelConfig` the serving layer reads."""
+
+    @property
+    def model(self) -> str: ...  # as the user named it: the default served name and the resolvers' base
+
+    @property
+    def served_model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    @property
+    def model_config(self) -> ServedModelConfig: ...
+
+    @property
+    def lora_config(self) -> LoRAConfig | None: ...  # None: LoRA is off
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    @property
+    def dead_error(self) -> BaseException | None: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def generate(
+        self,
+        prompt: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes; closing the iterator aborts it."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool: ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; returns once its running requests have finished."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for /metrics: numbers, {adapter: count} maps, lists of new observations."""
+        ...
