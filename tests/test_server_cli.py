@@ -185,6 +185,8 @@ def test_help_lists_every_flag() -> None:
     for flag in (
         "--host",
         "--port",
+        "--tokenizer",
+        "--hf-config-path",
         "--served-model-name",
         "--dtype",
         "--max-model-len",

@@ -24,9 +24,9 @@ class TrainingPlan:
     rank: int = 8
     lora_alpha: int = 16
     num_trained_layers: int = 10
-    num_steps: int = 30
+    num_steps: int = 24
     batch_size: int = 8
-    learning_rate: float = 2e-3
+    learning_rate: float = 3e-3
     seed: int = 0
 
 
@@ -136,7 +136,7 @@ def _train_one(
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        on_step(float(loss))
+        on_step(loss.item())
     _save_adapter(peft_model, out_dir, plan, first_layer, base_model_name)
     return peft_model.unload()
 

@@ -117,6 +117,16 @@ def _add_server_args(server: Any) -> None:
 
 def _add_model_args(model: Any) -> None:
     model.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Tokenizer folder or hub id (default: the model's; for GGUF, the one in its metadata).",
+    )
+    model.add_argument(
+        "--hf-config-path",
+        default=None,
+        help="config.json (or its folder) to use for a GGUF model instead of the file's metadata.",
+    )
+    model.add_argument(
         "--dtype",
         default="auto",
         choices=_DTYPES,
