@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,11 +93,17 @@ def train_adapters(
     # From here on the model is only its top layers, fed the cached hidden states.
     model.model.layers = model.model.layers[first:]
     model.config.num_hidden_layers = plan.num_trained_layers
+    report = on_step or _ignore_step
     for index, (name, prefix) in enumerate(prefixes.items()):
         generator = torch.Generator().manual_seed(plan.seed + index)
         torch.manual_seed(plan.seed + index)
-        model = _train_one(model, prefix, plan, generator, out_dirs[name], first, base_model_name,
-                           lambda loss, name=name: on_step(name, loss) if on_step else None)
+        model = _train_one(
+            model, prefix, plan, generator, out_dirs[name], first, base_model_name, partial(report, name)
+        )
+
+
+def _ignore_step(adapter: str, loss: float) -> None:
+    """The default step report: nothing."""
 
 
 def _train_one(
