@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
