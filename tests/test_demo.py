@@ -44,9 +44,9 @@ def test_trained_adapter_fits_its_examples_in_peft_and_loraserve(
     path = write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"), seed=3, weight_std=0.2)
     model_dir = gguf_folder(path, torch.float32)
     out_dir = str(tmp_path / "adapter")
-    steps: list[float] = []
+    steps: list[float | None] = []
     train_adapters(model_dir, {"toy": EXAMPLES}, {"toy": out_dir}, "tiny", PLAN, lambda _, loss: steps.append(loss))
-    assert len(steps) == PLAN.num_steps
+    assert len(steps) == PLAN.num_steps + 1 and steps[0] is None  # the frozen layers' pass, then the steps
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -10,7 +10,8 @@ format (`layers_to_transform` names the trained layers), so PEFT and loraserve l
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -68,9 +69,22 @@ def frozen_prefix(model: Any, tokenizer: Any, examples: list[tuple[str, str]], l
         mask[row, : len(ids)] = 1
         # position t predicts token t+1: the label of the last prompt position is the first answer token
         labels[row, start - 1 : len(ids) - 1] = torch.tensor(ids[start:])
-    outputs = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    lengths = mask.sum(dim=1)
-    return EncodedExamples(outputs.hidden_states[layer].float(), mask, labels, lengths)
+    with _lower_layers(model, layer):
+        hidden = model.model(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    return EncodedExamples(hidden.float(), mask, labels, mask.sum(dim=1))
+
+
+@contextmanager
+def _lower_layers(model: Any, num_layers: int) -> Iterator[None]:
+    """Make the model's body its first `num_layers` layers without the final norm, for one forward."""
+    body = model.model
+    saved = body.layers, body.norm, model.config.num_hidden_layers
+    body.layers, body.norm = body.layers[:num_layers], torch.nn.Identity()
+    model.config.num_hidden_layers = num_layers
+    try:
+        yield
+    finally:
+        body.layers, body.norm, model.config.num_hidden_layers = saved
 
 
 def train_adapters(
@@ -79,9 +93,13 @@ def train_adapters(
     out_dirs: dict[str, str],
     base_model_name: str,
     plan: TrainingPlan = TrainingPlan(),
-    on_step: Callable[[str, float], None] | None = None,
+    on_step: Callable[[str, float | None], None] | None = None,
 ) -> None:
-    """Train one adapter per entry of `examples` on the model in `model_dir`; save each to `out_dirs`."""
+    """Train one adapter per entry of `examples` on the model in `model_dir`; save each to `out_dirs`.
+
+    `on_step(adapter, loss)` is called after each training step, and with loss None once per adapter
+    when its examples went through the frozen layers: `len(examples) * (num_steps + 1)` calls in all.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -89,11 +107,14 @@ def train_adapters(
     model.requires_grad_(False)
     num_layers = model.config.num_hidden_layers
     first = num_layers - plan.num_trained_layers
-    prefixes = {name: frozen_prefix(model, tokenizer, pairs, first) for name, pairs in examples.items()}
+    report = on_step or _ignore_step
+    prefixes = {}
+    for name, pairs in examples.items():
+        prefixes[name] = frozen_prefix(model, tokenizer, pairs, first)
+        report(name, None)  # one unit of progress: the frozen layers ran over this adapter's examples
     # From here on the model is only its top layers, fed the cached hidden states.
     model.model.layers = model.model.layers[first:]
     model.config.num_hidden_layers = plan.num_trained_layers
-    report = on_step or _ignore_step
     for index, (name, prefix) in enumerate(prefixes.items()):
         generator = torch.Generator().manual_seed(plan.seed + index)
         torch.manual_seed(plan.seed + index)
@@ -102,7 +123,7 @@ def train_adapters(
         )
 
 
-def _ignore_step(adapter: str, loss: float) -> None:
+def _ignore_step(adapter: str, loss: float | None) -> None:
     """The default step report: nothing."""
 
 
@@ -114,7 +135,7 @@ def _train_one(
     out_dir: str,
     first_layer: int,
     base_model_name: str,
-    on_step: Callable[[float], None],
+    on_step: Callable[[float | None], None],
 ) -> Any:
     from peft import LoraConfig, get_peft_model
 
