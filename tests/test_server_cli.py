@@ -187,6 +187,7 @@ def test_help_lists_every_flag() -> None:
         "--port",
         "--tokenizer",
         "--hf-config-path",
+        "--trust-request-chat-template",
         "--served-model-name",
         "--dtype",
         "--max-model-len",
