@@ -205,7 +205,7 @@ def test_request_chat_templates_need_the_operators_trust(server: RunningServer, 
 
 def test_non_finite_sampling_values_are_refused(server: RunningServer) -> None:
     for field in ("temperature", "repetition_penalty"):
-        body = '{"model": "base", "prompt": "x", "max_tokens": 2, "%s": 1e999}' % field
+        body = '{"model": "base", "prompt": "x", "max_tokens": 2, "' + field + '": 1e999}'
         reply = server.http.post(
             "/v1/completions", content=body, headers={"Content-Type": "application/json"}
         )
