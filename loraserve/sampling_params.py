@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass
 
 # Temperatures below this are treated as greedy (argmax) decoding, as vLLM does.
@@ -98,10 +99,12 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(
+                f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty}."
+            )
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite non-negative number, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:

@@ -12,6 +12,9 @@ import torch
 
 pytest_plugins = ["fake_server_fixtures"]
 
+# The suite is hermetic: nothing may reach the Hugging Face Hub (PEFT, for one, looks base models up).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,

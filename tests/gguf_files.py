@@ -30,7 +30,11 @@ def _vocab() -> tuple[list[str], list[str]]:
 
 
 def write_tiny_llama_gguf(
-    path: str, seed: int = 0, arch: str = "llama", raw_types: dict[str, str] | None = None
+    path: str,
+    seed: int = 0,
+    arch: str = "llama",
+    raw_types: dict[str, str] | None = None,
+    weight_std: float = 0.02,
 ) -> str:
     """A 2-layer Llama GGUF at `path` (random weights from `seed`); `raw_types` forces tensor types."""
     import gguf
@@ -56,7 +60,7 @@ def write_tiny_llama_gguf(
     writer.add_pad_token_id(0)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, shape in _tensor_shapes(len(tokens)):
-        values = (rng.standard_normal(shape) * (0.02 if len(shape) == 2 else 0.01) + (len(shape) == 1)).astype(
+        values = (rng.standard_normal(shape) * (weight_std if len(shape) == 2 else 0.01) + (len(shape) == 1)).astype(
             np.float32
         )
         raw_type = (raw_types or {}).get(name)

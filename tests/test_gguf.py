@@ -72,9 +72,16 @@ def test_conversion_is_cached_by_content(tmp_path: Any, cache_root: str) -> None
     assert our_greedy(LLM(first, dtype="float32"), 6) == transformers_greedy(first, 6) != before
 
 
-def test_tokenizer_and_hf_config_path_override_the_metadata(
+def test_tokenizer_and_hf_config_path_flags_override_the_metadata(
     tmp_path: Any, cache_root: str, tokenizer_dir: str
 ) -> None:
+    from transformers import AutoTokenizer
+
+    from loraserve.engine.arg_utils import EngineArgs
+    from loraserve.engine.tokenization import load_tokenizer
+    from loraserve.entrypoints.cli import make_parser
+    from loraserve.entrypoints.openai.cli_args import check_serve_args
+
     path = write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"))
     config_dir = tmp_path / "config"
     config_dir.mkdir()
@@ -82,11 +89,13 @@ def test_tokenizer_and_hf_config_path_override_the_metadata(
         config = json.load(f)
     config["max_position_embeddings"] = 64
     (config_dir / "config.json").write_text(json.dumps(config))
-    llm = LLM(path, dtype="float32", tokenizer=tokenizer_dir, hf_config_path=str(config_dir))
-    assert llm.engine.config.model.max_model_len == 64
-    from transformers import AutoTokenizer
-
-    assert llm.get_tokenizer().get_vocab() == AutoTokenizer.from_pretrained(tokenizer_dir).get_vocab()
+    parser, serve_parser = make_parser()
+    flags = ["serve", path, "--dtype", "float32", "--tokenizer", tokenizer_dir, "--hf-config-path", str(config_dir)]
+    args = check_serve_args(serve_parser, parser.parse_args(flags))
+    model_config = EngineArgs.from_cli_args(args).create_engine_config().model
+    assert model_config.max_model_len == 64
+    tokenizer = load_tokenizer(model_config)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tokenizer_dir).get_vocab()
 
 
 def test_hf_config_path_is_refused_for_hf_folders(tiny_model: Any) -> None:

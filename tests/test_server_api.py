@@ -10,9 +10,10 @@ import threading
 
 import openai
 from fake_server_fixtures import expected_ids, sql_id
-from test_server_fake_engine import hold_generation, release_generation
+from test_server_fake_engine import FakeEngine, hold_generation, release_generation
 from test_server_harness import RunningServer, wait_for
 
+from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.sampling_params import SamplingParams
 
@@ -169,3 +170,44 @@ def test_running_counts_per_adapter(server: RunningServer) -> None:
         release_generation(server)
     worker.join(30)
     assert "loraserve:num_requests_running 0.0" in server.http.get("/metrics").text
+
+
+def test_retrieve_model(server: RunningServer, client: openai.OpenAI) -> None:
+    listed = {card.id: card for card in client.models.list().data}
+    for model_id in ("base", "base-alias", "sql"):
+        card = client.models.retrieve(model_id)
+        assert card.id == model_id and card == listed[model_id]
+    missing = server.http.get("/v1/models/org/no-such-model")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "The model `org/no-such-model` does not exist."
+
+
+UNTRUSTED = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+
+
+def test_request_chat_templates_need_the_operators_trust(server: RunningServer, tokenizer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    for extra in ({"chat_template": UNTRUSTED}, {"chat_template_kwargs": {"chat_template": UNTRUSTED}}):
+        reply = server.http.post(
+            "/v1/chat/completions", json={"model": "base", "messages": messages, "max_tokens": 2, **extra}
+        )
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in reply.json()["error"]["message"]
+    options = ServerOptions(served_model_names=["base"], trust_request_chat_template=True)
+    with RunningServer(FakeEngine(tokenizer), options) as trusting:
+        reply = trusting.http.post(
+            "/v1/chat/completions",
+            json={"model": "base", "messages": messages, "max_tokens": 2, "chat_template": UNTRUSTED},
+        )
+        assert reply.status_code == 200
+        assert trusting.engine.prompts_seen[-1] == tokenizer.encode("[hi]", add_special_tokens=False)
+
+
+def test_non_finite_sampling_values_are_refused(server: RunningServer) -> None:
+    for field in ("temperature", "repetition_penalty"):
+        body = '{"model": "base", "prompt": "x", "max_tokens": 2, "%s": 1e999}' % field
+        reply = server.http.post(
+            "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+        )
+        assert reply.status_code == 400, (field, reply.text)
+        assert "finite" in reply.json()["error"]["message"]

@@ -185,6 +185,9 @@ def test_help_lists_every_flag() -> None:
     for flag in (
         "--host",
         "--port",
+        "--tokenizer",
+        "--hf-config-path",
+        "--trust-request-chat-template",
         "--served-model-name",
         "--dtype",
         "--max-model-len",

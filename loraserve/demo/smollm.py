@@ -93,14 +93,14 @@ class _progress:
     def __init__(self, enabled: bool) -> None:
         from tqdm.auto import tqdm
 
-        total = DEMO_PLAN.num_steps * len(DEMO_ADAPTER_JOBS)
+        total = (DEMO_PLAN.num_steps + 1) * len(DEMO_ADAPTER_JOBS)  # + the frozen layers' pass
         self._bar = tqdm(total=total, desc="Training the demo adapters (once)", unit="step", disable=not enabled)
 
     def __enter__(self) -> _progress:
         return self
 
-    def __call__(self, adapter: str, loss: float) -> None:
-        self._bar.set_postfix(adapter=adapter, loss=f"{loss:.2f}", refresh=False)
+    def __call__(self, adapter: str, loss: float | None) -> None:
+        self._bar.set_postfix(adapter=adapter, loss="-" if loss is None else f"{loss:.2f}", refresh=False)
         self._bar.update(1)
 
     def __exit__(self, *exc: object) -> None:

@@ -10,8 +10,10 @@ format (`layers_to_transform` names the trained layers), so PEFT and loraserve l
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,9 +26,9 @@ class TrainingPlan:
     rank: int = 8
     lora_alpha: int = 16
     num_trained_layers: int = 10
-    num_steps: int = 30
+    num_steps: int = 24
     batch_size: int = 8
-    learning_rate: float = 2e-3
+    learning_rate: float = 3e-3
     seed: int = 0
 
 
@@ -67,9 +69,22 @@ def frozen_prefix(model: Any, tokenizer: Any, examples: list[tuple[str, str]], l
         mask[row, : len(ids)] = 1
         # position t predicts token t+1: the label of the last prompt position is the first answer token
         labels[row, start - 1 : len(ids) - 1] = torch.tensor(ids[start:])
-    outputs = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    lengths = mask.sum(dim=1)
-    return EncodedExamples(outputs.hidden_states[layer].float(), mask, labels, lengths)
+    with _lower_layers(model, layer):
+        hidden = model.model(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    return EncodedExamples(hidden.float(), mask, labels, mask.sum(dim=1))
+
+
+@contextmanager
+def _lower_layers(model: Any, num_layers: int) -> Iterator[None]:
+    """Make the model's body its first `num_layers` layers without the final norm, for one forward."""
+    body = model.model
+    saved = body.layers, body.norm, model.config.num_hidden_layers
+    body.layers, body.norm = body.layers[:num_layers], torch.nn.Identity()
+    model.config.num_hidden_layers = num_layers
+    try:
+        yield
+    finally:
+        body.layers, body.norm, model.config.num_hidden_layers = saved
 
 
 def train_adapters(
@@ -78,9 +93,13 @@ def train_adapters(
     out_dirs: dict[str, str],
     base_model_name: str,
     plan: TrainingPlan = TrainingPlan(),
-    on_step: Callable[[str, float], None] | None = None,
+    on_step: Callable[[str, float | None], None] | None = None,
 ) -> None:
-    """Train one adapter per entry of `examples` on the model in `model_dir`; save each to `out_dirs`."""
+    """Train one adapter per entry of `examples` on the model in `model_dir`; save each to `out_dirs`.
+
+    `on_step(adapter, loss)` is called after each training step, and with loss None once per adapter
+    when its examples went through the frozen layers: `len(examples) * (num_steps + 1)` calls in all.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -88,15 +107,24 @@ def train_adapters(
     model.requires_grad_(False)
     num_layers = model.config.num_hidden_layers
     first = num_layers - plan.num_trained_layers
-    prefixes = {name: frozen_prefix(model, tokenizer, pairs, first) for name, pairs in examples.items()}
+    report = on_step or _ignore_step
+    prefixes = {}
+    for name, pairs in examples.items():
+        prefixes[name] = frozen_prefix(model, tokenizer, pairs, first)
+        report(name, None)  # one unit of progress: the frozen layers ran over this adapter's examples
     # From here on the model is only its top layers, fed the cached hidden states.
     model.model.layers = model.model.layers[first:]
     model.config.num_hidden_layers = plan.num_trained_layers
     for index, (name, prefix) in enumerate(prefixes.items()):
         generator = torch.Generator().manual_seed(plan.seed + index)
         torch.manual_seed(plan.seed + index)
-        model = _train_one(model, prefix, plan, generator, out_dirs[name], first, base_model_name,
-                           lambda loss, name=name: on_step(name, loss) if on_step else None)
+        model = _train_one(
+            model, prefix, plan, generator, out_dirs[name], first, base_model_name, partial(report, name)
+        )
+
+
+def _ignore_step(adapter: str, loss: float | None) -> None:
+    """The default step report: nothing."""
 
 
 def _train_one(
@@ -107,7 +135,7 @@ def _train_one(
     out_dir: str,
     first_layer: int,
     base_model_name: str,
-    on_step: Callable[[float], None],
+    on_step: Callable[[float | None], None],
 ) -> Any:
     from peft import LoraConfig, get_peft_model
 
@@ -136,7 +164,7 @@ def _train_one(
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        on_step(float(loss))
+        on_step(loss.item())
     _save_adapter(peft_model, out_dir, plan, first_layer, base_model_name)
     return peft_model.unload()
 

@@ -43,6 +43,7 @@ class ServerOptions:
     api_keys: list[str] = field(default_factory=list)
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     allow_runtime_lora_updating: bool | None = None  # None: read the environment
+    trust_request_chat_template: bool = False  # a request's own chat template runs only when True
 
 
 async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
@@ -68,7 +69,7 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     _add_error_handlers(app)
     _add_info_routes(app, engine, models, metrics)
     _add_generation_routes(
-        app, OpenAIServingCompletion(engine, models, metrics), OpenAIServingChat(engine, models, metrics)
+        app, OpenAIServingCompletion(engine, models, metrics), OpenAIServingChat(engine, models, metrics, options.trust_request_chat_template)
     )
     if runtime_updating:
         _add_lora_routes(app, models)
@@ -126,6 +127,13 @@ def _add_info_routes(
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         return JSONResponse(models.list_models().model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        for card in models.list_models().data:
+            if card.id == model_id:
+                return JSONResponse(card.model_dump())
+        raise APIError(f"The model `{model_id}` does not exist.", 404, "model")
 
 
 def _add_generation_routes(

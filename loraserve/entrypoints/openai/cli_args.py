@@ -108,6 +108,12 @@ def _add_server_args(server: Any) -> None:
         help="Require 'Authorization: Bearer KEY' on every route but /health (default: $LORASERVE_API_KEY).",
     )
     server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Let requests bring their own chat template (chat_template, chat_template_kwargs.chat_template); "
+        "off by default, since a template is code the server runs.",
+    )
+    server.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -116,6 +122,16 @@ def _add_server_args(server: Any) -> None:
 
 
 def _add_model_args(model: Any) -> None:
+    model.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Tokenizer folder or hub id (default: the model's; for GGUF, the one in its metadata).",
+    )
+    model.add_argument(
+        "--hf-config-path",
+        default=None,
+        help="config.json (or its folder) to use for a GGUF model instead of the file's metadata.",
+    )
     model.add_argument(
         "--dtype",
         default="auto",

@@ -122,6 +122,7 @@ async def run_server(args: argparse.Namespace) -> None:
                 served_model_names=args.served_model_name or [],
                 api_keys=[args.api_key] if args.api_key else [],
                 lora_modules=args.lora_modules,
+                trust_request_chat_template=args.trust_request_chat_template,
             )
             app = await build_app(engine, options)
             _log_startup(app, engine, args, sock)

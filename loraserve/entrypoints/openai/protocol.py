@@ -94,6 +94,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # refused unless the server trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError
 from loraserve.entrypoints.openai.logprobs import chat_logprobs
+from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -22,6 +24,7 @@ from loraserve.entrypoints.openai.protocol import (
     random_id,
 )
 from loraserve.entrypoints.openai.serving_engine import EnginePrompt, OpenAIServing
+from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -40,6 +43,16 @@ class _ChatJob:
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        engine: EngineClient,
+        models: OpenAIServingModels,
+        metrics: ServerMetrics | None = None,
+        trust_request_chat_template: bool = False,
+    ) -> None:
+        super().__init__(engine, models, metrics)
+        self.trust_request_chat_template = trust_request_chat_template
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -80,7 +93,18 @@ class OpenAIServingChat(OpenAIServing):
 
     def _render(self, request: ChatCompletionRequest) -> str:
         """The prompt text from the tokenizer's chat template; 400 for messages the template refuses."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.chat_template is not None:
+            kwargs["chat_template"] = request.chat_template
+        # A template is code run on the server (loops, allocations): only the operator may allow it.
+        if "chat_template" in kwargs and not self.trust_request_chat_template:
+            raise APIError(
+                "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                "Refused request with untrusted chat template.",
+                HTTPStatus.BAD_REQUEST,
+                "chat_template",
+            )
+        if not kwargs.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
                 "The model's tokenizer has no chat template, so chat completions are unavailable; "
                 "use /v1/completions.",
@@ -95,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
                 messages,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
-                **(request.chat_template_kwargs or {}),
+                **kwargs,
             )
         except Exception as exc:  # jinja2 errors (raise_exception in templates) and bad kwargs
             raise APIError(
