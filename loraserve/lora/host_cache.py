@@ -9,6 +9,7 @@ the load (`LoRAModel.identity` waits for it).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.lru import CacheFullError, LRUCache
 from loraserve.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -166,5 +169,6 @@ class HostCache:
         return lora_model
 
     def _evicted(self, lora_id: int, lora_model: LoRAModel) -> None:
+        logger.info("Evicting LoRA adapter '%s' (id %d) from the host cache", lora_model.name, lora_id)
         self.counters.num_host_evictions += 1
         self._on_evict(lora_id)
