@@ -41,12 +41,12 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 def expected_ids(
-    server: RunningServer, prompt_ids: list[int], max_tokens: int, lora_int_id: int = 0, index: int = 0
+    server: RunningServer, prompt_ids: list[int], max_tokens: int, lora_id: int = 0, index: int = 0
 ):
     return server.engine.expected_token_ids(
-        prompt_ids, SamplingParams(max_tokens=max_tokens), lora_int_id, index
+        prompt_ids, SamplingParams(max_tokens=max_tokens), lora_id, index
     )
 
 
 def sql_id(server: RunningServer) -> int:
-    return server.app.state.models.lora_requests["sql"].lora_int_id
+    return server.app.state.models.lora_requests["sql"].lora_id

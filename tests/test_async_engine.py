@@ -114,3 +114,32 @@ def test_pinned_adapter_never_overfills_slots(tiny_model: Any, adapters: list[st
         await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_remove_waits_for_running_requests_and_fails_on_shutdown(tiny_model: Any, adapters: list[str]) -> None:
+    async def removal_behind_a_running_request(engine: AsyncLLMEngine, lora: LoRARequest) -> Any:
+        params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+        stream = engine.generate("hello world", params, f"long-{lora.lora_name}", lora)
+        await stream.__anext__()  # the request runs
+        removal = asyncio.create_task(engine.remove_lora(lora.lora_id))
+        while await engine.list_loras():  # unlisted once the removal waits for the request
+            await asyncio.sleep(0.01)
+        assert not removal.done()
+        return stream, removal
+
+    async def main() -> None:
+        engine = _engine(tiny_model("llama"), enable_lora=True, max_loras=2, max_lora_rank=4)
+        await engine.start()
+        lora = LoRARequest("a0", 1, adapters[0])
+        _, removal = await removal_behind_a_running_request(engine, lora)
+        await engine.abort(f"long-{lora.lora_name}")
+        assert await removal
+        with pytest.raises(LoRAAdapterNotFoundError):
+            await _collect(engine, "late", lora=lora)
+        # A removal still waiting when the engine shuts down fails instead of hanging.
+        _, removal = await removal_behind_a_running_request(engine, LoRARequest("a1", 2, adapters[1]))
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await removal
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
+from loraserve.layers.attention import build_attention_metadata
+from loraserve.layers.forward_batch import ForwardBatch
 from loraserve.layers.linear import Linear
-from loraserve.lora import layers as lora_layers
-from loraserve.lora.layers import LinearWithLoRA, LoRATargets, lora_target_modules, wrap_model_for_lora
+from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
+from loraserve.lora.layout import LoRALayout
 from loraserve.lora.mapping import LoRABatchMapping
-from loraserve.lora.ops import cpu_ops
+from loraserve.lora.ops import cpu_ops, torch_ops
+from loraserve.lora.targets import LoRATargets, lora_target_modules
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
 
 IN, MAX_LORAS, MAX_RANK = 24, 4, 8
@@ -52,8 +54,11 @@ def _dense_delta(lora: LoRALayerWeights | PackedLoRALayerWeights, sizes: list[in
     return torch.cat(parts)
 
 
-def _batch(slots: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(lora=LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS))
+def _batch(slots: list[int], layout: LoRALayout | None = None) -> ForwardBatch:
+    """One step of len(slots) single-token sequences (attention is not used by a lone layer)."""
+    n = len(slots)
+    attn = build_attention_metadata([1] * n, [1] * n, [[i] for i in range(n)], 1, torch.device("cpu"), None)
+    return ForwardBatch(attn, LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS, layout=layout))
 
 
 @pytest.mark.parametrize("layout", ["kernel", "runs", "grouped", "padded"])
@@ -62,7 +67,7 @@ def test_packed_layer_matches_dense(layout: str, monkeypatch: pytest.MonkeyPatch
     if layout == "kernel" and not cpu_ops.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     calls = {"kernel": 0, "torch": 0}
-    run, add = cpu_ops.run, lora_layers.add_lora
+    run, add = cpu_ops.run, torch_ops.add_lora
 
     def count(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def wrapper(*args: object) -> torch.Tensor:
@@ -71,7 +76,7 @@ def test_packed_layer_matches_dense(layout: str, monkeypatch: pytest.MonkeyPatch
         return wrapper
 
     monkeypatch.setattr(cpu_ops, "run", count("kernel", run))
-    monkeypatch.setattr(lora_layers, "add_lora", count("torch", add))
+    monkeypatch.setattr(torch_ops, "add_lora", count("torch", add))
     if layout != "kernel":
         monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", "0")
     sizes = [16, 8, 8]  # q, k, v
@@ -86,9 +91,8 @@ def test_packed_layer_matches_dense(layout: str, monkeypatch: pytest.MonkeyPatch
         layer.set_lora(slot, weights)
     slots = [2, -1, 0, 3, 0, 2, 2, -1, 3]
     x = torch.randn(len(slots), IN)
-    forced = None if layout == "kernel" else layout
-    batch = SimpleNamespace(lora=LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS, layout=forced))
-    y = layer(x, batch)
+    forced = None if layout == "kernel" else LoRALayout(layout)
+    y = layer(x, _batch(slots, forced))
     assert calls == ({"kernel": 1, "torch": 0} if layout == "kernel" else {"kernel": 0, "torch": 1})
     for i, slot in enumerate(slots):
         weight = base.weight + (_dense_delta(adapters[slot], sizes) if slot >= 0 else 0)
@@ -139,12 +143,12 @@ def test_no_adapter_tokens_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None
     def fail(*args: object) -> None:
         raise AssertionError("LoRA op called for a batch that needs none")
 
-    monkeypatch.setattr(lora_layers, "add_lora", fail)
+    monkeypatch.setattr(torch_ops, "add_lora", fail)
     monkeypatch.setattr(cpu_ops, "run", fail)
     x = torch.randn(4, IN)
     for batch in (
         None,
-        SimpleNamespace(lora=None),
+        ForwardBatch(_batch([-1] * 4).attn, lora=None),
         _batch([-1] * 4),
         _batch([1, 1, -1, 1]),
     ):  # slot 1 is empty
@@ -216,6 +220,9 @@ def test_slot_rewrite_leaves_no_trace(cpu_kernel: str, monkeypatch: pytest.Monke
         fresh.set_lora(1, later)
         assert torch.equal(used.lora_a_stacked, fresh.lora_a_stacked)
         assert torch.equal(used.lora_b_stacked, fresh.lora_b_stacked)
-        assert torch.equal(used.lora_slices.ranks, fresh.lora_slices.ranks)
+        assert torch.equal(used.lora_buffers.ranks, fresh.lora_buffers.ranks)
+        assert used.lora_buffers.active_mask == fresh.lora_buffers.active_mask == 1 << 1
     used.reset_lora(1)
-    assert not used.lora_a_stacked.any() and not used.lora_b_stacked.any() and not used.lora_slices.ranks.any()
+    buffers = used.lora_buffers
+    assert not buffers.lora_a.any() and not buffers.lora_b.any() and not buffers.ranks.any()
+    assert buffers.active_mask == buffers.bias_mask == 0

@@ -1,4 +1,6 @@
-"""LoRAModelManager: host LRU, slot LRU, pinning, in-use protection, failed and concurrent loads."""
+"""Adapter lifecycle: the LRU, the slot table (slot LRU, pinning, refused writes), the host cache
+(LRU, failed and concurrent loads) and the LoRAManager facade over both (registration, removal,
+in-step protection), all through their public APIs."""
 
 from __future__ import annotations
 
@@ -12,12 +14,16 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
-from loraserve.errors import LoRAAdapterError
+from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
 from loraserve.layers.linear import Linear
+from loraserve.lora.host_cache import HostCache
+from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
-from loraserve.lora.manager import LoRAModelManager
+from loraserve.lora.lru import CacheFullError, LRUCache
+from loraserve.lora.manager import LoRAManager
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
+from loraserve.lora.slot_table import SlotTable
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
 
 H, KV, INTER, RANK = 16, 8, 24, 4
@@ -89,171 +95,97 @@ CONFIG = {
 }
 
 
-def _adapter(model: nn.Module, adapter_id: int) -> LoRAModel:
-    name = f"ad{adapter_id}"
+def _adapter(model: nn.Module, lora_id: int) -> LoRAModel:
+    name = f"ad{lora_id}"
     helper = PEFTHelper.from_dict(CONFIG, name, max_lora_rank=8)
-    return LoRAModel.from_tensors(
-        _tensors(adapter_id), LoRARequest(name, adapter_id, ""), helper, model, torch.float32
-    )
+    return LoRAModel.from_tensors(_tensors(lora_id), LoRARequest(name, lora_id, ""), helper, model, torch.float32)
 
 
-def _manager(max_loras: int, max_cpu_loras: int, ids: range | list[int] = range(0)) -> LoRAModelManager:
-    model = StandInLlama()
-    manager = LoRAModelManager(model, LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=8),
-                               torch.float32, "cpu")  # fmt: skip
-    for i in ids:
-        assert manager.add_adapter(_adapter(model, i))
-    return manager
-
-
-def _slot_holds(manager: LoRAModelManager, slot: int, adapter_id: int | None) -> bool:
-    """Whether slot `slot` of layer 0's qkv buffers holds adapter_id's v_proj B (scaling folded in),
-    or is all zeros for None."""
-    layer = manager.modules["model.layers.0.self_attn.qkv_proj"]
-    b_v = layer.lora_b_stacked[slot, H + KV :, 2 * 8 : 2 * 8 + RANK]
-    if adapter_id is None:
+def _holds(model: StandInLlama, slot: int, lora_id: int | None) -> bool:
+    """Whether slot `slot` of layer 0's qkv buffers holds adapter lora_id's v_proj B (scaling folded
+    in), or is all zeros for None."""
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, LinearWithLoRA)
+    if lora_id is None:
         return not layer.lora_a_stacked[slot].any() and not layer.lora_b_stacked[slot].any()
-    expected = _tensors(adapter_id)["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"] * (
-        8 / RANK
-    )
+    b_v = layer.lora_b_stacked[slot, H + KV :, 2 * 8 : 2 * 8 + RANK]
+    expected = _tensors(lora_id)["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"] * (8 / RANK)
     return torch.allclose(b_v, expected)
 
 
-def test_add_remove_twice_and_list() -> None:
-    manager = _manager(2, 3, [1, 2])
-    model = manager.model
-    assert not manager.add_adapter(_adapter(model, 1))
-    assert list(manager.list_adapters()) == [1, 2] and manager.has_adapter(2)
-    slot = manager.activate({2})[2]
-    assert _slot_holds(manager, slot, 2)
-    assert manager.remove_adapter(2) and not manager.remove_adapter(2)
-    assert manager.slot_of(2) is None and list(manager.list_adapters()) == [1]
-    assert _slot_holds(manager, slot, None)
-
-
-def test_slot_lru_and_in_use_never_evicted() -> None:
-    manager = _manager(2, 4, [1, 2, 3])
-    s1 = manager.activate({1})[1]
-    s2 = manager.activate({2})[2]
-    assert s1 != s2 and manager.activate({1}) == {1: s1}  # hit, 1 is now the most recent
-    assert manager.activate({3}) == {3: s2}  # 2 was least recently used
-    assert manager.slot_of(2) is None and _slot_holds(manager, s2, 3) and _slot_holds(manager, s1, 1)
-    manager.activate({3})  # now 1 is the least recently used slot...
-    assert manager.activate({1, 2}) == {1: s1, 2: s2}  # ...but the step needs 1, so 3 goes
-    counters = manager.counters
-    assert (counters.num_slot_loads, counters.num_slot_evictions, counters.num_slot_hits) == (4, 2, 3)
-    with pytest.raises(ValueError, match="needs 3 LoRA slots"):
-        manager.activate({1, 2, 3})
-    with pytest.raises(ValueError, match=r"\[9\] are not loaded"):
-        manager.activate({9})
-
-
-def test_pinning() -> None:
-    manager = _manager(3, 5, [1, 2, 3, 4])
-    assert manager.pin_adapter(1) and not manager.pin_adapter(1) and manager.pin_adapter(2)
-    with pytest.raises(ValueError, match="pinning every slot"):
-        manager.pin_adapter(3)
-    with pytest.raises(ValueError, match="not loaded"):
-        manager.pin_adapter(7)
-    pinned_slots = {manager.slot_of(1), manager.slot_of(2)}
-    assert None not in pinned_slots
-    manager.activate({3})
-    manager.activate({4})  # evicts 3, never a pinned adapter
-    assert manager.slot_of(3) is None and {manager.slot_of(1), manager.slot_of(2)} == pinned_slots
-    assert not manager.can_activate({3, 4}) and manager.can_activate({1, 2, 4})
-    with pytest.raises(ValueError, match="not held by pinned adapters"):
-        manager.activate({3, 4})
-    for i in (5, 6, 7):  # host cache of 5: pinned adapters stay cached
-        manager.add_adapter(_adapter(manager.model, i))
-    assert {1, 2} <= set(manager.list_adapters()) and len(manager.list_adapters()) == 5
-    assert manager.remove_adapter(1) and manager.pin_adapter(7)  # removal released the pin
-
-
-def test_host_eviction_frees_slot_and_spares_step() -> None:
-    manager = _manager(2, 2, [1, 2])
-    s1 = manager.activate({1})[1]
-    manager.activate({2})  # host LRU order: 1, 2; the running step uses 2
-    assert manager.add_adapter(_adapter(manager.model, 3))
-    assert list(manager.list_adapters()) == [2, 3] and manager.slot_of(1) is None
-    assert _slot_holds(manager, s1, None)
-    assert manager.add_adapter(_adapter(manager.model, 4))  # 2 is in use: 3 goes although newer
-    assert list(manager.list_adapters()) == [2, 4]
-    manager.activate({2, 4})
-    with pytest.raises(ValueError, match="holds only pinned adapters or adapters of the step"):
-        manager.add_adapter(_adapter(manager.model, 5))
-    assert manager.counters.num_host_evictions == 2
-
-
-def _write_adapter(folder: Path, seed: int, **config: object) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text(json.dumps({**CONFIG, **config}))
-    safetensors.torch.save_file(_tensors(seed), str(folder / "adapter_model.safetensors"))
-    return folder
-
-
-def test_load_and_add_failure_leaves_nothing(tmp_path: Path) -> None:
-    manager = _manager(2, 2)
-    good = _write_adapter(tmp_path / "good", 1)
-    bad = _write_adapter(tmp_path / "bad", 2, r=16)  # above max_lora_rank=8
-    with pytest.raises(LoRAAdapterError, match="greater than max_lora_rank"):
-        manager.load_and_add(LoRARequest("bad", 2, str(bad)))
-    assert manager.list_adapters() == {} and manager.counters.num_load_failures == 1
-    loaded = manager.load_and_add(LoRARequest("good", 1, str(good)))
-    assert manager.load_and_add(LoRARequest("good", 1, str(good))) is loaded
-    stats = manager.stats()
-    assert stats["lora_num_loads"] == 1 and stats["lora_num_host_hits"] == 1 and stats["lora_num_cached"] == 1
-    assert len(manager.drain_load_latencies()) == 1 and manager.drain_load_latencies() == []
-
-
-def test_protected_ids_stay_cached(tmp_path: Path) -> None:
-    manager = _manager(2, 2, [1, 2])
-    folder = _write_adapter(tmp_path / "three", 3)
-    with pytest.raises(ValueError, match="host cache"):
-        manager.load_and_add(LoRARequest("three", 3, str(folder)), protected={1, 2})
-    assert list(manager.list_adapters()) == [1, 2]
-    manager.load_and_add(LoRARequest("three", 3, str(folder)), protected={2})
-    assert list(manager.list_adapters()) == [2, 3]
-
-
-def test_concurrent_first_requests_load_once(tmp_path: Path) -> None:
-    manager = _manager(2, 4)
-    folder = _write_adapter(tmp_path / "shared", 1)
-    request = LoRARequest("shared", 1, str(folder))
-    results: list[LoRAModel] = []
-    barrier = threading.Barrier(6)
-
-    def load() -> None:
-        barrier.wait()
-        results.append(manager.load_and_add(request))
-
-    threads = [threading.Thread(target=load) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(results) == 6 and all(r is results[0] for r in results)
-    assert manager.counters.num_loads == 1 and manager._load_locks == {}
-
-
-def _slot_is_clean(manager: LoRAModelManager, slot: int) -> bool:
-    """Every buffer row of `slot` is zero and no layer records a rank or activity there."""
-    for layer in manager.modules.values():
-        if layer.lora_a_stacked[slot].any() or layer.lora_b_stacked[slot].any():
-            return False
-        if layer.lora_slices.ranks[slot].any() or layer._state.active_mask & (1 << slot):
-            return False
+def _is_clean(model: nn.Module, slot: int) -> bool:
+    """Every buffer row of `slot` is zero and no layer records a rank or an adapter there."""
+    for layer in model.modules():
+        if isinstance(layer, LinearWithLoRA):
+            buffers = layer.lora_buffers
+            if buffers.lora_a[slot].any() or buffers.lora_b[slot].any() or buffers.ranks[slot].any():
+                return False
+            if buffers.active_mask & (1 << slot):
+                return False
     return True
 
 
+# ---- LRUCache ------------------------------------------------------------------------------------
+def test_lru_evicts_least_recent_not_kept_and_runs_the_hook() -> None:
+    evicted: list[tuple[str, int]] = []
+    cache: LRUCache[str, int] = LRUCache(2, lambda k, v: evicted.append((k, v)))
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1 and cache.keys() == ["b", "a"]  # get refreshes, peek does not
+    cache.put("c", 3, keep={"b"})  # b is least recent but kept: a goes
+    assert evicted == [("a", 1)] and cache.keys() == ["b", "c"]
+    with pytest.raises(CacheFullError):
+        cache.put("d", 4, keep={"b", "c"})
+    assert cache.keys() == ["b", "c"] and cache.pop("b") == 2 and evicted == [("a", 1)]  # pop: no hook
+    assert cache.victim(keep={"c"}) is None and cache.peek("c") == 3 and "c" in cache and len(cache) == 1
+
+
+# ---- SlotTable -----------------------------------------------------------------------------------
+def _slot_table(max_loras: int, ids: list[int]) -> tuple[SlotTable, StandInLlama, dict[int, LoRAModel]]:
+    model = StandInLlama()
+    layers = wrap_model_for_lora(model, LoRAConfig(max_loras=max_loras, max_lora_rank=8))
+    return SlotTable(layers, max_loras), model, {i: _adapter(model, i) for i in ids}
+
+
+def test_slot_lru_never_evicts_kept_adapters() -> None:
+    table, model, adapters = _slot_table(2, [1, 2, 3])
+    s1 = table.acquire(adapters[1], keep={1})
+    s2 = table.acquire(adapters[2], keep={2})
+    assert s1 != s2 and table.acquire(adapters[1], keep={1}) == s1  # a hit: 1 is now the most recent
+    assert table.acquire(adapters[3], keep={3}) == s2  # 2 was least recently used
+    assert table.slot_of(2) is None and _holds(model, s2, 3) and _holds(model, s1, 1)
+    table.acquire(adapters[3], keep={3})  # now 1 is the least recently used slot...
+    assert table.acquire(adapters[2], keep={1, 2}) == s2  # ...but the step needs 1, so 3 goes
+    counters = table.counters
+    assert (counters.num_slot_loads, counters.num_slot_evictions, counters.num_slot_hits) == (4, 2, 2)
+    with pytest.raises(ValueError, match="no free LoRA slot for adapter 'ad3'"):
+        table.acquire(adapters[3], keep={1, 2})
+
+
+def test_pinning() -> None:
+    table, _, adapters = _slot_table(3, [1, 2, 3, 4])
+    assert table.pin(adapters[1], keep=()) and not table.pin(adapters[1], keep=())
+    assert table.pin(adapters[2], keep=())
+    with pytest.raises(ValueError, match="'ad3'.*pinning every slot"):
+        table.pin(adapters[3], keep=())
+    pinned_slots = {table.slot_of(1), table.slot_of(2)}
+    assert None not in pinned_slots and table.pinned_ids == {1, 2}
+    table.acquire(adapters[3], keep={3})
+    table.acquire(adapters[4], keep={4})  # evicts 3, never a pinned adapter
+    assert table.slot_of(3) is None and {table.slot_of(1), table.slot_of(2)} == pinned_slots
+    assert not table.can_fit({3, 4}) and table.can_fit({1, 2, 4})
+    table.release(1)  # releasing drops the pin
+    assert table.pinned_ids == {2} and table.pin(adapters[3], keep=())
+
+
 @pytest.mark.parametrize("cpu_kernel", ["1", "0"])
-def test_activation_refused_midway_leaves_a_clean_free_slot(cpu_kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_refused_midway_leaves_a_clean_free_slot(cpu_kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
-    manager = _manager(2, 4, [1, 2])
-    manager.activate({1})
-    manager.activate({2})
-    victim_slot = manager.slot_of(2)
+    table, model, adapters = _slot_table(2, [1, 2, 3])
+    table.acquire(adapters[1], keep={1})
+    victim_slot = table.acquire(adapters[2], keep={2})
     # An adapter whose last module does not fit its layer: earlier layers are written, then refused.
-    broken = _adapter(manager.model, 3)
+    broken = adapters[3]
     last = "model.layers.1.mlp.down_proj"
     good = broken.loras[last]
     assert not isinstance(good, PackedLoRALayerWeights)
@@ -265,12 +197,171 @@ def test_activation_refused_midway_leaves_a_clean_free_slot(cpu_kernel: str, mon
             for part in parts:
                 if part is not None:
                     part.rank, part.lora_a, part.lora_b = 2, part.lora_a[:2], part.lora_b[:, :2]
-    assert manager.add_adapter(broken)
     # Adapter 2's slot is the LRU victim: layer 0 gets adapter 3, then layer 1 refuses it, so the
-    # slot holds parts of both when the manager cleans it up.
+    # slot holds parts of both when the table cleans it up.
+    table.acquire(adapters[1], keep={1})
     with pytest.raises(ValueError, match="does not fit"):
-        manager.activate({1, 3})
-    assert victim_slot is not None and manager.slot_of(2) is None and manager.slot_of(3) is None
-    assert _slot_is_clean(manager, victim_slot)
-    slot_1 = manager.slot_of(1)
-    assert slot_1 is not None and _slot_holds(manager, slot_1, 1)  # the other slot is untouched
+        table.acquire(broken, keep={1, 3})
+    assert table.slot_of(2) is None and table.slot_of(3) is None and table.num_used == 1
+    assert _is_clean(model, victim_slot)
+    slot_1 = table.slot_of(1)
+    assert slot_1 is not None and _holds(model, slot_1, 1)  # the other slot is untouched
+    assert table.acquire(adapters[2], keep={2}) == victim_slot  # the slot is free again
+
+
+# ---- HostCache -----------------------------------------------------------------------------------
+def test_host_cache_single_flight_and_failures() -> None:
+    model = StandInLlama()
+    reads: list[int] = []
+    barrier = threading.Barrier(6)
+
+    def read(request: LoRARequest) -> LoRAModel:
+        reads.append(request.lora_id)
+        if request.lora_id == 9:
+            raise LoRAAdapterError("LoRA adapter 'ad9': broken")
+        return _adapter(model, request.lora_id)
+
+    evicted: list[int] = []
+    host = HostCache(2, read, threading.RLock(), evicted.append)
+    results: list[LoRAModel] = []
+
+    def load() -> None:
+        barrier.wait()
+        results.append(host.load(LoRARequest("ad1", 1, ""), frozenset, lambda m: None))
+
+    threads = [threading.Thread(target=load) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reads == [1] and all(r is results[0] for r in results) and host.num_loading == 0
+    assert host.counters.num_loads == 1 and host.counters.num_host_hits == 5
+    with pytest.raises(LoRAAdapterError, match="ad9"):
+        host.load(LoRARequest("ad9", 9, ""), frozenset, lambda m: None)
+    with pytest.raises(RuntimeError, match="refused"):  # an admit that fails unregisters the adapter
+
+        def refuse(lora_model: LoRAModel) -> None:
+            raise RuntimeError("refused")
+
+        host.load(LoRARequest("ad2", 2, ""), frozenset, refuse)
+    assert host.ids() == [1] and host.counters.num_load_failures == 2 and len(host.drain_latencies()) == 1
+    host.load(LoRARequest("ad3", 3, ""), frozenset, lambda m: None)
+    host.load(LoRARequest("ad4", 4, ""), lambda: frozenset({1}), lambda m: None)  # 3 goes, 1 is kept
+    assert host.ids() == [1, 4] and evicted == [3] and host.counters.num_host_evictions == 1
+
+
+# ---- LoRAManager ---------------------------------------------------------------------------------
+@pytest.fixture
+def adapter_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """request(lora_id, **config): an adapter written to disk once per id."""
+
+    def request(lora_id: int, **config: object) -> LoRARequest:
+        folder = tmp_path / f"ad{lora_id}"
+        if not folder.exists():
+            folder.mkdir()
+            (folder / "adapter_config.json").write_text(json.dumps({**CONFIG, **config}))
+            safetensors.torch.save_file(_tensors(lora_id), str(folder / "adapter_model.safetensors"))
+        return LoRARequest(f"ad{lora_id}", lora_id, str(folder))
+
+    return request
+
+
+def _manager(max_loras: int, max_cpu_loras: int) -> tuple[LoRAManager, StandInLlama]:
+    model = StandInLlama()
+    config = LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=8)
+    return LoRAManager(model, config, torch.float32, "cpu"), model
+
+
+def test_register_remove_and_list(adapter_dir) -> None:  # type: ignore[no-untyped-def]
+    manager, model = _manager(2, 3)
+    digest = manager.register(adapter_dir(1))
+    assert manager.register(adapter_dir(1)) == digest and manager.register(adapter_dir(2)) != digest
+    with pytest.raises(LoRAAdapterError, match="already registered as 'ad1'"):
+        manager.register(LoRARequest("other", 1, adapter_dir(2).lora_path))
+    assert [r.lora_name for r in manager.list_requests()] == ["ad1", "ad2"]
+    slot = manager.activate({2})[2]
+    assert _holds(model, slot, 2)
+    manager.end_step()
+    assert manager.remove(2, in_use=False) and not manager.remove(2, in_use=False)
+    assert manager.removal(2).done() and manager.slot_of(2) is None and _holds(model, slot, None)
+    assert [r.lora_name for r in manager.list_requests()] == ["ad1"] and manager.stats()["lora_num_cached"] == 1
+    with pytest.raises(LoRAAdapterNotFoundError, match="unloaded"):
+        manager.register(adapter_dir(2))  # a request that resolved it before the unload
+    manager.register(adapter_dir(2), explicit=True)  # an explicit add lifts the unload
+    assert manager.is_registered(2)
+
+
+def test_deferred_removal_completes_when_unused(adapter_dir) -> None:  # type: ignore[no-untyped-def]
+    manager, _ = _manager(2, 2)
+    manager.register(adapter_dir(1))
+    assert manager.remove(1, in_use=True) and manager.has_pending_removals
+    done = manager.removal(1)
+    assert not done.done() and manager.list_requests() == [] and not manager.remove(1, in_use=True)
+    with pytest.raises(LoRAAdapterNotFoundError):
+        manager.register(adapter_dir(1), explicit=True)
+    manager.finish_removals({1})
+    assert not done.done()
+    manager.finish_removals(set())
+    assert done.done() and not manager.is_registered(1) and manager.stats()["lora_num_cached"] == 0
+
+
+def test_activation_limits_and_pins(adapter_dir) -> None:  # type: ignore[no-untyped-def]
+    manager, _ = _manager(3, 5)
+    for i in (1, 2, 3, 4):
+        manager.register(adapter_dir(i))
+    assert manager.pin(1) and not manager.pin(1) and manager.pin(2)
+    with pytest.raises(LoRAAdapterError, match="not registered"):
+        manager.pin(7)
+    assert not manager.can_activate({3, 4}) and manager.can_activate({1, 2, 4})
+    with pytest.raises(ValueError, match="needs 2 LoRA slots but only 1"):
+        manager.activate({3, 4})
+    with pytest.raises(ValueError, match=r"\[9\] are not loaded"):
+        manager.activate({9})
+    stats = manager.stats()
+    assert stats["lora_num_pinned"] == 2 and stats["lora_num_active_slots"] == 3
+
+
+def test_host_eviction_frees_slot_and_spares_step(adapter_dir) -> None:  # type: ignore[no-untyped-def]
+    manager, model = _manager(2, 2)
+    manager.load(adapter_dir(1))
+    manager.load(adapter_dir(2))  # loads go straight into free slots
+    s1 = manager.activate({1})[1]
+    manager.activate({2})  # host LRU order: 1, 2; the running step uses 2
+    manager.load(adapter_dir(3))  # evicts 1, and takes its slot
+    assert manager.get_adapter(1) is None and manager.slot_of(1) is None and _holds(model, s1, 3)
+    manager.load(adapter_dir(4))  # 2 is in use: 3 goes although newer
+    assert [i for i in (1, 2, 3, 4) if manager.get_adapter(i)] == [2, 4]
+    manager.activate({2, 4})
+    with pytest.raises(ValueError, match="holds only pinned adapters or adapters of the step"):
+        manager.load(adapter_dir(5))
+    with pytest.raises(ValueError, match="host cache"):
+        manager.load(adapter_dir(5), protected={2, 4})
+    manager.load(adapter_dir(5), protected={4})
+    stats = manager.stats()
+    assert stats["lora_num_host_evictions"] == 3 and stats["lora_num_load_failures"] == 2
+
+
+def test_load_failure_leaves_nothing(adapter_dir) -> None:  # type: ignore[no-untyped-def]
+    manager, _ = _manager(2, 2)
+    with pytest.raises(LoRAAdapterError, match="greater than max_lora_rank"):
+        manager.register(adapter_dir(2, r=16))  # above max_lora_rank=8
+    assert manager.get_adapter(2) is None and manager.list_requests() == []
+    manager.register(adapter_dir(1))
+    stats = manager.stats()
+    assert stats["lora_num_load_failures"] == 1 and stats["lora_num_loads"] == 1
+    assert stats["lora_num_cached"] == 1 and stats["lora_num_loading"] == 0
+    assert len(stats["lora_load_seconds"]) == 1 and manager.stats()["lora_load_seconds"] == []  # drained
+
+
+def test_prepare_step_reloads_evicted_adapters(adapter_dir) -> None:  # type: ignore[no-untyped-def]
+    manager, model = _manager(1, 1)
+    for i in (1, 2):
+        manager.register(adapter_dir(i))  # 2 evicts 1 from the host cache
+    assert manager.get_adapter(1) is None
+    slots, failed = manager.prepare_step({1})
+    assert failed == {} and _holds(model, slots[1], 1) and manager.stats()["lora_num_loads"] == 3
+    manager.end_step()
+    # New weights on disk under the same name fail that adapter's requests only.
+    safetensors.torch.save_file(_tensors(7), str(Path(adapter_dir(2).lora_path) / "adapter_model.safetensors"))
+    slots, failed = manager.prepare_step({2})
+    assert slots == {} and "changed on disk" in str(failed[2]) and manager.get_adapter(2) is None

@@ -18,7 +18,7 @@ from loraserve.errors import LoRAAdapterError
 from loraserve.layers.attention import build_attention_metadata
 from loraserve.layers.forward_batch import ForwardBatch
 from loraserve.lora.lora_model import LoRAModel
-from loraserve.lora.manager import LoRAModelManager
+from loraserve.lora.manager import LoRAManager
 from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
@@ -130,12 +130,12 @@ def test_llama_adapters_match_peft(tmp_path: Path) -> None:
         ),  # fmt: skip
     }
     native = _native(hf)
-    manager = LoRAModelManager(
+    manager = LoRAManager(
         native, LoRAConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=8), torch.float32, "cpu"
     )
     paths = {1: "qv", 2: "all", 3: "up"}
     for i, folder in paths.items():
-        manager.load_and_add(LoRARequest(folder, i, str(tmp_path / folder)))
+        manager.load(LoRARequest(folder, i, str(tmp_path / folder)))
     # Loads upload into free slots at once (off the engine's step); with none free, they wait for a step.
     assert manager.slot_of(1) is not None and manager.slot_of(2) is not None and manager.slot_of(3) is None
     assert manager.stats()["lora_num_slot_evictions"] == 0
@@ -153,8 +153,8 @@ def test_llama_adapters_match_peft(tmp_path: Path) -> None:
         active = {i for i in step_ids if i is not None}
         slots = manager.activate(active)
         outputs = _run_native(native, seqs, [slots[i] if i else -1 for i in step_ids], max_loras=2)
-        for seq, adapter_id, got in zip(seqs, step_ids, outputs, strict=True):
-            expected = _reference(peft_models[adapter_id] if adapter_id else hf, seq)
+        for seq, lora_id, got in zip(seqs, step_ids, outputs, strict=True):
+            expected = _reference(peft_models[lora_id] if lora_id else hf, seq)
             torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
 
 
@@ -175,9 +175,9 @@ def test_gpt2_fan_in_fan_out_and_biases(tmp_path: Path) -> None:
     retrained.save_pretrained(tmp_path / "bias")
     native = _native(hf)
     config = LoRAConfig(max_loras=2, max_lora_rank=4, enable_lora_bias=True)
-    manager = LoRAModelManager(native, config, torch.float32, "cpu")
-    manager.load_and_add(LoRARequest("lb", 1, str(tmp_path / "lb")))
-    manager.load_and_add(LoRARequest("bias", 2, str(tmp_path / "bias")))
+    manager = LoRAManager(native, config, torch.float32, "cpu")
+    manager.load(LoRARequest("lb", 1, str(tmp_path / "lb")))
+    manager.load(LoRARequest("bias", 2, str(tmp_path / "bias")))
     slots = manager.activate({1, 2})
     seqs = [[3, 8, 1, 9], [7, 7, 2], [10, 4, 4, 6, 1]]
     outputs = _run_native(native, seqs, [slots[1], -1, slots[2]], max_loras=2)

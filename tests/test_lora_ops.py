@@ -14,10 +14,37 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraserve.lora import ops
+from loraserve.lora.layout import LoRALayout
 from loraserve.lora.mapping import LoRABatchMapping
-from loraserve.lora.ops import cpu_ops, torch_ops
+from loraserve.lora.ops import LoRABuffers, cpu_ops, torch_ops
 
 L, R, IN, OUT = 6, 8, 40, 56
+
+
+def _build(
+    slots: list[int], max_loras: int | None = None, layout: str | None = None, device: str = "cpu"
+) -> LoRABatchMapping:
+    """The step's mapping, its layout forced by name ("padded_all": the grid over all max_loras slots)."""
+    if layout is None:
+        return LoRABatchMapping.build(slots, device, max_loras=max_loras)
+    all_slots = layout == "padded_all"
+    forced = LoRALayout.PADDED if all_slots else LoRALayout(layout)
+    return LoRABatchMapping.build(slots, device, max_loras=max_loras, layout=forced, all_slots=all_slots)
+
+
+def _buffers(a: torch.Tensor, bt: torch.Tensor, offsets: list[int], ranks: torch.Tensor) -> LoRABuffers:
+    """Slot buffers over given weights, every slot marked as holding an adapter."""
+    buffers = LoRABuffers(lora_a=a, lora_b_t=bt, bias=None, slice_offsets=torch.tensor(offsets),
+                          ranks=ranks, max_rank=R)
+    buffers.active_mask = (1 << a.shape[0]) - 1
+    return buffers
+
+
+def _fused(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> torch.Tensor:
+    """The C kernel alone; ValueError when it cannot serve these tensors or this step."""
+    if buffers.cpu_kernel_args is None or not cpu_ops.applies(x, y, mapping):
+        raise ValueError("the CPU LoRA kernel serves float32 CPU tensors with short segments only")
+    return cpu_ops.run(x, y, buffers.cpu_kernel_args, mapping)
 
 
 def _zipf_slots(num_tokens: int, num_slots: int, seed: int) -> list[int]:
@@ -75,7 +102,7 @@ def test_torch_ops_match_naive(mix: str, layout: str | None, dtype: torch.dtype)
     a, b = _weights(dtype)
     t_ref, delta_ref = _naive(x, a, b, slots, scale=0.5)
     for max_loras in (L, None):
-        mapping = LoRABatchMapping.build(slots, "cpu", max_loras=max_loras, layout=layout)
+        mapping = _build(slots, max_loras, layout)
         t = torch_ops.lora_shrink(x, a, mapping, scale=0.5)
         torch.testing.assert_close(t.double(), t_ref, **_tol(dtype))
         y0 = torch.randn(len(slots), OUT + 10, generator=torch.Generator().manual_seed(3)).to(dtype)
@@ -92,36 +119,43 @@ def test_torch_ops_match_naive(mix: str, layout: str | None, dtype: torch.dtype)
         assert torch.equal(y_fused[none_rows], y0[none_rows])
 
 
-def test_contiguous_weights_and_dispatch_match() -> None:
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_contiguous_weights_and_dispatch_match(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ops.add_lora` (whichever backend it picks) against shrink then expand on contiguous weights."""
+    monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", kernel)
     slots = MIXES["zipf"]
     x = torch.randn(len(slots), IN)
     a, b = _weights(torch.float32)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=L)
-    y1 = ops.add_lora(torch.zeros(len(slots), OUT), x, a, b, mapping)
+    y1 = torch.zeros(len(slots), OUT)
+    ops.add_lora(y1, x, _buffers(a, b.transpose(1, 2), [0, OUT], torch.full((L, 1), R, dtype=torch.int32)), mapping)
     y2 = ops.lora_expand(
         torch.zeros(len(slots), OUT), ops.lora_shrink(x, a.contiguous(), mapping), b.contiguous(), mapping
     )
-    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(y1, y2, atol=1e-5, rtol=1e-5)
 
 
 def test_mapping_indices() -> None:
     slots = [2, -1, 0, 2, 2, -1, 0]
     m = LoRABatchMapping.build(slots, "cpu", max_loras=4)
     assert m.active_slots == (0, 2) and m.num_tokens == 7 and m.num_active_tokens == 5
-    assert m.sorted_token_ids.tolist() == [2, 6, 0, 3, 4]
-    assert m.seg_starts.tolist() == [0, 2] and m.seg_lens.tolist() == [2, 3] and m.max_seg_len == 3
-    assert m.token_slots.tolist() == slots and m.has_lora
+    seg = m.segments
+    assert seg.token_ids.tolist() == [2, 6, 0, 3, 4] and seg.slots.tolist() == [0, 2]
+    assert seg.starts.tolist() == [0, 2] and seg.lens.tolist() == [2, 3] and seg.max_len == 3
+    assert m.token_slots.tolist() == slots and m.has_lora and m.active_mask == 0b101
     assert not LoRABatchMapping.build([-1, -1], "cpu").has_lora
     assert not LoRABatchMapping.build([], "cpu").has_lora
-    assert LoRABatchMapping.build(torch.tensor(slots), "cpu").sorted_token_ids.tolist() == [2, 6, 0, 3, 4]
+    assert LoRABatchMapping.build(torch.tensor(slots), "cpu").segments.token_ids.tolist() == [2, 6, 0, 3, 4]
 
 
 def test_layout_choice() -> None:
     # One adapter for the whole batch: plain matmuls on views, no gather.
-    assert LoRABatchMapping.build([3] * 32, "cpu", max_loras=16).layout == "runs"
+    assert LoRABatchMapping.build([3] * 32, "cpu", max_loras=16).torch_plan.layout is LoRALayout.RUNS
     # Many adapters with two tokens each (a decode step): one bmm over all slots, no weight gather.
-    many = LoRABatchMapping.build([i % 16 for i in range(32)], "cpu", max_loras=16)
-    assert many.layout == "padded" and many.padded is not None and many.padded.uses_all_slots
+    plan = LoRABatchMapping.build([i % 16 for i in range(32)], "cpu", max_loras=16).torch_plan
+    assert plan.layout is LoRALayout.PADDED and plan.padded is not None and plan.padded.uses_all_slots
+    with pytest.raises(ValueError, match="all slots"):
+        LoRABatchMapping.build([0, 1], "cpu", layout=LoRALayout.PADDED, all_slots=True)  # no max_loras
 
 
 @pytest.mark.parametrize("bad", [[-2], [0, 7], [1.5]])
@@ -199,12 +233,12 @@ def test_cpu_kernel_matches_naive(mix: str, sizes: list[int]) -> None:
     ranks[:, 0] = R  # full rank somewhere, and rank 0 (slice untouched) somewhere else
     ranks[1, -1] = 0
     a, bt = _sliced_weights(sizes, ranks, seed=5)
-    slices = cpu_ops.LoRASlices(torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()]), ranks, R)
+    buffers = _buffers(a, bt, [0, *torch.tensor(sizes).cumsum(0).tolist()], ranks)
     # x is a column window of a wider tensor: rows have a stride larger than IN.
     x = torch.randn(len(slots), IN + 7, generator=g)[:, 3 : 3 + IN]
     y0 = torch.randn(len(slots), sum(sizes), generator=g)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=L)
-    y = cpu_ops.fused_add_lora(y0.clone(), x, a, bt, slices, mapping)
+    y = _fused(y0.clone(), x, buffers, mapping)
     _, delta = _naive(x, a, bt.transpose(1, 2), slots, scale=1.0)
     torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
     none_rows = [i for i, s in enumerate(slots) if s < 0]
@@ -215,28 +249,29 @@ def test_cpu_kernel_matches_naive(mix: str, sizes: list[int]) -> None:
 
 
 def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
-    a, bt = _sliced_weights([56], torch.full((L, 1), R, dtype=torch.int32), seed=0)
-    slices = cpu_ops.LoRASlices(torch.tensor([0, 56]), torch.full((L, 1), R, dtype=torch.int32), R)
+    ranks = torch.full((L, 1), R, dtype=torch.int32)
+    a, bt = _sliced_weights([56], ranks, seed=0)
+    buffers = _buffers(a, bt, [0, 56], ranks)
     mapping = LoRABatchMapping.build([0, 1], "cpu", max_loras=L)
     x, y = torch.randn(2, IN), torch.zeros(2, 56)
-    with pytest.raises(ValueError, match="float32 CPU"):
-        cpu_ops.fused_add_lora(y, x.double(), a, bt, slices, mapping)
+    assert not cpu_ops.applies(x.double(), y, mapping) and not cpu_ops.applies(x, y.double(), mapping)
     long_segment = LoRABatchMapping.build([0] * (cpu_ops.MAX_SEGMENT_LEN + 1), "cpu", max_loras=L)
     assert not cpu_ops.applies(torch.zeros(33, IN), torch.zeros(33, 56), long_segment)
-    assert cpu_ops.layer_args(a.double(), bt.double(), slices) is None
-    assert cpu_ops.layer_args(a.transpose(1, 2), bt, slices) is None  # not contiguous
+    offsets = torch.tensor([0, 56])
+    assert _buffers(a.double(), bt.double(), [0, 56], ranks).cpu_kernel_args is None
+    assert cpu_ops.layer_args(a.transpose(1, 2), bt, offsets, ranks, R) is None  # not contiguous
     with pytest.raises(ValueError, match="do not cut"):
-        cpu_ops.layer_args(a, bt, cpu_ops.LoRASlices(torch.tensor([0, 4096]), slices.ranks, R))
+        cpu_ops.layer_args(a, bt, torch.tensor([0, 4096]), ranks, R)
     if cpu_ops.kernel_available():
         with pytest.raises(ValueError, match="do not fit"):
-            cpu_ops.fused_add_lora(torch.zeros(3, 56), torch.randn(3, IN), a, bt, slices, mapping)
+            _fused(torch.zeros(3, 56), torch.randn(3, IN), buffers, mapping)
         far = LoRABatchMapping.build([0, 100_000], "cpu")  # no max_loras: the mapping cannot check
         with pytest.raises(ValueError, match="out of range"):
-            cpu_ops.fused_add_lora(y, x, a, bt, slices, far)
+            _fused(y, x, buffers, far)
         # Ranks past max_rank are clamped by the kernel, never read past the buffers.
-        wild = cpu_ops.LoRASlices(torch.tensor([0, 56]), torch.full((L, 1), 10**6, dtype=torch.int32), R)
-        expected = cpu_ops.fused_add_lora(torch.zeros(2, 56), x, a, bt, slices, mapping)
-        torch.testing.assert_close(cpu_ops.fused_add_lora(torch.zeros(2, 56), x, a, bt, wild, mapping), expected)
+        wild = _buffers(a, bt, [0, 56], torch.full((L, 1), 10**6, dtype=torch.int32))
+        expected = _fused(torch.zeros(2, 56), x, buffers, mapping)
+        torch.testing.assert_close(_fused(torch.zeros(2, 56), x, wild, mapping), expected)
 
 
 def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object,
@@ -293,8 +328,8 @@ def _assert_layout(mapping: LoRABatchMapping, forced: str | None, slots: list[in
     """The forced layout was built, and a padded grid's indices are consistent: its filled cells are
     exactly the adapter tokens, empty cells read row T, and a view never covers an empty cell."""
     if forced is not None and mapping.has_lora:
-        assert mapping.layout == ("padded" if forced == "padded_all" else forced)
-    pad = mapping.padded
+        assert mapping.torch_plan.layout.value == ("padded" if forced == "padded_all" else forced)
+    pad = mapping.torch_plan.padded
     if pad is None:
         return
     if forced is not None:
@@ -346,28 +381,25 @@ def test_torch_ops_match_naive_on_random_mixes(
     layout: str | None, dtype: torch.dtype, mix: tuple[list[int], int], extra_slots: int, seed: int
 ) -> None:
     slots, max_loras = mix
-    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=max_loras, layout=layout)
+    mapping = _build(slots, max_loras, layout)
     _assert_layout(mapping, layout, slots)
     # The stacked buffers may hold more slots than max_loras (the grid then gathers its slots).
     x, a, b, y0 = _inputs(len(slots), max_loras + extra_slots, dtype, seed)
     _check_torch_ops(x, a, b, y0, mapping, slots, _naive(x, a, b, slots, scale=0.5))
 
 
-def _kernel_weights(num_slots: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, cpu_ops.LoRASlices]:
+def _kernel_weights(num_slots: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One full-rank slice: A [L, R, IN] and Bt [L, R, OUT], contiguous float32 as the kernel reads."""
     g = torch.Generator().manual_seed(seed)
-    a, bt = torch.randn(num_slots, R, IN, generator=g), torch.randn(num_slots, R, OUT, generator=g)
-    ranks = torch.full((num_slots, 1), R, dtype=torch.int32)
-    return a, bt, cpu_ops.LoRASlices(torch.tensor([0, OUT]), ranks, R)
+    return torch.randn(num_slots, R, IN, generator=g), torch.randn(num_slots, R, OUT, generator=g)
 
 
 def _add_lora_f32(
-    kernel: bool, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
-    slices: cpu_ops.LoRASlices, mapping: LoRABatchMapping,
+    kernel: bool, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, mapping: LoRABatchMapping
 ) -> torch.Tensor:
-    """What LinearWithLoRA runs: the C kernel when on and it serves the step, else the torch ops."""
+    """What a LoRA layer runs: the C kernel when on and it serves the step, else the torch ops."""
     if kernel and cpu_ops.applies(x, y, mapping):
-        return cpu_ops.fused_add_lora(y, x, a, bt, slices, mapping)
+        return _fused(y, x, _buffers(a, bt, [0, OUT], torch.full((a.shape[0], 1), R, dtype=torch.int32)), mapping)
     return torch_ops.add_lora(y, x, a, bt.transpose(1, 2), mapping)
 
 
@@ -381,12 +413,12 @@ def test_cpu_kernel_on_and_off_match_naive(
     if kernel and not cpu_ops.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots, max_loras = mix
-    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=max_loras, layout=layout)
-    a, bt, slices = _kernel_weights(max_loras, seed)
+    mapping = _build(slots, max_loras, layout)
+    a, bt = _kernel_weights(max_loras, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x, y0 = torch.randn(len(slots), IN, generator=g), torch.randn(len(slots), OUT, generator=g)
     _, delta = _naive(x, a, bt.transpose(1, 2), slots, scale=1.0)
-    y = _add_lora_f32(kernel, y0.clone(), x, a, bt, slices, mapping)
+    y = _add_lora_f32(kernel, y0.clone(), x, a, bt, mapping)
     _assert_window(y, y0, delta, slots, torch.float32)
 
 
@@ -403,7 +435,7 @@ def test_non_finite_slot_reaches_only_its_own_tokens(
 ) -> None:
     slots, max_loras = mix
     poisoned = data.draw(st.integers(0, max_loras - 1), label="poisoned slot")
-    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=max_loras, layout=layout)
+    mapping = _build(slots, max_loras, layout)
     x, a, b, y0 = _inputs(len(slots), max_loras, dtype, seed)
     reference = _naive(x, a, b, slots, scale=0.5)
     a[poisoned].fill_(value)
@@ -424,14 +456,14 @@ def test_non_finite_slot_stays_isolated_with_kernel_on_and_off(
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots, max_loras = mix
     poisoned = data.draw(st.integers(0, max_loras - 1), label="poisoned slot")
-    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=max_loras, layout=layout)
-    a, bt, slices = _kernel_weights(max_loras, seed)
+    mapping = _build(slots, max_loras, layout)
+    a, bt = _kernel_weights(max_loras, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x, y0 = torch.randn(len(slots), IN, generator=g), torch.randn(len(slots), OUT, generator=g)
     _, delta = _naive(x, a, bt.transpose(1, 2), slots, scale=1.0)
     a[poisoned].fill_(value)
     bt[poisoned].fill_(value)
-    y = _add_lora_f32(kernel, y0.clone(), x, a, bt, slices, mapping)
+    y = _add_lora_f32(kernel, y0.clone(), x, a, bt, mapping)
     _assert_window(y, y0, delta, slots, torch.float32, poisoned)
 
 
@@ -448,8 +480,9 @@ def test_grid_one_cell_short_regression(slots: list[int], dtype: torch.dtype) ->
     after token T-1 and passed for a contiguous grid; the view then reached past the activations
     ("shape '[4, 3, 128]' is invalid for input of size 1408")."""
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=4)
-    assert mapping.layout == "padded" and mapping.padded is not None
-    assert mapping.padded.contiguous_start is None and mapping.padded.filled_cells is not None
+    pad = mapping.torch_plan.padded
+    assert mapping.torch_plan.layout is LoRALayout.PADDED and pad is not None
+    assert pad.contiguous_start is None and pad.filled_cells is not None
     g = torch.Generator().manual_seed(0)
     x = torch.randn(len(slots), 128, generator=g).to(dtype)
     a, b = torch.randn(4, R, 128, generator=g).to(dtype), torch.randn(4, 64, R, generator=g).to(dtype)
@@ -467,15 +500,15 @@ def test_nan_slot_leaves_other_tokens_unaffected(layout: str | None, backend: st
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots = [0, 0, 0, 1, -1, 2, 2]
     dtype = torch.bfloat16 if backend == "torch_bf16" else torch.float32
-    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=4, layout=layout)
-    a, bt, slices = _kernel_weights(4, seed=7)
+    mapping = _build(slots, 4, layout)
+    a, bt = _kernel_weights(4, seed=7)
     a, bt = a.to(dtype), bt.to(dtype)
     x = torch.randn(len(slots), IN, generator=torch.Generator().manual_seed(8)).to(dtype)
     y0 = torch.randn(len(slots), OUT, generator=torch.Generator().manual_seed(9)).to(dtype)
 
     def run(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
         if backend == "kernel":
-            return cpu_ops.fused_add_lora(y0.clone(), x, a, bt, slices, mapping)
+            return _fused(y0.clone(), x, _buffers(a, bt, [0, OUT], torch.full((4, 1), R, dtype=torch.int32)), mapping)
         return torch_ops.add_lora(y0.clone(), x, a, bt.transpose(1, 2), mapping)
 
     clean = run(a, bt)

@@ -68,7 +68,7 @@ def test_never_more_than_max_loras_adapters_and_no_starvation() -> None:
         # Keep adapters 1 and 2 busy with a steady stream of new requests.
         sched.add(_seq(4, lora_id=1 + step % 2, max_tokens=6))
         scheduled = _step(sched)
-        assert len({s.lora_int_id for s, _ in scheduled if s.lora_int_id}) <= 2
+        assert len({s.lora_id for s, _ in scheduled if s.lora_id}) <= 2
         if starved.is_finished and finished_at is None:
             finished_at = step
     assert finished_at is not None and finished_at < 30

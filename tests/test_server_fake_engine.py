@@ -35,10 +35,10 @@ class FakeModelConfig:
     dtype: str = "float32"
 
 
-def toy_next_token(prompt_ids: list[int], lora_int_id: int, seq_index: int, step: int, vocab: int) -> int:
+def toy_next_token(prompt_ids: list[int], lora_id: int, seq_index: int, step: int, vocab: int) -> int:
     """The fake model: a deterministic function of prompt, adapter, choice and position."""
     span = vocab - FIRST_ORDINARY_TOKEN
-    return FIRST_ORDINARY_TOKEN + (sum(prompt_ids) * 7 + lora_int_id * 31 + seq_index * 17 + step * 13) % span
+    return FIRST_ORDINARY_TOKEN + (sum(prompt_ids) * 7 + lora_id * 31 + seq_index * 17 + step * 13) % span
 
 
 def write_adapter(
@@ -106,12 +106,12 @@ class FakeEngine:
             self.gate.set()
 
     def expected_token_ids(
-        self, prompt_ids: list[int], params: SamplingParams, lora_int_id: int, index: int
+        self, prompt_ids: list[int], params: SamplingParams, lora_id: int, index: int
     ) -> list[int]:
         vocab = self.model_config.vocab_size
         assert params.max_tokens is not None
         return [
-            toy_next_token(prompt_ids, lora_int_id, index, step, vocab) for step in range(params.max_tokens)
+            toy_next_token(prompt_ids, lora_id, index, step, vocab) for step in range(params.max_tokens)
         ]
 
     def _sequence(
@@ -151,9 +151,9 @@ class FakeEngine:
             raise ValueError("token id out of vocabulary")
         if lora_request is None:
             return 0
-        if lora_request.lora_int_id not in self.loras or lora_request.lora_int_id in self.removing:
+        if lora_request.lora_id not in self.loras or lora_request.lora_id in self.removing:
             raise LoRAAdapterError(f"adapter {lora_request.lora_name!r} is not registered")
-        return lora_request.lora_int_id
+        return lora_request.lora_id
 
     async def generate(
         self,
@@ -226,18 +226,18 @@ class FakeEngine:
             raise LoRAAdapterError(
                 f"Adapter {lora_request.lora_name!r}: rank r={config['r']} exceeds max_lora_rank={self.max_lora_rank}."
             )
-        self.loras[lora_request.lora_int_id] = lora_request
+        self.loras[lora_request.lora_id] = lora_request
         self.load_latencies.append(0.002)
         return True
 
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        if lora_int_id not in self.loras:
+    async def remove_lora(self, lora_id: int) -> bool:
+        if lora_id not in self.loras:
             return False
-        self.removing.add(lora_int_id)
+        self.removing.add(lora_id)
         async with self._changed:
-            await self._changed.wait_for(lambda: lora_int_id not in self.running.values())
-        del self.loras[lora_int_id]
-        self.removing.discard(lora_int_id)
+            await self._changed.wait_for(lambda: lora_id not in self.running.values())
+        del self.loras[lora_id]
+        self.removing.discard(lora_id)
         return True
 
     async def list_loras(self) -> list[LoRARequest]:

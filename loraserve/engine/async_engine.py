@@ -51,6 +51,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        self._waiters: set[concurrent.futures.Future[None]] = set()  # `_until` calls in progress
         self.dead_error: BaseException | None = None
 
     @classmethod
@@ -138,6 +139,8 @@ class AsyncLLMEngine:
             logger.exception("Cleaning up after the failed step also failed")
 
     def _fail_pending(self, error: EngineDeadError) -> None:
+        for waiter in list(self._waiters):
+            _settle(waiter, error)
         for request_id, stream in list(self._streams.items()):
             stream.put(error)
             self._streams.pop(request_id, None)
@@ -166,7 +169,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until finished; aborts the request if the consumer stops early."""
         stream = _Stream(asyncio.get_running_loop())
-        await self._preload(lora_request)
+        await self._prefetch(lora_request)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, sampling_params, lora_request)
@@ -201,41 +204,58 @@ class AsyncLLMEngine:
         if self.dead_error is None and not self._closed:
             await self._call(abort)
 
-    async def _preload(self, lora_request: LoRARequest | None) -> None:
-        """Read and validate a new adapter on a worker thread, so the step loop never stalls on disk.
-
-        The manager is thread-safe and loads each adapter once; the engine thread then finds it cached.
-        """
-        lora = self.engine.lora
-        if lora_request is None or lora is None or lora_request.lora_int_id in lora.requests:
-            return
-        await asyncio.to_thread(lora.manager.load_and_add, lora_request)
+    async def _prefetch(self, lora_request: LoRARequest | None) -> None:
+        """Read and validate a new adapter on a worker thread, so the step loop never stalls on disk;
+        the engine thread then finds it cached (each adapter is read once, however many ask)."""
+        if lora_request is not None and not self.engine.is_lora_registered(lora_request.lora_id):
+            await asyncio.to_thread(self.engine.prefetch_lora, lora_request)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        await self._preload(lora_request)
+        await self._prefetch(lora_request)
         return bool(await self._call(lambda engine: engine.add_lora(lora_request)))
 
-    async def remove_lora(self, lora_int_id: int) -> bool:
+    async def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter; returns once its running requests have finished."""
-        removed = bool(await self._call(lambda engine: engine.remove_lora(lora_int_id)))
-        while removed and await self._call(
-            lambda engine: engine.lora is not None and lora_int_id in engine.lora.pending_removal
-        ):
-            await asyncio.sleep(0.01)
-        return removed
 
-    async def pin_lora(self, lora_int_id: int) -> bool:
-        return bool(await self._call(lambda engine: engine.pin_lora(lora_int_id)))
+        def remove(engine: LLMEngine) -> concurrent.futures.Future[None] | None:
+            return engine.lora_removed(lora_id) if engine.remove_lora(lora_id) else None
+
+        removed = await self._call(remove)
+        if removed is None:
+            return False
+        await self._until(removed)
+        return True
+
+    async def _until(self, done: concurrent.futures.Future[None]) -> None:
+        """Wait for something the engine thread completes; EngineDeadError if the engine stops first."""
+        waiter: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.add_done_callback(lambda _: _settle(waiter, None))
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wrap_future(waiter)
+        finally:
+            self._waiters.discard(waiter)
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return bool(await self._call(lambda engine: engine.pin_lora(lora_id)))
 
     async def list_loras(self) -> list[LoRARequest]:
         return list(await self._call(lambda engine: engine.list_loras()))
 
     def stats(self) -> dict[str, Any]:
+        """The engine's stats; its lists (adapter load latencies) are new since the previous scrape."""
         try:
-            stats = dict(self.engine.stats())
+            return dict(self.engine.stats())
         except RuntimeError:  # dict changed size while the engine thread runs: report next scrape
             return {}
-        if self.engine.lora is not None:
-            # Each scrape takes the load latencies observed since the last one (a histogram's input).
-            stats["lora_load_seconds"] = self.engine.lora.manager.drain_load_latencies()
-        return stats
+
+
+def _settle(future: concurrent.futures.Future[None], error: BaseException | None) -> None:
+    """Complete `future` unless it already is (the engine thread and a shutdown may race to it)."""
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass

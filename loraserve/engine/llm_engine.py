@@ -6,6 +6,7 @@ the output processor its text, the model loader the weights, tokenization the pr
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -17,7 +18,6 @@ import torch
 from loraserve.config import EngineConfig
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.lora_state import EngineLoRAState
 from loraserve.engine.model_runner import ModelRunner, StepResult, kv_cache_block_bytes
 from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -29,6 +29,7 @@ from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from loraserve.lora.manager import LoRAManager
     from loraserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,9 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.tokenizer = load_tokenizer(config.model)
         self.model: Any = get_model(config.model, config.device)
-        self.lora: EngineLoRAState | None = None
+        self.lora: LoRAManager | None = None
         if config.lora is not None:
-            from loraserve.lora.manager import LoRAModelManager
+            from loraserve.lora.manager import LoRAManager
 
             if not getattr(self.model, "is_native", True):
                 raise ValueError(
@@ -54,16 +55,14 @@ class LLMEngine:
                     f"transformers backend, which does not support adapters."
                 )
 
-            self.lora = EngineLoRAState(
-                LoRAModelManager(self.model, config.lora, config.model.dtype, config.device)
-            )
+            self.lora = LoRAManager(self.model, config.lora, config.model.dtype, config.device)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,
             config.lora.max_loras if config.lora else None,
-            self.lora.manager.can_activate if self.lora is not None else None,
+            self.lora.can_activate if self.lora is not None else None,
         )
         self.runner = ModelRunner(
             self.model, num_blocks, config.cache.block_size, config.model.dtype, config.device,
@@ -198,11 +197,11 @@ class LLMEngine:
         lora_slots = None
         failed_outputs: list[RequestOutput] = []
         if self.lora is not None:
-            ids = {s.seq.lora_int_id for s in batch.scheduled if s.seq.lora_int_id}
+            ids = {s.seq.lora_id for s in batch.scheduled if s.seq.lora_id}
             lora_slots, failed = self.lora.prepare_step(ids)
             if failed:
                 failed_outputs = self._fail_adapter_requests(failed)
-                batch.scheduled = [s for s in batch.scheduled if s.seq.lora_int_id not in failed]
+                batch.scheduled = [s for s in batch.scheduled if s.seq.lora_id not in failed]
         try:
             result = self.runner.execute(batch.scheduled, lora_slots) if batch.scheduled else None
         finally:
@@ -214,7 +213,7 @@ class LLMEngine:
         """An adapter that could not be reloaded fails its own requests and nothing else."""
         outputs = []
         for request in list(self.requests.values()):
-            error = failed.get(request.lora_request.lora_int_id) if request.lora_request else None
+            error = failed.get(request.lora_request.lora_id) if request.lora_request else None
             if error is None:
                 continue
             request.error = str(error)
@@ -248,36 +247,52 @@ class LLMEngine:
         return outputs
 
     # ---- adapters -------------------------------------------------------------------------------
-    def _lora_state(self) -> EngineLoRAState:
+    def _lora_manager(self) -> LoRAManager:
         if self.lora is None:
             raise LoRAAdapterError("LoRA is not enabled; start the engine with enable_lora=True.")
         return self.lora
 
     def _loras_in_use(self) -> set[int]:
-        return {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
+        return {r.lora_request.lora_id for r in self.requests.values() if r.lora_request is not None}
 
     def _finish_lora_removals(self) -> None:
-        if self.lora is not None and self.lora.pending_removal:
+        if self.lora is not None and self.lora.has_pending_removals:
             self.lora.finish_removals(self._loras_in_use())
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        state = self._lora_state()
-        if lora_request.lora_int_id in state.requests:
+        """Load, validate and register an adapter; False if its id is registered already."""
+        manager = self._lora_manager()
+        if manager.is_registered(lora_request.lora_id):
             return False
-        state.register(lora_request, explicit=True)
+        manager.register(lora_request, explicit=True)
         return True
 
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self._lora_state().request_removal(lora_int_id, lora_int_id in self._loras_in_use())
+    def is_lora_registered(self, lora_id: int) -> bool:
+        """Whether `add_lora` (or a request) registered this adapter; safe to call from any thread."""
+        return self.lora is not None and self.lora.is_registered(lora_id)
 
-    def pin_lora(self, lora_int_id: int) -> bool:
-        state = self._lora_state()
-        if lora_int_id not in state.requests:
-            raise LoRAAdapterError(f"LoRA id {lora_int_id} is not registered.")
-        return bool(state.manager.pin_adapter(lora_int_id))
+    def prefetch_lora(self, lora_request: LoRARequest) -> None:
+        """Read and validate an adapter into the host cache ahead of `add_lora` / `add_request`, so
+        the step loop never waits on its disk read. Safe to call from any thread; a no-op with LoRA
+        off (`add_request` reports that)."""
+        if self.lora is not None:
+            self.lora.prefetch(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unregister an adapter: now if no request uses it, else once they finish (`lora_removed`
+        completes then). False if it is not registered."""
+        return self._lora_manager().remove(lora_id, lora_id in self._loras_in_use())
+
+    def lora_removed(self, lora_id: int) -> concurrent.futures.Future[None]:
+        """Completes once adapter `lora_id` is gone (at once unless its removal waits on requests)."""
+        return self._lora_manager().removal(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a registered adapter in a compute slot until removed; False if pinned already."""
+        return self._lora_manager().pin(lora_id)
 
     def list_loras(self) -> list[LoRARequest]:
-        return self.lora.list() if self.lora is not None else []
+        return self.lora.list_requests() if self.lora is not None else []
 
     def stats(self) -> dict[str, Any]:
         running, waiting = self.scheduler.running, self.scheduler.waiting
@@ -293,6 +308,6 @@ class LLMEngine:
             "kv_blocks_total": self.block_manager.num_blocks,
         }
         if self.lora is not None:
-            stats.update(self.lora.manager.stats())
+            stats.update(self.lora.stats())  # its lists are observations new since the last call
         return stats
 

@@ -62,11 +62,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], lora_slots: dict[int, int] | None) -> StepResult:
-        """Run one forward pass. `lora_slots` maps adapter int id -> compute slot (None: LoRA off)."""
+        """Run one forward pass. `lora_slots` maps lora_id -> compute slot (None: LoRA off)."""
         if lora_slots is not None:
             # Base tokens first, then one contiguous segment per slot in slot order: a balanced
             # multi-adapter decode batch becomes a [slots, tokens] grid the LoRA ops use as a view.
-            scheduled = sorted(scheduled, key=lambda s: lora_slots.get(s.seq.lora_int_id, -1))
+            scheduled = sorted(scheduled, key=lambda s: lora_slots.get(s.seq.lora_id, -1))
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
@@ -80,7 +80,7 @@ class ModelRunner:
             context_lens.append(end)
             block_tables.append(seq.block_ids)
             if lora_slots is not None:
-                slot = lora_slots[seq.lora_int_id] if seq.lora_int_id else -1
+                slot = lora_slots[seq.lora_id] if seq.lora_id else -1
                 token_slots.extend([slot] * item.num_new_tokens)
 
         attn = build_attention_metadata(

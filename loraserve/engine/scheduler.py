@@ -135,7 +135,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _active_loras(self) -> set[int]:
-        return {seq.lora_int_id for seq in self.running if seq.lora_int_id}
+        return {seq.lora_id for seq in self.running if seq.lora_id}
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         loras = self._active_loras()
@@ -144,7 +144,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
-            lora_id = seq.lora_int_id
+            lora_id = seq.lora_id
             if not self._lora_fits(loras, lora_id):
                 if blocked_head is None:
                     blocked_head = seq

@@ -56,9 +56,9 @@ class Sequence:
         return self.request.params
 
     @property
-    def lora_int_id(self) -> int:
+    def lora_id(self) -> int:
         lora = self.request.lora_request
-        return lora.lora_int_id if lora is not None else 0
+        return lora.lora_id if lora is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -123,11 +123,11 @@ class LLM:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.engine.add_lora(lora_request)
 
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self.engine.remove_lora(lora_int_id)
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine.remove_lora(lora_id)
 
-    def pin_lora(self, lora_int_id: int) -> bool:
-        return self.engine.pin_lora(lora_int_id)
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.engine.pin_lora(lora_id)
 
     def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()

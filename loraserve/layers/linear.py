@@ -13,9 +13,14 @@ tensor is shared, e.g. tied embeddings).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from loraserve.layers.forward_batch import ForwardBatch
 
 
 class Linear(nn.Module):
@@ -65,7 +70,7 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def forward(self, x: torch.Tensor, batch: object | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         return self.base_forward(x)
 
     def extra_repr(self) -> str:

@@ -17,8 +17,8 @@ import torch
 
 from loraserve.errors import LoRAAdapterError
 from loraserve.layers.linear import Linear
-from loraserve.lora.layers import LoRATargets
 from loraserve.lora.peft_helper import PEFTHelper
+from loraserve.lora.targets import LoRATargets
 from loraserve.lora.weights import LoRALayerWeights
 
 _PREFIX = "base_model.model."

@@ -17,13 +17,12 @@ import torch
 from torch import nn
 
 from loraserve.errors import LoRAAdapterError
-from loraserve.layers.linear import Linear
 from loraserve.lora.adapter_checks import ValueCheck, check_supported, group_keys, layer_weights
 from loraserve.lora.checkpoint import AdapterFile, read_adapter_file
 from loraserve.lora.digest import PendingDigest
-from loraserve.lora.layers import LoRATargets
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
+from loraserve.lora.targets import LoRATargets
 from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
 
 logger = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ class AdapterIdentity:
 class LoRAModel:
     """A loaded adapter: per-module weights keyed by the model's (packed) module names."""
 
-    lora_int_id: int
+    lora_id: int
     name: str
     path: str
     rank: int
@@ -53,10 +52,6 @@ class LoRAModel:
     def identity(self) -> AdapterIdentity:
         """Name + content digest (waits for the digest if it is still being hashed)."""
         return AdapterIdentity(self.name, self.pending_digest.result())
-
-    @property
-    def id(self) -> int:
-        return self.lora_int_id
 
     def get_lora(self, module_name: str) -> ModuleLoRA | None:
         return self.loras.get(module_name)
@@ -101,7 +96,7 @@ class LoRAModel:
                 pending.result()  # never leave hashing threads behind a failed load
             raise
         return cls(
-            lora_int_id=lora_request.lora_int_id,
+            lora_id=lora_request.lora_id,
             name=name,
             path=path or lora_request.lora_path,
             rank=max(w.rank for w in loras.values()),
@@ -121,7 +116,7 @@ def _build_loras(
     bound: float | None = None,
 ) -> tuple[dict[str, ModuleLoRA], int]:
     """Validated per-module weights (packed where the model packs) and their byte count. The scaling
-    stays beside B: slots fold it in as they copy B (`LinearWithLoRA.set_lora`), saving a pass here.
+    stays beside B: slots fold it in as they copy B (`LoRABuffers.write`), saving a pass here.
     `bound`: the largest |value| of all tensors when the caller has found it in one pass (else each
     tensor is checked on its own)."""
     targets = LoRATargets.from_model(model)
@@ -139,7 +134,7 @@ def _build_loras(
     loras: dict[str, ModuleLoRA] = {}
     packed: dict[str, list[LoRALayerWeights | None]] = {}
     for module_name, parts in sorted(by_module.items()):
-        base, packed_name, index = _locate(module_name, targets)
+        base, packed_name, index = targets.locate(module_name)
         offsets = base.slice_offsets() if packed_name else [0, base.out_features]
         weights = layer_weights(
             module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name,
@@ -162,14 +157,6 @@ def _build_loras(
             )
         loras[packed_name] = PackedLoRALayerWeights(packed_name, slices)
     return loras, sum(w.num_bytes for w in loras.values())
-
-
-def _locate(module_name: str, targets: LoRATargets) -> tuple[Linear, str | None, int]:
-    """(model layer, packed module name or None, output slice index) for an adapter module name."""
-    if module_name in targets.modules:
-        return targets.modules[module_name], None, 0
-    packed_name, index = targets.sub_modules[module_name]
-    return targets.modules[packed_name], packed_name, index
 
 
 def _to(weights: LoRALayerWeights, dtype: torch.dtype, device: torch.device | str) -> LoRALayerWeights:

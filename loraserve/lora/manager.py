@@ -1,322 +1,242 @@
-"""`LoRAModelManager`: the host cache of loaded adapters and the compute slots they run in.
+"""`LoRAManager`: the one owner of the adapter lifecycle, from registration to slot to removal.
 
-Two LRU tiers: up to `cpu_capacity` validated adapters on the host, and `max_loras` slots in the
-wrapped layers' stacked buffers. Evicting an adapter from the host also frees its slot. An adapter
-of the current step (`activate`) is never evicted, pinned adapters never leave their slot, and at most
-max_loras - 1 adapters can be pinned so that other adapters can still run.
+Three parts, one lock: the registry (adapters the engine serves, digests, removals in progress), the
+host cache (up to `max_cpu_loras` validated adapters in memory, each read once) and the slot table
+(the `max_loras` compute slots of the wrapped layers). Evicting an adapter from the host also frees
+its slot. The adapters of the current step are never evicted from either tier, pinned adapters never
+leave their slot.
 
-Thread safety: every method takes one lock, and disk reads happen outside it. Slot buffers are only
-written for slots that the current step does not use, so loading and pinning may run while a forward
-pass is in flight; removing an adapter that running requests still use is the engine's to prevent.
+Threads: the engine thread registers, removes, pins and prepares steps; `prefetch` and `stats` may
+run on any thread. Disk reads happen outside the lock. Slot buffers are only written for slots the
+current step does not use, so loads and pins may run while a forward pass is in flight.
 """
 
 from __future__ import annotations
 
-import logging
+import concurrent.futures
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.errors import LoRAAdapterError
-from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
+from loraserve.lora.host_cache import HostCache
+from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
-from loraserve.lora.ops import cpu_ops
 from loraserve.lora.peft_helper import PEFTHelper
+from loraserve.lora.registry import AdapterRegistry
 from loraserve.lora.request import LoRARequest
-from loraserve.lora.slot_writer import clear_slot, write_adapter
-
-logger = logging.getLogger(__name__)
+from loraserve.lora.slot_table import SlotTable
 
 
-@dataclass(slots=True)
-class LoRAManagerStats:
-    """Counters for metrics (monotonic)."""
-
-    num_loads: int = 0  # adapters read from disk and registered
-    num_load_failures: int = 0
-    num_host_hits: int = 0  # load_and_add found the adapter already cached
-    num_slot_hits: int = 0  # activate found the adapter already in a slot
-    num_slot_loads: int = 0  # adapter copied into a slot
-    num_slot_evictions: int = 0
-    num_host_evictions: int = 0
-    load_seconds_total: float = 0.0
-
-
-class LoRAModelManager:
-    """Owns the wrapped LoRA layers of `model` and which adapter sits in which slot."""
-
+class LoRAManager:
     def __init__(
         self, model: nn.Module, lora_config: LoRAConfig, dtype: torch.dtype, device: torch.device | str
     ) -> None:
-        self.model = model
         self.lora_config = lora_config
-        self.device = torch.device(device)
-        self.lora_dtype = lora_config.lora_dtype or dtype
-        self.modules: dict[str, LinearWithLoRA] = wrap_model_for_lora(model, lora_config)
-        self.counters = LoRAManagerStats()
-        self._host: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
-        self._slot_ids: list[int | None] = [None] * lora_config.max_loras
-        self._slot_lru: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
-        self._pinned: set[int] = set()
-        self._in_use: frozenset[int] = frozenset()
-        self._load_latencies: list[float] = []
-        self._load_locks: dict[int, threading.Lock] = {}
+        self._model = model
+        self._lora_dtype = lora_config.lora_dtype or dtype
         self._lock = threading.RLock()
-        if self.device.type == "cpu" and self.lora_dtype == torch.float32:
-            cpu_ops.kernel_available()  # build the CPU kernel (~1 s) now, not on a first request
+        self._registry = AdapterRegistry()
+        self._slots = SlotTable(wrap_model_for_lora(model, lora_config), lora_config.max_loras)
+        self._host = HostCache(lora_config.cpu_capacity, self._read, self._lock, self._slots.release)
+        self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
+
+    # ---- registration (engine thread) -----------------------------------------------------------
+    def register(self, lora_request: LoRARequest, explicit: bool = False) -> str:
+        """Load and validate an adapter (idempotent for the same id, name and path); return its
+        identity digest, the prefix-cache salt. `explicit` (an add_lora call) lifts an unload."""
+        with self._lock:
+            digest = self._registry.check_can_register(lora_request, explicit)
+        if digest is not None:
+            return digest
+        digest = self.load(lora_request).identity.digest
+        with self._lock:
+            self._registry.add(lora_request, digest)
+        return digest
+
+    def is_registered(self, lora_id: int) -> bool:
+        with self._lock:
+            return lora_id in self._registry.requests
+
+    def list_requests(self) -> list[LoRARequest]:
+        """Registered adapters, less those being removed."""
+        with self._lock:
+            return self._registry.listed()
+
+    def prefetch(self, lora_request: LoRARequest) -> None:
+        """Read and validate an adapter the engine does not serve yet, so that registering it later
+        finds it cached. Any thread; concurrent calls for one adapter read it once."""
+        if not self.is_registered(lora_request.lora_id):
+            self.load(lora_request)
+
+    def pin(self, lora_id: int) -> bool:
+        """Keep a registered adapter in a slot (and the host cache) until removed; False if it is
+        pinned already."""
+        with self._lock:
+            lora_request = self._registry.requests.get(lora_id)
+            if lora_request is None:
+                raise LoRAAdapterError(f"LoRA id {lora_id} is not registered.")
+            lora_model = self._host.peek(lora_id)
+            if lora_model is None:
+                raise ValueError(f"cannot pin LoRA adapter {lora_request.lora_name!r}: it is not loaded")
+            return self._slots.pin(lora_model, self._in_use)
+
+    def remove(self, lora_id: int, in_use: bool) -> bool:
+        """Unregister an adapter: now if no request uses it, else once `finish_removals` finds them
+        done (`removal` tells when). False if it is not registered or already being removed."""
+        with self._lock:
+            if lora_id not in self._registry.requests or lora_id in self._registry.pending_removals:
+                return False
+            if in_use:
+                self._registry.defer_removal(lora_id)
+            else:
+                self._forget(lora_id)
+            return True
+
+    def removal(self, lora_id: int) -> concurrent.futures.Future[None]:
+        """Completes once `lora_id` is gone; already complete unless its removal is deferred."""
+        with self._lock:
+            pending = self._registry.pending_removals.get(lora_id)
+        if pending is not None:
+            return pending
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        return done
 
     @property
-    def max_loras(self) -> int:
-        return self.lora_config.max_loras
+    def has_pending_removals(self) -> bool:
+        return bool(self._registry.pending_removals)
 
-    @property
-    def capacity(self) -> int:
-        return self.lora_config.cpu_capacity
-
-    def list_adapters(self) -> dict[int, LoRAModel]:
-        """Cached adapters by id, least recently used first."""
+    def finish_removals(self, in_use: Collection[int]) -> None:
+        """Complete the deferred removals of adapters that no request in `in_use` uses any more."""
         with self._lock:
-            return dict(self._host)
+            for lora_id in [i for i in self._registry.pending_removals if i not in in_use]:
+                self._forget(lora_id)
 
-    def has_adapter(self, adapter_id: int) -> bool:
+    def _forget(self, lora_id: int) -> None:
+        self._drop(lora_id)
+        self._registry.forget(lora_id)
+
+    def _drop(self, lora_id: int) -> None:
+        """The adapter leaves the host cache and its slot (it stays registered)."""
+        self._host.remove(lora_id)
+        self._slots.release(lora_id)
+        self._in_use = self._in_use - {lora_id}
+
+    # ---- steps (engine thread) ------------------------------------------------------------------
+    def can_activate(self, lora_ids: Collection[int]) -> bool:
+        """Whether a step of `lora_ids` finds a slot for each (pinned slots stay taken)."""
         with self._lock:
-            return adapter_id in self._host
+            return self._slots.can_fit(lora_ids)
 
-    def stats(self) -> dict[str, int | float]:
-        """Counters and occupancy for metrics, keys prefixed `lora_`."""
-        with self._lock:
-            out: dict[str, int | float] = {f"lora_{k}": v for k, v in asdict(self.counters).items()}
-            out["lora_num_cached"] = len(self._host)
-            out["lora_num_active_slots"] = len(self._slot_lru)
-            out["lora_num_pinned"] = len(self._pinned)
-            return out
+    def prepare_step(self, lora_ids: set[int]) -> tuple[dict[int, int], dict[int, Exception]]:
+        """Put a step's adapters in host memory and compute slots.
 
-    def get_adapter(self, adapter_id: int) -> LoRAModel | None:
-        with self._lock:
-            return self._host.get(adapter_id)
-
-    def slot_of(self, adapter_id: int) -> int | None:
-        with self._lock:
-            return self._slot_lru.get(adapter_id)
-
-    def is_pinned(self, adapter_id: int) -> bool:
-        with self._lock:
-            return adapter_id in self._pinned
-
-    def drain_load_latencies(self) -> list[float]:
-        """Disk load latencies (seconds) observed since the last call, for a histogram."""
-        with self._lock:
-            latencies, self._load_latencies = self._load_latencies, []
-            return latencies
-
-    def add_adapter(self, lora_model: LoRAModel, protected: Collection[int] | None = None) -> bool:
-        """Register a loaded adapter in the host cache; False if its id is already there.
-
-        A full cache evicts its least recently used adapter that is neither pinned nor protected.
-        Protected are the adapters of the last `activate` (a step that may be running), unless the
-        caller prepares the next step and passes its adapters as `protected` instead.
+        An adapter the host cache evicted is read again; one whose reload fails or finds other
+        weights fails that adapter's requests only. Returns (id -> slot for the adapters ready,
+        id -> error for the others). The adapters stay protected from eviction until `end_step`.
         """
         with self._lock:
-            if lora_model.id in self._host:
-                return False
-            keep = self._pinned | (self._in_use if protected is None else set(protected))
-            while len(self._host) >= self.capacity:
-                victim = next((i for i in self._host if i not in keep), None)
-                if victim is None:
-                    raise ValueError(
-                        f"cannot add LoRA adapter '{lora_model.name}': the host cache (max_cpu_loras="
-                        f"{self.capacity}) holds only pinned adapters or adapters of the step "
-                        f"({sorted(keep)})"
-                    )
-                logger.info("Evicting LoRA adapter %d from the host cache", victim)
-                self._remove(victim)
-                self.counters.num_host_evictions += 1
-            self._host[lora_model.id] = lora_model
-            logger.debug("Added LoRA adapter '%s' (id %d)", lora_model.name, lora_model.id)
-            return True
+            self._in_use = frozenset(lora_ids)
+        failed: dict[int, Exception] = {}
+        for lora_id in lora_ids:
+            try:
+                self._reload(lora_id, lora_ids)
+            except Exception as exc:  # noqa: BLE001 - any failure fails this adapter's requests only
+                failed[lora_id] = exc
+        return self.activate(lora_ids - failed.keys()), failed
 
-    def remove_adapter(self, adapter_id: int) -> bool:
-        """Drop an adapter from the host cache and its slot; False if it is not loaded."""
+    def _reload(self, lora_id: int, step_ids: set[int]) -> None:
         with self._lock:
-            if adapter_id not in self._host:
-                return False
-            self._remove(adapter_id)
-            return True
+            if lora_id in self._host:
+                return
+            lora_request, digest = self._registry.requests[lora_id], self._registry.digests[lora_id]
+        reloaded = self.load(lora_request, protected=step_ids)
+        if reloaded.identity.digest != digest:
+            with self._lock:
+                self._drop(lora_id)
+            raise LoRAAdapterError(
+                f"LoRA adapter {lora_request.lora_name!r} changed on disk since it was loaded; load it "
+                "again under a new name."
+            )
 
-    def _remove(self, adapter_id: int) -> None:
-        slot = self._slot_lru.pop(adapter_id, None)
-        if slot is not None:
-            self._slot_ids[slot] = None
-            clear_slot(self.modules, slot)
-        self._pinned.discard(adapter_id)
-        self._in_use = self._in_use - {adapter_id}
-        del self._host[adapter_id]
-
-    def reserve(self, adapter_ids: Collection[int]) -> None:
-        """Protect a step's adapters from host eviction (by loads on other threads) until `release`."""
-        with self._lock:
-            self._in_use = frozenset(adapter_ids)
-
-    def release(self) -> None:
+    def end_step(self) -> None:
         """The step is over: its adapters may be evicted again (their requests reload them if needed)."""
         with self._lock:
             self._in_use = frozenset()
 
-    def can_activate(self, adapter_ids: set[int]) -> bool:
-        """Whether `activate(adapter_ids)` would find a slot for each (pinned slots stay taken)."""
+    def activate(self, lora_ids: set[int]) -> dict[int, int]:
+        """Put every adapter of a step in a slot; id -> slot. Never evicts an adapter of the step or
+        a pinned one; refreshes both LRU orders."""
         with self._lock:
-            pinned_elsewhere = len(self._pinned - adapter_ids)
-            return len(adapter_ids) <= self.max_loras - pinned_elsewhere
-
-    def activate(self, adapter_ids: set[int]) -> dict[int, int]:
-        """Put every adapter of a step in a slot and return id -> slot.
-
-        Never evicts an adapter of `adapter_ids` or a pinned one; refreshes both LRU orders.
-        """
-        with self._lock:
-            unknown = sorted(i for i in adapter_ids if i not in self._host)
+            unknown = sorted(i for i in lora_ids if i not in self._host)
             if unknown:
-                raise ValueError(f"LoRA adapters {unknown} are not loaded (call load_and_add first)")
-            if not self.can_activate(adapter_ids):
+                raise ValueError(f"LoRA adapters {unknown} are not loaded (load them first)")
+            if not self._slots.can_fit(lora_ids):
+                free = self.lora_config.max_loras - len(self._slots.pinned_ids - lora_ids)
                 raise ValueError(
-                    f"a step needs {len(adapter_ids)} LoRA slots but only "
-                    f"{self.max_loras - len(self._pinned - adapter_ids)} of max_loras={self.max_loras} "
-                    "are not held by pinned adapters"
+                    f"a step needs {len(lora_ids)} LoRA slots but only {free} of max_loras="
+                    f"{self.lora_config.max_loras} are not held by pinned adapters"
                 )
-            self._in_use = frozenset(adapter_ids)
-            result: dict[int, int] = {}
-            for adapter_id in sorted(adapter_ids, key=lambda i: i not in self._slot_lru):
-                result[adapter_id] = self._ensure_slot(adapter_id)
-                self._host.move_to_end(adapter_id)
-            return result
+            self._in_use = frozenset(lora_ids)
+            slots: dict[int, int] = {}
+            # Adapters already in a slot first, so that a miss never evicts one the step needs.
+            for lora_id in sorted(lora_ids, key=lambda i: self._slots.slot_of(i) is None):
+                lora_model = self._host.touch(lora_id)
+                assert lora_model is not None
+                slots[lora_id] = self._slots.acquire(lora_model, lora_ids)
+            return slots
 
-    def _ensure_slot(self, adapter_id: int) -> int:
-        """The adapter's slot, loading it into a free or least recently used slot if needed."""
-        if adapter_id in self._slot_lru:
-            self._slot_lru.move_to_end(adapter_id)
-            self.counters.num_slot_hits += 1
-            return self._slot_lru[adapter_id]
-        slot = next((s for s, i in enumerate(self._slot_ids) if i is None), None)
-        if slot is None:
-            victim = next(
-                (i for i in self._slot_lru if i not in self._pinned and i not in self._in_use), None
-            )
-            if victim is None:
-                raise ValueError(
-                    f"no free LoRA slot for adapter {adapter_id}: all max_loras={self.max_loras} slots "
-                    "hold pinned adapters or adapters of the running step"
-                )
-            slot = self._slot_lru.pop(victim)
-            self.counters.num_slot_evictions += 1
-        try:
-            write_adapter(self.modules, slot, self._host[adapter_id])
-        except Exception:
-            self._slot_ids[slot] = None
-            raise
-        self._slot_ids[slot] = adapter_id
-        self._slot_lru[adapter_id] = slot
-        self.counters.num_slot_loads += 1
-        logger.info("Activating LoRA. int id: %d, slot index: %d", adapter_id, slot)
-        return slot
+    # ---- loading (any thread) -------------------------------------------------------------------
+    def load(self, lora_request: LoRARequest, protected: Collection[int] | None = None) -> LoRAModel:
+        """The adapter from the host cache, else read, validated and cached (and written into a free
+        slot, if any). To make room the cache evicts neither pinned adapters nor `protected` ones
+        (default: the adapters of the current step)."""
 
-    def _preactivate(self, adapter_id: int) -> None:
+        def keep() -> frozenset[int]:
+            return self._slots.pinned_ids | (self._in_use if protected is None else frozenset(protected))
+
+        return self._host.load(lora_request, keep, self._admit)
+
+    def get_adapter(self, lora_id: int) -> LoRAModel | None:
+        with self._lock:
+            return self._host.peek(lora_id)
+
+    def slot_of(self, lora_id: int) -> int | None:
+        with self._lock:
+            return self._slots.slot_of(lora_id)
+
+    def _read(self, lora_request: LoRARequest) -> LoRAModel:
+        config = self.lora_config
+        helper = PEFTHelper.from_local_dir(
+            lora_request.lora_path, lora_request.lora_name, config.max_lora_rank, config.enable_lora_bias
+        )
+        return LoRAModel.from_local_checkpoint(
+            lora_request.lora_path, lora_request, helper, self._model, self._lora_dtype, "cpu"
+        )
+
+    def _admit(self, lora_model: LoRAModel) -> None:
         """Upload a freshly loaded adapter to a free slot now, on the loading thread (while its digest
-        is still being hashed on others), so its first step finds it in place. Never evicts: a step
-        that is running uses other slots. A refusal unregisters the adapter (its load fails)."""
-        if adapter_id in self._slot_lru or None not in self._slot_ids:
-            return
+        is still being hashed on others), so that its first step finds it in place."""
         try:
-            self._ensure_slot(adapter_id)
-        except Exception:
-            self._remove(adapter_id)
-            raise
+            self._slots.place_if_free(lora_model)
+        except Exception as e:
+            raise LoRAAdapterError(f"LoRA adapter '{lora_model.name}' does not fit a slot: {e}") from None
 
-    def pin_adapter(self, adapter_id: int) -> bool:
-        """Keep an adapter in a slot (and the host cache) until removed; False if already pinned."""
+    # ---- metrics (any thread) -------------------------------------------------------------------
+    def stats(self) -> dict[str, int | float | list[float]]:
+        """Counters and occupancy, keys prefixed `lora_`; `lora_load_seconds` lists the disk load
+        latencies observed since the previous call (a histogram's new observations)."""
         with self._lock:
-            if adapter_id not in self._host:
-                raise ValueError(f"cannot pin LoRA adapter {adapter_id}: it is not loaded")
-            if adapter_id in self._pinned:
-                return False
-            if len(self._pinned) + 1 >= self.max_loras:
-                raise ValueError(
-                    f"cannot pin LoRA adapter {adapter_id}: {len(self._pinned)} adapters are pinned and "
-                    f"max_loras={self.max_loras}; pinning every slot would leave none for other adapters "
-                    "(at most max_loras - 1 can be pinned)"
-                )
-            self._ensure_slot(adapter_id)
-            self._pinned.add(adapter_id)
-            return True
-
-    def load_and_add(self, lora_request: LoRARequest, protected: Collection[int] | None = None) -> LoRAModel:
-        """Read, validate and register an adapter (a cached one is returned as is).
-
-        Validation is complete before anything is registered: a failed load leaves no trace.
-        `protected` ids are not evicted from the host cache to make room (see `add_adapter`).
-        """
-        adapter_id = lora_request.lora_int_id
-        with self._lock:
-            cached = self._cached(adapter_id)
-            if cached is not None:
-                return cached
-            # Single flight: concurrent first requests for one adapter wait for one disk load.
-            load_lock = self._load_locks.setdefault(adapter_id, threading.Lock())
-        with load_lock:
-            with self._lock:
-                cached = self._cached(adapter_id)
-                if cached is not None:
-                    return cached
-            try:
-                return self._load(lora_request, protected)
-            finally:
-                with self._lock:
-                    if self._load_locks.get(adapter_id) is load_lock:
-                        del self._load_locks[adapter_id]
-
-    def _cached(self, adapter_id: int) -> LoRAModel | None:
-        cached = self._host.get(adapter_id)
-        if cached is not None:
-            self._host.move_to_end(adapter_id)
-            self.counters.num_host_hits += 1
-        return cached
-
-    def _load(self, lora_request: LoRARequest, protected: Collection[int] | None) -> LoRAModel:
-        start = time.perf_counter()
-        try:
-            helper = PEFTHelper.from_local_dir(
-                lora_request.lora_path,
-                lora_request.lora_name,
-                self.lora_config.max_lora_rank,
-                self.lora_config.enable_lora_bias,
-            )
-            lora_model = LoRAModel.from_local_checkpoint(
-                lora_request.lora_path, lora_request, helper, self.model, self.lora_dtype, "cpu"
-            )
-        except Exception:
-            with self._lock:
-                self.counters.num_load_failures += 1
-            raise
-        elapsed = time.perf_counter() - start
-        with self._lock:
-            try:
-                added = self.add_adapter(lora_model, protected)
-            except ValueError:
-                self.counters.num_load_failures += 1
-                raise
-            if not added:
-                return self._host[lora_model.id]  # another thread registered it meanwhile
-            try:
-                self._preactivate(lora_model.id)
-            except Exception as e:
-                self.counters.num_load_failures += 1
-                raise LoRAAdapterError(f"LoRA adapter '{lora_model.name}' does not fit a slot: {e}") from None
-            self.counters.num_loads += 1
-            self.counters.load_seconds_total += elapsed
-            self._load_latencies.append(elapsed)
-        return lora_model
+            counters = {**asdict(self._host.counters), **asdict(self._slots.counters)}
+            out: dict[str, int | float | list[float]] = {f"lora_{k}": v for k, v in counters.items()}
+            out["lora_num_cached"] = self._host.num_cached
+            out["lora_num_loading"] = self._host.num_loading
+            out["lora_num_active_slots"] = self._slots.num_used
+            out["lora_num_pinned"] = len(self._slots.pinned_ids)
+            out["lora_load_seconds"] = self._host.drain_latencies()
+            return out

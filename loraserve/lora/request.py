@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 class LoRARequest:
     """An adapter reference carried by a request.
 
-    `lora_int_id` (> 0) is the engine-wide identity used by the adapter caches; two requests are the
-    same adapter when id and name agree (the path may be spelled differently).
+    The id (> 0) is the engine-wide identity used by the adapter caches; two requests are the same
+    adapter when id and name agree (the path may be spelled differently). The constructor and the
+    `lora_int_id` field keep vLLM's spelling, which user code passes and reads; loraserve's own code
+    reads the id as `lora_id`.
     """
 
     lora_name: str
@@ -26,10 +28,14 @@ class LoRARequest:
             or not isinstance(self.lora_int_id, int)
             or self.lora_int_id < 1
         ):
-            raise ValueError(f"lora_int_id must be an integer > 0, got {self.lora_int_id!r}")
+            raise ValueError(
+                f"LoRA adapter {self.lora_name!r}: lora_int_id must be an integer > 0, got {self.lora_int_id!r}"
+            )
         if not isinstance(self.lora_path, str):
-            raise ValueError(f"lora_path must be a string, got {type(self.lora_path).__name__}")
+            raise ValueError(
+                f"LoRA adapter {self.lora_name!r}: lora_path must be a string, got {type(self.lora_path).__name__}"
+            )
 
     @property
-    def adapter_id(self) -> int:
+    def lora_id(self) -> int:
         return self.lora_int_id

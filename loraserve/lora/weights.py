@@ -1,4 +1,7 @@
-"""Per-module adapter weights: one module's A/B pair, or the slices of a packed module."""
+"""Per-module adapter weights: one module's A/B pair, or the slices of a packed module.
+
+The scaling stays beside B; a slot write folds it in as it copies B (`ops/buffers.py`).
+"""
 
 from __future__ import annotations
 
@@ -42,13 +45,6 @@ class LoRALayerWeights:
         return LoRALayerWeights(self.module_name, self.rank, self.lora_a, self.lora_b[start:end],
                                 self.scaling, bias)
 
-    def optimize(self) -> LoRALayerWeights:
-        """Fold `scaling` into lora_b so the forward pass needs no extra multiply."""
-        if self.scaling != 1.0:
-            self.lora_b = self.lora_b * self.scaling
-            self.scaling = 1.0
-        return self
-
 
 @dataclass(slots=True)
 class PackedLoRALayerWeights:
@@ -68,12 +64,6 @@ class PackedLoRALayerWeights:
     @property
     def num_bytes(self) -> int:
         return sum(s.num_bytes for s in self.slices if s is not None)
-
-    def optimize(self) -> PackedLoRALayerWeights:
-        for s in self.slices:
-            if s is not None:
-                s.optimize()
-        return self
 
 
 ModuleLoRA = LoRALayerWeights | PackedLoRALayerWeights

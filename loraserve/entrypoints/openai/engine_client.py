@@ -65,7 +65,7 @@ class EngineClient(Protocol):
 
     async def add_lora(self, lora_request: LoRARequest) -> bool: ...
 
-    async def remove_lora(self, lora_int_id: int) -> bool:
+    async def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter; returns once its running requests have finished."""
         ...
 

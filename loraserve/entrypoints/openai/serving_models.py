@@ -225,7 +225,7 @@ class OpenAIServingModels:
             lora_request = self.lora_requests.pop(name, None)
             if lora_request is None:
                 raise APIError(not_found_message(name), HTTPStatus.NOT_FOUND, "lora_name")
-            await self.engine.remove_lora(lora_request.lora_int_id)
+            await self.engine.remove_lora(lora_request.lora_id)
         logger.info("Unloaded LoRA adapter %r.", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
@@ -235,7 +235,7 @@ class OpenAIServingModels:
         if request.lora_int_id is None:
             raise APIError("Either 'lora_name' or 'lora_int_id' must be provided.", HTTPStatus.BAD_REQUEST)
         for lora_request in self.lora_requests.values():
-            if lora_request.lora_int_id == request.lora_int_id:
+            if lora_request.lora_id == request.lora_int_id:
                 return lora_request.lora_name
         raise APIError(
             f"No lora adapter has lora_int_id {request.lora_int_id}.", HTTPStatus.NOT_FOUND, "lora_int_id"

@@ -1,12 +1,13 @@
-"""LoRA shrink/expand ops: Triton kernels on CUDA when Triton is installed, torch everywhere else.
+"""The LoRA ops, and the one place that picks their backend: the fused C kernel (float32 CPU, short
+segments), Triton kernels (CUDA with Triton installed) or torch (everywhere else).
 
-Both backends share the semantics documented in `torch_ops`:
+`add_lora(y, x, buffers, mapping)` is what a LoRA layer runs. The tensor-level ops share the
+semantics documented in `torch_ops`:
     lora_shrink(x [T, in], a_stacked [L, R, in], mapping, scale) -> t [T, R]
     lora_expand(y [T, *], t [T, R], b_stacked [L, out, R], mapping, offset) adds into y[:, offset:offset+out]
-    add_lora(y, x, a_stacked, b_stacked, mapping, offset) = lora_expand(y, lora_shrink(x, ...), ...)
 where row i uses slot mapping.token_slots[i] and slot -1 contributes nothing (its rows of y are left
 bit-for-bit alone). Row i reads only slot s_i's weights: a NaN or inf in one slot never reaches a
-token of another slot, whatever the layout.
+token of another slot, whatever the layout and backend.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import logging
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from loraserve.lora.mapping import LoRABatchMapping
-from loraserve.lora.ops import torch_ops
+from loraserve.lora.ops import cpu_ops, torch_ops
+from loraserve.lora.ops.buffers import LoRABuffers
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,35 @@ def _backend(tensor: torch.Tensor) -> ModuleType:
     return torch_ops
 
 
+def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> None:
+    """y[i] += B[s_i] A[s_i] x[i] (+ bias[s_i]) for every token i whose slot s_i >= 0, in place.
+
+    x [..., in]; y [..., out] contiguous (a layer's output). Computed in the buffers' dtype; a layer
+    none of whose slots the step uses costs two integer tests."""
+    use_ab = buffers.active_mask & mapping.active_mask
+    use_bias = buffers.bias_mask & mapping.active_mask
+    if not (use_ab or use_bias):
+        return
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    lora_dtype = buffers.lora_a.dtype
+    same_dtype = lora_dtype == y.dtype
+    delta = y2 if same_dtype else torch.zeros(y2.shape, dtype=lora_dtype, device=y2.device)
+    if use_ab:
+        x2 = x2.to(lora_dtype)
+        if buffers.cpu_kernel_args is not None and cpu_ops.applies(x2, delta, mapping):
+            cpu_ops.run(x2, delta, buffers.cpu_kernel_args, mapping)
+        else:
+            _backend(x2).add_lora(delta, x2, buffers.lora_a, buffers.lora_b, mapping)
+    if use_bias:
+        assert buffers.bias is not None
+        # Row max_loras of the padded table is zero: tokens without an adapter add nothing.
+        table = F.pad(buffers.bias, (0, 0, 0, 1))
+        rows = torch.where(mapping.token_slots < 0, buffers.max_loras, mapping.token_slots)
+        delta.add_(table.index_select(0, rows))
+    if not same_dtype:
+        y2.add_(delta.to(y2.dtype))
+
+
 def lora_shrink(
     x: torch.Tensor, a_stacked: torch.Tensor, mapping: LoRABatchMapping, scale: float = 1.0
 ) -> torch.Tensor:
@@ -59,15 +91,4 @@ def lora_expand(
     return _backend(y).lora_expand(y, t, b_stacked, mapping, offset)
 
 
-def add_lora(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a_stacked: torch.Tensor,
-    b_stacked: torch.Tensor,
-    mapping: LoRABatchMapping,
-    offset: int = 0,
-) -> torch.Tensor:
-    return _backend(x).add_lora(y, x, a_stacked, b_stacked, mapping, offset)
-
-
-__all__ = ["LoRABatchMapping", "add_lora", "lora_expand", "lora_shrink", "triton_available"]
+__all__ = ["LoRABuffers", "add_lora", "lora_expand", "lora_shrink", "triton_available"]

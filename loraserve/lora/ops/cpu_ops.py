@@ -6,13 +6,9 @@ torch headers), keyed by a digest of the source, the flags and this CPU's featur
 shared between machines never runs code built for another CPU. No compiler, a failed build, or
 LORASERVE_CPU_LORA_KERNEL=0 leaves the torch ops in charge; the result is the same either way.
 
-Measured on the 2-core AVX2 dev CPU, fp32, 30 layers of a SmolLM-135M shape with rank-16 adapters on
-all 7 projections (shrink + expand of every LoRA layer of one step):
-    16 adapters x 2 tokens (decode)    torch bmm path 40 ms   kernel 25 ms (reads 313 MB, not 466)
-    16 adapters x 4 tokens                            75 ms          34 ms
-    1 adapter x 32 tokens                             18 ms          11 ms
-    16 adapters x 64 tokens (prefill)                370 ms         760 ms (compute-bound: MKL wins)
-so `applies` sends steps whose segments are at most MAX_SEGMENT_LEN tokens long to the kernel.
+The kernel beats torch's bmm on short segments (decode) and loses on long ones (prefill is
+compute-bound, where MKL wins; measurements in benchmarks/README.md), so `applies` sends it only
+steps whose segments are at most MAX_SEGMENT_LEN tokens long.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import subprocess
 import tempfile
 import threading
 from array import array
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -44,21 +39,6 @@ _lock = threading.Lock()
 _kernel: Any = None  # lora_fused_f32, once loaded
 _write_kernel: Any = None  # lora_write_blocks, once loaded
 _loaded = False
-
-
-@dataclass(frozen=True, slots=True)
-class LoRASlices:
-    """How a LoRA layer's buffers are cut into slices, so kernels read only the non-zero blocks.
-
-    offsets: [num_slices + 1] int64 output offset of each slice (qkv: 0, q, q+k, q+k+v).
-    ranks:   [max_loras, num_slices] int32 rank of the adapter in each slot for each slice (0 = no
-             LoRA there). Updated in place by the layer as adapters come and go.
-    max_rank: R, the per-slice stride of the stacked rank dimension.
-    """
-
-    offsets: torch.Tensor
-    ranks: torch.Tensor
-    max_rank: int
 
 
 def _source() -> bytes:
@@ -139,32 +119,37 @@ def write_blocks(records: array, scales: array) -> None:
     _write_kernel(len(scales), records_ptr, scales_ptr, torch.get_num_threads())
 
 
-def layer_args(a: torch.Tensor, b_t: torch.Tensor, slices: LoRASlices) -> tuple[int, ...] | None:
+def layer_args(
+    a: torch.Tensor, b_t: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor, max_rank: int
+) -> tuple[int, ...] | None:
     """The per-layer half of the kernel's arguments (plus the slot count, last), or None when the kernel
-    cannot serve this layer (not float32 contiguous CPU buffers, or no kernel). Layers compute it once
-    and reuse it. Raises ValueError for slice offsets that do not cut the outputs."""
-    tensors = (a, b_t, slices.offsets, slices.ranks)
+    cannot serve these buffers (not float32 contiguous CPU tensors, or no kernel). The kernel reads the
+    buffers and `ranks` through raw pointers: they must stay alive and in place while the args are used.
+
+    a [L, n*R, in]; b_t [L, n*R, out]; slice_offsets [n + 1] int64; ranks [L, n] int32; max_rank R.
+    Raises ValueError for slice offsets that do not cut the outputs."""
+    tensors = (a, b_t, slice_offsets, ranks)
     if a.dtype != torch.float32 or b_t.dtype != torch.float32 or any(t.device.type != "cpu" for t in tensors):
         return None
-    num_slices, stacked = slices.offsets.shape[0] - 1, a.shape[1]
+    num_slices, stacked = slice_offsets.shape[0] - 1, a.shape[1]
     if not all(t.is_contiguous() for t in tensors) or b_t.shape[:2] != a.shape[:2] \
-            or stacked != num_slices * slices.max_rank or slices.ranks.shape != (a.shape[0], num_slices) \
-            or slices.ranks.dtype != torch.int32 or slices.offsets.dtype != torch.int64:
+            or stacked != num_slices * max_rank or ranks.shape != (a.shape[0], num_slices) \
+            or ranks.dtype != torch.int32 or slice_offsets.dtype != torch.int64:
         return None
-    offsets = slices.offsets.tolist()
+    offsets = slice_offsets.tolist()
     if offsets[0] != 0 or offsets[-1] != b_t.shape[2] or any(x >= y for x, y in zip(offsets, offsets[1:])):
         raise ValueError(f"slice offsets {offsets} do not cut the {b_t.shape[2]} outputs into slices")
     if not kernel_available():
         return None
-    return (a.shape[2], b_t.shape[2], a.data_ptr(), b_t.data_ptr(), slices.max_rank, num_slices,
-            slices.offsets.data_ptr(), slices.ranks.data_ptr(), a.shape[0])
+    return (a.shape[2], b_t.shape[2], a.data_ptr(), b_t.data_ptr(), max_rank, num_slices,
+            slice_offsets.data_ptr(), ranks.data_ptr(), a.shape[0])
 
 
 def applies(x: torch.Tensor, y: torch.Tensor, mapping: LoRABatchMapping) -> bool:
-    """Whether the kernel serves this step for float32 x/y (given a layer whose `layer_args` is set)."""
+    """Whether the kernel serves this step for x/y (given buffers whose `layer_args` are set)."""
     return (
-        mapping.kernel_args is not None
-        and mapping.max_seg_len <= MAX_SEGMENT_LEN
+        mapping.cpu_kernel_args is not None
+        and mapping.segments.max_len <= MAX_SEGMENT_LEN
         and x.dtype == torch.float32 and y.dtype == torch.float32
         and x.device.type == "cpu" and y.device.type == "cpu"
         and x.dim() == 2 and y.dim() == 2 and x.stride(1) == 1 and y.stride(1) == 1
@@ -172,32 +157,20 @@ def applies(x: torch.Tensor, y: torch.Tensor, mapping: LoRABatchMapping) -> bool
 
 
 def run(x: torch.Tensor, y: torch.Tensor, args: tuple[int, ...], mapping: LoRABatchMapping) -> torch.Tensor:
-    """y += LoRA(x) through the kernel, with `args` from `layer_args`; call only when `applies`."""
-    assert mapping.kernel_args is not None and _kernel is not None
+    """y[i] += Bt[s_i]^T A[s_i] x[i], slice by slice over each slot's ranks, for tokens with slot
+    s_i >= 0; `args` from `layer_args`; call only when `applies`. Row i reads only slot s_i's blocks
+    (a NaN slot reaches only its own tokens); rows of slot -1 are left alone. Same result as
+    `torch_ops.add_lora` up to float summation order.
+
+    x [T, in]; y [T, out], updated in place and returned."""
+    assert mapping.cpu_kernel_args is not None and _kernel is not None
     if x.shape[0] != mapping.num_tokens or y.shape[0] != mapping.num_tokens or (x.shape[1], y.shape[1]) != args[:2]:
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} do not fit {mapping.num_tokens} tokens "
                          f"and a layer of in={args[0]}, out={args[1]}")
     if mapping.active_slots and mapping.active_slots[-1] >= args[-1]:
         raise ValueError(f"slot {mapping.active_slots[-1]} is out of range for a layer of {args[-1]} slots")
-    status = _kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *args[:-1], *mapping.kernel_args,
+    status = _kernel(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *args[:-1], *mapping.cpu_kernel_args,
                      torch.get_num_threads())
     if status != 0:
         raise MemoryError("CPU LoRA kernel could not allocate its scratch buffer")
     return y
-
-
-def fused_add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
-                   slices: LoRASlices, mapping: LoRABatchMapping) -> torch.Tensor:
-    """Semantics: y[i, off_q:off_q+1] += Bt[s_i, qR:qR+r]^T @ A[s_i, qR:qR+r] @ x[i] for each slice q
-    of each token with slot s_i >= 0; returns y. Same result as `torch_ops.add_lora(y, x, a, b_t^T,
-    ...)` up to float summation order, with the same isolation: row i reads only slot s_i's blocks
-    (a NaN slot reaches only its own tokens), rows of slot -1 are left alone. Raises ValueError when
-    the kernel cannot serve these tensors.
-
-    Shape: x [T, in]; y [T, out] (updated in place); a [L, n*R, in]; b_t [L, n*R, out] (the
-    transposed storage of the [L, out, n*R] B buffer).
-    """
-    args = layer_args(a, b_t, slices)
-    if args is None or not applies(x, y, mapping):
-        raise ValueError("the CPU LoRA kernel serves float32 CPU tensors with short segments only")
-    return run(x, y, args, mapping) if mapping.has_lora else y

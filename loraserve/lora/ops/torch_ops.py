@@ -1,33 +1,9 @@
 """Multi-LoRA shrink/expand in plain torch (CPU, and CUDA without Triton).
 
 No op gathers a weight matrix per token: tokens are grouped by slot using the step's
-`LoRABatchMapping`, whose layout (runs / grouped / padded) was chosen once per step.
-
-Measured on the shared 2-core AVX2 dev CPU (noisy; best of 9), fp32, 2 threads, T=32 decode tokens,
-L=16 slots, in=576, r=16: one `add_lora` (shrink + expand) in microseconds. For reference the base
-F.linear takes ~0.7 ms (out=960) and ~3.5 ms (out=3072).
-
-    mix (active slots S, longest segment M)   out   per-token  padded-all  padded  grouped  runs
-    16 adapters x 2 tokens (16, 2)             960     1210        166        238     ~800     -
-                                              3072     3500        316        799     1178     -
-    8 adapters x 4 tokens (8, 4)               960     1210        228        226      520     -
-                                              3072     3515        474        434      723     -
-    one adapter (1, 32)                        960     1145          -        200      146    81
-                                              3072     3386          -        271      211   130
-    Zipf-skewed over 16 (10, 11)               960     1203          -        336      538     -
-                                              3072     3535          -       1016      755     -
-    half the tokens without adapter (2, 8)     960     1185          -        179      177     -
-                                              3072     3453          -        225      220     -
-
-"per-token" is the naive gather of each token's A and B followed by bmm (what these ops avoid).
-Per-op dispatch (~10-30 us for a small matmul) dominates, so: one adapter or contiguous runs ->
-"runs" (two matmuls per run on views, no gather); a few adapters -> "grouped" (gather once, two
-matmuls per slot, index_add back); many adapters with short segments -> "padded" (one bmm per
-matmul), over all slots when most are active (gathering the active slots' weights costs more than
-the empty rows). `LoRABatchMapping.build` picks with a cost model fitted to these numbers. With one
-thread the ranking is the same except that padded loses some ground (bmm is what threads help).
-bf16 is emulated on this CPU (every column 2-10x slower, per-token gather then competitive); the
-server picks fp32 on such CPUs. A batch with no adapter token never reaches these ops.
+`LoRABatchMapping`, whose layout (runs / grouped / padded, `layout.py`) was chosen once per step.
+Per-op dispatch (~10-30 us for a small matmul) dominates on CPU, hence one matmul per run, per slot
+or one bmm for all slots; the measurements behind the choice are in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -35,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraserve.lora.mapping import LoRABatchMapping, PaddedLayout
+from loraserve.lora.layout import LoRALayout, PaddedLayout
+from loraserve.lora.mapping import LoRABatchMapping
 
 
 def lora_shrink(
@@ -47,22 +24,23 @@ def lora_shrink(
     Shape: x [T, in]; a_stacked [L, R, in] (any strides); returns t [T, R] in x's dtype.
     """
     num_tokens, rank = x.shape[0], a_stacked.shape[1]
-    if mapping.layout == "padded":
-        assert mapping.padded is not None
-        pad = mapping.padded
+    plan = mapping.torch_plan
+    if plan.padded is not None:
+        pad = plan.padded
         tp = torch.bmm(_gather_padded(x, pad), _slot_weights(a_stacked, pad).transpose(1, 2))
         t = _scatter_padded(tp.reshape(-1, rank), pad)
     else:
         t = x.new_zeros(num_tokens, rank)
-        if mapping.layout == "runs":
-            for slot, start, end in mapping.runs:
+        if plan.layout is LoRALayout.RUNS:
+            for slot, start, end in plan.runs:
                 torch.mm(x[start:end], a_stacked[slot].t(), out=t[start:end])
         else:
-            xs = x.index_select(0, mapping.sorted_token_ids)
+            token_ids = mapping.segments.token_ids
+            xs = x.index_select(0, token_ids)
             ts = torch.empty(xs.shape[0], rank, dtype=x.dtype, device=x.device)
-            for slot, start, end in mapping.runs:
+            for slot, start, end in plan.runs:
                 torch.mm(xs[start:end], a_stacked[slot].t(), out=ts[start:end])
-            t.index_copy_(0, mapping.sorted_token_ids, ts)
+            t.index_copy_(0, token_ids, ts)
     if scale != 1.0:
         t.mul_(scale)
     return t
@@ -80,21 +58,22 @@ def lora_expand(
     """
     out_features = b_stacked.shape[1]
     target = y[:, offset : offset + out_features]
-    if mapping.layout == "padded":
-        assert mapping.padded is not None
-        pad = mapping.padded
+    plan = mapping.torch_plan
+    if plan.padded is not None:
+        pad = plan.padded
         tp = _gather_padded(t, pad)
         yp = torch.bmm(tp, _slot_weights(b_stacked, pad).transpose(1, 2))
         target.index_add_(0, pad.cell_tokens, _filled_rows(yp, pad))
-    elif mapping.layout == "runs":
-        for slot, start, end in mapping.runs:
+    elif plan.layout is LoRALayout.RUNS:
+        for slot, start, end in plan.runs:
             target[start:end].addmm_(t[start:end], b_stacked[slot].t())
     else:
-        ts = t.index_select(0, mapping.sorted_token_ids)
+        token_ids = mapping.segments.token_ids
+        ts = t.index_select(0, token_ids)
         ys = torch.empty(ts.shape[0], out_features, dtype=y.dtype, device=y.device)
-        for slot, start, end in mapping.runs:
+        for slot, start, end in plan.runs:
             torch.mm(ts[start:end], b_stacked[slot].t(), out=ys[start:end])
-        target.index_add_(0, mapping.sorted_token_ids, ys)
+        target.index_add_(0, token_ids, ys)
     return y
 
 
@@ -116,9 +95,9 @@ def add_lora(
     """
     out_features = b_stacked.shape[1]
     target = y[:, offset : offset + out_features]
-    if mapping.layout == "padded":
-        assert mapping.padded is not None
-        pad = mapping.padded
+    plan = mapping.torch_plan
+    if plan.padded is not None:
+        pad = plan.padded
         tp = torch.bmm(_gather_padded(x, pad), _slot_weights(a_stacked, pad).transpose(1, 2))
         b_t = _slot_weights(b_stacked, pad).transpose(1, 2)
         if pad.contiguous_start is not None:
@@ -130,15 +109,16 @@ def add_lora(
                 grid.add_(torch.bmm(tp, b_t).view(grid.shape))
         else:
             target.index_add_(0, pad.cell_tokens, _filled_rows(torch.bmm(tp, b_t), pad))
-    elif mapping.layout == "runs":
-        for slot, start, end in mapping.runs:
+    elif plan.layout is LoRALayout.RUNS:
+        for slot, start, end in plan.runs:
             target[start:end].addmm_(F.linear(x[start:end], a_stacked[slot]), b_stacked[slot].t())
     else:
-        xs = x.index_select(0, mapping.sorted_token_ids)
+        token_ids = mapping.segments.token_ids
+        xs = x.index_select(0, token_ids)
         ys = torch.empty(xs.shape[0], out_features, dtype=y.dtype, device=y.device)
-        for slot, start, end in mapping.runs:
+        for slot, start, end in plan.runs:
             torch.mm(F.linear(xs[start:end], a_stacked[slot]), b_stacked[slot].t(), out=ys[start:end])
-        target.index_add_(0, mapping.sorted_token_ids, ys)
+        target.index_add_(0, token_ids, ys)
     return y
 
 

@@ -1,7 +1,7 @@
 """Multi-LoRA shrink/expand as Triton kernels for CUDA, with the semantics of `torch_ops`.
 
-Tokens are visited grouped by slot through the step's `LoRABatchMapping` (`sorted_token_ids`,
-`seg_starts`, `seg_lens`, `active_slots_tensor`): the grid is (token blocks of the longest segment,
+Tokens are visited grouped by slot through the step's `LoRABatchMapping.segments` (token ids,
+slot, start and length of each segment): the grid is (token blocks of the longest segment,
 output blocks, active slots), each program loads one slot's weights once for a block of its tokens,
 so no weight matrix is gathered per token and no two programs write the same output element.
 Accumulation is fp32; fp32 inputs use IEEE products (no TF32) so results match the torch ops.
@@ -130,10 +130,10 @@ def _shrink(
     if not mapping.has_lora:
         return t
     block_r = _block_r(rank)
-    grid = (triton.cdiv(mapping.max_seg_len, _BLOCK_M), triton.cdiv(rank, block_r), len(mapping.active_slots))
+    seg = mapping.segments
+    grid = (triton.cdiv(seg.max_len, _BLOCK_M), triton.cdiv(rank, block_r), len(mapping.active_slots))
     _shrink_kernel[grid](
-        x, a_stacked, t, mapping.sorted_token_ids, mapping.seg_starts, mapping.seg_lens,
-        mapping.active_slots_tensor, x.shape[1], rank, float(scale),
+        x, a_stacked, t, seg.token_ids, seg.starts, seg.lens, seg.slots, x.shape[1], rank, float(scale),
         x.stride(0), x.stride(1), a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2),
         t.stride(0), t.stride(1),
         BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K, PRECISION=_precision(x.dtype),
@@ -149,10 +149,10 @@ def lora_expand(
     if not mapping.has_lora:
         return y
     out_features, rank = b_stacked.shape[1], b_stacked.shape[2]
-    grid = (triton.cdiv(mapping.max_seg_len, _BLOCK_M), triton.cdiv(out_features, _BLOCK_N), num_segments)
+    seg = mapping.segments
+    grid = (triton.cdiv(seg.max_len, _BLOCK_M), triton.cdiv(out_features, _BLOCK_N), num_segments)
     _expand_kernel[grid](
-        t, b_stacked, y, mapping.sorted_token_ids, mapping.seg_starts, mapping.seg_lens,
-        mapping.active_slots_tensor, out_features, rank, offset,
+        t, b_stacked, y, seg.token_ids, seg.starts, seg.lens, seg.slots, out_features, rank, offset,
         t.stride(0), t.stride(1), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_R=_block_r(rank), PRECISION=_precision(b_stacked.dtype),

@@ -1,28 +1,22 @@
-"""Writing adapters into slot buffers: every block of one activation in one kernel call.
+"""`BlockWriter`: many small block copies into slot buffers, batched into one C kernel call.
 
 Activating an adapter copies A and the transposed, scaled B of every LoRA module into the slot
 buffers, and zeroes what the slot's previous adapter left beyond the new ranks. As torch ops that is
 ~3 small ops per module (~600 for an all-7-projection adapter of a 30-layer model, ~20 ms on a small
-CPU); `SlotWriter` records them as (pointer, strides, shape) rows and runs them in one call of the C
+CPU); the writer records them as (pointer, strides, shape) rows and runs them in one call of the C
 kernel (`lora_write_blocks`), or falls back to the same torch ops for other dtypes and devices.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
 from loraserve.lora.ops import cpu_ops
 
-if TYPE_CHECKING:
-    from loraserve.lora.layers import LinearWithLoRA
-    from loraserve.lora.lora_model import LoRAModel
 
-
-class SlotWriter:
+class BlockWriter:
     """Collects block writes `dst[slot, rows, cols] = scale * src` (src None: zeros) until `flush`.
 
     dst buffers are [max_loras, rows, width] contiguous; src is [rows, cols], or [cols, rows] when
@@ -31,8 +25,8 @@ class SlotWriter:
     are written in parallel, in no set order.
     """
 
-    def __init__(self, use_kernel: bool | None = None) -> None:
-        self._use_kernel = (use_kernel is not False) and cpu_ops.write_kernel_available()
+    def __init__(self) -> None:
+        self._use_kernel = cpu_ops.write_kernel_available()
         self._records = array("q")
         self._scales = array("f")
         self._sources: list[torch.Tensor] = []
@@ -82,34 +76,3 @@ class SlotWriter:
         if self._scales:
             cpu_ops.write_blocks(self._records, self._scales)
         self._records, self._scales, self._sources = array("q"), array("f"), []
-
-
-def write_adapter(layers: Mapping[str, LinearWithLoRA], slot: int, lora_model: LoRAModel) -> None:
-    """Put an adapter in `slot` of every layer (layers it does not touch are cleared), in one batched
-    write. If a layer refuses its weights, the slot is left clean and free of any adapter and the
-    error propagates: the writes recorded so far are flushed first, so every layer's buffers match
-    the ranks it recorded and the clearing zeroes exactly what was written."""
-    writer = SlotWriter()
-    try:
-        try:
-            for name, layer in layers.items():
-                weights = lora_model.get_lora(name)
-                if weights is None:
-                    layer.reset_lora(slot, writer)
-                else:
-                    layer.set_lora(slot, weights, writer)
-        finally:
-            writer.flush()
-    except Exception:
-        clear_slot(layers, slot)
-        raise
-
-
-def clear_slot(layers: Mapping[str, LinearWithLoRA], slot: int) -> None:
-    """Zero what every layer holds in `slot`, in one batched write."""
-    writer = SlotWriter()
-    try:
-        for layer in layers.values():
-            layer.reset_lora(slot, writer)
-    finally:
-        writer.flush()

@@ -1,0 +1,62 @@
+"""Which modules of a model take LoRA: every `Linear` but the vocab projection, and the checkpoint
+names (q_proj, k_proj, ...) of the slices of its packed modules (qkv_proj, gate_up_proj)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from loraserve.layers.linear import Linear
+
+# Linear modules that never take LoRA: the vocab projection (served from the base model only).
+UNSUPPORTED_LEAF_NAMES = frozenset({"lm_head"})
+
+
+@dataclass(frozen=True)
+class LoRATargets:
+    """The LoRA-capable modules of a model.
+
+    modules:     full module name -> Linear (a LinearWithLoRA once wrapped).
+    sub_modules: checkpoint sub-module name -> (packed module name, slice index), e.g.
+                 "model.layers.0.self_attn.k_proj" -> ("model.layers.0.self_attn.qkv_proj", 1).
+    """
+
+    modules: dict[str, Linear]
+    sub_modules: dict[str, tuple[str, int]]
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> LoRATargets:
+        packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        modules = lora_target_modules(model)
+        sub_modules: dict[str, tuple[str, int]] = {}
+        for name, module in modules.items():
+            prefix, _, leaf = name.rpartition(".")
+            subs = packed.get(leaf)
+            if subs and len(subs) == len(module.output_sizes):
+                for i, sub in enumerate(subs):
+                    sub_modules[f"{prefix}.{sub}" if prefix else sub] = (name, i)
+        return cls(modules=modules, sub_modules=sub_modules)
+
+    def supported_leaf_names(self) -> list[str]:
+        """Module names an adapter may target (e.g. q_proj, v_proj, qkv_proj, down_proj)."""
+        names = {n.rpartition(".")[2] for n in self.modules} | {
+            n.rpartition(".")[2] for n in self.sub_modules
+        }
+        return sorted(names)
+
+    def locate(self, module_name: str) -> tuple[Linear, str | None, int]:
+        """(model layer, packed module name or None, output slice index) of an adapter module name."""
+        if module_name in self.modules:
+            return self.modules[module_name], None, 0
+        packed_name, index = self.sub_modules[module_name]
+        return self.modules[packed_name], packed_name, index
+
+
+def lora_target_modules(model: nn.Module) -> dict[str, Linear]:
+    """Every `Linear` of the model that can take LoRA, by full module name."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and name.rpartition(".")[2] not in UNSUPPORTED_LEAF_NAMES
+    }
