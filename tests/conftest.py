@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest_plugins = ["fake_server_fixtures"]
+pytest_plugins = ["support.fake_server_fixtures"]
 
 # The suite is hermetic: nothing may reach the Hugging Face Hub (PEFT, for one, looks base models up).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_server_harness import RunningServer
+from support.harness import RunningServer
 
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine

@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 
 import openai
-from fake_server_fixtures import expected_ids, sql_id
-from test_server_fake_engine import FakeEngine, hold_generation, release_generation
-from test_server_harness import RunningServer, wait_for
+from support.fake_engine import FakeEngine, hold_generation, release_generation
+from support.fake_server_fixtures import expected_ids, sql_id
+from support.harness import RunningServer, wait_for
 
 from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.entrypoints.openai.engine_client import EngineClient

@@ -1,7 +1,7 @@
 """Server test harness: a real uvicorn server on 127.0.0.1:<free port> in a background thread.
 
 `RunningServer(engine, options)` serves `build_app(engine, options)` with any `EngineClient` (the real
-AsyncLLMEngine, or test_server_fake_engine.FakeEngine).
+AsyncLLMEngine, or support.fake_engine.FakeEngine).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GGUF models: served like HF folders, equal to transformers on the same file, cached by content.
 
-Tiny GGUF files written with the `gguf` package stand in for real ones (tests/gguf_files.py);
-tests/test_real_model.py runs the real SmolLM2 file.
+Tiny GGUF files written with the `gguf` package stand in for real ones (tests/support/gguf_files.py);
+tests/models/test_real_model.py runs the real SmolLM2 file.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from gguf_files import write_tiny_llama_gguf
+from support.gguf_files import write_tiny_llama_gguf
 
 from loraserve import LLM, SamplingParams
 from loraserve.model_loader.gguf import GGUFError, find_gguf_file, gguf_folder

@@ -9,8 +9,8 @@ import threading
 
 import httpx
 import pytest
-from test_server_fake_engine import FakeEngine, write_adapter
-from test_server_harness import RunningServer, wait_for
+from support.fake_engine import FakeEngine, write_adapter
+from support.harness import RunningServer, wait_for
 
 from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.lora.request import LoRARequest

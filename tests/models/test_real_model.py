@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
-from test_server_harness import RunningServer
+from support.harness import RunningServer
 
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter

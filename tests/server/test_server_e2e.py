@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import torch
-from test_server_harness import RunningServer, wait_for
+from support.harness import RunningServer, wait_for
 
 from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from gguf_files import write_tiny_llama_gguf
+from support.gguf_files import write_tiny_llama_gguf
 
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.demo.training import TrainingPlan, encode, train_adapters

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import openai
 import pytest
-from test_server_fake_engine import FakeEngine, write_adapter
-from test_server_harness import RunningServer
 
 from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
 from loraserve.sampling_params import SamplingParams
+from support.fake_engine import FakeEngine, write_adapter
+from support.harness import RunningServer
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """General plugins: entry-point discovery, the LORASERVE_PLUGINS allowlist, failure isolation, once per
 process; and the resolver chain (filesystem, Hub, third-party plugin) behind a running server.
 
-tests/plugin_pkg is installed the way pip would leave it: its package on sys.path plus a .dist-info
+tests/support/plugin_pkg is installed the way pip would leave it: its package on sys.path plus a .dist-info
 folder holding the entry points from its pyproject.toml, which importlib.metadata discovers.
 """
 
@@ -13,15 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.fake_engine import FAKE_BASE_MODEL, FakeEngine, write_adapter
+from support.harness import RunningServer
 from test_resolvers import StandInHub, make_adapter
-from test_server_fake_engine import FAKE_BASE_MODEL, FakeEngine, write_adapter
-from test_server_harness import RunningServer
 
 from loraserve import plugins
 from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.lora.resolver import LoRAResolverRegistry
 
-PLUGIN_PKG = Path(__file__).parent / "plugin_pkg"
+PLUGIN_PKG = Path(__file__).parent.parent / "support" / "plugin_pkg"
 PLUGIN_ENV = (
     "PLUGINS",
     "LORA_RESOLVER_CACHE_DIR",
@@ -46,7 +46,7 @@ def _entry_points_txt(pyproject: Path) -> str:
 
 @pytest.fixture(scope="module")
 def test_plugin(tmp_path_factory: pytest.TempPathFactory):
-    """Install tests/plugin_pkg for this module; yields its imported module."""
+    """Install tests/support/plugin_pkg for this module; yields its imported module."""
     site = tmp_path_factory.mktemp("site")
     dist_info = site / "loraserve_test_plugin-0.1.0.dist-info"
     dist_info.mkdir()

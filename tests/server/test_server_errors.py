@@ -14,9 +14,9 @@ import threading
 import httpx
 import openai
 import pytest
-from fake_server_fixtures import expected_ids
-from test_server_fake_engine import FakeEngine, hold_generation, release_generation
-from test_server_harness import RunningServer, wait_for
+from support.fake_engine import FakeEngine, hold_generation, release_generation
+from support.fake_server_fixtures import expected_ids
+from support.harness import RunningServer, wait_for
 
 from loraserve.entrypoints.openai.api_server import ServerOptions
 

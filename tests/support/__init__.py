@@ -1,0 +1,1 @@
+"""Test support: the fake engine, the live-server harness, shared fixtures and file builders."""
