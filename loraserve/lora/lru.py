@@ -7,6 +7,7 @@ passed as `keep` and never chosen for eviction. Not thread-safe: the owner holds
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable
 from typing import Generic, TypeVar
@@ -27,7 +28,9 @@ class LRUCache(Generic[K, V]):
         if capacity < 1:
             raise ValueError(f"an LRU cache needs a capacity >= 1, got {capacity}")
         self.capacity = capacity
-        self._on_evict = on_evict
+        # The hook is usually the owner's own method: held weakly, so owner -> cache -> owner is no
+        # reference cycle, and a dropped owner (with every adapter it holds) is freed at once.
+        self._on_evict = _weak_callable(on_evict)
         self._entries: OrderedDict[K, V] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
@@ -66,8 +69,9 @@ class LRUCache(Generic[K, V]):
     def evict(self, key: K) -> V:
         """Remove `key` as an eviction: the hook runs."""
         value = self._entries.pop(key)
-        if self._on_evict is not None:
-            self._on_evict(key, value)
+        hook = self._on_evict()
+        if hook is not None:
+            hook(key, value)
         return value
 
     def make_room(self, keep: Container[K]) -> None:
@@ -91,3 +95,10 @@ class LRUCache(Generic[K, V]):
     def pop(self, key: K) -> V | None:
         """Remove `key` without running the hook; None when absent."""
         return self._entries.pop(key, None)
+
+
+def _weak_callable(fn: Callable[[K, V], None] | None) -> Callable[[], Callable[[K, V], None] | None]:
+    """A getter for `fn`: a bound method through a weak reference, anything else as is."""
+    if fn is not None and hasattr(fn, "__self__"):
+        return weakref.WeakMethod(fn)  # type: ignore[arg-type]
+    return lambda: fn

@@ -17,6 +17,7 @@ import concurrent.futures
 import threading
 from collections.abc import Collection
 from dataclasses import asdict
+from functools import partial
 
 import torch
 from torch import nn
@@ -37,12 +38,14 @@ class LoRAManager:
         self, model: nn.Module, lora_config: LoRAConfig, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         self.lora_config = lora_config
-        self._model = model
         self._lora_dtype = lora_config.lora_dtype or dtype
         self._lock = threading.RLock()
         self._registry = AdapterRegistry()
         self._slots = SlotTable(wrap_model_for_lora(model, lora_config), lora_config.max_loras)
-        self._host = HostCache(lora_config.cpu_capacity, self._read, self._lock, self._slots.release)
+        # No bound method of the manager goes into its parts: a cycle would keep every cached adapter
+        # alive after the engine is dropped, until a garbage-collector pass (seconds of freeing GBs).
+        read = partial(read_adapter, model, lora_config, self._lora_dtype)
+        self._host = HostCache(lora_config.cpu_capacity, read, self._lock, self._slots.release)
         self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
 
     # ---- registration (engine thread) -----------------------------------------------------------
@@ -210,15 +213,6 @@ class LoRAManager:
         with self._lock:
             return self._slots.slot_of(lora_id)
 
-    def _read(self, lora_request: LoRARequest) -> LoRAModel:
-        config = self.lora_config
-        helper = PEFTHelper.from_local_dir(
-            lora_request.lora_path, lora_request.lora_name, config.max_lora_rank, config.enable_lora_bias
-        )
-        return LoRAModel.from_local_checkpoint(
-            lora_request.lora_path, lora_request, helper, self._model, self._lora_dtype, "cpu"
-        )
-
     def _admit(self, lora_model: LoRAModel) -> None:
         """Upload a freshly loaded adapter to a free slot now, on the loading thread (while its digest
         is still being hashed on others), so that its first step finds it in place."""
@@ -240,3 +234,13 @@ class LoRAManager:
             out["lora_num_pinned"] = len(self._slots.pinned_ids)
             out["lora_load_seconds"] = self._host.drain_latencies()
             return out
+
+
+def read_adapter(
+    model: nn.Module, lora_config: LoRAConfig, lora_dtype: torch.dtype, lora_request: LoRARequest
+) -> LoRAModel:
+    """Read and validate the adapter of `lora_request` for `model` (host memory, `lora_dtype`)."""
+    helper = PEFTHelper.from_local_dir(
+        lora_request.lora_path, lora_request.lora_name, lora_config.max_lora_rank, lora_config.enable_lora_bias
+    )
+    return LoRAModel.from_local_checkpoint(lora_request.lora_path, lora_request, helper, model, lora_dtype, "cpu")

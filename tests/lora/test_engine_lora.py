@@ -192,3 +192,28 @@ def test_bad_adapters_fail_alone(tiny_model: Any, llama_adapters: dict[str, str]
         out = llm.generate("hello", params, lora_request=LoRARequest("good", 1, good), use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 3
     assert [r.lora_name for r in llm.list_loras()] == ["good"]
+
+
+def test_a_dropped_engine_frees_its_adapters_at_once(tiny_model: Any, llama_adapters: dict[str, str]) -> None:
+    """No reference cycle holds the adapters: dropping the engine frees them without a collector pass."""
+    import gc
+
+    from loraserve.lora.lora_model import LoRAModel
+
+    def num_live_adapters() -> int:
+        return sum(isinstance(obj, LoRAModel) for obj in gc.get_objects())
+
+    names = ["all7_r8", "qv_rslora_r4", "up_only_r16"]
+    gc.collect()
+    gc.disable()
+    try:
+        before = num_live_adapters()
+        # One slot and two host entries: both tiers evict (their hooks run) while the three take turns.
+        llm = LLM(tiny_model("llama"), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2)
+        loras = [LoRARequest(name, i + 1, llama_adapters[name]) for i, name in enumerate(names)]
+        llm.generate(_prompts(3), SamplingParams(max_tokens=2), lora_request=loras, use_tqdm=False)
+        assert num_live_adapters() > before
+        del llm
+        assert num_live_adapters() == before
+    finally:
+        gc.enable()
