@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 from support.harness import RunningServer
+from support.oracles import assert_matches_peft
 
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter
@@ -89,21 +90,9 @@ def chat_ids(tokenizer: Any, question: str) -> list[int]:
 
 def assert_teacher_forced(oracle: dict[str, Any], adapter: str | None, prompt: list[int], output: Any) -> None:
     """Each token is the oracle's argmax for its prefix and its logprob is the oracle's."""
-    model = oracle["model"]
     tokens = list(output.token_ids)
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        if adapter is None:
-            with model.disable_adapter():
-                logits = model(ids).logits[0]
-        else:
-            model.set_adapter(adapter)
-            logits = model(ids).logits[0]
-    reference = torch.log_softmax(logits.float(), -1)
-    for i, (token, logprobs) in enumerate(zip(tokens, output.logprobs, strict=True)):
-        row = reference[len(prompt) - 1 + i]
-        assert row[token] >= row.max() - TOL, f"{adapter}: token {i} is not the oracle's argmax"
-        assert abs(row[token].item() - logprobs[token].logprob) < TOL, f"{adapter}: logprob {i} differs"
+    logprobs = [entry[token].logprob for token, entry in zip(tokens, output.logprobs, strict=True)]
+    assert_matches_peft(oracle["model"], adapter, prompt, tokens, logprobs, TOL)
 
 
 def test_chat_answers_equal_transformers(llm: LLM, oracle: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 from support.harness import RunningServer, wait_for
+from support.oracles import assert_matches_peft
 
 from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
@@ -89,19 +90,7 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory):
 def check_against_peft(oracle: Any, adapter: str | None, prompt: list[int], logprobs: Any) -> list[int]:
     """Assert greedy tokens and logprobs equal PEFT's under teacher forcing; return the token ids."""
     tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        if adapter is None:
-            with oracle.disable_adapter():
-                logits = oracle(ids).logits[0]
-        else:
-            oracle.set_adapter(adapter)
-            logits = oracle(ids).logits[0]
-    ref = torch.log_softmax(logits.float(), -1)
-    for i, (token, logprob) in enumerate(zip(tokens, logprobs.token_logprobs, strict=True)):
-        row = ref[len(prompt) - 1 + i]
-        assert row[token] >= row.max() - TOL, f"{adapter}: token {i} is not PEFT's argmax"
-        assert abs(row[token].item() - logprob) < TOL, f"{adapter}: logprob {i} differs from PEFT"
+    assert_matches_peft(oracle, adapter, prompt, tokens, list(logprobs.token_logprobs), TOL)
     return tokens
 
 
