@@ -2,8 +2,10 @@
 
 The forward pass blocks for a whole step, so it runs on its own thread; the event loop only enqueues
 commands (add, abort, adapter changes) and receives outputs. Every command carries a Future, so
-validation errors surface in the caller's coroutine. If a step raises, every request fails with the
-error, the engine is marked dead and /health reports it.
+validation errors surface in the caller's coroutine. A step that raises fails only its own requests
+(`LLMEngine.step` drops them and returns their error outputs); only when the engine cannot continue
+(StepFailureLimitError, or anything else escaping `step`) does every request fail, the engine is
+marked dead and /health reports it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.step_failures import StepFailureLimitError
 from loraserve.errors import EngineDeadError
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -87,7 +90,11 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except BaseException as exc:  # a crash in the forward pass fails every running request
+            except StepFailureLimitError as exc:  # the failed step is logged with its traceback already
+                logger.error("The engine cannot continue, failing all requests: %s", exc)
+                self._die(exc)
+                continue
+            except BaseException as exc:  # an escape from the step's own recovery: nothing is trusted
                 logger.exception("Engine step failed; failing all running requests")
                 self._die(exc)
                 continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from loraserve.engine.sequence import Sequence
@@ -120,6 +121,24 @@ class BlockManager:
                 else:
                     self.free_ids.append(block)
         self.seq_hashes.pop(seq.seq_id, None)
+
+    def check_consistency(self, block_tables: Iterable[list[int]]) -> str | None:
+        """What is wrong with the bookkeeping, given the block ids every live sequence holds; None if
+        each block is exactly one of free, evictable (cached, unused) or referenced as often as held."""
+        held = [0] * self.num_blocks
+        for table in block_tables:
+            for block in table:
+                held[block] += 1
+        if held != self.ref_counts:
+            wrong = [b for b in range(self.num_blocks) if held[b] != self.ref_counts[b]]
+            return f"reference counts disagree with the sequences' block tables for blocks {wrong[:8]}"
+        free, evictable = set(self.free_ids), set(self.evictable)
+        unused = {b for b in range(self.num_blocks) if held[b] == 0}
+        if len(free) != len(self.free_ids) or free & evictable or free | evictable != unused:
+            return "free and evictable blocks are not exactly the unreferenced ones"
+        if not evictable <= self.hash_of.keys():
+            return "an evictable block is not in the prefix cache"
+        return None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no sequence uses (e.g. after an adapter is replaced)."""

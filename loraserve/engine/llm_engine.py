@@ -23,6 +23,7 @@ from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from loraserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from loraserve.engine.sequence import Request, Sequence
+from loraserve.engine.step_failures import StepFailures, request_error
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.errors import LoRAAdapterError
 from loraserve.outputs import RequestOutput
@@ -72,6 +73,7 @@ class LLMEngine:
         self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.step_failures = StepFailures()
         self._seq_counter = itertools.count()
         logger.info(
             "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",
@@ -176,53 +178,78 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one batch. If it raises, its requests fail and the engine goes on (`_fail_step`);
+        StepFailureLimitError when it cannot."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        result, outputs = self._execute(batch)
-        if result is None:
-            return outputs
-        sampled = self.outputs.process(result, self._sample(result))
-        self.scheduler.update(batch.scheduled, sampled)
-        outputs += self._request_outputs(sampled)
+        outputs: list[RequestOutput] = []
+        try:
+            self._run(batch, outputs)
+        except Exception as exc:
+            outputs += self._fail_step(batch, exc)
+        else:
+            self.step_failures.succeeded()
         self._finish_lora_removals()
         return outputs
 
-    def _execute(self, batch: SchedulerOutput) -> tuple[StepResult | None, list[RequestOutput]]:
+    def _run(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        result = self._execute(batch, outputs)
+        if result is not None:
+            sampled = self.outputs.process(result, self._sample(result))
+            self.scheduler.update(batch.scheduled, sampled)
+            outputs += self._request_outputs(sampled)
+
+    def _execute(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> StepResult | None:
         """Activate the batch's adapters and run the model; None when nothing is left to run.
 
-        Requests whose adapter could not be reloaded fail here and leave the batch; their outputs
-        come back with the result.
+        Requests whose adapter could not be reloaded fail here and leave the batch; their outputs go
+        to `outputs` at once, so they are delivered even if the forward pass then raises.
         """
         lora_slots = None
-        failed_outputs: list[RequestOutput] = []
-        if self.lora is not None:
-            ids = {s.seq.lora_id for s in batch.scheduled if s.seq.lora_id}
-            lora_slots, failed = self.lora.prepare_step(ids)
-            if failed:
-                failed_outputs = self._fail_adapter_requests(failed)
-                batch.scheduled = [s for s in batch.scheduled if s.seq.lora_id not in failed]
         try:
-            result = self.runner.execute(batch.scheduled, lora_slots) if batch.scheduled else None
+            if self.lora is not None:
+                lora_slots, failed = self.lora.prepare_step({s.seq.lora_id for s in batch.scheduled if s.seq.lora_id})
+                for request in list(self.requests.values()):  # only the failed adapters' requests fail
+                    error = failed.get(request.lora_request.lora_id) if request.lora_request else None
+                    if error is not None:
+                        outputs += self._fail_requests([request], str(error), "abort")
+                batch.scheduled = [s for s in batch.scheduled if s.seq.lora_id not in failed]
+            return self.runner.execute(batch.scheduled, lora_slots) if batch.scheduled else None
         finally:
             if self.lora is not None:
-                self.lora.end_step()
-        return result, failed_outputs
+                self.lora.end_step()  # also after a failed step: no adapter stays marked in use
 
-    def _fail_adapter_requests(self, failed: dict[int, Exception]) -> list[RequestOutput]:
-        """An adapter that could not be reloaded fails its own requests and nothing else."""
+    def _fail_step(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The batch raised: fail exactly its requests, then check that the queues, KV blocks and
+        adapter slots are whole again; StepFailureLimitError if not, or after too many in a row."""
+        requests = list(dict.fromkeys(item.seq.request for item in batch.scheduled))
+        logger.error("Engine step failed; failing its %d request(s), the others go on", len(requests), exc_info=exc)
+        outputs = self._fail_requests(requests, request_error(exc), "error")
+        self.step_failures.failed(exc, self.check_consistency())
+        return outputs
+
+    def _fail_requests(self, requests: list[Request], error: str, reason: str) -> list[RequestOutput]:
+        """End `requests` with `error`: their sequences finish (KV blocks freed), they leave the table
+        (so no adapter counts them as in use) and their final outputs carry the error."""
         outputs = []
-        for request in list(self.requests.values()):
-            error = failed.get(request.lora_request.lora_id) if request.lora_request else None
-            if error is None:
-                continue
-            request.error = str(error)
+        for request in requests:
+            request.error = error
             for seq in request.seqs:
                 if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
+                    self.scheduler.finish(seq, reason)
+            self.requests.pop(request.request_id, None)
             outputs.append(self.outputs.build_output(request))
-            del self.requests[request.request_id]
         return outputs
+
+    def check_consistency(self) -> str | None:
+        """What is wrong with the engine's bookkeeping (queues vs requests, KV blocks, adapter slots);
+        None if it is sound."""
+        unfinished = [seq for r in self.requests.values() for seq in r.seqs if not seq.is_finished]
+        problem = self.scheduler.check_consistency(unfinished)
+        if problem is None and self.lora is not None:
+            problem = self.lora.check_consistency()
+        return problem
 
     def _sample(self, result: StepResult) -> SamplerOutput:
         if not result.sample_seqs:  # only prefill chunks ran: there is no row to sample
@@ -302,6 +329,7 @@ class LLMEngine:
             "running_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in running)),
             "waiting_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in waiting)),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_step_failures": self.step_failures.total,
             "prefix_cache_queries": self.block_manager.num_prefix_queries,
             "prefix_cache_hits": self.block_manager.num_prefix_hits,
             "kv_blocks_free": self.block_manager.num_free_blocks,

@@ -3,7 +3,8 @@ each, and what the step did to them.
 
 The scheduler is the only writer of a `Sequence`. `schedule()` admits, chunks and preempts;
 `update()` applies a finished step (computed tokens, committed prefix blocks, sampled tokens, finished
-sequences freed), as nano-vllm's `postprocess`; `finish()` ends one early (abort, failed adapter).
+sequences freed), as nano-vllm's `postprocess`; `finish()` ends one early (abort, failed adapter,
+failed step); `check_consistency()` cross-checks its queues against the block manager.
 
 One token budget per step (`max_num_batched_tokens`) is shared by decodes and (chunked) prefills.
 Running sequences go first, in arrival order; when KV blocks run out the latest-arrived running
@@ -105,6 +106,22 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
+
+    def check_consistency(self, unfinished: list[Sequence]) -> str | None:
+        """What is wrong with the queues or the KV blocks they hold, given the engine's unfinished
+        sequences; None if all is consistent."""
+        for seq in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
+                return f"sequence {seq.seq_id} is in the running queue with status {seq.status.name}"
+        for seq in self.waiting:
+            if seq.status is not SequenceStatus.WAITING:
+                return f"sequence {seq.seq_id} is in the waiting queue with status {seq.status.name}"
+        live = [*self.running, *self.waiting]
+        if len({seq.seq_id for seq in live}) != len(live):
+            return "a sequence is queued twice"
+        if {seq.seq_id for seq in live} != {seq.seq_id for seq in unfinished}:
+            return "the queued sequences are not the unfinished sequences of the engine's requests"
+        return self.blocks.check_consistency(seq.block_ids for seq in live)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

@@ -172,6 +172,13 @@ class LoRAManager:
         with self._lock:
             self._in_use = frozenset()
 
+    def check_consistency(self) -> str | None:
+        """What is wrong with the slot bookkeeping between steps; None if it is consistent."""
+        with self._lock:
+            if self._in_use:
+                return f"LoRA adapters {sorted(self._in_use)} are still marked in use after the step"
+            return self._slots.check_consistency()
+
     def activate(self, lora_ids: set[int]) -> dict[int, int]:
         """Put every adapter of a step in a slot; id -> slot. Never evicts an adapter of the step or
         a pinned one; refreshes both LRU orders."""

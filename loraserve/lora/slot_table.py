@@ -50,6 +50,18 @@ class SlotTable:
     def slot_of(self, lora_id: int) -> int | None:
         return self._slots.peek(lora_id)
 
+    def check_consistency(self) -> str | None:
+        """What is wrong with the slot bookkeeping; None if every slot is either free or held by one
+        adapter and every pinned adapter holds one."""
+        used = [slot for _, slot in self._slots.items()]
+        if len(set(used)) != len(used) or set(used) & self._free:
+            return f"LoRA slots are held twice or both held and free: held {sorted(used)}, free {sorted(self._free)}"
+        if set(used) | self._free != set(range(self.max_loras)):
+            return f"LoRA slots are lost: held {sorted(used)}, free {sorted(self._free)}"
+        if not self._pinned <= set(self._slots.keys()):
+            return "a pinned LoRA adapter holds no slot"
+        return None
+
     def can_fit(self, lora_ids: Collection[int]) -> bool:
         """Whether `lora_ids` can all hold a slot at once (slots pinned by others stay taken)."""
         pinned_elsewhere = len(self._pinned.difference(lora_ids))

@@ -1,4 +1,4 @@
-"""AsyncLLMEngine lifecycle on a real tiny model: crashes, aborts, unloads, pinning, shutdown."""
+"""AsyncLLMEngine lifecycle on a real tiny model: failed steps, crashes, aborts, unloads, pinning, shutdown."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.engine.step_failures import MAX_CONSECUTIVE_STEP_FAILURES
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.errors import EngineDeadError, LoRAAdapterNotFoundError
 from loraserve.lora.request import LoRARequest
@@ -41,7 +42,31 @@ async def _collect(engine: AsyncLLMEngine, request_id: str, max_tokens: int = 6,
     return last
 
 
-def test_crash_fails_everything_and_later_calls(tiny_model: Any) -> None:
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model: Any) -> None:
+    async def main() -> None:
+        engine = _engine(tiny_model("llama"))
+        await engine.start()
+        runner, execute = engine.engine.runner, engine.engine.runner.execute
+        armed = [True]
+
+        def broken_once(*args: Any, **kwargs: Any) -> Any:
+            if armed[0]:
+                armed[0] = False
+                raise RuntimeError("boom")
+            return execute(*args, **kwargs)
+
+        runner.execute = broken_once  # type: ignore[method-assign]
+        failed = await _collect(engine, "failed")
+        assert failed.finished and "RuntimeError: boom" in failed.error
+        assert engine.is_healthy() and engine.stats()["num_step_failures"] == 1
+        ok = await _collect(engine, "ok")
+        assert ok.error is None and len(ok.outputs[0].token_ids) == 6
+        await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_consecutive_failed_steps_kill_the_engine(tiny_model: Any) -> None:
     async def main() -> None:
         engine = _engine(tiny_model("llama"))
         await engine.start()
@@ -51,8 +76,11 @@ def test_crash_fails_everything_and_later_calls(tiny_model: Any) -> None:
             raise RuntimeError("boom")
 
         runner.execute = broken  # type: ignore[method-assign]
-        results = await asyncio.gather(*[_collect(engine, f"r{i}") for i in range(5)], return_exceptions=True)
-        assert all(isinstance(r, EngineDeadError) for r in results)
+        for i in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):  # one request per step, one step after another
+            assert "boom" in (await _collect(engine, f"r{i}")).error
+            assert engine.is_healthy()
+        with pytest.raises(EngineDeadError, match="consecutive"):
+            await _collect(engine, "last")
         assert not engine.is_healthy()
         with pytest.raises(EngineDeadError):
             await _collect(engine, "late")

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import fields
 from typing import Any
@@ -290,3 +291,27 @@ def test_serve_process(tiny_model: Any, tmp_path) -> None:
         output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
     assert "sql (" in output and "Serving on http://127.0.0.1" in output and "Traceback" not in output
+
+
+def test_a_dead_engine_ends_the_process_with_status_1(
+    tokenizer: Any, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`loraserve serve` exits non-zero once its engine is dead, so that a supervisor restarts it."""
+    from support.fake_engine import FakeEngine
+
+    from loraserve.engine.async_engine import AsyncLLMEngine
+    from loraserve.entrypoints.openai import launcher
+
+    engine = FakeEngine(tokenizer)
+    engine.kill(RuntimeError("CUDA error: illegal memory access"))  # the engine dies while serving
+    monkeypatch.setattr(AsyncLLMEngine, "from_engine_args", classmethod(lambda cls, args: engine))
+    monkeypatch.setattr(launcher, "configure_logging", lambda: None)
+    monkeypatch.setenv("LORASERVE_PLUGINS", "")
+    args = parse_serve_args(["some-model", "--host", "127.0.0.1", "--port", "0"])
+    status: list[int] = []
+    serving = threading.Thread(target=lambda: status.append(launcher.serve_main(args, "loraserve serve")), daemon=True)
+    serving.start()
+    serving.join(30)  # a server that outlives its engine would still be serving here
+    assert status == [1]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "EngineDeadError" in err[0] and "CUDA error" in err[0]

@@ -15,14 +15,16 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
 from loraserve import envs
 from loraserve.entrypoints.openai.api_server import ServerOptions, build_app
 from loraserve.entrypoints.openai.cli_args import parse_serve_args
+from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from loraserve.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from loraserve.engine.async_engine import AsyncLLMEngine
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("loraserve.server")
 # How long SIGTERM waits for running requests before closing their connections.
 GRACEFUL_SHUTDOWN_S = 30
+# How often the server checks that its engine is alive (a dead one makes the process exit 1).
+ENGINE_WATCH_INTERVAL_S = 1.0
 
 
 def use_demo_model(args: argparse.Namespace) -> None:
@@ -90,8 +94,12 @@ def _graceful_server_class() -> type:
     return GracefulServer
 
 
-async def serve_app(app: FastAPI, sock: socket.socket) -> None:
-    """Serve `app` on an already bound socket until SIGINT/SIGTERM; running requests get time to finish."""
+async def serve_app(app: FastAPI, sock: socket.socket, engine: EngineClient | None = None) -> None:
+    """Serve `app` on an already bound socket until SIGINT/SIGTERM; running requests get time to finish.
+
+    With `engine`, serving also stops when the engine dies, and EngineDeadError is raised then: a dead
+    engine never recovers, and a process that stays up answering 500 is never restarted by a supervisor.
+    """
     import uvicorn
 
     config = uvicorn.Config(
@@ -100,7 +108,23 @@ async def serve_app(app: FastAPI, sock: socket.socket) -> None:
         log_level=envs.logging_level().lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    await _graceful_server_class()(config).serve(sockets=[sock])
+    server = _graceful_server_class()(config)
+    watchdog = asyncio.create_task(stop_when_dead(engine, server)) if engine is not None else None
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+    if engine is not None and engine.errored:
+        raise EngineDeadError(f"the engine died ({engine.dead_error}); exiting so that a supervisor restarts it")
+
+
+async def stop_when_dead(engine: EngineClient, server: Any, interval: float = ENGINE_WATCH_INTERVAL_S) -> None:
+    """Ask uvicorn to shut down once the engine is dead (polled: the engine has no death callback)."""
+    while not engine.errored:
+        await asyncio.sleep(interval)
+    logger.error("The engine is dead (%s); shutting the server down.", engine.dead_error)
+    server.should_exit = True
 
 
 async def run_server(args: argparse.Namespace) -> None:
@@ -126,7 +150,7 @@ async def run_server(args: argparse.Namespace) -> None:
             )
             app = await build_app(engine, options)
             _log_startup(app, engine, args, sock)
-            await serve_app(app, sock)
+            await serve_app(app, sock, engine)
         finally:
             await engine.shutdown()
     finally:
@@ -183,7 +207,8 @@ def one_line(exc: BaseException) -> str:
 
 
 def serve_main(args: argparse.Namespace, prog: str) -> int:
-    """Run the server for parsed flags; any startup failure is one line on stderr and exit status 1."""
+    """Run the server for parsed flags; a startup failure or a dead engine is one line on stderr and
+    exit status 1."""
     configure_logging()
     try:
         asyncio.run(run_server(args))

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server: request and token counters, latency histograms, engine gauges.
 
 Each server owns its own CollectorRegistry, so several servers (tests) can live in one process. The
-engine's `stats()` is read once per scrape: numbers become gauges, `{adapter: count}` maps become gauges
+engine's `stats()` is read once per scrape: numbers become gauges (counters for the monotonic keys in
+`_COUNTERS`, exported with Prometheus' `_total` suffix), `{adapter: count}` maps become gauges
 labelled `lora_name` ("" is the base model), and lists are new observations (seconds, e.g. adapter load
 latencies drained since the previous call) added to a histogram of the same name.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ _RENAMED = {
     "running_by_adapter": "num_requests_running_by_lora",
     "waiting_by_adapter": "num_requests_waiting_by_lora",
 }
+# Engine stats keys that only ever grow: exported as counters, so rate() and alerts work on them.
+_COUNTERS = {"num_step_failures": "Engine steps that raised; their requests failed, the engine went on."}
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -36,7 +39,7 @@ def _metric_name(key: str) -> str:
 
 
 class _SnapshotCollector(Collector):
-    """The numeric and per-adapter entries of the latest engine stats snapshot, as gauges."""
+    """The numeric and per-adapter entries of the latest engine stats snapshot, as gauges (counters)."""
 
     def __init__(self) -> None:
         self.snapshot: dict[str, Any] = {}
@@ -44,7 +47,9 @@ class _SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         for key, value in sorted(self.snapshot.items()):
             name = _metric_name(key)
-            if isinstance(value, (bool, int, float)):
+            if key in _COUNTERS and isinstance(value, (int, float)):
+                yield CounterMetricFamily(name, _COUNTERS[key], value=float(value))
+            elif isinstance(value, (bool, int, float)):
                 yield GaugeMetricFamily(name, f"Engine stat {key}.", value=float(value))
             elif isinstance(value, dict):
                 family = GaugeMetricFamily(name, f"Engine stat {key}, per adapter.", labels=["lora_name"])
