@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any, NoReturn
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
 
 CONFIG_NAME = "adapter_config.json"
+MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KB
 
 # LoraConfig fields that change what the adapter computes; any non-default value is refused.
 _UNSUPPORTED_FIELDS: dict[str, str] = {
@@ -73,19 +76,7 @@ class PEFTHelper:
             raise LoRAAdapterNotFoundError(
                 f"LoRA adapter '{lora_name}' not found: {str(path)!r} is not a directory"
             )
-        config_file = folder / CONFIG_NAME
-        if not config_file.is_file():
-            raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} not found in {str(path)!r}")
-        try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise LoRAAdapterError(
-                f"LoRA adapter '{lora_name}': {CONFIG_NAME} is not valid JSON ({e})"
-            ) from None
-        except OSError as e:
-            raise LoRAAdapterError(
-                f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})"
-            ) from None
+        config = read_adapter_config(folder, lora_name)
         return cls.from_dict(config, lora_name, max_lora_rank, enable_lora_bias)
 
     @classmethod
@@ -288,3 +279,29 @@ class _Validator:
                 self.fail(field, f"value for {key!r} must be {kind}, got {item!r}")
             parsed[key] = int(item) if is_rank else float(item)
         return parsed
+
+
+def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
+    """The parsed `folder/adapter_config.json`: a regular file of at most MAX_CONFIG_BYTES, else a
+    LoRAAdapterError. Opened non-blocking and checked on the open descriptor, so a FIFO, a device
+    (`/dev/zero`) or a huge file swapped in can neither block the caller nor exhaust memory."""
+    config_file = os.path.join(folder, CONFIG_NAME)
+    try:
+        fd = os.open(config_file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} not found in {str(folder)!r}") from None
+    except OSError as e:
+        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} is not a regular file")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise LoRAAdapterError(
+            f"LoRA adapter '{lora_name}': {CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes"
+        )
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} is not valid JSON ({e})") from None

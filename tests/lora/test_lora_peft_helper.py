@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.adapter_files import unsafe_configs
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
 from loraserve.lora.peft_helper import PEFTHelper
@@ -101,6 +102,12 @@ def test_missing_or_broken_files(tmp_path: Path) -> None:
         PEFTHelper.from_local_dir(_write(tmp_path / "j", "{r: 8,"), "j", max_lora_rank=16)
     with pytest.raises(LoRAAdapterError, match="JSON object"):
         PEFTHelper.from_local_dir(_write(tmp_path / "l", "[1, 2]"), "l", max_lora_rank=16)
+
+
+def test_config_files_that_are_not_small_regular_files_are_refused(tmp_path: Path) -> None:
+    for name, (folder, why) in unsafe_configs(tmp_path).items():
+        with pytest.raises(LoRAAdapterError, match=why):
+            PEFTHelper.from_local_dir(folder, name, max_lora_rank=16)
 
 
 def test_rslora_scaling(tmp_path: Path) -> None:

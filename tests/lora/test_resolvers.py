@@ -10,6 +10,7 @@ import os
 import shutil
 
 import pytest
+from support.adapter_files import unsafe_configs
 
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
@@ -95,6 +96,12 @@ def test_filesystem_resolver_rejects_bad_configs(tmp_path, config: str) -> None:
     os.makedirs(tmp_path / "bad")
     (tmp_path / "bad" / "adapter_config.json").write_text(config)
     assert resolve(FilesystemResolver(str(tmp_path)), "bad") is None
+
+
+def test_filesystem_resolver_skips_unsafe_config_files(tmp_path) -> None:
+    resolver = FilesystemResolver(str(tmp_path))
+    for name in unsafe_configs(tmp_path):
+        assert resolve(resolver, name) is None
 
 
 def test_filesystem_resolver_names_stay_inside(tmp_path) -> None:

@@ -7,11 +7,13 @@ symlinks pointing outside it resolve to nothing.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import os
 
 from loraserve import envs
+from loraserve.errors import LoRAAdapterError
+from loraserve.lora.peft_helper import read_adapter_config
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
@@ -36,14 +38,13 @@ def path_inside(root: str, name: str) -> str | None:
     return candidate
 
 
-def read_adapter_config(lora_path: str) -> dict | None:
-    """The parsed adapter_config.json in `lora_path`, or None when missing or not a JSON object."""
-    config_file = os.path.join(lora_path, "adapter_config.json")
+def usable_adapter_config(lora_name: str, lora_path: str) -> dict | None:
+    """The parsed adapter_config.json in `lora_path`, or None when missing, unsafe to read (not a
+    regular file, too large) or not a JSON object."""
     try:
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        logger.info("No usable adapter_config.json at %s: %s", config_file, exc)
+        config = read_adapter_config(lora_path, lora_name)
+    except LoRAAdapterError as exc:
+        logger.info("Adapter %r skipped: %s", lora_name, exc)
         return None
     return config if isinstance(config, dict) else None
 
@@ -52,7 +53,7 @@ def lora_request_from_path(lora_name: str, lora_path: str, base_model_name: str)
     """A LoRARequest for a PEFT LoRA adapter at `lora_path` made for `base_model_name`; else None."""
     if not os.path.isdir(lora_path):
         return None
-    config = read_adapter_config(lora_path)
+    config = usable_adapter_config(lora_name, lora_path)
     if config is None:
         return None
     if config.get("peft_type") != "LORA":
@@ -85,7 +86,8 @@ class FilesystemResolver(LoRAResolver):
         if lora_path is None:
             logger.info("Adapter name %r does not name a folder inside the resolver directory.", lora_name)
             return None
-        return lora_request_from_path(lora_name, lora_path, base_model_name)
+        # File system work leaves the event loop: a slow disk must not stall every other request.
+        return await asyncio.to_thread(lora_request_from_path, lora_name, lora_path, base_model_name)
 
 
 def register_filesystem_resolver() -> None:

@@ -69,7 +69,7 @@ class HfHubResolver(LoRAResolver):
         lora_path = path_inside(local_root, subpath) if subpath else local_root
         if lora_path is None:
             return None
-        return lora_request_from_path(lora_name, lora_path, base_model_name)
+        return await asyncio.to_thread(lora_request_from_path, lora_name, lora_path, base_model_name)
 
     def _download_if_adapter(self, repo_id: str, subpath: str) -> str | None:
         config_file = posixpath.join(subpath, "adapter_config.json") if subpath else "adapter_config.json"
