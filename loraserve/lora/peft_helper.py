@@ -293,10 +293,12 @@ def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
     except OSError as e:
         raise LoRAAdapterError(f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})") from None
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} is not a regular file")
-        data = f.read(MAX_CONFIG_BYTES + 1)
+        try:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise LoRAAdapterError(f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})") from None
     if len(data) > MAX_CONFIG_BYTES:
         raise LoRAAdapterError(
             f"LoRA adapter '{lora_name}': {CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes"

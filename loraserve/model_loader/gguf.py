@@ -130,13 +130,23 @@ def gguf_folder(path: str, dtype: torch.dtype, hf_config_path: str | None = None
     try:
         _convert_into(staging, path, dtype, hf_config_path)
         _write_json(os.path.join(staging, _COMPLETE), {"source": path, "sha256": digest, "dtype": str(dtype)})
-        if os.path.isdir(folder):  # another process finished the same conversion first
-            return folder
-        os.replace(staging, folder)
+        publish(staging, folder, _COMPLETE)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("Converted %s in %.1fs.", os.path.basename(path), time.perf_counter() - start)
     return folder
+
+
+def publish(staging: str, folder: str, marker: str) -> None:
+    """Rename a finished staging folder into place; if another process published the same folder
+    first (its `marker` file present), theirs stands. A half folder without the marker is replaced."""
+    if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, marker)):
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        os.replace(staging, folder)
+    except OSError:
+        if not os.path.isfile(os.path.join(folder, marker)):
+            raise
 
 
 def _cache_key(digest: str, dtype: torch.dtype, hf_config_path: str | None) -> str:
@@ -149,7 +159,12 @@ def _cache_key(digest: str, dtype: torch.dtype, hf_config_path: str | None) -> s
 
 def _config_file(hf_config_path: str) -> str:
     path = os.path.expanduser(hf_config_path)
-    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(config_file):
+        raise GGUFError(
+            f"hf_config_path {hf_config_path!r} is neither a config.json file nor a folder holding one."
+        )
+    return config_file
 
 
 def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: str | None) -> None:
@@ -159,7 +174,7 @@ def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: s
 
     folder, name = os.path.dirname(path), os.path.basename(path)
     if hf_config_path:
-        config = AutoConfig.from_pretrained(os.path.dirname(_config_file(hf_config_path)))
+        config = AutoConfig.from_pretrained(_config_file(hf_config_path))
     else:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     config.save_pretrained(out_dir)
