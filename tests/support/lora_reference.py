@@ -1,0 +1,54 @@
+"""The LoRA ops' shared test scaffolding: shapes, forced mappings, slot buffers and the float64 reference."""
+
+from __future__ import annotations
+
+import torch
+
+from loraserve.lora.layout import LoRALayout
+from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.lora.ops import LoRABuffers, cpu_ops
+
+L, R, IN, OUT = 6, 8, 40, 56
+
+
+def build_mapping(
+    slots: list[int], max_loras: int | None = None, layout: str | None = None, device: str = "cpu"
+) -> LoRABatchMapping:
+    """The step's mapping, its layout forced by name ("padded_all": the grid over all max_loras slots)."""
+    if layout is None:
+        return LoRABatchMapping.build(slots, device, max_loras=max_loras)
+    all_slots = layout == "padded_all"
+    forced = LoRALayout.PADDED if all_slots else LoRALayout(layout)
+    return LoRABatchMapping.build(slots, device, max_loras=max_loras, layout=forced, all_slots=all_slots)
+
+
+def make_buffers(a: torch.Tensor, bt: torch.Tensor, offsets: list[int], ranks: torch.Tensor) -> LoRABuffers:
+    """Slot buffers over given weights, every slot marked as holding an adapter."""
+    buffers = LoRABuffers(lora_a=a, lora_b_t=bt, bias=None, slice_offsets=torch.tensor(offsets),
+                          ranks=ranks, max_rank=R)
+    buffers.active_mask = (1 << a.shape[0]) - 1
+    return buffers
+
+
+def run_cpu_kernel(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> torch.Tensor:
+    """The C kernel alone; ValueError when it cannot serve these tensors or this step."""
+    if buffers.cpu_kernel_args is None or not cpu_ops.applies(x, y, mapping):
+        raise ValueError("the CPU LoRA kernel serves float32 CPU tensors with short segments only")
+    return cpu_ops.run(x, y, buffers.cpu_kernel_args, mapping)
+
+
+def naive_lora(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token float64 reference: t[i] = scale * A[s] x[i]; delta[i] = B[s] t[i]."""
+    t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
+    delta = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
+    for i, s in enumerate(slots):
+        if s >= 0:
+            t[i] = scale * (a[s].double() @ x[i].double())
+            delta[i] = b[s].double() @ t[i]
+    return t, delta
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.5, "rtol": 0.05}
