@@ -99,6 +99,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Admission control (vLLM's names): sequences in flight (waiting + running; n counts n times), and
+    # prompt tokens still to prefill. A request beyond either limit now waits nowhere: it gets a 503.
+    max_num_queued_reqs: int = 1024
+    max_num_queued_tokens: int = 1 << 18
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,18 @@ def lora_resolver_hf_repo_list() -> list[str]:
     return [repo.strip() for repo in value.split(",") if repo.strip()]
 
 
+def http_keep_alive_timeout() -> float:
+    """Seconds an idle keep-alive connection stays open (HTTP_TIMEOUT_KEEP_ALIVE, vLLM's; default 5)."""
+    value = get_env("HTTP_TIMEOUT_KEEP_ALIVE", "5") or "5"
+    try:
+        seconds = float(value)
+    except ValueError as exc:
+        raise ValueError(f"LORASERVE_HTTP_TIMEOUT_KEEP_ALIVE must be a number of seconds, got {value!r}") from exc
+    if not seconds > 0:
+        raise ValueError(f"LORASERVE_HTTP_TIMEOUT_KEEP_ALIVE must be positive, got {value!r}")
+    return seconds
+
+
 def logging_level() -> str:
     return (get_env("LOGGING_LEVEL", "INFO") or "INFO").upper()
 

@@ -17,3 +17,19 @@ class PromptTooLongError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop crashed; every running request failed and /health reports it (HTTP 500)."""
+
+
+class EngineShutdownError(EngineDeadError):
+    """The engine was shut down (server shutdown) before the request finished (HTTP 503)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's queue is full right now (HTTP 503 with Retry-After); the same request may fit later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTooLargeError(ValueError):
+    """A request needs more queue room than the server ever grants (HTTP 400); retrying cannot help."""

@@ -35,6 +35,8 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_num_queued_reqs: int = 1024
+    max_num_queued_tokens: int = 1 << 18
     enable_lora: bool = False
     max_loras: int = 1
     max_cpu_loras: int | None = None
@@ -98,6 +100,8 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_model_len=model_config.max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                max_num_queued_reqs=self.max_num_queued_reqs,
+                max_num_queued_tokens=self.max_num_queued_tokens,
             ),
             device=device,
             lora=lora_config,

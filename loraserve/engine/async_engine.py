@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.step_failures import StepFailureLimitError
-from loraserve.errors import EngineDeadError
+from loraserve.errors import EngineDeadError, EngineShutdownError
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
 
@@ -49,6 +49,7 @@ class AsyncLLMEngine:
         self.model_config = engine.model_config
         self.tokenizer = engine.tokenizer
         self.lora_config = engine.lora_config
+        self.scheduler_config = engine.config.scheduler
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -80,7 +81,7 @@ class AsyncLLMEngine:
         self._stop.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
-        self._fail_pending(EngineDeadError("The engine has been shut down."))
+        self._fail_pending(EngineShutdownError("The server is shutting down; the request did not finish."))
 
     # ---- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -159,7 +160,7 @@ class AsyncLLMEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"The engine is dead: {self.dead_error}")
         if self._closed:
-            raise EngineDeadError("The engine has been shut down.")
+            raise EngineShutdownError("The server is shutting down and accepts no new requests.")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         if self._thread is None:  # not started: run inline (tests, offline use)
@@ -173,13 +174,15 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
+        group_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until finished; aborts the request if the consumer stops early."""
+        """Yield cumulative outputs until finished; aborts the request if the consumer stops early.
+        Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one."""
         stream = _Stream(asyncio.get_running_loop())
         await self._prefetch(lora_request)
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, sampling_params, lora_request)
+            engine.add_request(request_id, prompt, sampling_params, lora_request, group_id=group_id)
             self._streams[request_id] = stream
 
         try:

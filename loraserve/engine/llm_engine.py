@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loraserve.config import EngineConfig
+from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.model_runner import ModelRunner, StepResult, kv_cache_block_bytes
@@ -109,12 +110,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
         arrival_time: float | None = None,
+        group_id: str | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ValueError (bad prompt/params) or LoRAAdapterError."""
+        """Validate and queue a request. Raises ValueError (bad prompt/params), LoRAAdapterError, or
+        EngineOverloadedError (the queue is full: retry later)."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
         params = self._sampling_params(params, len(prompt_ids))
+        check_admission(
+            self.config.scheduler, self.scheduler.queue_load(), params.n, params.n * len(prompt_ids)
+        )
         salt = None
         if lora_request is not None:
             if self.lora is None:
@@ -122,7 +128,9 @@ class LLMEngine:
                     f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not enabled (enable_lora=True)."
                 )
             salt = self.lora.register(lora_request)
-        request = Request(request_id, text, prompt_ids, params, lora_request, arrival_time or time.time(), salt)
+        request = Request(
+            request_id, text, prompt_ids, params, lora_request, arrival_time or time.time(), salt, group_id=group_id
+        )
         for i in range(params.n):
             request.seqs.append(self._new_sequence(request, i))
         self.requests[request_id] = request

@@ -8,19 +8,21 @@ failed step); `check_consistency()` cross-checks its queues against the block ma
 
 One token budget per step (`max_num_batched_tokens`) is shared by decodes and (chunked) prefills.
 Running sequences go first, in arrival order; when KV blocks run out the latest-arrived running
-sequence is preempted (its blocks freed, recomputed later). Waiting sequences are admitted FCFS while
-the budget, `max_num_seqs`, free blocks and the `max_loras` distinct-adapter limit allow. A waiting
+sequence is preempted (its blocks freed, recomputed later). Waiting sequences are admitted while the
+budget, `max_num_seqs`, free blocks and the `max_loras` distinct-adapter limit allow, requests taking
+turns (FCFS within a turn), so one request with hundreds of sequences cannot starve a later short one. A waiting
 sequence held back by the adapter limit lets others with already-active adapters pass only for a
 bounded number of steps, so it never starves.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraserve.config import SchedulerConfig
+from loraserve.engine.admission import QueueLoad
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.sequence import Sequence, SequenceStatus
 from loraserve.outputs import PositionLogprobs
@@ -78,6 +80,12 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def queue_load(self) -> QueueLoad:
+        """Sequences in flight and the prompt tokens they still have to prefill (admission control)."""
+        seqs = [*self.waiting, *self.running]
+        prefill = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in seqs)
+        return QueueLoad(len(seqs), prefill)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -158,7 +166,7 @@ class Scheduler:
         loras = self._active_loras()
         blocked_head: Sequence | None = None
         admitted: list[Sequence] = []
-        for seq in list(self.waiting):
+        for seq in self._admission_order():
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
             lora_id = seq.lora_id
@@ -180,6 +188,22 @@ class Scheduler:
             if lora_id:
                 loras.add(lora_id)
         self.running.extend(admitted)
+
+    def _admission_order(self) -> list[Sequence]:
+        """Waiting sequences taking turns by request (the prompts of one API call count as one request):
+        first each one's first sequence (in arrival order), then each one's second, and so on, counting
+        sequences already running. A request with many sequences (prompts x n) then cannot take every
+        free slot before a later one gets its turn."""
+        if len({seq.request.turn_key for seq in self.waiting}) <= 1:
+            return list(self.waiting)
+        taken = Counter(seq.request.turn_key for seq in self.running)
+        ranked = []
+        for position, seq in enumerate(self.waiting):
+            key = seq.request.turn_key
+            ranked.append((taken[key], position, seq))
+            taken[key] += 1
+        ranked.sort(key=lambda item: (item[0], item[1]))
+        return [seq for _, _, seq in ranked]
 
     def _lora_fits(self, loras: set[int], lora_id: int) -> bool:
         if self.max_loras is None or not lora_id or lora_id in loras:

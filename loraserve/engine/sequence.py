@@ -98,6 +98,12 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None
+    group_id: str | None = None  # requests of one API call (its prompts) share it and take turns as one
+
+    @property
+    def turn_key(self) -> str:
+        """Who this request takes scheduling turns as: its API call's group, else itself."""
+        return self.group_id or self.request_id
 
     @property
     def is_finished(self) -> bool:

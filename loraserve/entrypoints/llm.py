@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,9 @@ class LLM:
         enable_lora_bias: bool = False,
         **kwargs: Any,
     ) -> None:
+        # Offline, every prompt given is wanted: the queue limits that protect a server do not apply.
+        kwargs.setdefault("max_num_queued_reqs", sys.maxsize)
+        kwargs.setdefault("max_num_queued_tokens", sys.maxsize)
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, hf_overrides=hf_overrides, model_impl=model_impl,
             trust_remote_code=trust_remote_code, max_model_len=max_model_len, seed=seed,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from loraserve.config import SchedulerConfig
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.scheduler import SampledToken, Scheduler
@@ -106,3 +108,60 @@ def test_prefix_cache_keyed_by_salt() -> None:
     blocks.free(other)
     blocks.free(base)
     assert blocks.num_free_blocks == 32
+
+
+def _request_seqs(num_seqs: int, num_prompt: int, max_tokens: int, group_id: str | None = None,
+                  one_request: bool = True) -> list[Sequence]:
+    """`num_seqs` sequences: n choices of one request, or (one_request=False) one request each."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs: list[Sequence] = []
+    request = None
+    for index in range(num_seqs):
+        if request is None or not one_request:
+            request = Request(str(next(_ids)), None, [7] * num_prompt, params, None, arrival_time=0.0,
+                              group_id=group_id)
+        seq = Sequence(next(_ids), request, index, list(request.prompt_token_ids), num_prompt, None, None)
+        request.seqs.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def _steps_until_scheduled(sched: Scheduler, seq: Sequence, limit: int = 100) -> int:
+    for step in range(1, limit + 1):
+        if any(s is seq for s, _ in _step(sched)):
+            return step
+    raise AssertionError(f"not scheduled within {limit} steps")
+
+
+@pytest.mark.parametrize("shape", ["n_choices", "one_api_call"])
+def test_a_request_with_many_sequences_does_not_starve_a_later_one(shape: str) -> None:
+    """Requests take turns for free slots: the short one runs as soon as a slot frees, not after the
+    big request's other 36 waiting sequences (FCFS would take 10 more rounds of 4)."""
+    sched = _scheduler(budget=256, max_seqs=4, num_blocks=256)
+    if shape == "n_choices":
+        big = _request_seqs(40, num_prompt=4, max_tokens=3)
+    else:  # 40 prompts of one completions call: separate requests, one group
+        big = _request_seqs(40, num_prompt=4, max_tokens=3, group_id="cmpl-1", one_request=False)
+    for seq in big:
+        sched.add(seq)
+    first = _step(sched)
+    assert [s for s, _ in first] == big[:4]
+    short = _seq(4, max_tokens=1)
+    sched.add(short)
+    # The running four finish at step 3 (3 tokens each); the short one takes a freed slot at step 3.
+    assert _steps_until_scheduled(sched, short) <= 3
+    assert short.is_finished
+
+
+def test_separate_requests_keep_arrival_order() -> None:
+    """Taking turns does not reorder requests of one sequence each: FCFS among them."""
+    sched = _scheduler(budget=256, max_seqs=2, num_blocks=256)
+    seqs = _request_seqs(6, num_prompt=4, max_tokens=2, one_request=False)
+    for seq in seqs:
+        sched.add(seq)
+    order = []
+    for _ in range(20):
+        for seq, _ in _step(sched):
+            if seq not in order:
+                order.append(seq)
+    assert order == seqs

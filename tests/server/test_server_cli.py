@@ -167,7 +167,10 @@ def test_unset_flags_keep_engine_defaults_and_every_engine_flag_is_a_field() -> 
     args = parse_serve_args(["some/model"])
     assert EngineArgs.from_cli_args(args) == EngineArgs(model="some/model")
     # A flag is read into EngineArgs by its dest: one that names no field would be silently dropped.
-    server_flags = {"model_tag", "host", "port", "api_key", "lora_modules", "trust_request_chat_template"}
+    server_flags = {
+        "model_tag", "host", "port", "api_key", "lora_modules", "trust_request_chat_template",
+        "max_request_body_size", "request_read_timeout", "shutdown_timeout",
+    }
     assert set(vars(args)) - server_flags <= {f.name for f in fields(EngineArgs)}
 
 

@@ -15,8 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraserve.config import LoRAConfig
-from loraserve.errors import EngineDeadError, LoRAAdapterError, LoRAAdapterNotFoundError, PromptTooLongError
+from loraserve.config import LoRAConfig, SchedulerConfig
+from loraserve.errors import (
+    EngineDeadError,
+    EngineShutdownError,
+    LoRAAdapterError,
+    LoRAAdapterNotFoundError,
+    PromptTooLongError,
+)
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -76,6 +82,8 @@ class FakeEngine:
     dead_error: BaseException | None = None
     aborted_event: threading.Event = field(default_factory=threading.Event)
     load_latencies: list[float] = field(default_factory=list)  # drained by stats(), like the real engine
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    shutdown_error: BaseException | None = None
 
     def __post_init__(self) -> None:
         self.model_config = FakeModelConfig(
@@ -96,6 +104,8 @@ class FakeEngine:
         self._changed = asyncio.Condition()
 
     async def shutdown(self) -> None:
+        """Like the real engine: requests still running fail with EngineShutdownError."""
+        self.shutdown_error = EngineShutdownError("The server is shutting down; the request did not finish.")
         if self.gate is not None:
             self.gate.set()
 
@@ -161,6 +171,7 @@ class FakeEngine:
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
+        group_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         lora_id = self._check(ids, lora_request)
@@ -175,6 +186,8 @@ class FakeEngine:
                 if self.gate is not None and step >= self.num_free_tokens:
                     await self.gate.wait()
                 await asyncio.sleep(0)
+                if self.shutdown_error is not None:
+                    raise self.shutdown_error
                 if self.dead_error is not None:
                     raise EngineDeadError(f"The engine failed while running a batch: {self.dead_error}")
                 if self.fail_after_tokens is not None and step >= self.fail_after_tokens:

@@ -7,6 +7,7 @@ AsyncLLMEngine, or support.fake_engine.FakeEngine).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -14,9 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import uvicorn
-
 from loraserve.entrypoints.openai.api_server import ServerOptions, build_app
+from loraserve.entrypoints.openai.http_server import LoraserveServer, build_server
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
@@ -33,6 +33,9 @@ class RunningServer:
 
     def __init__(self, engine: Any, options: ServerOptions) -> None:
         self.engine = engine
+        if options.shutdown_timeout_s == ServerOptions().shutdown_timeout_s:
+            # Tests that do not study shutdown should not wait 30 s for requests they left open.
+            options = dataclasses.replace(options, shutdown_timeout_s=1.0)
         self.options = options
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
@@ -40,7 +43,7 @@ class RunningServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop: asyncio.AbstractEventLoop | None = None
         self.app: Any = None
-        self.server: uvicorn.Server | None = None
+        self.server: LoraserveServer | None = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self._http: Any = None
@@ -84,10 +87,7 @@ class RunningServer:
         await self.engine.start()
         try:
             self.app = await build_app(self.engine, self.options)
-            config = uvicorn.Config(
-                self.app, log_config=None, log_level="warning", timeout_graceful_shutdown=5
-            )
-            self.server = uvicorn.Server(config)
+            self.server = build_server(self.app, self.options, self.engine)
             serving = asyncio.create_task(self.server.serve(sockets=[self.sock]))
             while not self.server.started and not serving.done():
                 await asyncio.sleep(0.005)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,7 @@ from loraserve.entrypoints.openai.auth import APIKeyMiddleware
 from loraserve.entrypoints.openai.disconnect import ClientDisconnected, run_until_disconnect
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception, error_response, sse_error
+from loraserve.entrypoints.openai.http_guard import RequestGuardMiddleware, ServerLifecycle
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -44,6 +46,10 @@ class ServerOptions:
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     allow_runtime_lora_updating: bool | None = None  # None: read the environment
     trust_request_chat_template: bool = False  # a request's own chat template runs only when True
+    max_request_body_bytes: int = 16 << 20
+    request_read_timeout_s: float = 30.0  # a request's head, and then its body, must arrive within this
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    shutdown_timeout_s: float = 30.0  # SIGTERM: running requests may finish within this, then fail (503)
 
 
 async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
@@ -63,17 +69,28 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     )
     await models.init_static_loras()
     app = FastAPI(title="loraserve", version=__version__)
+    app.state.lifecycle = lifecycle = ServerLifecycle()
     app.state.engine = engine
     app.state.models = models
     app.state.metrics = metrics
     _add_error_handlers(app)
     _add_info_routes(app, engine, models, metrics)
+    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="loraserve-tokenizer")
+    app.router.on_shutdown.append(lambda: tokenizer_pool.shutdown(wait=False, cancel_futures=True))
     _add_generation_routes(
-        app, OpenAIServingCompletion(engine, models, metrics), OpenAIServingChat(engine, models, metrics, options.trust_request_chat_template)
+        app,
+        OpenAIServingCompletion(engine, models, metrics, tokenizer_pool),
+        OpenAIServingChat(engine, models, metrics, options.trust_request_chat_template, tokenizer_pool),
     )
     if runtime_updating:
         _add_lora_routes(app, models)
-    if options.api_keys:
+    app.add_middleware(
+        RequestGuardMiddleware,
+        max_body_bytes=options.max_request_body_bytes,
+        read_timeout_s=options.request_read_timeout_s,
+        lifecycle=lifecycle,
+    )
+    if options.api_keys:  # added last, so it runs first: no unauthenticated body is ever buffered
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
     return app
 
@@ -81,13 +98,16 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+        errors = list(exc.errors())
+        # A union field reports one error per member; the one that is not a type mismatch says most.
+        errors.sort(key=lambda error: str(error.get("type", "")).endswith("_type"))
         first = errors[0] if errors else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
         where = ".".join(loc)
         message = first.get("msg", "Invalid request")
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problem(s))"
+        num_fields = len({tuple(e.get("loc", ())[:2]) for e in errors})
+        if num_fields > 1:
+            message += f" (and {num_fields - 1} more problem(s))"
         return error_response(f"{where}: {message}" if where else message, 400, where or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -96,12 +116,19 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+        return exc.response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        error = api_error_from_exception(exc)
-        return error_response(error.message, error.status, error.param)
+        return api_error_from_exception(exc).response()
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic's names for union members in an error location ("list[constrained-str]", "str")."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _TYPE_NAMES)
 
 
 def _add_info_routes(
@@ -175,8 +202,7 @@ async def _respond(
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:
-        error = api_error_from_exception(exc)
-        return error_response(error.message, error.status, error.param)
+        return api_error_from_exception(exc).response()
 
 
 async def _continue_stream(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -8,9 +8,10 @@ compared in constant time against every configured key.
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from loraserve.entrypoints.openai.http_guard import send_json_error
 
 OPEN_PATHS = frozenset({b"/health"})
 
@@ -45,18 +46,4 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps(
-            {"error": {"message": "Unauthorized", "type": "AuthenticationError", "param": None, "code": 401}}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_json_error(send, 401, "Unauthorized", "AuthenticationError", [(b"www-authenticate", b"Bearer")])

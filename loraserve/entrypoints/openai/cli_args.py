@@ -97,6 +97,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     _add_model_args(parser.add_argument_group("model"))
     _add_scheduler_args(parser.add_argument_group("scheduler and cache"))
     _add_lora_args(parser.add_argument_group("LoRA"))
+    _add_limit_args(parser.add_argument_group("limits and shutdown"))
 
 
 def _add_server_args(server: Any) -> None:
@@ -234,6 +235,60 @@ def _add_lora_args(lora: Any) -> None:
         help="Adapter weight dtype (default: auto = the model's).",
     )
     lora.add_argument("--enable-lora-bias", action="store_true", help="Accept adapters with bias terms.")
+
+
+def non_negative_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from exc
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+def positive_seconds(value: str) -> float:
+    seconds = non_negative_seconds(value)
+    if seconds == 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value!r}")
+    return seconds
+
+
+def _add_limit_args(limits: Any) -> None:
+    limits.add_argument(
+        "--max-num-queued-reqs",
+        type=positive_int,
+        default=None,
+        help="Most sequences waiting or running at once (a request with n choices counts n); beyond it "
+        "requests get 503 with Retry-After, and a request larger than it alone gets 400 (default: 1024).",
+    )
+    limits.add_argument(
+        "--max-num-queued-tokens",
+        type=positive_int,
+        default=None,
+        help="Most prompt tokens waiting to be processed, e.g. 256k; beyond it requests get 503 with "
+        "Retry-After (default: 262144).",
+    )
+    limits.add_argument(
+        "--max-request-body-size",
+        type=positive_int,
+        default=16 << 20,
+        help="Largest request body in bytes, e.g. 16MiB; a larger one gets 413 (default: 16MiB).",
+    )
+    limits.add_argument(
+        "--request-read-timeout",
+        type=positive_seconds,
+        default=30.0,
+        help="Seconds within which a request's head, and then its body, must arrive; a slower "
+        "connection is closed (head) or answered 408 (body) (default: %(default)s).",
+    )
+    limits.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_seconds,
+        default=30.0,
+        help="On SIGTERM, seconds running requests may take to finish before they end with 503 "
+        "(streams: an error event, then [DONE]); 0 ends them at once (default: %(default)s).",
+    )
 
 
 def make_serve_parser(prog: str = "loraserve serve") -> argparse.ArgumentParser:

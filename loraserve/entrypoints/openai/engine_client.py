@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from loraserve.config import LoRAConfig
+    from loraserve.config import LoRAConfig, SchedulerConfig
     from loraserve.lora.request import LoRARequest
     from loraserve.outputs import RequestOutput
     from loraserve.sampling_params import SamplingParams
@@ -41,6 +41,9 @@ class EngineClient(Protocol):
     def lora_config(self) -> LoRAConfig | None: ...  # None: LoRA is off
 
     @property
+    def scheduler_config(self) -> SchedulerConfig: ...  # the queue limits a request is checked against
+
+    @property
     def tokenizer(self) -> Any: ...
 
     @property
@@ -51,14 +54,20 @@ class EngineClient(Protocol):
 
     def is_healthy(self) -> bool: ...
 
+    async def shutdown(self) -> None:
+        """Stop the engine; requests still running fail with EngineShutdownError (HTTP 503)."""
+        ...
+
     def generate(
         self,
         prompt: list[int],
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
+        group_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes; closing the iterator aborts it."""
+        """Cumulative outputs of one request until it finishes; closing the iterator aborts it.
+        Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -12,7 +12,13 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from loraserve.errors import EngineDeadError, LoRAAdapterError, LoRAAdapterNotFoundError
+from loraserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    LoRAAdapterError,
+    LoRAAdapterNotFoundError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +42,17 @@ _OBJECT_REPR = re.compile(r"<([\w.]+) object at <address>>")
 class APIError(Exception):
     """An error the serving layer answers with directly: status, message and the offending parameter."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers  # e.g. Retry-After on a 503
+
+    def response(self) -> JSONResponse:
+        return error_response(self.message, self.status, self.param, self.headers)
 
 
 def sanitize(message: str) -> str:
@@ -63,8 +75,10 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     }
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 def sse_error(message: str, status: int, param: str | None = None) -> str:
@@ -76,6 +90,10 @@ def api_error_from_exception(exc: BaseException) -> APIError:
     """Map an exception from the engine or serving layer onto an APIError with its HTTP status."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineShutdownError):
+        return APIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, LoRAAdapterNotFoundError):
         return APIError(str(exc), HTTPStatus.NOT_FOUND)
     if isinstance(exc, (LoRAAdapterError, ValueError)):

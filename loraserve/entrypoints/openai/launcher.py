@@ -8,32 +8,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import socket
 import sys
-import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from loraserve import envs
 from loraserve.entrypoints.openai.api_server import ServerOptions, build_app
 from loraserve.entrypoints.openai.cli_args import parse_serve_args
-from loraserve.entrypoints.openai.engine_client import EngineClient
+from loraserve.entrypoints.openai.http_server import serve_app
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
-from loraserve.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from loraserve.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("loraserve.server")
-# How long SIGTERM waits for running requests before closing their connections.
-GRACEFUL_SHUTDOWN_S = 30
-# How often the server checks that its engine is alive (a dead one makes the process exit 1).
-ENGINE_WATCH_INTERVAL_S = 1.0
 
 
 def use_demo_model(args: argparse.Namespace) -> None:
@@ -68,65 +59,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _graceful_server_class() -> type:
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """uvicorn's SIGINT/SIGTERM handling, minus re-raising the signal once serving stops.
-
-        uvicorn re-raises the signal after its shutdown, which would kill the process before the engine
-        is shut down; here the caller finishes the shutdown and the process exits 0.
-        """
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            handled = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    return GracefulServer
-
-
-async def serve_app(app: FastAPI, sock: socket.socket, engine: EngineClient | None = None) -> None:
-    """Serve `app` on an already bound socket until SIGINT/SIGTERM; running requests get time to finish.
-
-    With `engine`, serving also stops when the engine dies, and EngineDeadError is raised then: a dead
-    engine never recovers, and a process that stays up answering 500 is never restarted by a supervisor.
-    """
-    import uvicorn
-
-    config = uvicorn.Config(
-        app,
-        log_config=None,
-        log_level=envs.logging_level().lower(),
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    server = _graceful_server_class()(config)
-    watchdog = asyncio.create_task(stop_when_dead(engine, server)) if engine is not None else None
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-    if engine is not None and engine.errored:
-        raise EngineDeadError(f"the engine died ({engine.dead_error}); exiting so that a supervisor restarts it")
-
-
-async def stop_when_dead(engine: EngineClient, server: Any, interval: float = ENGINE_WATCH_INTERVAL_S) -> None:
-    """Ask uvicorn to shut down once the engine is dead (polled: the engine has no death callback)."""
-    while not engine.errored:
-        await asyncio.sleep(interval)
-    logger.error("The engine is dead (%s); shutting the server down.", engine.dead_error)
-    server.should_exit = True
-
-
 async def run_server(args: argparse.Namespace) -> None:
     """Load plugins and the model, register adapters, serve; the engine is shut down on the way out."""
     # Imported here so that `--help` and flag errors never wait for torch.
@@ -147,10 +79,14 @@ async def run_server(args: argparse.Namespace) -> None:
                 api_keys=[args.api_key] if args.api_key else [],
                 lora_modules=args.lora_modules,
                 trust_request_chat_template=args.trust_request_chat_template,
+                max_request_body_bytes=args.max_request_body_size,
+                request_read_timeout_s=args.request_read_timeout,
+                keep_alive_timeout_s=envs.http_keep_alive_timeout(),
+                shutdown_timeout_s=args.shutdown_timeout,
             )
             app = await build_app(engine, options)
             _log_startup(app, engine, args, sock)
-            await serve_app(app, sock, engine)
+            await serve_app(app, sock, options, engine)
         finally:
             await engine.shutdown()
     finally:

@@ -9,6 +9,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 TokenId = Annotated[int, Field(ge=0)]
+# Stop strings are matched against the new text of every sequence at every step: bound that work.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 # The same bound the engine's SamplingParams enforces, repeated so the schema documents it.
 MAX_LOGPROBS = 20
 
@@ -52,7 +57,7 @@ class SamplingRequest(OpenAIBaseModel):
     n: int = Field(default=1, ge=1, le=128)
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
@@ -66,7 +71,7 @@ class SamplingRequest(OpenAIBaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:<id>" (exact, for clients)

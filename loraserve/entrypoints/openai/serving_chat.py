@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -49,8 +50,9 @@ class OpenAIServingChat(OpenAIServing):
         models: OpenAIServingModels,
         metrics: ServerMetrics | None = None,
         trust_request_chat_template: bool = False,
+        tokenizer_pool: Executor | None = None,
     ) -> None:
-        super().__init__(engine, models, metrics)
+        super().__init__(engine, models, metrics, tokenizer_pool)
         self.trust_request_chat_template = trust_request_chat_template
 
     async def create_chat_completion(
@@ -74,7 +76,8 @@ class OpenAIServingChat(OpenAIServing):
                 "response_format",
             )
         model_name, lora_request = await self.resolve_model(request)
-        prompt_ids = self.encode(self._render(request), add_special_tokens=False, param="messages")
+        text = await self.in_tokenizer_thread(self._render, request)
+        prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         requested = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
@@ -89,10 +92,12 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, num_top)
         request_id = random_id("chatcmpl")
         prompt = EnginePrompt(request_id, prompt_ids, params)
+        self.check_request_size([prompt])
         return _ChatJob(request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request))
 
     def _render(self, request: ChatCompletionRequest) -> str:
-        """The prompt text from the tokenizer's chat template; 400 for messages the template refuses."""
+        """The prompt text from the tokenizer's chat template; 400 for messages the template refuses.
+        Runs on the tokenizer thread: a template is a program whose cost grows with the messages."""
         kwargs = dict(request.chat_template_kwargs or {})
         if request.chat_template is not None:
             kwargs["chat_template"] = request.chat_template

@@ -59,18 +59,19 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name, lora_request = await self.resolve_model(request)
         request_id = random_id("cmpl")
         prompts = []
-        for i, prompt_ids in enumerate(self._prompt_ids(request)):
+        for i, prompt_ids in enumerate(await self._prompt_ids(request)):
             max_tokens = self.max_tokens_for(len(prompt_ids), request.max_tokens, "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs)
             prompts.append(EnginePrompt(f"{request_id}-{i}", prompt_ids, params))
+        self.check_request_size(prompts)
         return _Job(
             request_id, model_name, prompts, lora_request, request.logprobs, self.token_renderer(request)
         )
 
-    def _prompt_ids(self, request: CompletionRequest) -> list[list[int]]:
+    async def _prompt_ids(self, request: CompletionRequest) -> list[list[int]]:
         prompt = request.prompt
         if isinstance(prompt, str):
-            return [self.encode(prompt)]
+            return [await self.encode(prompt)]
         if not prompt:
             raise APIError("prompt must not be an empty list.", HTTPStatus.BAD_REQUEST, "prompt")
         if isinstance(prompt[0], int):
@@ -79,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
             batch = list(prompt)
         result = []
         for item in batch:
-            ids = self.encode(item) if isinstance(item, str) else list(item)
+            ids = await self.encode(item) if isinstance(item, str) else list(item)
             self.check_token_ids(ids, "prompt")
             result.append(ids)
         return result
@@ -107,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _collect(self, job: _Job, n: int) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(self.generate(job.prompts, job.lora_request, job.model_name)) as outputs:
+        async with aclosing(self.generate(job.prompts, job.lora_request, job.model_name, job.request_id)) as outputs:
             async for index, output in outputs:
                 finals[index] = output
         choices = [
@@ -131,7 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, job: _Job, n: int, include_usage: bool) -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(self.generate(job.prompts, job.lora_request, job.model_name)) as outputs:
+        async with aclosing(self.generate(job.prompts, job.lora_request, job.model_name, job.request_id)) as outputs:
             async for index, output in outputs:
                 finals[index] = output
                 choices = []

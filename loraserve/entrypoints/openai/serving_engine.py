@@ -8,14 +8,17 @@ has not finished when its consumer stops (client gone, error elsewhere) is abort
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
+from loraserve.engine.admission import check_request_size
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError
 from loraserve.entrypoints.openai.metrics import ServerMetrics
@@ -28,6 +31,7 @@ from loraserve.outputs import Logprob, RequestOutput
 from loraserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +52,20 @@ class OpenAIServing:
     """Shared machinery of the generation endpoints."""
 
     def __init__(
-        self, engine: EngineClient, models: OpenAIServingModels, metrics: ServerMetrics | None = None
+        self,
+        engine: EngineClient,
+        models: OpenAIServingModels,
+        metrics: ServerMetrics | None = None,
+        tokenizer_pool: Executor | None = None,
     ) -> None:
         self.engine = engine
         self.models = models
         self.metrics = metrics
+        # Tokenizing and rendering chat templates take CPU time that grows with the input; they run on
+        # this one worker thread (shared by the endpoints, so the tokenizer is never used by two of them
+        # at once), never on the event loop that serves every other connection.
+        self.tokenizer_pool = tokenizer_pool or ThreadPoolExecutor(1, thread_name_prefix="loraserve-tokenizer")
+        self._max_prompt_chars: int | None = None
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -79,7 +92,15 @@ class OpenAIServing:
         if request.unknown_fields():
             logger.debug("Ignoring unknown request fields: %s", request.unknown_fields())
 
-    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` on the tokenizer worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_pool, functools.partial(fn, *args, **kwargs)
+        )
+
+    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of `text` (tokenized off the event loop); 400 for text that is not valid Unicode or
+        is too long to fit in max_model_len whatever its tokens."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:  # lone surrogates ("\ud800") are valid JSON but not text
@@ -88,7 +109,32 @@ class OpenAIServing:
                 HTTPStatus.BAD_REQUEST,
                 param,
             ) from exc
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if len(text) > self.max_prompt_chars:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your {param} "
+                f"has {len(text)} characters, more than that many tokens can hold. Please reduce the length "
+                "of the input.",
+                HTTPStatus.BAD_REQUEST,
+                param,
+            )
+        ids = await self.in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return list(ids)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text longer than this cannot fit in max_model_len tokens, so it is refused untokenized.
+
+        No token covers more characters than the longest vocabulary entry (byte-level BPE and
+        SentencePiece entries are at least as long as the text they match); 4x more allows for
+        normalizers that drop or merge characters.
+        """
+        if self._max_prompt_chars is None:
+            try:
+                longest = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+            except (AttributeError, NotImplementedError, TypeError):
+                longest = 64
+            self._max_prompt_chars = self.max_model_len * max(longest, 1) * 4
+        return self._max_prompt_chars
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.engine.model_config.vocab_size
@@ -153,6 +199,12 @@ class OpenAIServing:
             self.check_token_ids(request.stop_token_ids, "stop_token_ids")
         return SamplingParams(**values)
 
+    def check_request_size(self, prompts: list[EnginePrompt]) -> None:
+        """400 when the whole request (every prompt x n) exceeds what the engine ever queues at once."""
+        num_seqs = sum(p.sampling_params.n for p in prompts)
+        num_tokens = sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts)
+        check_request_size(self.engine.scheduler_config, num_seqs, num_tokens)
+
     def decode_token(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
@@ -165,13 +217,20 @@ class OpenAIServing:
         return self.decode_token
 
     async def generate(
-        self, prompts: list[EnginePrompt], lora_request: LoRARequest | None, model_name: str
+        self,
+        prompts: list[EnginePrompt],
+        lora_request: LoRARequest | None,
+        model_name: str,
+        group_id: str | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """(prompt index, cumulative output) from one engine request per prompt, interleaved."""
+        """(prompt index, cumulative output) from one engine request per prompt, interleaved; with
+        `group_id` the prompts take scheduling turns as one request."""
         timings = [_Timing(time.perf_counter()) for _ in prompts]
         unfinished = {prompt.request_id: i for i, prompt in enumerate(prompts)}
         iterators = [
-            self.engine.generate(p.prompt_ids, p.sampling_params, p.request_id, lora_request=lora_request)
+            self.engine.generate(
+                p.prompt_ids, p.sampling_params, p.request_id, lora_request=lora_request, group_id=group_id
+            )
             for p in prompts
         ]
         try:
