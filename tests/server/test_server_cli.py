@@ -4,13 +4,9 @@ starts, registers --lora-modules (both spellings), answers the OpenAI client and
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import fields
 from typing import Any
 
@@ -18,12 +14,11 @@ import httpx
 import openai
 import pytest
 import torch
+from support.serve_process import CLI, ServeProcess
 
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.entrypoints.openai.cli_args import human_int, parse_serve_args
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
-
-CLI = [sys.executable, "-m", "loraserve.entrypoints.cli"]
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -218,12 +213,6 @@ def test_help_lists_every_flag() -> None:
         assert flag in result.stdout, flag
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_process(tiny_model: Any, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -240,59 +229,22 @@ def test_serve_process(tiny_model: Any, tmp_path) -> None:
         lora_alpha=8,
         target_modules=["q_proj", "v_proj"],
     )
-    port = _free_port()
     module_json = json.dumps({"name": "sql-json", "path": adapter, "base_model_name": "tiny"})
-    process = subprocess.Popen(
-        [
-            *CLI,
-            "serve",
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--served-model-name",
-            "tiny",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "128",
-            "--kv-cache-memory",
-            "16MiB",
-            "--enable-lora",
-            "--lora-modules",
-            f"sql={adapter}",
-            module_json,
-            "--api-key",
-            "secret",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "LORASERVE_LOGGING_LEVEL": "INFO"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
+    flags = [
+        model_dir, "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "128",
+        "--kv-cache-memory", "16MiB", "--enable-lora", "--lora-modules", f"sql={adapter}", module_json,
+        "--api-key", "secret",
+    ]
+    with ServeProcess(flags) as server:
+        url = server.url
         client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {"tiny", "sql", "sql-json"} and cards["sql"].root == adapter
         result = client.completions.create(model="sql-json", prompt="The quick", max_tokens=3)
         assert result.usage.completion_tokens <= 3 and result.choices[0].finish_reason in ("length", "stop")
         assert httpx.get(url + "/v1/models").status_code == 401
-    finally:
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
-    assert process.returncode == 0, output
+        status, output = server.stop()
+    assert status == 0, output
     assert "sql (" in output and "Serving on http://127.0.0.1" in output and "Traceback" not in output
 
 
