@@ -50,8 +50,13 @@ def lora_resolver_hf_repo_list() -> list[str]:
 
 
 def http_keep_alive_timeout() -> float:
-    """Seconds an idle keep-alive connection stays open (HTTP_TIMEOUT_KEEP_ALIVE, vLLM's; default 5)."""
-    value = get_env("HTTP_TIMEOUT_KEEP_ALIVE", "5") or "5"
+    """Seconds an idle keep-alive connection stays open (HTTP_TIMEOUT_KEEP_ALIVE, vLLM's name).
+
+    The default, 30, is longer than vLLM's 5 on purpose: a server that closes idle connections no later
+    than its clients do (httpx and the openai client expire theirs after 5 s) races them, and a request
+    sent on a connection the server is closing fails with a ReadError that no log shows.
+    """
+    value = get_env("HTTP_TIMEOUT_KEEP_ALIVE", "30") or "30"
     try:
         seconds = float(value)
     except ValueError as exc:

@@ -48,7 +48,7 @@ class ServerOptions:
     trust_request_chat_template: bool = False  # a request's own chat template runs only when True
     max_request_body_bytes: int = 16 << 20
     request_read_timeout_s: float = 30.0  # a request's head, and then its body, must arrive within this
-    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    keep_alive_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 30.0  # SIGTERM: running requests may finish within this, then fail (503)
 
 

@@ -56,7 +56,9 @@ class APIError(Exception):
 
 
 def sanitize(message: str) -> str:
-    """Drop memory addresses (and the object reprs built around them) from a message."""
+    """Drop memory addresses (and the object reprs built around them) from a message, and escape what
+    UTF-8 cannot encode (a lone surrogate from the request would otherwise break the response itself)."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return _OBJECT_REPR.sub(r"<\1>", _ADDRESS.sub("<address>", message))
 
 
