@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
 import signal
@@ -63,10 +64,8 @@ async def sample_rss(pid: int, samples: list[tuple[float, int]], stop: asyncio.E
     start = time.monotonic()
     while not stop.is_set():
         samples.append((time.monotonic() - start, rss_bytes(pid)))
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), RSS_INTERVAL_S)
-        except TimeoutError:
-            pass
 
 
 async def soak(plan: SoakPlan, pid: int) -> tuple[Any, list[tuple[float, int]]]:
