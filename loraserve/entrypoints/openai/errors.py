@@ -12,7 +12,12 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from loraserve.errors import EngineDeadError, LoRAAdapterError, LoRAAdapterNotFoundError
+from loraserve.errors import (
+    EngineDeadError,
+    LoRAAdapterChangedError,
+    LoRAAdapterError,
+    LoRAAdapterNotFoundError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,8 @@ def api_error_from_exception(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, LoRAAdapterNotFoundError):
         return APIError(str(exc), HTTPStatus.NOT_FOUND)
+    if isinstance(exc, LoRAAdapterChangedError):
+        return APIError(str(exc), HTTPStatus.CONFLICT, param="model")
     if isinstance(exc, (LoRAAdapterError, ValueError)):
         return APIError(str(exc), HTTPStatus.BAD_REQUEST, param=_param_from_message(str(exc)))
     if isinstance(exc, EngineDeadError):
