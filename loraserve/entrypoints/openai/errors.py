@@ -90,7 +90,9 @@ def api_error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(f"The engine is dead: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR)
     logger.error("Internal error while serving a request", exc_info=exc)
-    return APIError(f"Internal server error: {type(exc).__name__}: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR)
+    # An OSError's text names its file (a server path): the body keeps only the reason, the log all.
+    detail = (exc.strerror or "I/O error") if isinstance(exc, OSError) else str(exc)
+    return APIError(f"Internal server error: {type(exc).__name__}: {detail}", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 _PARAMS = {
