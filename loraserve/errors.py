@@ -11,6 +11,15 @@ class LoRAAdapterNotFoundError(LoRAAdapterError):
     """An adapter's path or name does not exist (HTTP 404)."""
 
 
+class LoRAAdapterGoneError(LoRAAdapterNotFoundError):
+    """A registered adapter must be read again but its folder is gone from disk (HTTP 404)."""
+
+
+class LoRAAdapterChangedError(LoRAAdapterError):
+    """A registered adapter must be read again but its files no longer hold the content it was
+    registered with (HTTP 409): new weights never run under the old identity."""
+
+
 class PromptTooLongError(ValueError):
     """A prompt does not fit in max_model_len (HTTP 400)."""
 

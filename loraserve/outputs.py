@@ -42,4 +42,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     lora_name: str | None = None
     error: str | None = None
+    # The client-caused exception behind `error` (an adapter that cannot be read again: a
+    # LoRAAdapterError, which the server answers with its 4xx); None when the server failed (500).
+    error_cause: Exception | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve import envs
+from loraserve.model_loader.staging import publish, stage
 
 DEMO_VERSION = "v1"
 CHAT_TEMPLATE = (
@@ -130,13 +130,10 @@ def build_demo(root: str | None = None) -> DemoPaths:
     paths = DemoPaths(root, model_dir, {name: os.path.join(root, "adapters", name) for name in DEMO_ADAPTERS})
     if os.path.exists(os.path.join(root, "COMPLETE")):
         return paths
-    os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".demo-", dir=os.path.dirname(root) or ".")
+    staging = stage(os.path.dirname(root) or ".", ".demo-")
     try:
         _build_demo_into(staging, model_dir)
-        if os.path.exists(root):
-            shutil.rmtree(root)
-        os.replace(staging, root)
+        publish(staging, root, "COMPLETE")
     finally:
         if os.path.exists(staging):
             shutil.rmtree(staging, ignore_errors=True)

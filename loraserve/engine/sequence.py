@@ -98,6 +98,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None
+    error_cause: Exception | None = None  # a client-caused failure (RequestOutput.error_cause)
     group_id: str | None = None  # requests of one API call (its prompts) share it and take turns as one
 
     @property

@@ -6,34 +6,36 @@ uninitialised buffer and hash them (`digest.py`; the GIL is released for both), 
 builds the tensors as views of that buffer: one typed view per dtype, one `as_strided` per tensor.
 Values are range-checked (finite, no overflow once scaled) with one min/max over the data region.
 Per-tensor torch ops cost ~5-20 us each on a small CPU and an all-7-projection adapter of a 30-layer
-model has 420 tensors, hence the care. Anything unusual (unaligned offsets, gaps, exotic dtypes)
-goes through the safetensors library; `.bin` / `.pt` files load with `torch.load(weights_only=True)`.
+model has 420 tensors, hence the care. Anything unusual (unaligned offsets, exotic dtypes, empty
+tensors) goes through the safetensors library; `.bin` / `.pt` files load with
+`torch.load(weights_only=True)`. Nothing is read before the file is known to be a regular file no
+larger than a valid adapter could be, and, for safetensors, before its header is known to describe
+the file exactly (`safetensors_header.py`): a huge or garbage file costs a stat and a few bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
+import pickle
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, BinaryIO
 
+import numpy
 import safetensors.torch
 import torch
 
 from loraserve.errors import LoRAAdapterError
 from loraserve.lora.digest import HashPart, PendingDigest
+from loraserve.lora.safetensors_header import TORCH_DTYPES, FastLayout, read_header
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-_SIZES = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in _DTYPES.values()}
-_MAX_HEADER = 100 * 1024 * 1024
-_MAX_DIMS = 8  # LoRA tensors are 1-D or 2-D; anything stranger goes to the library
+_SIZES = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in TORCH_DTYPES.values()}
+_PATH = re.compile(r"(?<![\w.])/[^\s'\"]+")  # an absolute path in a library's message
 
 
 @dataclass(slots=True)
@@ -89,59 +91,88 @@ class AdapterFile:
         return largest if math.isfinite(largest) else None
 
 
-def read_adapter_file(lora_dir: Path, lora_name: str) -> AdapterFile:
-    """The adapter's tensors from the first weights file present, read without running code."""
-    weight_file = next((lora_dir / f for f in WEIGHT_FILES if (lora_dir / f).is_file()), None)
-    if weight_file is None:
+def read_adapter_file(lora_dir: Path, lora_name: str, max_bytes: int | None = None) -> AdapterFile:
+    """The adapter's tensors from the first weights file present, read without running code.
+
+    The file must be a regular file of at most `max_bytes` (the most a valid adapter could hold), both
+    checked on the open descriptor before anything is read; a safetensors header must describe the
+    file exactly before any data is read (`safetensors_header.py`). Messages name the adapter and the
+    file, never the folder (a server path)."""
+    name = next((f for f in WEIGHT_FILES if os.path.lexists(lora_dir / f)), None)
+    if name is None:
         raise LoRAAdapterError(
-            f"LoRA adapter '{lora_name}': no weights file ({', '.join(WEIGHT_FILES)}) in {str(lora_dir)!r}"
+            f"LoRA adapter '{lora_name}': no weights file ({', '.join(WEIGHT_FILES)}) in its folder"
         )
-    try:
-        if weight_file.suffix == ".safetensors":
-            adapter = _read_safetensors(weight_file, lora_name)
-        else:
-            tensors = torch.load(str(weight_file), map_location="cpu", weights_only=True)
-            adapter = AdapterFile(lora_name, weight_file, tensors)
-    except Exception as e:  # any parse failure (bad pickle, corrupt zip/header) is the adapter's fault
-        reason = re.sub(r"0x[0-9a-fA-F]+", "0x?", str(e).strip().splitlines()[0] if str(e).strip() else "")
-        raise LoRAAdapterError(
-            f"LoRA adapter '{lora_name}': cannot load {weight_file.name} safely "
-            f"({type(e).__name__}: {reason[:300]})"
-        ) from None
+    weight_file = lora_dir / name
+    with _open_regular(weight_file, lora_name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise LoRAAdapterError(
+                f"LoRA adapter '{lora_name}': {name} is {size} bytes, more than any LoRA adapter for this "
+                f"model and max_lora_rank can hold ({max_bytes} bytes at most)"
+            )
+        try:
+            if weight_file.suffix == ".safetensors":
+                adapter = _read_safetensors(f.fileno(), size, weight_file, lora_name)
+            else:
+                adapter = AdapterFile(lora_name, weight_file, torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as e:  # any parse failure (bad pickle, corrupt zip/header) is the adapter's fault
+            raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {_load_failure(name, e)}") from None
     if not isinstance(adapter.tensors, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in adapter.tensors.items()
     ):
-        raise LoRAAdapterError(
-            f"LoRA adapter '{lora_name}': {weight_file.name} is not a mapping of names to tensors"
-        )
+        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {name} is not a mapping of names to tensors")
     return adapter
 
 
-def _read_safetensors(path: Path, lora_name: str) -> AdapterFile:
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        # torch.empty, not bytearray: no zero-fill before the reads overwrite it.
-        raw = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8)
-        buffer = raw.numpy()
-        if raw.numel() < 8:
-            raise ValueError("file too short for a safetensors header")
-        _pread_into(fd, buffer[:8], 0)
-        data_start = 8 + min(int.from_bytes(buffer[:8].tobytes(), "little"), raw.numel() - 8)
-        _pread_into(fd, buffer[8:data_start], 8)
-        header = _parse_header(raw)
-        halves = _name_order_halves(header) if header is not None else None
-        if header is None or halves is None:
-            _pread_into(fd, buffer[data_start:], data_start)
-            if header is None:  # valid, but not for the zero-copy path: let the library decide
-                return AdapterFile(lora_name, path, safetensors.torch.load(buffer.tobytes()))
-            parts = None
-        else:
-            # Two threads read and hash the two halves in parallel; the views are built meanwhile.
-            parts = [_read_and_hash(fd, buffer, data_start + lo, data_start + hi) for lo, hi in halves]
-        try:
-            tensors = _views(raw, header, data_start)
-        finally:
-            _wait_all_loaded(parts or [])  # before the file closes, and before anyone reads the data
+def _open_regular(path: Path, lora_name: str) -> BinaryIO:
+    """`path` open for reading, if it is a regular file: a FIFO or a device (a symlink to /dev/zero)
+    can neither block the caller nor feed it endless bytes. Opened non-blocking, checked by fstat."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': cannot open {path.name} ({e.strerror})") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {path.name} is not a regular file")
+    return f
+
+
+def _load_failure(file_name: str, e: Exception) -> str:
+    """Why a weights file could not be loaded, without torch's advice to load it unsafely (its
+    weights_only refusals say to retry with weights_only=False), memory addresses or file paths."""
+    text = str(e).strip()
+    if isinstance(e, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
+        return f"{file_name} holds objects that safe loading refuses, or is not a PyTorch checkpoint of tensors"
+    reason = text.splitlines()[0] if text else ""
+    reason = _PATH.sub("<path>", re.sub(r"0x[0-9a-fA-F]+", "0x?", reason))
+    if "weights_only" in reason:
+        reason = ""
+    return f"cannot load {file_name} safely ({type(e).__name__}{': ' + reason[:300] if reason else ''})"
+
+
+def _read_safetensors(fd: int, size: int, path: Path, lora_name: str) -> AdapterFile:
+    header = read_header(fd, size)  # checked before any data is read (or any buffer allocated)
+    layout = header.fast_layout()
+    data_start = header.data_start
+    # torch.empty, not bytearray: no zero-fill before the reads overwrite it.
+    raw = torch.empty(size, dtype=torch.uint8)
+    buffer = raw.numpy()
+    buffer[:data_start] = numpy.frombuffer(header.raw, dtype=numpy.uint8)
+    halves = _name_order_halves(layout) if layout is not None else None
+    if layout is None or halves is None:
+        _pread_into(fd, buffer[data_start:], data_start)
+        if layout is None:  # valid, but not for the zero-copy path: let the library decide
+            return AdapterFile(lora_name, path, safetensors.torch.load(buffer.tobytes()))
+        parts = None
+    else:
+        # Two threads read and hash the two halves in parallel; the views are built meanwhile.
+        parts = [_read_and_hash(fd, buffer, data_start + lo, data_start + hi) for lo, hi in halves]
+    try:
+        tensors = _views(raw, layout, data_start)
+    finally:
+        _wait_all_loaded(parts or [])  # before the file closes, and before anyone reads the data
     return AdapterFile(lora_name, path, tensors, raw, data_start, parts)
 
 
@@ -157,8 +188,7 @@ def _wait_all_loaded(parts: list[HashPart]) -> None:
         raise errors[0]
 
 
-def _views(raw: torch.Tensor, header: dict[str, tuple[torch.dtype, list[int], int, int]],
-           data_start: int) -> dict[str, torch.Tensor]:
+def _views(raw: torch.Tensor, header: FastLayout, data_start: int) -> dict[str, torch.Tensor]:
     """One typed view of the data per dtype, then one `as_strided` per tensor."""
     typed: dict[torch.dtype, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -175,7 +205,7 @@ def _views(raw: torch.Tensor, header: dict[str, tuple[torch.dtype, list[int], in
     return tensors
 
 
-def _name_order_halves(header: dict[str, tuple[torch.dtype, list[int], int, int]]) -> list[tuple[int, int]] | None:
+def _name_order_halves(header: FastLayout) -> list[tuple[int, int]] | None:
     """Byte ranges (in the data region) of the tensors of each half of the names, in name order, when
     the file stores them back to back in that order (safetensors does for one dtype); else None."""
     keys = sorted(header)
@@ -200,44 +230,3 @@ def _pread_into(fd: int, view: Any, offset: int) -> None:
         if got <= 0:
             raise ValueError("the file is shorter than its header says")
         done += got
-
-
-def _parse_header(raw: torch.Tensor) -> dict[str, tuple[torch.dtype, list[int], int, int]] | None:
-    """key -> (dtype, shape, byte offset in the data region, element count), every entry checked to lie
-    inside the file; None when some entry needs the library (unknown dtype, unaligned, empty)."""
-    if raw.numel() < 8:
-        raise ValueError("file too short for a safetensors header")
-    header_len = int.from_bytes(raw[:8].numpy().tobytes(), "little")
-    if header_len > min(_MAX_HEADER, raw.numel() - 8):
-        raise ValueError("safetensors header length is out of range")
-    header = json.loads(raw[8 : 8 + header_len].numpy().tobytes())
-    if not isinstance(header, dict):
-        raise ValueError("safetensors header is not a JSON object")
-    data_len = raw.numel() - 8 - header_len
-    entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(info, dict):
-            return None
-        dtype, shape, offsets = _DTYPES.get(info.get("dtype", "")), info.get("shape"), info.get("data_offsets")
-        if dtype is None or not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2 \
-                or len(shape) > _MAX_DIMS:
-            return None
-        begin, end = offsets
-        size, count = _SIZES[dtype], math.prod(shape)
-        if not 0 <= begin <= end <= data_len or end - begin != count * size:
-            raise ValueError(f"tensor {key!r} lies outside the file or does not match its shape")
-        if count == 0 or (8 + header_len) % size or begin % size:
-            return None
-        entries[key] = (dtype, shape, begin, count)
-    # Like the library: the tensors must tile the data region exactly (no overlaps, no gaps, nothing
-    # after), so no tensor aliases another and the buffer holds nothing the adapter does not use.
-    spans = sorted((begin, begin + count * _SIZES[dtype]) for dtype, _, begin, count in entries.values())
-    if any(a[1] != b[0] for a, b in zip(spans, spans[1:])) or (spans and (spans[0][0], spans[-1][1]) != (0, data_len)):
-        return None
-    return entries
-
-
-def _int_list(value: Any) -> TypeGuard[list[int]]:
-    return isinstance(value, list) and all(isinstance(v, int) and v >= 0 for v in value)

@@ -65,8 +65,10 @@ class LoRAModel:
         model: nn.Module,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        max_file_bytes: int | None = None,
     ) -> LoRAModel:
-        adapter = read_adapter_file(Path(lora_dir), lora_request.lora_name)
+        """The adapter in folder `lora_dir`; a weights file over `max_file_bytes` is refused unread."""
+        adapter = read_adapter_file(Path(lora_dir), lora_request.lora_name, max_file_bytes)
         return cls.from_tensors(adapter, lora_request, peft_helper, model, dtype, device, str(lora_dir))
 
     @classmethod

@@ -14,6 +14,7 @@ current step does not use, so loads and pins may run while a forward pass is in 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from collections.abc import Collection
 from dataclasses import asdict
@@ -23,7 +24,8 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
-from loraserve.errors import LoRAAdapterError
+from loraserve.errors import LoRAAdapterChangedError, LoRAAdapterError, LoRAAdapterGoneError
+from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
@@ -31,6 +33,7 @@ from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.registry import AdapterRegistry
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.slot_table import SlotTable
+from loraserve.lora.targets import LoRATargets
 
 
 class LoRAManager:
@@ -42,9 +45,13 @@ class LoRAManager:
         self._lock = threading.RLock()
         self._registry = AdapterRegistry()
         self._slots = SlotTable(wrap_model_for_lora(model, lora_config), lora_config.max_loras)
+        # A weights file larger than any valid adapter for this model and max_lora_rank is refused by size.
+        max_file_bytes = LoRATargets.from_model(model).max_adapter_bytes(lora_config.max_lora_rank)
+        self._failed = FailedLoads()  # the same broken files fail fast, without another read
         # No bound method of the manager goes into its parts: a cycle would keep every cached adapter
         # alive after the engine is dropped, until a garbage-collector pass (seconds of freeing GBs).
-        read = partial(read_adapter, model, lora_config, self._lora_dtype)
+        read_files = partial(read_adapter, model, lora_config, self._lora_dtype, max_file_bytes)
+        read = partial(self._failed.read, read_files)
         self._host = HostCache(lora_config.cpu_capacity, read, self._lock, self._slots.release)
         self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
 
@@ -123,6 +130,7 @@ class LoRAManager:
     def _forget(self, lora_id: int) -> None:
         self._drop(lora_id)
         self._registry.forget(lora_id)
+        self._failed.forget(_changed_key(lora_id))
 
     def _drop(self, lora_id: int) -> None:
         """The adapter leaves the host cache and its slot (it stays registered)."""
@@ -154,18 +162,38 @@ class LoRAManager:
         return self.activate(lora_ids - failed.keys()), failed
 
     def _reload(self, lora_id: int, step_ids: set[int]) -> None:
+        """Read an evicted adapter again. Its registered content is the only one it may serve: files
+        gone -> LoRAAdapterGoneError; other content, or files that no longer load ->
+        LoRAAdapterChangedError (remembered until the files change again, so its requests fail fast)."""
         with self._lock:
             if lora_id in self._host:
                 return
             lora_request, digest = self._registry.requests[lora_id], self._registry.digests[lora_id]
-        reloaded = self.load(lora_request, protected=step_ids)
+        name, key = lora_request.lora_name, _changed_key(lora_id)
+        files = self._failed.check(key, lora_request.lora_path)
+        try:
+            reloaded = self.load(lora_request, protected=step_ids)
+        except LoRAAdapterError as e:
+            if not os.path.isdir(lora_request.lora_path):
+                raise LoRAAdapterGoneError(
+                    f"LoRA adapter '{name}' is registered but its files are gone from disk; unload it, "
+                    "or put its files back."
+                ) from None
+            reason = str(e).removeprefix(f"LoRA adapter '{name}': ")
+            raise LoRAAdapterChangedError(
+                f"LoRA adapter '{name}' changed on disk since it was loaded and no longer loads ({reason}); "
+                "unload it and load it again once its files are fixed."
+            ) from None
         if reloaded.identity.digest != digest:
             with self._lock:
                 self._drop(lora_id)
-            raise LoRAAdapterError(
-                f"LoRA adapter {lora_request.lora_name!r} changed on disk since it was loaded; load it "
-                "again under a new name."
+            error = LoRAAdapterChangedError(
+                f"LoRA adapter '{name}' changed on disk since it was loaded; its new weights are not "
+                "served under the old load: unload it and load it again to serve them."
             )
+            self._failed.record(key, files, error)
+            raise error
+        self._failed.forget(key)
 
     def end_step(self) -> None:
         """The step is over: its adapters may be evicted again (their requests reload them if needed)."""
@@ -244,10 +272,21 @@ class LoRAManager:
 
 
 def read_adapter(
-    model: nn.Module, lora_config: LoRAConfig, lora_dtype: torch.dtype, lora_request: LoRARequest
+    model: nn.Module, lora_config: LoRAConfig, lora_dtype: torch.dtype, max_file_bytes: int | None,
+    lora_request: LoRARequest,
 ) -> LoRAModel:
     """Read and validate the adapter of `lora_request` for `model` (host memory, `lora_dtype`)."""
-    helper = PEFTHelper.from_local_dir(
-        lora_request.lora_path, lora_request.lora_name, lora_config.max_lora_rank, lora_config.enable_lora_bias
-    )
-    return LoRAModel.from_local_checkpoint(lora_request.lora_path, lora_request, helper, model, lora_dtype, "cpu")
+    try:
+        helper = PEFTHelper.from_local_dir(
+            lora_request.lora_path, lora_request.lora_name, lora_config.max_lora_rank, lora_config.enable_lora_bias
+        )
+        return LoRAModel.from_local_checkpoint(
+            lora_request.lora_path, lora_request, helper, model, lora_dtype, "cpu", max_file_bytes
+        )
+    except OSError as e:  # the files are the client's (or a resolver's): never a 500, never a path
+        raise LoRAAdapterError(f"LoRA adapter '{lora_request.lora_name}': its files cannot be read ({e.strerror})") from None
+
+
+def _changed_key(lora_id: int) -> tuple[str, int]:
+    """The FailedLoads key of a registered adapter found changed on disk."""
+    return ("changed", lora_id)

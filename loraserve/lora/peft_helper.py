@@ -2,17 +2,19 @@ r"""`PEFTHelper`: an adapter_config.json parsed and validated against what the s
 
 Matching follows PEFT (read for facts): `target_modules` is a list of module-name suffixes or one
 full-match regex; `rank_pattern` / `alpha_pattern` keys match a module when
-`re.match(rf"(.*\.)?({key})$", module_name)` does, first key in file order wins; rsLoRA scales by
-alpha / sqrt(r) instead of alpha / r. `fan_in_fan_out` only says how the *base* Conv1D weight is
+`re.match(rf"(.*\.)?({key})$", module_name)` does, first key in file order wins (`patterns.py`
+applies these rules); rsLoRA scales by alpha / sqrt(r) instead of alpha / r. `fan_in_fan_out` only says how the *base* Conv1D weight is
 stored: PEFT keeps lora_A / lora_B in nn.Linear orientation either way, so it needs no handling here.
+Every pattern from the config is compiled and matched by one `PatternMatcher` per adapter: the
+`regex` engine under a time budget, since the patterns are client input.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+from loraserve.lora.patterns import PatternMatcher, key_regex, layers_regex
 
 CONFIG_NAME = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KB
@@ -65,6 +68,9 @@ class PEFTHelper:
     base_model_name_or_path: str | None
     bias_enabled: bool
     config_json: str  # canonical JSON of the file, part of the adapter's content digest
+    patterns: PatternMatcher = dataclasses.field(
+        default_factory=lambda: PatternMatcher(""), compare=False, repr=False
+    )
 
     @classmethod
     def from_local_dir(
@@ -72,10 +78,12 @@ class PEFTHelper:
     ) -> PEFTHelper:
         """Read `path/adapter_config.json`; raise LoRAAdapterError naming the adapter and field."""
         folder = Path(path)
-        if not folder.is_dir():
-            raise LoRAAdapterNotFoundError(
-                f"LoRA adapter '{lora_name}' not found: {str(path)!r} is not a directory"
-            )
+        try:
+            is_dir = folder.is_dir()
+        except OSError as e:  # a name too long, no permission: the client's path, not a server fault
+            raise LoRAAdapterError(f"LoRA adapter '{lora_name}': its path is unusable ({e.strerror})") from None
+        if not is_dir:  # the path is not echoed: it may be a server path (a resolver's folder)
+            raise LoRAAdapterNotFoundError(f"LoRA adapter '{lora_name}' not found: its path is not a directory")
         config = read_adapter_config(folder, lora_name)
         return cls.from_dict(config, lora_name, max_lora_rank, enable_lora_bias)
 
@@ -87,7 +95,8 @@ class PEFTHelper:
             raise LoRAAdapterError(
                 f"LoRA adapter '{lora_name}': {CONFIG_NAME} must hold a JSON object, got {type(config).__name__}"
             )
-        v = _Validator(lora_name, config)
+        patterns = PatternMatcher(lora_name)  # one time budget for all of this adapter's patterns
+        v = _Validator(lora_name, config, patterns)
         peft_type = v.get("peft_type", "LORA")
         if str(peft_type).upper() != "LORA":
             v.fail("peft_type", f"only LORA adapters are supported, got {peft_type!r}")
@@ -117,7 +126,7 @@ class PEFTHelper:
             target_modules=v.targets("target_modules"),
             exclude_modules=v.targets("exclude_modules"),
             layers_to_transform=v.int_list("layers_to_transform"),
-            layers_pattern=v.name_list("layers_pattern") or None,
+            layers_pattern=v.layer_patterns("layers_pattern"),
             rank_pattern=rank_pattern,
             alpha_pattern=v.pattern_dict("alpha_pattern", is_rank=False),
             use_rslora=bool(v.get("use_rslora", False)),
@@ -130,15 +139,16 @@ class PEFTHelper:
             base_model_name_or_path=v.get("base_model_name_or_path", None),
             bias_enabled=enable_lora_bias,
             config_json=json.dumps(config, sort_keys=True, default=str),
+            patterns=patterns,
         )
 
     def rank_for(self, module_name: str) -> int:
         """Rank of `module_name` (full dotted name): rank_pattern first, else r."""
-        key = _pattern_key(self.rank_pattern, module_name)
+        key = self.patterns.first_key(self.rank_pattern, module_name, "rank_pattern")
         return self.rank_pattern[key] if key is not None else self.r
 
     def alpha_for(self, module_name: str) -> float:
-        key = _pattern_key(self.alpha_pattern, module_name)
+        key = self.patterns.first_key(self.alpha_pattern, module_name, "alpha_pattern")
         return self.alpha_pattern[key] if key is not None else self.lora_alpha
 
     def scaling_for(self, module_name: str) -> float:
@@ -148,46 +158,23 @@ class PEFTHelper:
 
     def targets_module(self, module_name: str) -> bool:
         """Whether PEFT would have put a LoRA on `module_name` (full dotted name) under this config."""
-        if self.exclude_modules is not None and _matches_targets(self.exclude_modules, module_name):
+        if self.exclude_modules is not None and self.patterns.matches_targets(
+            self.exclude_modules, module_name, "exclude_modules"
+        ):
             return False
         targets = self.target_modules
         if targets is None:
             return False
         if isinstance(targets, str):
-            return targets == "all-linear" or re.fullmatch(targets, module_name) is not None
+            return self.patterns.matches_targets(targets, module_name, "target_modules")
         if module_name in targets:
             return True  # PEFT skips the layer filter for an exact name
         if not any(module_name.endswith(f".{t}") for t in targets):
             return False
         if not self.layers_to_transform:
             return True
-        layer = _layer_index(module_name, self.layers_pattern)
+        layer = self.patterns.layer_index(module_name, self.layers_pattern)
         return layer is not None and layer in self.layers_to_transform
-
-
-def _pattern_key(patterns: Mapping[str, Any], module_name: str) -> str | None:
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_name):
-            return key
-    return None
-
-
-def _matches_targets(targets: tuple[str, ...] | str, module_name: str) -> bool:
-    if isinstance(targets, str):
-        return targets == "all-linear" or re.fullmatch(targets, module_name) is not None
-    return any(module_name == t or module_name.endswith(f".{t}") for t in targets)
-
-
-def _layer_index(module_name: str, layers_pattern: tuple[str, ...] | None) -> int | None:
-    # The first numbered segment is the layer index (not an expert index further down).
-    if not layers_pattern:
-        match = re.match(r".*?\.[^.]*\.(\d+)\.", module_name)
-        return int(match.group(1)) if match else None
-    for pattern in layers_pattern:
-        match = re.match(rf"(?:^|.*?\.){pattern}\.(\d+)\.", module_name)
-        if match:
-            return int(match.group(1))
-    return None
 
 
 def _check_unsupported_features(v: _Validator, config: dict[str, Any]) -> None:
@@ -206,9 +193,10 @@ def _check_unsupported_features(v: _Validator, config: dict[str, Any]) -> None:
 class _Validator:
     """Typed field access that raises LoRAAdapterError naming the adapter and the field."""
 
-    def __init__(self, lora_name: str, config: dict[str, Any]) -> None:
+    def __init__(self, lora_name: str, config: dict[str, Any], patterns: PatternMatcher) -> None:
         self.lora_name = lora_name
         self.config = config
+        self.patterns = patterns
 
     def fail(self, field: str, message: str) -> NoReturn:
         raise LoRAAdapterError(
@@ -245,11 +233,14 @@ class _Validator:
             return None if value is None else self.name_list(field)
         if not isinstance(value, str):
             self.fail(field, f"must be a regex string or a list of module names, got {value!r}")
-        try:
-            re.compile(value)
-        except re.error as e:
-            self.fail(field, f"invalid regular expression {value!r} ({e})")
+        self.patterns.compile(value, field)
         return str(value)
+
+    def layer_patterns(self, field: str) -> tuple[str, ...] | None:
+        names = self.name_list(field)
+        for name in names:
+            self.patterns.compile(layers_regex(name), field)
+        return names or None
 
     def int_list(self, field: str) -> tuple[int, ...] | None:
         value = self.config.get(field)
@@ -268,10 +259,7 @@ class _Validator:
             self.fail(field, f"must be an object mapping module patterns to values, got {value!r}")
         parsed: dict[str, Any] = {}
         for key, item in value.items():
-            try:
-                re.compile(rf"(.*\.)?({key})$")
-            except re.error as e:
-                self.fail(field, f"invalid pattern {key!r} ({e})")
+            self.patterns.compile(key_regex(key), field)
             bad_rank = isinstance(item, bool) or not isinstance(item, int) or item <= 0
             bad_alpha = isinstance(item, bool) or not isinstance(item, int | float) or not math.isfinite(item)
             if bad_rank if is_rank else bad_alpha:
@@ -289,7 +277,7 @@ def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
     try:
         fd = os.open(config_file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} not found in {str(folder)!r}") from None
+        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} not found in its folder") from None
     except OSError as e:
         raise LoRAAdapterError(f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})") from None
     with os.fdopen(fd, "rb") as f:

@@ -33,9 +33,9 @@ class AdapterRegistry:
         if known is None:
             return None
         if known.lora_path != lora_request.lora_path or known.lora_name != lora_request.lora_name:
-            raise LoRAAdapterError(
-                f"LoRA id {lora_id} is already registered as {known.lora_name!r} "
-                f"({known.lora_path}); use a new id for {lora_request.lora_name!r}."
+            raise LoRAAdapterError(  # no path: error messages never show server paths
+                f"LoRA id {lora_id} is already registered as {known.lora_name!r} (another adapter or "
+                f"folder); use a new id for {lora_request.lora_name!r}."
             )
         return self.digests[lora_id]
 

@@ -3,6 +3,7 @@ names (q_proj, k_proj, ...) of the slices of its packed modules (qkv_proj, gate_
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from torch import nn
@@ -11,6 +12,9 @@ from loraserve.layers.linear import Linear
 
 # Linear modules that never take LoRA: the vocab projection (served from the base model only).
 UNSUPPORTED_LEAF_NAMES = frozenset({"lm_head"})
+# Room a weights file may take beyond its LoRA tensors: the header, a pickle's framing, a few stray
+# tensors (an embedding LoRA, which validation then refuses by name, not by size).
+FILE_SLACK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,17 @@ class LoRATargets:
             n.rpartition(".")[2] for n in self.sub_modules
         }
         return sorted(names)
+
+    def max_adapter_bytes(self, max_rank: int) -> int:
+        """The most bytes a weights file of a valid adapter of rank <= `max_rank` can hold: every
+        module and every slice of a packed one targeted, with a bias, stored as float64 (twice what
+        float32 checkpoints take), plus FILE_SLACK_BYTES. A larger file is refused unread."""
+        num_slices = Counter(packed for packed, _ in self.sub_modules.values())
+        elements = 0
+        for name, module in self.modules.items():
+            slices = num_slices.get(name, 1)
+            elements += max_rank * (slices * module.in_features + module.out_features) + module.out_features
+        return 8 * elements + FILE_SLACK_BYTES
 
     def locate(self, module_name: str) -> tuple[Linear, str | None, int]:
         """(model layer, packed module name or None, output slice index) of an adapter module name."""

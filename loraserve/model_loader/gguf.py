@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from loraserve import envs
+from loraserve.model_loader.staging import publish, stage
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +115,7 @@ def gguf_folder(path: str, dtype: torch.dtype, hf_config_path: str | None = None
     folder = os.path.join(envs.cache_root(), "gguf", key)
     if os.path.isfile(os.path.join(folder, _COMPLETE)):
         return folder
-    parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+    staging = stage(os.path.dirname(folder), ".convert-")
     start = time.perf_counter()
     logger.info(
         "Converting GGUF %s (%s; %s) to %s once; the result is cached in %s.",
@@ -135,18 +133,6 @@ def gguf_folder(path: str, dtype: torch.dtype, hf_config_path: str | None = None
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("Converted %s in %.1fs.", os.path.basename(path), time.perf_counter() - start)
     return folder
-
-
-def publish(staging: str, folder: str, marker: str) -> None:
-    """Rename a finished staging folder into place; if another process published the same folder
-    first (its `marker` file present), theirs stands. A half folder without the marker is replaced."""
-    if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, marker)):
-        shutil.rmtree(folder, ignore_errors=True)
-    try:
-        os.replace(staging, folder)
-    except OSError:
-        if not os.path.isfile(os.path.join(folder, marker)):
-            raise
 
 
 def _cache_key(digest: str, dtype: torch.dtype, hf_config_path: str | None) -> str:

@@ -4,18 +4,18 @@ in-step protection), all through their public APIs."""
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from support.stand_in_model import CONFIG, KV, RANK, H, StandInLlama, write_stand_in_adapter
+from support.stand_in_model import stand_in_tensors as _tensors
 from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
-from loraserve.layers.linear import Linear
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
@@ -25,74 +25,6 @@ from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.slot_table import SlotTable
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
-
-H, KV, INTER, RANK = 16, 8, 24, 4
-
-
-class _Attn(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv_proj = Linear(H, [H, KV, KV])
-        self.o_proj = Linear(H, H)
-
-
-class _Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(H, [INTER, INTER])
-        self.down_proj = Linear(INTER, H)
-
-
-class _Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.self_attn = _Attn()
-        self.mlp = _Mlp()
-
-
-class _Inner(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([_Layer(), _Layer()])
-
-
-class StandInLlama(nn.Module):
-    """Linear layers named like a Llama model (the manager only looks at those)."""
-
-    packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = _Inner()
-        self.lm_head = Linear(H, 50)
-        for p in self.parameters():
-            nn.init.normal_(p)
-
-
-def _tensors(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for layer in range(2):
-        for module, d_in, d_out in (
-            ("self_attn.q_proj", H, H),
-            ("self_attn.v_proj", H, KV),
-            ("mlp.down_proj", INTER, H),
-        ):
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            out[f"{prefix}.lora_A.weight"] = torch.randn(RANK, d_in, generator=g)
-            out[f"{prefix}.lora_B.weight"] = torch.randn(d_out, RANK, generator=g)
-    return out
-
-
-CONFIG = {
-    "peft_type": "LORA",
-    "r": RANK,
-    "lora_alpha": 8,
-    "target_modules": ["q_proj", "v_proj", "down_proj"],
-}
 
 
 def _adapter(model: nn.Module, lora_id: int) -> LoRAModel:
@@ -258,9 +190,7 @@ def adapter_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
     def request(lora_id: int, **config: object) -> LoRARequest:
         folder = tmp_path / f"ad{lora_id}"
         if not folder.exists():
-            folder.mkdir()
-            (folder / "adapter_config.json").write_text(json.dumps({**CONFIG, **config}))
-            safetensors.torch.save_file(_tensors(lora_id), str(folder / "adapter_model.safetensors"))
+            write_stand_in_adapter(folder, lora_id, **config)
         return LoRARequest(f"ad{lora_id}", lora_id, str(folder))
 
     return request

@@ -250,9 +250,10 @@ def test_pickle_that_runs_code_is_refused(llama_and_adapter: tuple[Any, Any, Pat
     bad.mkdir()
     (bad / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
     torch.save({"x": _Exploit()}, bad / "adapter_model.bin")
-    with pytest.raises(LoRAAdapterError, match="cannot load adapter_model.bin safely") as info:
+    with pytest.raises(LoRAAdapterError, match="'a': adapter_model.bin holds objects that safe loading refuses") as info:
         _load(bad, native)
-    assert not Path("/tmp/loraserve_pwned").exists() and "0x" not in str(info.value).replace("0x?", "")
+    assert not Path("/tmp/loraserve_pwned").exists() and "0x" not in str(info.value)
+    assert "weights_only" not in str(info.value)  # torch's advice to load it unsafely never reaches a client
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:

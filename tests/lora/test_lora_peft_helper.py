@@ -68,6 +68,9 @@ def test_parses_fields(tmp_path: Path) -> None:
         ({"bias": "sometimes"}, "bias", "must be 'none'"),
         ({"lora_alpha": "x"}, "lora_alpha", "finite number"),
         ({"target_modules": "q_proj(("}, "target_modules", "invalid regular expression"),
+        ({"target_modules": "q" * 5000}, "target_modules", "longer than 4096 characters"),
+        ({"layers_pattern": "layers(("}, "layers_pattern", "invalid regular expression"),
+        ({"rank_pattern": {"q_proj((": 4}}, "rank_pattern", "invalid regular expression"),
         ({"alpha_pattern": {"q_proj": "big"}}, "alpha_pattern", "finite number"),
         ({"use_qalora": True}, "use_qalora", "QA-LoRA is not supported"),
         ({"alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens", "is not supported"),
@@ -83,6 +86,17 @@ def test_each_bad_config_has_its_error(
         PEFTHelper.from_local_dir(folder, "bad-adapter", max_lora_rank=16)
     assert "'bad-adapter'" in str(info.value) and f"field '{field}'" in str(info.value)
     assert type(info.value) is LoRAAdapterError
+
+
+def test_pattern_matching_is_time_bounded_per_adapter() -> None:
+    # Catastrophic by orders of magnitude (years of backtracking) against a 1 s budget per adapter.
+    helper = PEFTHelper.from_dict(_base(target_modules="(?:.|.)*(?:.|.)*[0-9]{5}"), "slow", max_lora_rank=16)
+    with pytest.raises(LoRAAdapterError, match="'slow': the pattern in field 'target_modules' .*took too long"):
+        helper.targets_module("model.layers.0.self_attn.q_proj")
+    with pytest.raises(LoRAAdapterError, match="took too long"):  # the budget is spent: refused at once
+        helper.targets_module("model.layers.1.self_attn.q_proj")
+    fine = PEFTHelper.from_dict(_base(target_modules=r".*\.(q|v)_proj"), "fine", max_lora_rank=16)
+    assert fine.targets_module("model.layers.0.self_attn.q_proj") and not fine.targets_module("model.layers.0.mlp.up_proj")
 
 
 def test_bias_allowed_with_flag(tmp_path: Path) -> None:

@@ -127,25 +127,6 @@ def test_a_folder_with_two_gguf_files_must_name_one(tmp_path: Any) -> None:
     assert find_gguf_file(str(tmp_path / "b.gguf")) == str(tmp_path / "b.gguf")
 
 
-def test_publishing_a_cache_folder_tolerates_a_concurrent_winner_and_replaces_half_folders(tmp_path: Any) -> None:
-    from loraserve.model_loader.gguf import publish
-
-    def staged(name: str, content: str) -> str:
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "data").write_text(content)
-        (folder / "DONE").write_text("")
-        return str(folder)
-
-    target = str(tmp_path / "entry")
-    publish(staged("first", "first"), target, "DONE")
-    publish(staged("second", "second"), target, "DONE")  # another process won: theirs stands, no error
-    assert (tmp_path / "entry" / "data").read_text() == "first"
-    os.remove(os.path.join(target, "DONE"))  # a half folder, as a crash during a copy would leave
-    publish(staged("third", "third"), target, "DONE")
-    assert (tmp_path / "entry" / "data").read_text() == "third"
-
-
 def test_a_missing_hf_config_path_is_named(tmp_path: Any, cache_root: str) -> None:
     path = write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"))
     with pytest.raises(GGUFError, match="is neither a config.json file nor a folder holding one"):

@@ -78,6 +78,14 @@ def test_internal_error_hides_addresses(server: RunningServer, client: openai.Op
     assert client.completions.create(model="base", prompt="x", max_tokens=2).choices[0].text
 
 
+def test_internal_os_error_hides_its_path(server: RunningServer, client: openai.OpenAI) -> None:
+    error = PermissionError(13, "Permission denied", "/srv/adapters-cache/secret/adapter_model.safetensors")
+    server.call(lambda: setattr(server.engine, "fail_with", error))
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="base", prompt="x", max_tokens=2)
+    assert "/srv" not in str(info.value.body) and "Permission denied" in str(info.value.body)
+
+
 def test_stream_error_after_start(server: RunningServer) -> None:
     server.call(lambda: setattr(server.engine, "fail_after_tokens", 2))
     try:

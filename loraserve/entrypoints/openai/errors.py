@@ -16,6 +16,7 @@ from loraserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
+    LoRAAdapterChangedError,
     LoRAAdapterError,
     LoRAAdapterNotFoundError,
 )
@@ -98,12 +99,16 @@ def api_error_from_exception(exc: BaseException) -> APIError:
         return APIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, LoRAAdapterNotFoundError):
         return APIError(str(exc), HTTPStatus.NOT_FOUND)
+    if isinstance(exc, LoRAAdapterChangedError):
+        return APIError(str(exc), HTTPStatus.CONFLICT, param="model")
     if isinstance(exc, (LoRAAdapterError, ValueError)):
         return APIError(str(exc), HTTPStatus.BAD_REQUEST, param=_param_from_message(str(exc)))
     if isinstance(exc, EngineDeadError):
         return APIError(f"The engine is dead: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR)
     logger.error("Internal error while serving a request", exc_info=exc)
-    return APIError(f"Internal server error: {type(exc).__name__}: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR)
+    # An OSError's text names its file (a server path): the body keeps only the reason, the log all.
+    detail = (exc.strerror or "I/O error") if isinstance(exc, OSError) else str(exc)
+    return APIError(f"Internal server error: {type(exc).__name__}: {detail}", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 _PARAMS = {

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from loraserve.engine.admission import check_request_size
 from loraserve.entrypoints.openai.engine_client import EngineClient
-from loraserve.entrypoints.openai.errors import APIError
+from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import SamplingRequest
 from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
@@ -236,7 +236,9 @@ class OpenAIServing:
         try:
             async with aclosing(merge_async_iterators(iterators)) as merged:
                 async for index, output in merged:
-                    if output.error:
+                    if output.error:  # the adapter's fault (its 4xx), else the server's (500)
+                        if output.error_cause is not None:
+                            raise api_error_from_exception(output.error_cause)
                         raise APIError(output.error, HTTPStatus.INTERNAL_SERVER_ERROR)
                     self._record(timings[index], prompts[index], output, model_name)
                     if output.finished:

@@ -20,6 +20,7 @@ from loraserve import envs
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError
 from loraserve.entrypoints.openai.metrics import ServerMetrics
+from loraserve.entrypoints.openai.names import check_name, check_path
 from loraserve.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
@@ -140,6 +141,7 @@ class OpenAIServingModels:
         if self.is_base_model(name):
             return None
         assert name is not None
+        check_name(name, "model")  # before it is logged, counted or handed to a resolver
         if name in self.lora_requests:
             return self.lora_requests[name]
         if not self.lora_enabled or not self.allow_runtime_lora_updating or not self.lora_resolvers:
@@ -196,6 +198,8 @@ class OpenAIServingModels:
         name, path = request.lora_name.strip(), request.lora_path.strip()
         if not name or not path:
             raise APIError("Both 'lora_name' and 'lora_path' must be provided.", HTTPStatus.BAD_REQUEST)
+        check_name(name, "lora_name")  # before anything registers, logs or counts them
+        check_path(path, "lora_path")
         if not self.lora_enabled:
             raise APIError(
                 "LoRA is not enabled; start the server with --enable-lora.", HTTPStatus.BAD_REQUEST
@@ -215,7 +219,7 @@ class OpenAIServingModels:
                 raise APIError(str(exc), HTTPStatus.NOT_FOUND, "lora_path") from exc
             except ValueError as exc:  # LoRAAdapterError and any other validation failure
                 raise APIError(str(exc), HTTPStatus.BAD_REQUEST, "lora_path") from exc
-        logger.info("Loaded LoRA adapter %r from %s.", name, path)
+        logger.info("Loaded LoRA adapter %r from %r.", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
@@ -231,6 +235,7 @@ class OpenAIServingModels:
 
     def _find_unload_target(self, request: UnloadLoRAAdapterRequest) -> str:
         if request.lora_name:
+            check_name(request.lora_name, "lora_name")
             return request.lora_name
         if request.lora_int_id is None:
             raise APIError("Either 'lora_name' or 'lora_int_id' must be provided.", HTTPStatus.BAD_REQUEST)
