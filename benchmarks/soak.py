@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=None, help="seconds before RSS counts (default: 20%%)")
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--log", default="/tmp/loraserve-soak.log")
+    parser.add_argument("--mix", default="0.7,0.15,0.15", help="shares of valid, disconnecting and bad requests")
+    parser.add_argument("--no-churn", action="store_true", help="no adapter load/unload worker")
     args = parser.parse_args()
 
     from loraserve.demo.run import demo_setup
@@ -112,8 +114,10 @@ def main() -> None:
     process = start_server(args.port, args)
     try:
         wait_healthy(url, process)
+        mix = tuple(float(share) for share in args.mix.split(","))
+        assert len(mix) == 3, "--mix needs three shares"
         plan = SoakPlan(url, setup.served_model_name, list(setup.adapters), args.duration, args.concurrency,
-                        churn_adapter_path=setup.adapters["sql"])
+                        churn_adapter_path=None if args.no_churn else setup.adapters["sql"], mix=mix)  # type: ignore[arg-type]
         started = time.monotonic()
         tally, samples = asyncio.run(soak(plan, process.pid))
         elapsed = time.monotonic() - started

@@ -85,6 +85,7 @@ class SoakPlan:
     max_tokens: int = 12
     churn_adapter_path: str | None = None  # an adapter folder to load under fresh names
     seed: int = 0
+    mix: tuple[float, float, float] = (0.7, 0.15, 0.15)  # shares of valid, disconnecting and bad requests
 
 
 async def run_soak_traffic(plan: SoakPlan) -> SoakTally:
@@ -102,10 +103,10 @@ async def run_soak_traffic(plan: SoakPlan) -> SoakTally:
 async def _worker(client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTally, deadline: float,
                   rng: random.Random) -> None:
     while time.monotonic() < deadline:
-        roll = rng.random()
-        if roll < 0.7:
+        roll = rng.random() * sum(plan.mix)
+        if roll < plan.mix[0]:
             await _valid(client, plan, tally, rng)
-        elif roll < 0.85:
+        elif roll < plan.mix[0] + plan.mix[1]:
             await _disconnect(client, plan, tally, rng)
         else:
             await _bad(client, plan, tally, rng)
