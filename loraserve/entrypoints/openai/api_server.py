@@ -20,7 +20,13 @@ from loraserve import __version__, envs
 from loraserve.entrypoints.openai.auth import APIKeyMiddleware
 from loraserve.entrypoints.openai.disconnect import ClientDisconnected, run_until_disconnect
 from loraserve.entrypoints.openai.engine_client import EngineClient
-from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception, error_response, sse_error
+from loraserve.entrypoints.openai.errors import (
+    APIError,
+    api_error_from_exception,
+    api_error_response,
+    error_response,
+    sse_error,
+)
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -96,12 +102,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+        return api_error_response(exc)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        error = api_error_from_exception(exc)
-        return error_response(error.message, error.status, error.param)
+        return api_error_response(api_error_from_exception(exc))
 
 
 def _add_info_routes(
@@ -175,8 +180,7 @@ async def _respond(
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:
-        error = api_error_from_exception(exc)
-        return error_response(error.message, error.status, error.param)
+        return api_error_response(api_error_from_exception(exc))
 
 
 async def _continue_stream(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -187,7 +191,7 @@ async def _continue_stream(first: str, rest: AsyncIterator[str]) -> AsyncIterato
             yield line
     except Exception as exc:
         error = api_error_from_exception(exc)
-        yield sse_error(error.message, error.status, error.param)
+        yield sse_error(error.message, error.status, error.param, error.err_type)
         yield "data: [DONE]\n\n"
     finally:
         aclose = getattr(rest, "aclose", None)

@@ -202,8 +202,10 @@ class ModelList(OpenAIBaseModel):
 
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
-    lora_name: str
-    lora_path: str
+    # Optional here so that a missing field gets vLLM's "must be provided" InvalidUserInput answer.
+    lora_name: str | None = None
+    lora_path: str | None = None
+    load_inplace: bool = False  # replace the weights of an adapter loaded under this name
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

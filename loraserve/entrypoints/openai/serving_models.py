@@ -18,7 +18,7 @@ from http import HTTPStatus
 
 from loraserve import envs
 from loraserve.entrypoints.openai.engine_client import EngineClient
-from loraserve.entrypoints.openai.errors import APIError
+from loraserve.entrypoints.openai.errors import INVALID_USER_INPUT, APIError
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
@@ -193,28 +193,39 @@ class OpenAIServingModels:
 
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
         """POST /v1/load_lora_adapter: validate, then register; APIError with the status otherwise."""
-        name, path = request.lora_name.strip(), request.lora_path.strip()
+        name, path = (request.lora_name or "").strip(), (request.lora_path or "").strip()
         if not name or not path:
-            raise APIError("Both 'lora_name' and 'lora_path' must be provided.", HTTPStatus.BAD_REQUEST)
+            raise APIError(
+                "Both 'lora_name' and 'lora_path' must be provided.", HTTPStatus.BAD_REQUEST, None, INVALID_USER_INPUT
+            )
         if not self.lora_enabled:
             raise APIError(
-                "LoRA is not enabled; start the server with --enable-lora.", HTTPStatus.BAD_REQUEST
+                "LoRA is not enabled; start the server with --enable-lora.",
+                HTTPStatus.BAD_REQUEST,
+                None,
+                INVALID_USER_INPUT,
             )
         if self.is_base_model(name):
             raise APIError(
-                f"'{name}' is the name of a served base model.", HTTPStatus.BAD_REQUEST, "lora_name"
+                f"'{name}' is the name of a served base model.",
+                HTTPStatus.BAD_REQUEST,
+                "lora_name",
+                INVALID_USER_INPUT,
             )
         async with self.name_locks.hold(name):
             if name in self.lora_requests:
                 raise APIError(
-                    f"The lora adapter '{name}' has already been loaded.", HTTPStatus.BAD_REQUEST, "lora_name"
+                    f"The lora adapter '{name}' has already been loaded.",
+                    HTTPStatus.BAD_REQUEST,
+                    "lora_name",
+                    INVALID_USER_INPUT,
                 )
             try:
                 await self._add_lora(name, path, None)
             except LoRAAdapterNotFoundError as exc:
                 raise APIError(str(exc), HTTPStatus.NOT_FOUND, "lora_path") from exc
             except ValueError as exc:  # LoRAAdapterError and any other validation failure
-                raise APIError(str(exc), HTTPStatus.BAD_REQUEST, "lora_path") from exc
+                raise APIError(str(exc), HTTPStatus.BAD_REQUEST, "lora_path", INVALID_USER_INPUT) from exc
         logger.info("Loaded LoRA adapter %r from %s.", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -233,7 +244,12 @@ class OpenAIServingModels:
         if request.lora_name:
             return request.lora_name
         if request.lora_int_id is None:
-            raise APIError("Either 'lora_name' or 'lora_int_id' must be provided.", HTTPStatus.BAD_REQUEST)
+            raise APIError(
+                "Either 'lora_name' or 'lora_int_id' must be provided.",
+                HTTPStatus.BAD_REQUEST,
+                None,
+                INVALID_USER_INPUT,
+            )
         for lora_request in self.lora_requests.values():
             if lora_request.lora_id == request.lora_int_id:
                 return lora_request.lora_name
