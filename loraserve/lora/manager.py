@@ -24,6 +24,7 @@ from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.errors import LoRAAdapterError
+from loraserve.lora.adapter_path import AdapterLocations
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
@@ -44,7 +45,8 @@ class LoRAManager:
         self._slots = SlotTable(wrap_model_for_lora(model, lora_config), lora_config.max_loras)
         # No bound method of the manager goes into its parts: a cycle would keep every cached adapter
         # alive after the engine is dropped, until a garbage-collector pass (seconds of freeing GBs).
-        read = partial(read_adapter, model, lora_config, self._lora_dtype)
+        self._locations = AdapterLocations()  # lora_path (maybe ~ or a Hub repo id) -> local folder
+        read = partial(read_adapter, model, lora_config, self._lora_dtype, self._locations)
         self._host = HostCache(lora_config.cpu_capacity, read, self._lock, self._slots.release)
         self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
 
@@ -123,6 +125,7 @@ class LoRAManager:
     def _forget(self, lora_id: int) -> None:
         self._drop(lora_id)
         self._registry.forget(lora_id)
+        self._locations.forget(lora_id)
 
     def _drop(self, lora_id: int) -> None:
         """The adapter leaves the host cache and its slot (it stays registered)."""
@@ -244,10 +247,20 @@ class LoRAManager:
 
 
 def read_adapter(
-    model: nn.Module, lora_config: LoRAConfig, lora_dtype: torch.dtype, lora_request: LoRARequest
+    model: nn.Module,
+    lora_config: LoRAConfig,
+    lora_dtype: torch.dtype,
+    locations: AdapterLocations,
+    lora_request: LoRARequest,
 ) -> LoRAModel:
-    """Read and validate the adapter of `lora_request` for `model` (host memory, `lora_dtype`)."""
-    helper = PEFTHelper.from_local_dir(
-        lora_request.lora_path, lora_request.lora_name, lora_config.max_lora_rank, lora_config.enable_lora_bias
-    )
-    return LoRAModel.from_local_checkpoint(lora_request.lora_path, lora_request, helper, model, lora_dtype, "cpu")
+    """Read and validate the adapter of `lora_request` for `model` (host memory, `lora_dtype`); its
+    path may start with `~` or be a Hugging Face repo id (`adapter_path.py`)."""
+    try:
+        folder = locations.local_path(lora_request)
+        helper = PEFTHelper.from_local_dir(
+            folder, lora_request.lora_name, lora_config.max_lora_rank, lora_config.enable_lora_bias
+        )
+        return LoRAModel.from_local_checkpoint(folder, lora_request, helper, model, lora_dtype, "cpu")
+    except BaseException:
+        locations.forget(lora_request.lora_id)  # a failed load leaves no trace, its location included
+        raise

@@ -74,7 +74,7 @@ class PEFTHelper:
         folder = Path(path)
         if not folder.is_dir():
             raise LoRAAdapterNotFoundError(
-                f"LoRA adapter '{lora_name}' not found: {str(path)!r} is not a directory"
+                f"No adapter found for LoRA adapter '{lora_name}': {str(path)!r} is not a directory"
             )
         config = read_adapter_config(folder, lora_name)
         return cls.from_dict(config, lora_name, max_lora_rank, enable_lora_bias)
