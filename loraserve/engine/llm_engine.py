@@ -121,6 +121,7 @@ class LLMEngine:
                 raise LoRAAdapterError(
                     f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not enabled (enable_lora=True)."
                 )
+            lora_request = self.lora.successor(lora_request)  # replaced in place meanwhile: the new one
             salt = self.lora.register(lora_request)
         request = Request(request_id, text, prompt_ids, params, lora_request, arrival_time or time.time(), salt)
         for i in range(params.n):
@@ -287,11 +288,22 @@ class LLMEngine:
             self.lora.finish_removals(self._loras_in_use())
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load, validate and register an adapter; False if its id is registered already."""
+        """Load, validate and register an adapter; False if its id is registered already, unless
+        `lora_request.load_inplace`: then its weights are read again (no request may be using it)."""
         manager = self._lora_manager()
         if manager.is_registered(lora_request.lora_id):
-            return False
+            if not lora_request.load_inplace:
+                return False
+            manager.replace(lora_request.lora_id, lora_request, lora_request.lora_id in self._loras_in_use())
+            return True
         manager.register(lora_request, explicit=True)
+        return True
+
+    def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
+        """Serve `lora_request` (a new id) in place of adapter `old_lora_id`: running requests finish on
+        the old weights, new ones (old id included) get the new weights (`LoRAManager.replace`)."""
+        manager = self._lora_manager()
+        manager.replace(old_lora_id, lora_request, old_lora_id in self._loras_in_use())
         return True
 
     def is_lora_registered(self, lora_id: int) -> bool:

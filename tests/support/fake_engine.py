@@ -230,6 +230,12 @@ class FakeEngine:
         self.load_latencies.append(0.002)
         return True
 
+    async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
+        await self.add_lora(lora_request)
+        if old_lora_id not in self.running.values():
+            self.loras.pop(old_lora_id, None)
+        return True
+
     async def remove_lora(self, lora_id: int) -> bool:
         if lora_id not in self.loras:
             return False

@@ -69,6 +69,11 @@ class EngineClient(Protocol):
         """Unregister an adapter; returns once its running requests have finished."""
         ...
 
+    async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
+        """load_inplace: `lora_request` (a new id) replaces `old_lora_id` for new requests at once;
+        running ones finish on the old weights."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """A snapshot for /metrics: numbers, {adapter: count} maps, lists of new observations."""
         ...
