@@ -69,6 +69,7 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:<id>" (exact, for clients)
 
 

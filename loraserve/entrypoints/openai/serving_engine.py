@@ -22,6 +22,7 @@ from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import SamplingRequest
 from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.streams import merge_async_iterators
+from loraserve.entrypoints.openai.vllm_extras import refuse_unsupported_extras
 from loraserve.errors import EngineDeadError
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import Logprob, RequestOutput
@@ -76,6 +77,8 @@ class OpenAIServing:
             raise APIError(
                 "logit_bias is not supported by this server.", HTTPStatus.BAD_REQUEST, "logit_bias"
             )
+        # vLLM's extras that would change the result are refused by name; other unknown fields are ignored.
+        refuse_unsupported_extras(request.model_extra or {}, is_chat=hasattr(request, "messages"))
         if request.unknown_fields():
             logger.debug("Ignoring unknown request fields: %s", request.unknown_fields())
 
@@ -148,6 +151,7 @@ class OpenAIServing:
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
         )
         if request.stop_token_ids:
             self.check_token_ids(request.stop_token_ids, "stop_token_ids")
