@@ -132,14 +132,30 @@ class LLMEngine:
         return request
 
     def _sampling_params(self, params: SamplingParams | None, num_prompt_tokens: int) -> SamplingParams:
-        """The request's own copy, with the model's extra eos ids and the max_tokens left by the prompt."""
-        params = (params or SamplingParams()).clone()
+        """The request's own copy (the generation config's defaults when None), with the model's extra eos
+        ids and the max_tokens left by the prompt; refuses what this engine cannot give it."""
+        params = (params or SamplingParams(**self.model_config.sampling_defaults)).clone()
+        self._check_params(params)
         extra_eos_ids = self.eos_ids.extra_eos_ids
         if extra_eos_ids and not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(extra_eos_ids))
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - num_prompt_tokens
         return params
+
+    def _check_params(self, params: SamplingParams) -> None:
+        vocab_size = self.model_config.vocab_size
+        limit = vocab_size if self.model_config.max_logprobs == -1 else min(self.model_config.max_logprobs, vocab_size)
+        for kind, value in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if value is not None and value > limit:
+                raise ValueError(  # vLLM's text, which its clients match
+                    f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limit}"
+                )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer, and this engine was started with skip_tokenizer_init; use "
+                "stop_token_ids."
+            )
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         from loraserve.engine.detokenizer import IncrementalDetokenizer

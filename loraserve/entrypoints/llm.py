@@ -48,7 +48,11 @@ class LLM:
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.engine.tokenizer  # None with skip_tokenizer_init
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling_params: the generation config's defaults (vLLM's)."""
+        return SamplingParams(**self.engine.model_config.sampling_defaults)
 
     def generate(
         self,
@@ -59,9 +63,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         prompt_list = _as_list(prompts)
-        params_list = _aligned(sampling_params, len(prompt_list), "sampling_params") or [SamplingParams()] * len(
-            prompt_list
-        )
+        params_list = _aligned(sampling_params, len(prompt_list), "sampling_params") or [
+            self.get_default_sampling_params()
+        ] * len(prompt_list)
         lora_list = _aligned(lora_request, len(prompt_list), "lora_request") or [None] * len(prompt_list)
         for lora in {id(r): r for r in lora_list if r is not None}.values():
             self.engine.add_lora(lora)  # validate every adapter before queueing anything

@@ -92,7 +92,7 @@ def test_bias_allowed_with_flag(tmp_path: Path) -> None:
 
 
 def test_missing_or_broken_files(tmp_path: Path) -> None:
-    with pytest.raises(LoRAAdapterNotFoundError, match="'gone' not found"):
+    with pytest.raises(LoRAAdapterNotFoundError, match="No adapter found for LoRA adapter 'gone'"):
         PEFTHelper.from_local_dir(tmp_path / "nope", "gone", max_lora_rank=16)
     (tmp_path / "empty").mkdir()
     with pytest.raises(LoRAAdapterError, match="adapter_config.json not found") as info:

@@ -33,6 +33,7 @@ class FakeModelConfig:
     vocab_size: int
     served_model_name: str = ""
     dtype: str = "float32"
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def toy_next_token(prompt_ids: list[int], lora_id: int, seq_index: int, step: int, vocab: int) -> int:

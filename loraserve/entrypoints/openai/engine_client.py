@@ -6,7 +6,7 @@ handlers reach the engine only through these members.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -27,6 +27,9 @@ class ServedModelConfig(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]: ...  # for fields a request leaves unset
 
     @property
     def vocab_size(self) -> int: ...

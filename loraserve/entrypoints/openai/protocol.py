@@ -9,8 +9,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 TokenId = Annotated[int, Field(ge=0)]
-# The same bound the engine's SamplingParams enforces, repeated so the schema documents it.
-MAX_LOGPROBS = 20
 
 
 def random_id(prefix: str) -> str:
@@ -76,7 +74,7 @@ class SamplingRequest(OpenAIBaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs (--max-logprobs)
     echo: bool | None = False
     suffix: str | None = None
 
@@ -91,7 +89,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -83,6 +83,13 @@ class OpenAIServing:
             logger.debug("Ignoring unknown request fields: %s", request.unknown_fields())
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(
+                "This server was started with --skip-tokenizer-init: it has no tokenizer, so the prompt must be "
+                "token ids (a list of integers) and chat completions are unavailable.",
+                HTTPStatus.BAD_REQUEST,
+                param,
+            )
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:  # lone surrogates ("\ud800") are valid JSON but not text
@@ -132,14 +139,20 @@ class OpenAIServing:
     def sampling_params(
         self, request: SamplingRequest, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
-        """SamplingParams from the request; its ValueErrors (which name the field) become 400s."""
+        """SamplingParams from the request (unset fields: the generation config's defaults, else vLLM's);
+        its ValueErrors (which name the field) become 400s."""
+        default = self.engine.model_config.sampling_defaults
         values: dict[str, Any] = dict(
             n=request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            temperature=default.get("temperature", 1.0) if request.temperature is None else request.temperature,
+            top_p=default.get("top_p", 1.0) if request.top_p is None else request.top_p,
+            top_k=default.get("top_k", -1) if request.top_k is None else request.top_k,
+            min_p=default.get("min_p", 0.0) if request.min_p is None else request.min_p,
+            repetition_penalty=(
+                default.get("repetition_penalty", 1.0)
+                if request.repetition_penalty is None
+                else request.repetition_penalty
+            ),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             seed=request.seed,
@@ -164,7 +177,7 @@ class OpenAIServing:
 
     def token_renderer(self, request: SamplingRequest) -> Callable[[int, Logprob | None], str]:
         """How logprobs name tokens: their text, or "token_id:<id>" when the request asks for ids."""
-        if request.return_tokens_as_token_ids:
+        if request.return_tokens_as_token_ids or self.tokenizer is None:
             return lambda token_id, _: f"token_id:{token_id}"
         return self.decode_token
 
