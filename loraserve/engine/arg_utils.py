@@ -25,6 +25,8 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     hf_overrides: dict[str, Any] | Any | None = None  # dict or callable(PretrainedConfig) -> PretrainedConfig
+    rope_scaling: dict[str, Any] | None = None  # vLLM's shortcuts for those two hf_overrides keys
+    rope_theta: float | None = None
     trust_remote_code: bool = False
     model_impl: str = "auto"
     config_format: str = "auto"
@@ -49,6 +51,18 @@ class EngineArgs:
     max_lora_rank: int = 16
     lora_dtype: str = "auto"
     enable_lora_bias: bool = False
+
+    def _hf_overrides(self) -> Any:
+        """hf_overrides with --rope-scaling / --rope-theta folded in (a dict or JSON string only)."""
+        extra = {k: v for k, v in (("rope_scaling", self.rope_scaling), ("rope_theta", self.rope_theta)) if v is not None}
+        if not extra:
+            return self.hf_overrides
+        from loraserve.model_loader.config import parse_hf_overrides
+
+        overrides, function = parse_hf_overrides(self.hf_overrides)
+        if function is not None:
+            raise ValueError("rope_scaling / rope_theta cannot be combined with a callable hf_overrides.")
+        return {**overrides, **extra}
 
     def _check_formats(self) -> None:
         """Refuse what vLLM offers and this engine cannot do, before anything is read."""
@@ -94,9 +108,9 @@ class EngineArgs:
             dtype=self.dtype,
             device=device,
             max_model_len=self.max_model_len,
-            hf_overrides=self.hf_overrides,
+            hf_overrides=self._hf_overrides(),
             trust_remote_code=self.trust_remote_code,
-            model_impl=self.model_impl,
+            model_impl="native" if self.model_impl == "vllm" else self.model_impl,
             config_format=self.config_format,
             revision=self.revision,
             seed=self.seed,

@@ -38,6 +38,12 @@ class LLM:
         enable_lora_bias: bool = False,
         **kwargs: Any,
     ) -> None:
+        """Engine options as `EngineArgs` fields; vLLM keywords without an effect here
+        (`gpu_memory_utilization=0.9`, `tensor_parallel_size=1`, ...) are accepted with a warning and
+        refused (ValueError) when their value cannot be honoured."""
+        from loraserve.entrypoints.openai.vllm_compat import llm_engine_kwargs
+
+        kwargs = llm_engine_kwargs(kwargs)
         args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, hf_overrides=hf_overrides, model_impl=model_impl,
             trust_remote_code=trust_remote_code, max_model_len=max_model_len, seed=seed,

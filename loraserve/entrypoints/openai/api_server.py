@@ -27,6 +27,12 @@ from loraserve.entrypoints.openai.errors import (
     error_response,
     sse_error,
 )
+from loraserve.entrypoints.openai.frontend import (
+    FrontendOptions,
+    apply_to_app,
+    fastapi_kwargs,
+    override_chat_template,
+)
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -50,6 +56,7 @@ class ServerOptions:
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     allow_runtime_lora_updating: bool | None = None  # None: read the environment
     trust_request_chat_template: bool = False  # a request's own chat template runs only when True
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's FrontendArgs
 
 
 async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
@@ -68,19 +75,31 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
         metrics=metrics,
     )
     await models.init_static_loras()
-    app = FastAPI(title="loraserve", version=__version__)
+    override_chat_template(engine.tokenizer, options.frontend)
+    app = FastAPI(title="loraserve", version=__version__, **fastapi_kwargs(options.frontend))
     app.state.engine = engine
     app.state.models = models
     app.state.metrics = metrics
     _add_error_handlers(app)
     _add_info_routes(app, engine, models, metrics)
-    _add_generation_routes(
-        app, OpenAIServingCompletion(engine, models, metrics), OpenAIServingChat(engine, models, metrics, options.trust_request_chat_template)
+    frontend = options.frontend
+    completion = OpenAIServingCompletion(
+        engine, models, metrics, return_tokens_as_token_ids=frontend.return_tokens_as_token_ids
     )
+    chat = OpenAIServingChat(
+        engine,
+        models,
+        metrics,
+        options.trust_request_chat_template,
+        response_role=frontend.response_role,
+        return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
+    )
+    _add_generation_routes(app, completion, chat)
     if runtime_updating:
         _add_lora_routes(app, models)
     if options.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    apply_to_app(app, options.frontend)  # CORS outermost: preflight requests carry no API key
     return app
 
 

@@ -49,11 +49,16 @@ class OpenAIServing:
     """Shared machinery of the generation endpoints."""
 
     def __init__(
-        self, engine: EngineClient, models: OpenAIServingModels, metrics: ServerMetrics | None = None
+        self,
+        engine: EngineClient,
+        models: OpenAIServingModels,
+        metrics: ServerMetrics | None = None,
+        return_tokens_as_token_ids: bool = False,  # --return-tokens-as-token-ids: every request's default
     ) -> None:
         self.engine = engine
         self.models = models
         self.metrics = metrics
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -177,7 +182,7 @@ class OpenAIServing:
 
     def token_renderer(self, request: SamplingRequest) -> Callable[[int, Logprob | None], str]:
         """How logprobs name tokens: their text, or "token_id:<id>" when the request asks for ids."""
-        if request.return_tokens_as_token_ids or self.tokenizer is None:
+        if request.return_tokens_as_token_ids or self.return_tokens_as_token_ids or self.tokenizer is None:
             return lambda token_id, _: f"token_id:{token_id}"
         return self.decode_token
 
