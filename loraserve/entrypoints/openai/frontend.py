@@ -70,8 +70,6 @@ def frontend_dests() -> set[str]:
 
 def fastapi_kwargs(options: FrontendOptions) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
-    if options.root_path:
-        kwargs["root_path"] = options.root_path
     if options.disable_fastapi_docs:
         kwargs.update(openapi_url=None, docs_url=None, redoc_url=None)
     return kwargs
@@ -154,10 +152,11 @@ def override_chat_template(tokenizer: Any, options: FrontendOptions) -> None:
 
 
 def uvicorn_options(options: FrontendOptions) -> dict[str, Any]:
-    """uvicorn.Config keywords for TLS, log level, access log and h11's event size."""
+    """uvicorn.Config keywords for TLS, log level, access log, root path and h11's event size."""
     values: dict[str, Any] = {
         "log_level": options.uvicorn_log_level,
         "access_log": not options.disable_uvicorn_access_log,
+        "root_path": options.root_path or "",  # the ASGI root_path, as FastAPI asks (not its own parameter)
     }
     if options.ssl_keyfile or options.ssl_certfile:
         values.update(
