@@ -182,7 +182,7 @@ def test_behind_a_tls_proxy(files: dict[str, str], tmp_path: Path, monkeypatch) 
         assert preflight.headers["access-control-allow-credentials"] == "true"
         assert httpx.get(url + "/docs", verify=False).status_code == 404
         # The proxy strips /llm; the app knows its public prefix (ASGI root_path), as in vLLM.
-        assert server.servers[0].config.root_path == "/llm"
+        assert server.config.root_path == "/llm"
 
 
 def test_gemma2_without_a_tokenizer_on_a_unix_socket(files: dict[str, str], tmp_path: Path, monkeypatch) -> None:
