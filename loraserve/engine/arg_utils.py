@@ -10,7 +10,14 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from loraserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, resolve_device
+from loraserve.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_device,
+)
 
 
 @dataclass
@@ -93,11 +100,46 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model (config, dtype, max_model_len) and build every frozen config."""
         from loraserve.config import resolve_dtype
-        from loraserve.model_loader.config import create_model_config
-        from loraserve.model_loader.generation_defaults import sampling_defaults
 
         self._check_formats()
         device = resolve_device(self.device)
+        model_config = self._model_config(device)
+        lora_config = None
+        if self.enable_lora:
+            lora_dtype = None if self.lora_dtype == "auto" else resolve_dtype(self.lora_dtype, device)
+            lora_config = LoRAConfig(
+                max_loras=self.max_loras,
+                max_cpu_loras=self.max_cpu_loras,
+                max_lora_rank=self.max_lora_rank,
+                lora_dtype=lora_dtype,
+                enable_lora_bias=self.enable_lora_bias,
+            )
+        max_batched = max(self.max_num_batched_tokens, 1)
+        if not self.enable_chunked_prefill:
+            max_batched = max(max_batched, model_config.max_model_len)
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=model_config.max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            device=device,
+            lora=lora_config,
+        )
+
+    def _model_config(self, device: Any) -> ModelConfig:
+        """The resolved model, plus the options that need no resolving (tokenizer, logprobs, defaults)."""
+        from loraserve.model_loader.config import create_model_config
+        from loraserve.model_loader.generation_defaults import sampling_defaults
+
         served_model_name = self.served_model_name
         if isinstance(served_model_name, list):
             served_model_name = served_model_name[0] if served_model_name else None
@@ -131,33 +173,4 @@ class EngineArgs:
         if self.load_format == "mistral" and model_config.config_format != "mistral":
             raise ValueError("load_format 'mistral' reads consolidated*.safetensors, which needs a Mistral-format "
                              "folder (params.json); this model is in the Hugging Face format.")
-        lora_config = None
-        if self.enable_lora:
-            lora_dtype = None if self.lora_dtype == "auto" else resolve_dtype(self.lora_dtype, device)
-            lora_config = LoRAConfig(
-                max_loras=self.max_loras,
-                max_cpu_loras=self.max_cpu_loras,
-                max_lora_rank=self.max_lora_rank,
-                lora_dtype=lora_dtype,
-                enable_lora_bias=self.enable_lora_bias,
-            )
-        max_batched = max(self.max_num_batched_tokens, 1)
-        if not self.enable_chunked_prefill:
-            max_batched = max(max_batched, model_config.max_model_len)
-        return EngineConfig(
-            model=model_config,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                num_blocks=self.num_kv_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                max_model_len=model_config.max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-            ),
-            device=device,
-            lora=lora_config,
-        )
+        return model_config
