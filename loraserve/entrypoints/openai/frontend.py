@@ -45,7 +45,7 @@ class FrontendOptions:
     chat_template_content_format: str = "auto"
     return_tokens_as_token_ids: bool = False
     uds: str | None = None
-    uvicorn_log_level: str = "info"
+    uvicorn_log_level: str | None = None  # None: LORASERVE_LOGGING_LEVEL's
     disable_uvicorn_access_log: bool = False
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
@@ -154,10 +154,11 @@ def override_chat_template(tokenizer: Any, options: FrontendOptions) -> None:
 def uvicorn_options(options: FrontendOptions) -> dict[str, Any]:
     """uvicorn.Config keywords for TLS, log level, access log, root path and h11's event size."""
     values: dict[str, Any] = {
-        "log_level": options.uvicorn_log_level,
         "access_log": not options.disable_uvicorn_access_log,
         "root_path": options.root_path or "",  # the ASGI root_path, as FastAPI asks (not its own parameter)
     }
+    if options.uvicorn_log_level is not None:
+        values["log_level"] = options.uvicorn_log_level
     if options.ssl_keyfile or options.ssl_certfile:
         values.update(
             ssl_keyfile=options.ssl_keyfile,

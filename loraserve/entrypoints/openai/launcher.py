@@ -105,6 +105,7 @@ async def serve_app(
 ) -> None:
     """Serve `app` on an already bound socket until SIGINT/SIGTERM; running requests get time to finish.
 
+    `options` are more uvicorn.Config keywords (`frontend.uvicorn_options`: TLS, log level, root path).
     With `engine`, serving also stops when the engine dies, and EngineDeadError is raised then: a dead
     engine never recovers, and a process that stays up answering 500 is never restarted by a supervisor.
     """
