@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,6 +76,13 @@ class ModelConfig:
     seed: int = 0
     config_format: str = "hf"  # "hf" | "mistral"
     served_model_name: str = ""
+    tokenizer_mode: str = "auto"  # "auto" (fast when there is one) | "slow"
+    tokenizer_revision: str | None = None
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, outputs without text
+    load_format: str = "auto"  # "auto" | "safetensors" | "pt" | "dummy" (random weights)
+    max_logprobs: int = 20  # most logprobs (sample or prompt) a request may ask for
+    # Sampling defaults for requests that leave a field unset (generation_config.json, vLLM's "auto").
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 # Temperatures below this are treated as greedy (argmax) decoding, as vLLM does.
 SAMPLING_EPS = 1e-5
-# Most top-logprobs a request may ask for, per generated or prompt position.
+# vLLM's default max_logprobs: the most top-logprobs a request may ask for unless the engine allows more.
 MAX_LOGPROBS = 20
 # Most parallel completions one request may ask for.
 MAX_N = 128
@@ -87,12 +87,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None:
                 continue
+            # The upper bound is the engine's max_logprobs (LLMEngine checks it, as vLLM's engine does).
             if value < 0:
                 raise ValueError(f"{name} must be non-negative, got {value}.")
-            if value > MAX_LOGPROBS:
-                raise ValueError(
-                    f"{name} is too large: requested {value} logprobs, the maximum allowed is {MAX_LOGPROBS}."
-                )
 
     def _verify_sampling(self) -> None:
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -224,6 +224,12 @@ class AsyncLLMEngine:
         await self._prefetch(lora_request)
         return bool(await self._call(lambda engine: engine.add_lora(lora_request)))
 
+    async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
+        """load_inplace: `lora_request` (a new id) serves from the next step; the old adapter's running
+        requests finish on its weights and it goes once they are done (not awaited here)."""
+        await self._prefetch(lora_request)
+        return bool(await self._call(lambda engine: engine.replace_lora(old_lora_id, lora_request)))
+
     async def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter; returns once its running requests have finished."""
 

@@ -127,6 +127,7 @@ class LLMEngine:
                 raise LoRAAdapterError(
                     f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not enabled (enable_lora=True)."
                 )
+            lora_request = self.lora.successor(lora_request)  # replaced in place meanwhile: the new one
             salt = self.lora.register(lora_request)
         request = Request(
             request_id, text, prompt_ids, params, lora_request, arrival_time or time.time(), salt, group_id=group_id
@@ -139,14 +140,30 @@ class LLMEngine:
         return request
 
     def _sampling_params(self, params: SamplingParams | None, num_prompt_tokens: int) -> SamplingParams:
-        """The request's own copy, with the model's extra eos ids and the max_tokens left by the prompt."""
-        params = (params or SamplingParams()).clone()
+        """The request's own copy (the generation config's defaults when None), with the model's extra eos
+        ids and the max_tokens left by the prompt; refuses what this engine cannot give it."""
+        params = (params or SamplingParams(**self.model_config.sampling_defaults)).clone()
+        self._check_params(params)
         extra_eos_ids = self.eos_ids.extra_eos_ids
         if extra_eos_ids and not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(extra_eos_ids))
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - num_prompt_tokens
         return params
+
+    def _check_params(self, params: SamplingParams) -> None:
+        vocab_size = self.model_config.vocab_size
+        limit = vocab_size if self.model_config.max_logprobs == -1 else min(self.model_config.max_logprobs, vocab_size)
+        for kind, value in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if value is not None and value > limit:
+                raise ValueError(  # vLLM's text, which its clients match
+                    f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limit}"
+                )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer, and this engine was started with skip_tokenizer_init; use "
+                "stop_token_ids."
+            )
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         from loraserve.engine.detokenizer import IncrementalDetokenizer
@@ -299,11 +316,22 @@ class LLMEngine:
             self.lora.finish_removals(self._loras_in_use())
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load, validate and register an adapter; False if its id is registered already."""
+        """Load, validate and register an adapter; False if its id is registered already, unless
+        `lora_request.load_inplace`: then its weights are read again (no request may be using it)."""
         manager = self._lora_manager()
         if manager.is_registered(lora_request.lora_id):
-            return False
+            if not lora_request.load_inplace:
+                return False
+            manager.replace(lora_request.lora_id, lora_request, lora_request.lora_id in self._loras_in_use())
+            return True
         manager.register(lora_request, explicit=True)
+        return True
+
+    def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
+        """Serve `lora_request` (a new id) in place of adapter `old_lora_id`: running requests finish on
+        the old weights, new ones (old id included) get the new weights (`LoRAManager.replace`)."""
+        manager = self._lora_manager()
+        manager.replace(old_lora_id, lora_request, old_lora_id in self._loras_in_use())
         return True
 
     def is_lora_registered(self, lora_id: int) -> bool:

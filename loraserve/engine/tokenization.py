@@ -13,11 +13,17 @@ PromptInput = str | list[int] | dict[str, Any]
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
+    """The model's tokenizer; None with skip_tokenizer_init (token-id prompts only, no output text)."""
+    if model_config.skip_tokenizer_init:
+        return None
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(
-            model_config.tokenizer or model_config.model_path, trust_remote_code=model_config.trust_remote_code
+            model_config.tokenizer or model_config.model_path,
+            trust_remote_code=model_config.trust_remote_code,
+            use_fast=model_config.tokenizer_mode != "slow",
+            revision=model_config.tokenizer_revision,
         )
     except (OSError, ValueError) as exc:
         raise ValueError(
@@ -82,7 +88,10 @@ def prepare_prompt(prompt: PromptInput, tokenizer: Any, model_config: ModelConfi
         if not isinstance(text, str):
             raise ValueError("'prompt' must be a string.")
         if tokenizer is None:
-            raise ValueError("This engine has no tokenizer; pass prompt_token_ids.")
+            raise ValueError(
+                "This engine was started with skip_tokenizer_init, so it has no tokenizer: text prompts cannot be "
+                "tokenized; pass token ids (prompt_token_ids)."
+            )
         ids = tokenizer.encode(text)
     ids = _validate_ids(ids, model_config)
     return text, ids

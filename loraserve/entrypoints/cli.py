@@ -10,6 +10,7 @@ import sys
 
 from loraserve import __version__
 from loraserve.entrypoints.openai.cli_args import OneLineErrorParser, add_serve_args, check_serve_args
+from loraserve.entrypoints.openai.vllm_compat import expand_config_file
 
 
 def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -52,7 +53,10 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 def main(argv: list[str] | None = None) -> int:
     parser, serve_parser = make_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        argv = expand_config_file(argv, serve_parser)
+    args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2

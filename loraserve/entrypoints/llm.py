@@ -39,6 +39,12 @@ class LLM:
         enable_lora_bias: bool = False,
         **kwargs: Any,
     ) -> None:
+        """Engine options as `EngineArgs` fields; vLLM keywords without an effect here
+        (`gpu_memory_utilization=0.9`, `tensor_parallel_size=1`, ...) are accepted with a warning and
+        refused (ValueError) when their value cannot be honoured."""
+        from loraserve.entrypoints.openai.vllm_compat import llm_engine_kwargs
+
+        kwargs = llm_engine_kwargs(kwargs)
         # Offline, every prompt given is wanted: the queue limits that protect a server do not apply.
         kwargs.setdefault("max_num_queued_reqs", sys.maxsize)
         kwargs.setdefault("max_num_queued_tokens", sys.maxsize)
@@ -52,7 +58,11 @@ class LLM:
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.engine.tokenizer  # None with skip_tokenizer_init
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling_params: the generation config's defaults (vLLM's)."""
+        return SamplingParams(**self.engine.model_config.sampling_defaults)
 
     def generate(
         self,
@@ -63,9 +73,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         prompt_list = _as_list(prompts)
-        params_list = _aligned(sampling_params, len(prompt_list), "sampling_params") or [SamplingParams()] * len(
-            prompt_list
-        )
+        params_list = _aligned(sampling_params, len(prompt_list), "sampling_params") or [
+            self.get_default_sampling_params()
+        ] * len(prompt_list)
         lora_list = _aligned(lora_request, len(prompt_list), "lora_request") or [None] * len(prompt_list)
         for lora in {id(r): r for r in lora_list if r is not None}.values():
             self.engine.add_lora(lora)  # validate every adapter before queueing anything

@@ -4,7 +4,9 @@ The model runner builds one `AttentionMetadata` per step; every layer reuses it.
 list of T new tokens from B sequences (prefill chunks and decodes mixed). Each layer writes its new K/V
 into the paged cache at `slot_mapping`, gathers each sequence's whole context into a padded
 [B, max_ctx] view and runs scaled-dot-product attention with a mask that is causal, length-limited and
-(optionally) sliding-window. The same torch code runs on CPU and CUDA.
+(optionally) sliding-window. Attention logit softcapping (Gemma-2: `cap * tanh(scores / cap)` before
+the mask) has no SDPA kernel, so a layer with a cap computes its scores explicitly. The same torch code
+runs on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -108,10 +110,17 @@ class PagedAttention(nn.Module):
     """Attention for one layer over its paged KV cache ([num_blocks * block_size, kv_heads, head_dim])."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, use_sliding_window: bool = False
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        use_sliding_window: bool = False,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.use_sliding_window = use_sliding_window
+        self.softcap = softcap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -139,13 +148,28 @@ class PagedAttention(nn.Module):
         slots = meta.context_slots.view(-1)
         k_ctx = k_cache.index_select(0, slots).view(b, max_ctx, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_ctx = v_cache.index_select(0, slots).view(b, max_ctx, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q_pad,
-            k_ctx,
-            v_ctx,
-            attn_mask=meta.sliding_mask if self.use_sliding_window and meta.sliding_mask is not None else meta.mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        mask = meta.sliding_mask if self.use_sliding_window and meta.sliding_mask is not None else meta.mask
+        if self.softcap is not None:
+            out = softcapped_attention(q_pad, k_ctx, v_ctx, mask, self.scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q_pad, k_ctx, v_ctx, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+            )
         out = out.transpose(1, 2).reshape(b * max_q, self.num_heads * self.head_dim)
         return out if is_decode else out.index_select(0, meta.output_index)
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with logit softcapping, as Gemma-2 defines it: scores = cap * tanh(q.k * scale / cap),
+    then the mask, a float32 softmax and the values. q [B, H, Q, D], k/v [B, KVH, C, D] -> [B, H, Q, D]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)

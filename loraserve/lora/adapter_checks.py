@@ -48,7 +48,7 @@ def group_keys(
         if ".lora_embedding_" in stripped:
             raise LoRAAdapterError(f"LoRA adapter '{name}': LoRA on embeddings is not supported ({key})")
         if ".lora_magnitude_vector" in stripped:
-            raise LoRAAdapterError(f"LoRA adapter '{name}': DoRA is not supported ({key})")
+            raise LoRAAdapterError(f"LoRA adapter '{name}': loraserve does not yet support DoRA ({key})")
         match = _LORA_KEY.match(stripped)
         bias_match = _BASE_BIAS_KEY.match(stripped) if base_bias_allowed else None
         if match:
@@ -85,7 +85,8 @@ def check_supported(by_module: dict[str, ModuleTensors], targets: LoRATargets, n
         leaves = sorted({m.rpartition(".")[2] for m in unsupported})
         raise LoRAAdapterError(
             f"LoRA adapter '{name}' targets modules this model cannot apply LoRA to: {leaves} "
-            f"(e.g. {unsupported[0]}); supported target modules: {targets.supported_leaf_names()}"
+            f"(e.g. {unsupported[0]}); supported target modules: {targets.supported_leaf_names()}. "
+            "Please verify that the loaded LoRA module is correct (made for this base model)."
         )
 
 
@@ -139,7 +140,8 @@ def layer_weights(
             raise LoRAAdapterError(
                 f"LoRA adapter '{name}' does not match this model (trained for another base model, or "
                 f"rank differs from {helper.rank_for(module_name)} in adapter_config.json): {module_name} "
-                f"{label} has shape {tuple(tensor.shape)}, expected {expected}"
+                f"{label} has shape {tuple(tensor.shape)}, expected {expected}. Please verify that the loaded "
+                "LoRA module is correct"
             )
         if not tensor.is_floating_point() or not values.ok(tensor, factor):
             raise LoRAAdapterError(

@@ -131,6 +131,23 @@ class HostCache:
                     if self._loading.get(lora_id) is load_lock:
                         del self._loading[lora_id]
 
+    def read_fresh(self, lora_request: LoRARequest) -> LoRAModel:
+        """Read and validate an adapter without looking at or filling the cache (an in-place reload
+        of an id that is cached with other weights); counted as a load."""
+        start = time.perf_counter()
+        try:
+            lora_model = self._read(lora_request)
+        except Exception:
+            with self._lock:
+                self.counters.num_load_failures += 1
+            raise
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self.counters.num_loads += 1
+            self.counters.load_seconds_total += elapsed
+            self._new_latencies.append(elapsed)
+        return lora_model
+
     def _hit(self, lora_id: int) -> LoRAModel | None:
         cached = self._adapters.get(lora_id)
         if cached is not None:

@@ -145,7 +145,7 @@ def _build_loras(
         if weights.bias is not None and not peft_helper.bias_enabled:
             raise LoRAAdapterError(
                 f"LoRA adapter '{name}': {module_name} has a bias; Adapter bias cannot be used without "
-                "--enable-lora-bias"
+                "bias_enabled (start with --enable-lora-bias)"
             )
         weights = _to(weights, dtype, device)
         if packed_name is None:

@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
-from loraserve.errors import LoRAAdapterChangedError, LoRAAdapterError, LoRAAdapterGoneError
+from loraserve.errors import (
+    LoRAAdapterChangedError,
+    LoRAAdapterError,
+    LoRAAdapterGoneError,
+    LoRAAdapterNotFoundError,
+)
+from loraserve.lora.adapter_path import AdapterLocations
 from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
@@ -50,7 +56,8 @@ class LoRAManager:
         self._failed = FailedLoads()  # the same broken files fail fast, without another read
         # No bound method of the manager goes into its parts: a cycle would keep every cached adapter
         # alive after the engine is dropped, until a garbage-collector pass (seconds of freeing GBs).
-        read_files = partial(read_adapter, model, lora_config, self._lora_dtype, max_file_bytes)
+        self._locations = AdapterLocations()  # lora_path (maybe ~ or a Hub repo id) -> local folder
+        read_files = partial(read_adapter, model, lora_config, self._lora_dtype, max_file_bytes, self._locations)
         read = partial(self._failed.read, read_files)
         self._host = HostCache(lora_config.cpu_capacity, read, self._lock, self._slots.release)
         self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
@@ -60,6 +67,7 @@ class LoRAManager:
         """Load and validate an adapter (idempotent for the same id, name and path); return its
         identity digest, the prefix-cache salt. `explicit` (an add_lora call) lifts an unload."""
         with self._lock:
+            lora_request = self._registry.successor(lora_request)
             digest = self._registry.check_can_register(lora_request, explicit)
         if digest is not None:
             return digest
@@ -77,11 +85,55 @@ class LoRAManager:
         with self._lock:
             return self._registry.listed()
 
+    def successor(self, lora_request: LoRARequest) -> LoRARequest:
+        """The adapter serving `lora_request` now: itself, or what replaced it in place (any thread)."""
+        with self._lock:
+            return self._registry.successor(lora_request)
+
     def prefetch(self, lora_request: LoRARequest) -> None:
         """Read and validate an adapter the engine does not serve yet, so that registering it later
         finds it cached. Any thread; concurrent calls for one adapter read it once."""
+        lora_request = self.successor(lora_request)
         if not self.is_registered(lora_request.lora_id):
             self.load(lora_request)
+
+    def replace(self, old_id: int, lora_request: LoRARequest, in_use: bool) -> str:
+        """Serve `lora_request` in place of registered adapter `old_id` (vLLM's load_inplace); its digest.
+
+        The new weights are read and validated first: if that fails nothing changes. Under a new id
+        (the server's way) the old adapter's running requests finish on its weights and it is removed
+        once they are done (`removal(old_id)`); its pin moves over, and requests that still carry the
+        old id start on the new weights. Under the same id (`LLM`'s way) no request may be using it.
+        Either way the digest, hence the prefix-cache salt, is the new content's."""
+        with self._lock:
+            if old_id not in self._registry.requests or old_id in self._registry.pending_removals:
+                raise LoRAAdapterNotFoundError(f"LoRA id {old_id} is not registered; load it first.")
+        if lora_request.lora_id != old_id:
+            digest = self.register(lora_request, explicit=True)
+            with self._lock:
+                new_model = self._host.peek(lora_request.lora_id)
+                if self._slots.unpin(old_id) and new_model is not None:
+                    self._slots.pin(new_model, self._in_use)
+                self._registry.redirect(old_id, lora_request.lora_id)
+                self.remove(old_id, in_use)
+            return digest
+        if in_use:
+            raise LoRAAdapterError(
+                f"LoRA adapter {lora_request.lora_name!r} (id {old_id}) is used by running requests; reload "
+                "it in place once they finish, or under a new id."
+            )
+        self._locations.forget(old_id)  # a Hub repo id is looked up again: the point is new weights
+        fresh = self._host.read_fresh(lora_request)
+        digest = fresh.identity.digest
+        with self._lock:
+            pinned = old_id in self._slots.pinned_ids
+            self._drop(old_id)
+            self._host.add(fresh, self._slots.pinned_ids | self._in_use)
+            self._admit(fresh)
+            if pinned:
+                self._slots.pin(fresh, self._in_use)
+            self._registry.add(lora_request, digest)
+        return digest
 
     def pin(self, lora_id: int) -> bool:
         """Keep a registered adapter in a slot (and the host cache) until removed; False if it is
@@ -131,6 +183,7 @@ class LoRAManager:
         self._drop(lora_id)
         self._registry.forget(lora_id)
         self._failed.forget(_changed_key(lora_id))
+        self._locations.forget(lora_id)
 
     def _drop(self, lora_id: int) -> None:
         """The adapter leaves the host cache and its slot (it stays registered)."""
@@ -272,19 +325,27 @@ class LoRAManager:
 
 
 def read_adapter(
-    model: nn.Module, lora_config: LoRAConfig, lora_dtype: torch.dtype, max_file_bytes: int | None,
+    model: nn.Module,
+    lora_config: LoRAConfig,
+    lora_dtype: torch.dtype,
+    max_file_bytes: int | None,
+    locations: AdapterLocations,
     lora_request: LoRARequest,
 ) -> LoRAModel:
-    """Read and validate the adapter of `lora_request` for `model` (host memory, `lora_dtype`)."""
+    """Read and validate the adapter of `lora_request` for `model` (host memory, `lora_dtype`); its
+    path may start with `~` or be a Hugging Face repo id (`adapter_path.py`)."""
     try:
+        folder = locations.local_path(lora_request)
         helper = PEFTHelper.from_local_dir(
-            lora_request.lora_path, lora_request.lora_name, lora_config.max_lora_rank, lora_config.enable_lora_bias
+            folder, lora_request.lora_name, lora_config.max_lora_rank, lora_config.enable_lora_bias
         )
-        return LoRAModel.from_local_checkpoint(
-            lora_request.lora_path, lora_request, helper, model, lora_dtype, "cpu", max_file_bytes
-        )
+        return LoRAModel.from_local_checkpoint(folder, lora_request, helper, model, lora_dtype, "cpu", max_file_bytes)
     except OSError as e:  # the files are the client's (or a resolver's): never a 500, never a path
+        locations.forget(lora_request.lora_id)
         raise LoRAAdapterError(f"LoRA adapter '{lora_request.lora_name}': its files cannot be read ({e.strerror})") from None
+    except BaseException:
+        locations.forget(lora_request.lora_id)  # a failed load leaves no trace, its location included
+        raise
 
 
 def _changed_key(lora_id: int) -> tuple[str, int]:

@@ -83,7 +83,7 @@ class PEFTHelper:
         except OSError as e:  # a name too long, no permission: the client's path, not a server fault
             raise LoRAAdapterError(f"LoRA adapter '{lora_name}': its path is unusable ({e.strerror})") from None
         if not is_dir:  # the path is not echoed: it may be a server path (a resolver's folder)
-            raise LoRAAdapterNotFoundError(f"LoRA adapter '{lora_name}' not found: its path is not a directory")
+            raise LoRAAdapterNotFoundError(f"No adapter found for LoRA adapter '{lora_name}': its path is not a directory")
         config = read_adapter_config(folder, lora_name)
         return cls.from_dict(config, lora_name, max_lora_rank, enable_lora_bias)
 
@@ -108,17 +108,20 @@ class PEFTHelper:
                 field = "rank_pattern" if module else "r"
                 v.fail(field, f"LoRA rank {rank}{where} is greater than max_lora_rank {max_lora_rank}")
         if v.get("use_dora", False):
-            v.fail("use_dora", "DoRA is not supported")
+            v.fail("use_dora", "loraserve does not yet support DoRA")
         modules_to_save = v.name_list("modules_to_save")
         if modules_to_save:
-            v.fail("modules_to_save", f"modules_to_save is not supported, got {list(modules_to_save)}")
+            v.fail(
+                "modules_to_save",
+                f"loraserve only supports modules_to_save being None, got {list(modules_to_save)}",
+            )
         _check_unsupported_features(v, config)
         bias, lora_bias = v.get("bias", "none"), bool(v.get("lora_bias", False))
         if bias not in ("none", "all", "lora_only"):
             v.fail("bias", f"must be 'none', 'all' or 'lora_only', got {bias!r}")
         if (bias != "none" or lora_bias) and not enable_lora_bias:
             field = "bias" if bias != "none" else "lora_bias"
-            v.fail(field, "Adapter bias cannot be used without --enable-lora-bias")
+            v.fail(field, "Adapter bias cannot be used without bias_enabled (start with --enable-lora-bias)")
         return cls(
             adapter_name=lora_name,
             r=r,

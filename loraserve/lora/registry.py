@@ -4,16 +4,24 @@ Registration is the engine's promise that an adapter's requests can run: the ada
 validated once, and its content digest (the prefix-cache salt) is fixed. Ids unloaded through the
 API stay refused until an explicit add, so a request that resolved one before the unload does not
 silently load it again. A removal of an adapter that running requests still use is deferred until
-they finish; its future completes when the adapter is gone.
+they finish; its future completes when the adapter is gone. An adapter replaced under a new id
+(load_inplace) leaves a redirect, so a request that resolved the old id just before the replacement
+starts on the new weights instead of failing.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
 from loraserve.lora.request import LoRARequest
+
+# A request carries a replaced id only between resolving its model name and reaching the engine, so
+# the newest few thousand redirects cover it many times over, while a training loop that reloads
+# forever keeps a bounded map.
+MAX_REDIRECTS = 4096
 
 
 @dataclass(slots=True)
@@ -22,6 +30,7 @@ class AdapterRegistry:
     digests: dict[int, str] = field(default_factory=dict)  # lora_id -> identity digest (cache salt)
     pending_removals: dict[int, concurrent.futures.Future[None]] = field(default_factory=dict)
     removed_ids: set[int] = field(default_factory=set)
+    replaced: OrderedDict[int, int] = field(default_factory=OrderedDict)  # old id -> its replacement's id
 
     def check_can_register(self, lora_request: LoRARequest, explicit: bool) -> str | None:
         """The digest when this adapter is registered already, None when it may be registered now;
@@ -43,6 +52,20 @@ class AdapterRegistry:
         self.removed_ids.discard(lora_request.lora_id)
         self.requests[lora_request.lora_id] = lora_request
         self.digests[lora_request.lora_id] = digest
+
+    def redirect(self, old_id: int, new_id: int) -> None:
+        self.replaced[old_id] = new_id
+        while len(self.replaced) > MAX_REDIRECTS:
+            self.replaced.popitem(last=False)
+
+    def successor(self, lora_request: LoRARequest) -> LoRARequest:
+        """The adapter that now serves `lora_request`'s id: itself, or the newest registered replacement."""
+        lora_id = lora_request.lora_id
+        while lora_id in self.replaced:
+            lora_id = self.replaced[lora_id]
+        if lora_id == lora_request.lora_id:
+            return lora_request
+        return self.requests.get(lora_id, lora_request)
 
     def listed(self) -> list[LoRARequest]:
         """Registered adapters not being removed, in registration order."""

@@ -12,13 +12,15 @@ class LoRARequest:
     The id (> 0) is the engine-wide identity used by the adapter caches; two requests are the same
     adapter when id and name agree (the path may be spelled differently). The constructor and the
     `lora_int_id` field keep vLLM's spelling, which user code passes and reads; loraserve's own code
-    reads the id as `lora_id`.
+    reads the id as `lora_id`. `lora_path` may start with `~` or be a Hugging Face repo id.
+    `load_inplace` (vLLM's flag): registering it again re-reads its weights (`LLMEngine.add_lora`).
     """
 
     lora_name: str
     lora_int_id: int
     lora_path: str = field(compare=False)
     base_model_name: str | None = field(default=None, compare=False)
+    load_inplace: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:

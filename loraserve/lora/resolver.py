@@ -49,7 +49,7 @@ class _LoRAResolverRegistry:
         """The resolver registered as `resolver_name`; KeyError naming the known ones otherwise."""
         if resolver_name not in self.resolvers:
             raise KeyError(
-                f"LoRA resolver {resolver_name!r} is not registered; registered resolvers: "
+                f"LoRA resolver {resolver_name!r} not found; registered resolvers: "
                 f"{self.get_supported_resolvers()}."
             )
         return self.resolvers[resolver_name]

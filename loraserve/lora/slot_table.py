@@ -106,6 +106,13 @@ class SlotTable:
         self._pinned.add(lora_id)
         return True
 
+    def unpin(self, lora_id: int) -> bool:
+        """The adapter keeps its slot but may be evicted again; False if it was not pinned."""
+        if lora_id not in self._pinned:
+            return False
+        self._pinned.discard(lora_id)
+        return True
+
     def release(self, lora_id: int) -> None:
         """The adapter leaves its slot (zeroed) and its pin."""
         self._pinned.discard(lora_id)

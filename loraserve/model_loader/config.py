@@ -65,14 +65,14 @@ def parse_hf_overrides(hf_overrides: HfOverrides) -> tuple[dict[str, Any], Calla
     )
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> str:
+def resolve_model_path(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
     """A local folder as given, else the hub snapshot (configs and tokenizer only; weights come later)."""
     local = os.path.expanduser(model)
     if os.path.isdir(local):
         return os.path.abspath(local)
     if local.startswith(("/", "./", "../", "~")) or os.path.exists(local):
         raise ValueError(f"model {model!r} looks like a local path but is not an existing folder.")
-    return hub_snapshot(model, revision, METADATA_PATTERNS)
+    return hub_snapshot(model, revision, METADATA_PATTERNS, cache_dir=cache_dir)
 
 
 def detect_config_format(model_path: str, config_format: str, model: str) -> str:
@@ -190,10 +190,11 @@ def load_hf_config(
     trust_remote_code: bool = False,
     revision: str | None = None,
     config_format: str = "auto",
+    cache_dir: str | None = None,
 ) -> tuple[Any, str, str]:
     """(PretrainedConfig after overrides, local folder, 'hf' | 'mistral')."""
     overrides_kw, overrides_fn = parse_hf_overrides(hf_overrides)
-    model_path = resolve_model_path(model, revision)
+    model_path = resolve_model_path(model, revision, cache_dir)
     fmt = detect_config_format(model_path, config_format, model)
     if fmt == "mistral":
         config = mistral.params_to_hf_config(mistral.read_params(model_path))
@@ -254,6 +255,8 @@ def create_model_config(
     revision: str | None = None,
     seed: int = 0,
     hf_config_path: str | None = None,
+    download_dir: str | None = None,
+    load_format: str = "auto",
 ) -> ModelConfig:
     """Resolve everything about the model that does not need its weights; fail early and clearly.
 
@@ -278,6 +281,7 @@ def create_model_config(
         trust_remote_code=trust_remote_code,
         revision=revision,
         config_format=config_format,
+        cache_dir=download_dir,
     )
     architectures = tuple(getattr(hf_config, "architectures", None) or ())
     resolved = resolve_architecture(architectures, model_impl, hf_config=hf_config)
@@ -297,7 +301,7 @@ def create_model_config(
             f"max_model_len={max_model_len} is larger than the model's maximum length {derived_len} "
             "(from its config: max_position_embeddings or equivalent, with rope scaling). Lower max_model_len."
         )
-    download_weights(source, model_path, revision, fmt)
+    download_weights(source, model_path, revision, fmt, load_format, download_dir)
     return ModelConfig(
         model=model,
         model_path=model_path,
@@ -311,4 +315,5 @@ def create_model_config(
         seed=seed,
         config_format=fmt,
         served_model_name=served_model_name or model,
+        load_format=load_format,
     )

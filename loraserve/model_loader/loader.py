@@ -50,8 +50,11 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
     with _default_dtype(model_config.dtype), torch.device(device):
         model: Any = cls(model_config.hf_config, model_config.dtype)
     num_tensors = [0]
-    weights = iterate_weights(model_config.model_path, model_config.config_format)
-    model.load_weights(_count_tensors(weights, num_tensors))
+    if model_config.load_format == "dummy":
+        _dummy_weights(model)
+    else:
+        weights = iterate_weights(model_config.model_path, model_config.config_format, model_config.load_format)
+        model.load_weights(_count_tensors(weights, num_tensors))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
@@ -68,6 +71,16 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
     if device.type == "cpu" and envs.cpu_packed_linear():
         _pack_linears(model)
     return model
+
+
+def _dummy_weights(model: nn.Module) -> None:
+    """load_format "dummy" (vLLM's, for profiling without a checkpoint): small random values everywhere."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=generator)
+            param.copy_(values.to(param.dtype))
+    logger.warning("load_format 'dummy': the model runs on random weights; its outputs are noise.")
 
 
 def _pack_linears(model: nn.Module) -> None:

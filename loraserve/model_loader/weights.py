@@ -56,31 +56,41 @@ def _files_with_suffix(
     return [os.path.join(model_path, name) for name in names]
 
 
-def hf_weight_files(model_path: str) -> tuple[list[str], bool]:
-    """(weight files, is_safetensors) of an HF-format folder."""
-    indexed = _indexed_files(model_path, SAFETENSORS_INDEX)
-    if indexed is not None:
-        return indexed, True
-    # Mistral repos ship consolidated*.safetensors next to the HF files; they are the other format.
-    safetensors = _files_with_suffix(model_path, (".safetensors",), skip_prefix="consolidated")
-    if safetensors:
-        return safetensors, True
-    indexed = _indexed_files(model_path, PICKLE_INDEX)
-    if indexed is not None:
-        return indexed, False
-    pickles = _files_with_suffix(model_path, (".bin", ".pt", ".pth"), skip_prefix="consolidated")
-    if pickles:
-        return pickles, False
-    raise ValueError(
-        f"No weights found in {model_path}: looked for {SAFETENSORS_INDEX}, *.safetensors, "
-        f"{PICKLE_INDEX} and *.bin/*.pt files."
-    )
+def hf_weight_files(model_path: str, load_format: str = "auto") -> tuple[list[str], bool]:
+    """(weight files, is_safetensors) of an HF-format folder: safetensors first, else pickles
+    (load_format "safetensors" or "pt" takes only that kind, as vLLM's --load-format does)."""
+    if load_format in ("auto", "safetensors"):
+        indexed = _indexed_files(model_path, SAFETENSORS_INDEX)
+        if indexed is not None:
+            return indexed, True
+        # Mistral repos ship consolidated*.safetensors next to the HF files; they are the other format.
+        safetensors = _files_with_suffix(model_path, (".safetensors",), skip_prefix="consolidated")
+        if safetensors:
+            return safetensors, True
+    if load_format in ("auto", "pt"):
+        indexed = _indexed_files(model_path, PICKLE_INDEX)
+        if indexed is not None:
+            return indexed, False
+        pickles = _files_with_suffix(model_path, (".bin", ".pt", ".pth"), skip_prefix="consolidated")
+        if pickles:
+            return pickles, False
+    looked_for = {
+        "auto": f"{SAFETENSORS_INDEX}, *.safetensors, {PICKLE_INDEX} and *.bin/*.pt files",
+        "safetensors": f"{SAFETENSORS_INDEX} and *.safetensors files (load_format='safetensors')",
+        "pt": f"{PICKLE_INDEX} and *.bin/*.pt files (load_format='pt')",
+    }
+    raise ValueError(f"No weights found in {model_path}: looked for {looked_for.get(load_format, load_format)}.")
 
 
 def hub_snapshot(
-    model: str, revision: str | None, allow_patterns: list[str], ignore_patterns: list[str] | None = None
+    model: str,
+    revision: str | None,
+    allow_patterns: list[str],
+    ignore_patterns: list[str] | None = None,
+    cache_dir: str | None = None,
 ) -> str:
-    """Local snapshot folder of hub repo `model` with the files matching the patterns."""
+    """Local snapshot folder of hub repo `model` with the files matching the patterns (in `cache_dir`,
+    --download-dir, instead of the Hugging Face cache when given)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
@@ -92,6 +102,7 @@ def hub_snapshot(
             allow_patterns=allow_patterns,
             ignore_patterns=ignore_patterns,
             local_files_only=offline,
+            cache_dir=cache_dir,
         )
     except HFValidationError as e:
         raise ValueError(
@@ -111,16 +122,26 @@ def hub_snapshot(
         raise ValueError(f"could not fetch model {model!r} (revision {revision!r}) from the Hub: {e}") from e
 
 
-def download_weights(model: str, model_path: str, revision: str | None, config_format: str) -> None:
-    """Fetch the weight files of hub repo `model` into its snapshot `model_path` (no-op for local folders)."""
-    if os.path.isdir(os.path.expanduser(model)):
+def download_weights(
+    model: str,
+    model_path: str,
+    revision: str | None,
+    config_format: str,
+    load_format: str = "auto",
+    cache_dir: str | None = None,
+) -> None:
+    """Fetch the weight files of hub repo `model` into its snapshot `model_path` (no-op for local folders
+    and for load_format "dummy")."""
+    if os.path.isdir(os.path.expanduser(model)) or load_format == "dummy":
         return
     if config_format == "mistral":
-        hub_snapshot(model, revision, ["consolidated*.safetensors"])
+        hub_snapshot(model, revision, ["consolidated*.safetensors"], cache_dir=cache_dir)
         return
-    hub_snapshot(model, revision, ["*.safetensors", "*.safetensors.index.json"], ["consolidated*"])
-    if not _files_with_suffix(model_path, (".safetensors",), skip_prefix="consolidated"):
-        hub_snapshot(model, revision, ["*.bin", "*.pt", "*.pth", "*.bin.index.json"], ["consolidated*"])
+    if load_format != "pt":
+        hub_snapshot(model, revision, ["*.safetensors", "*.safetensors.index.json"], ["consolidated*"], cache_dir)
+    if load_format == "pt" or not _files_with_suffix(model_path, (".safetensors",), skip_prefix="consolidated"):
+        patterns = ["*.bin", "*.pt", "*.pth", "*.bin.index.json"]
+        hub_snapshot(model, revision, patterns, ["consolidated*"], cache_dir)
 
 
 def iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -157,7 +178,9 @@ def _with_progress(
         yield from reader(path)
 
 
-def iterate_weights(model_path: str, config_format: str = "hf") -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(
+    model_path: str, config_format: str = "hf", load_format: str = "auto"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every checkpoint tensor under its HF name, one file at a time (CPU tensors)."""
     if config_format == "auto":
         has_params = os.path.isfile(os.path.join(model_path, mistral.PARAMS_FILE))
@@ -168,5 +191,5 @@ def iterate_weights(model_path: str, config_format: str = "hf") -> Iterator[tupl
         return mistral.map_consolidated_tensors(_with_progress(files, iterate_safetensors), params)
     if config_format != "hf":
         raise ValueError(f"config_format must be 'hf', 'mistral' or 'auto', got {config_format!r}.")
-    files, is_safetensors = hf_weight_files(model_path)
+    files, is_safetensors = hf_weight_files(model_path, load_format)
     return _with_progress(files, iterate_safetensors if is_safetensors else iterate_pickle)

@@ -26,8 +26,9 @@ ATTN_IMPLEMENTATION = "loraserve_paged"
 _STEP_KWARG = "loraserve_step"
 # Checkpoint buffers that older exports contain but models recompute (rotary tables, causal masks).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-# Attention features that change the math and that PagedAttention does not implement.
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+# Attention features that change the math and that PagedAttention does not implement (it does
+# implement logit softcapping, `softcap`, which Gemma-2 passes).
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks")
 _KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -84,18 +85,28 @@ def _check_call(
 
 
 def _kernel(
-    step: _StepContext, layer_idx: int, shape: tuple[int, int, int], scale: float, is_sliding: bool
+    step: _StepContext,
+    layer_idx: int,
+    shape: tuple[int, int, int],
+    scale: float,
+    is_sliding: bool,
+    softcap: float | None,
 ) -> PagedAttention:
     """The layer's PagedAttention (num_heads, num_kv_heads, head_dim), built once and reused across steps."""
     num_heads, num_kv_heads, head_dim = shape
     kernel = step.kernels.get(layer_idx)
-    wanted = (num_heads, num_kv_heads, head_dim, scale, is_sliding)
-    if (
-        kernel is None
-        or (kernel.num_heads, kernel.num_kv_heads, kernel.head_dim, kernel.scale, kernel.use_sliding_window)
-        != wanted
-    ):
-        kernel = PagedAttention(num_heads, num_kv_heads, head_dim, scale, use_sliding_window=is_sliding)
+    wanted = (num_heads, num_kv_heads, head_dim, scale, is_sliding, softcap)
+    if kernel is None or (
+        kernel.num_heads,
+        kernel.num_kv_heads,
+        kernel.head_dim,
+        kernel.scale,
+        kernel.use_sliding_window,
+        kernel.softcap,
+    ) != wanted:
+        kernel = PagedAttention(
+            num_heads, num_kv_heads, head_dim, scale, use_sliding_window=is_sliding, softcap=softcap
+        )
         step.kernels[layer_idx] = kernel
     return kernel
 
@@ -124,7 +135,10 @@ def paged_attention_forward(
             f"but its KV cache is shaped {tuple(k_cache.shape[1:])}."
         )
     scale = scaling if scaling is not None else head_dim**-0.5
-    kernel = _kernel(step, layer_idx, (num_heads, num_kv_heads, head_dim), scale, window is not None)
+    softcap = kwargs.get("softcap")
+    kernel = _kernel(
+        step, layer_idx, (num_heads, num_kv_heads, head_dim), scale, window is not None, softcap or None
+    )
     q = query[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
     k = key[0].transpose(0, 1).reshape(num_tokens, num_kv_heads * head_dim)
     v = value[0].transpose(0, 1).reshape(num_tokens, num_kv_heads * head_dim)

@@ -60,11 +60,11 @@ def test_parses_fields(tmp_path: Path) -> None:
             "rank_pattern",
             "LoRA rank 64 .* is greater than max_lora_rank 16",
         ),
-        ({"use_dora": True}, "use_dora", "DoRA is not supported"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save", "modules_to_save is not supported"),
-        ({"bias": "all"}, "bias", "without --enable-lora-bias"),
-        ({"bias": "lora_only"}, "bias", "without --enable-lora-bias"),
-        ({"lora_bias": True}, "lora_bias", "without --enable-lora-bias"),
+        ({"use_dora": True}, "use_dora", "does not yet support DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save", "only supports modules_to_save being None"),
+        ({"bias": "all"}, "bias", "Adapter bias cannot be used without bias_enabled"),
+        ({"bias": "lora_only"}, "bias", "Adapter bias cannot be used without bias_enabled"),
+        ({"lora_bias": True}, "lora_bias", "Adapter bias cannot be used without bias_enabled"),
         ({"bias": "sometimes"}, "bias", "must be 'none'"),
         ({"lora_alpha": "x"}, "lora_alpha", "finite number"),
         ({"target_modules": "q_proj(("}, "target_modules", "invalid regular expression"),
@@ -106,7 +106,7 @@ def test_bias_allowed_with_flag(tmp_path: Path) -> None:
 
 
 def test_missing_or_broken_files(tmp_path: Path) -> None:
-    with pytest.raises(LoRAAdapterNotFoundError, match="'gone' not found"):
+    with pytest.raises(LoRAAdapterNotFoundError, match="No adapter found for LoRA adapter 'gone'"):
         PEFTHelper.from_local_dir(tmp_path / "nope", "gone", max_lora_rank=16)
     (tmp_path / "empty").mkdir()
     with pytest.raises(LoRAAdapterError, match="adapter_config.json not found") as info:

@@ -65,7 +65,7 @@ def test_registry(caplog: pytest.LogCaptureFixture) -> None:
         registry.register_resolver("a", third)
     assert "already registered" in caplog.text
     assert registry.get_resolver("a") is third and registry.get_supported_resolvers() == ["a", "b"]
-    with pytest.raises(KeyError, match="'missing'"):
+    with pytest.raises(KeyError, match="'missing' not found"):
         registry.get_resolver("missing")
     with pytest.raises(TypeError):
         registry.register_resolver("c", object())  # type: ignore[arg-type]

@@ -51,6 +51,19 @@ def _configs() -> dict[str, Any]:
             max_window_layers=1,
             **TINY,
         ),
+        # Gemma-2: attention logit softcapping on every layer, a window on every other one, final logit
+        # softcapping; large initial weights and small caps, so that both caps change the result.
+        "gemma2_softcap": transformers.Gemma2Config(
+            intermediate_size=64,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=4,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=8,
+            initializer_range=0.5,
+            **TINY,
+        ),
     }
 
 
@@ -133,6 +146,7 @@ def test_kv_cache_spec_comes_from_the_config() -> None:
     assert kv_cache_spec_from_config(configs["mistral_window"]).sliding_window == 4
     assert kv_cache_spec_from_config(configs["qwen2_mixed_window"]).sliding_window == 4
     assert kv_cache_spec_from_config(configs["opt"]).sliding_window is None
+    assert kv_cache_spec_from_config(configs["gemma2_softcap"]).sliding_window == 4
     phi = kv_cache_spec_from_config(configs["phi_gqa"])
     assert (phi.num_layers, phi.num_kv_heads, phi.head_dim) == (2, 2, 8)
     linear = transformers.PretrainedConfig(layer_types=["full_attention", "linear_attention"], **TINY)

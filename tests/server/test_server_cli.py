@@ -18,6 +18,7 @@ from support.serve_process import CLI, ServeProcess
 
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.entrypoints.openai.cli_args import human_int, parse_serve_args
+from loraserve.entrypoints.openai.frontend import frontend_dests
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
 
 
@@ -161,11 +162,13 @@ def test_bad_model_is_one_line(
 def test_unset_flags_keep_engine_defaults_and_every_engine_flag_is_a_field() -> None:
     args = parse_serve_args(["some/model"])
     assert EngineArgs.from_cli_args(args) == EngineArgs(model="some/model")
-    # A flag is read into EngineArgs by its dest: one that names no field would be silently dropped.
+    # A flag is read into EngineArgs (or FrontendOptions) by its dest: one that names no field would be
+    # silently dropped. vLLM flags without an effect here leave the namespace once checked.
     server_flags = {
-        "model_tag", "host", "port", "api_key", "lora_modules", "trust_request_chat_template",
+        "model_tag", "host", "port", "api_key", "lora_modules", "trust_request_chat_template", "config",
         "max_request_body_size", "request_read_timeout", "shutdown_timeout",
     }
+    server_flags |= frontend_dests()
     assert set(vars(args)) - server_flags <= {f.name for f in fields(EngineArgs)}
 
 

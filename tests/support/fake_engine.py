@@ -39,6 +39,7 @@ class FakeModelConfig:
     vocab_size: int
     served_model_name: str = ""
     dtype: str = "float32"
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def toy_next_token(prompt_ids: list[int], lora_id: int, seq_index: int, step: int, vocab: int) -> int:
@@ -241,6 +242,12 @@ class FakeEngine:
             )
         self.loras[lora_request.lora_id] = lora_request
         self.load_latencies.append(0.002)
+        return True
+
+    async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
+        await self.add_lora(lora_request)
+        if old_lora_id not in self.running.values():
+            self.loras.pop(old_lora_id, None)
         return True
 
     async def remove_lora(self, lora_id: int) -> bool:

@@ -22,6 +22,12 @@ from loraserve.entrypoints.openai.auth import APIKeyMiddleware
 from loraserve.entrypoints.openai.disconnect import ClientDisconnected, run_until_disconnect
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception, error_response, sse_error
+from loraserve.entrypoints.openai.frontend import (
+    FrontendOptions,
+    apply_to_app,
+    fastapi_kwargs,
+    override_chat_template,
+)
 from loraserve.entrypoints.openai.http_guard import RequestGuardMiddleware, ServerLifecycle
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
@@ -50,6 +56,7 @@ class ServerOptions:
     request_read_timeout_s: float = 30.0  # a request's head, and then its body, must arrive within this
     keep_alive_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 30.0  # SIGTERM: running requests may finish within this, then fail (503)
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's FrontendArgs
 
 
 async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
@@ -68,20 +75,30 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
         metrics=metrics,
     )
     await models.init_static_loras()
-    app = FastAPI(title="loraserve", version=__version__)
+    override_chat_template(engine.tokenizer, options.frontend)
+    app = FastAPI(title="loraserve", version=__version__, **fastapi_kwargs(options.frontend))
     app.state.lifecycle = lifecycle = ServerLifecycle()
     app.state.engine = engine
     app.state.models = models
     app.state.metrics = metrics
     _add_error_handlers(app)
     _add_info_routes(app, engine, models, metrics)
+    frontend = options.frontend
     tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="loraserve-tokenizer")
     app.router.on_shutdown.append(lambda: tokenizer_pool.shutdown(wait=False, cancel_futures=True))
-    _add_generation_routes(
-        app,
-        OpenAIServingCompletion(engine, models, metrics, tokenizer_pool),
-        OpenAIServingChat(engine, models, metrics, options.trust_request_chat_template, tokenizer_pool),
+    completion = OpenAIServingCompletion(
+        engine, models, metrics, tokenizer_pool, return_tokens_as_token_ids=frontend.return_tokens_as_token_ids
     )
+    chat = OpenAIServingChat(
+        engine,
+        models,
+        metrics,
+        options.trust_request_chat_template,
+        tokenizer_pool,
+        response_role=frontend.response_role,
+        return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
+    )
+    _add_generation_routes(app, completion, chat)
     if runtime_updating:
         _add_lora_routes(app, models)
     app.add_middleware(
@@ -92,6 +109,7 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     )
     if options.api_keys:  # added last, so it runs first: no unauthenticated body is ever buffered
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    apply_to_app(app, options.frontend)  # CORS outermost: preflight requests carry no API key
     return app
 
 
@@ -213,7 +231,7 @@ async def _continue_stream(first: str, rest: AsyncIterator[str]) -> AsyncIterato
             yield line
     except Exception as exc:
         error = api_error_from_exception(exc)
-        yield sse_error(error.message, error.status, error.param)
+        yield sse_error(error.message, error.status, error.param, error.err_type)
         yield "data: [DONE]\n\n"
     finally:
         aclose = getattr(rest, "aclose", None)

@@ -14,7 +14,13 @@ import sys
 from typing import Any, NoReturn
 
 from loraserve import envs
+from loraserve.entrypoints.openai.cli_vllm_args import (
+    add_vllm_engine_args,
+    add_vllm_frontend_args,
+    check_vllm_args,
+)
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
+from loraserve.entrypoints.openai.vllm_compat import add_compat_args, check_compat_args, expand_config_file
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _DTYPES = ["auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16"]
@@ -97,16 +103,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     _add_model_args(parser.add_argument_group("model"))
     _add_scheduler_args(parser.add_argument_group("scheduler and cache"))
     _add_lora_args(parser.add_argument_group("LoRA"))
+    add_vllm_engine_args(parser.add_argument_group("model loading, tokenizer and sampling defaults"))
+    add_vllm_frontend_args(parser.add_argument_group("HTTP front end"))
+    add_compat_args(parser)
+    parser.add_argument("--config", default=None, help="YAML file of flag: value pairs (flags given here win).")
     _add_limit_args(parser.add_argument_group("limits and shutdown"))
 
 
 def _add_server_args(server: Any) -> None:
     server.add_argument("--host", default="0.0.0.0", help="Interface to listen on (default: all interfaces).")
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000).")
+    key = envs.get_env("API_KEY")
     server.add_argument(
         "--api-key",
-        default=envs.get_env("API_KEY"),
-        help="Require 'Authorization: Bearer KEY' on every route but /health (default: $LORASERVE_API_KEY).",
+        nargs="+",
+        default=[key] if key else None,
+        help="Require 'Authorization: Bearer KEY' (any of the keys given) on every route but /health "
+        "(default: $LORASERVE_API_KEY).",
     )
     server.add_argument(
         "--trust-request-chat-template",
@@ -157,8 +170,8 @@ def _add_model_args(model: Any) -> None:
     model.add_argument(
         "--model-impl",
         default="auto",
-        choices=["auto", "native", "transformers"],
-        help="auto: native implementation when there is one, else the transformers fallback.",
+        choices=["auto", "native", "vllm", "transformers"],
+        help="auto: native implementation when there is one (vllm = native), else the transformers fallback.",
     )
     model.add_argument("--seed", type=int, default=0, help="Random seed for sampling (default: 0).")
     model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto).")
@@ -185,6 +198,7 @@ def _add_scheduler_args(sched: Any) -> None:
     )
     sched.add_argument(
         "--kv-cache-memory",
+        "--kv-cache-memory-bytes",
         dest="kv_cache_memory_bytes",
         metavar="KV_CACHE_MEMORY",
         type=positive_int,
@@ -200,7 +214,9 @@ def _add_scheduler_args(sched: Any) -> None:
 
 
 def _add_lora_args(lora: Any) -> None:
-    lora.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters.")
+    lora.add_argument(
+        "--enable-lora", action=argparse.BooleanOptionalAction, default=False, help="Serve LoRA adapters."
+    )
     lora.add_argument(
         "--lora-modules",
         type=lora_module,
@@ -305,7 +321,11 @@ def make_serve_parser(prog: str = "loraserve serve") -> argparse.ArgumentParser:
 
 
 def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """Cross-flag checks; reports through `parser.error` (one line, exit 2)."""
+    """Cross-flag checks; reports through `parser.error` (one line, exit 2). vLLM flags that have no
+    effect here print a one-line notice and leave `args`."""
+    check_compat_args(parser, args)
+    check_vllm_args(parser, args)
+    args.config = None  # read already (expand_config_file)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one of them")
     args.model = args.model or args.model_tag
@@ -326,4 +346,5 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def parse_serve_args(argv: list[str] | None = None, prog: str = "loraserve serve") -> argparse.Namespace:
     parser = make_serve_parser(prog)
-    return check_serve_args(parser, parser.parse_args(sys.argv[1:] if argv is None else argv))
+    argv = expand_config_file(sys.argv[1:] if argv is None else argv, parser)
+    return check_serve_args(parser, parser.parse_args(argv))

@@ -6,7 +6,7 @@ handlers reach the engine only through these members.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -27,6 +27,9 @@ class ServedModelConfig(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]: ...  # for fields a request leaves unset
 
     @property
     def vocab_size(self) -> int: ...
@@ -76,6 +79,11 @@ class EngineClient(Protocol):
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter; returns once its running requests have finished."""
+        ...
+
+    async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
+        """load_inplace: `lora_request` (a new id) replaces `old_lora_id` for new requests at once;
+        running ones finish on the old weights."""
         ...
 
     def stats(self) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """Error responses of the HTTP API: one JSON shape, the right status, and no internal details leaked.
 
-Every error is `{"error": {"message", "type", "param", "code"}}` with `code` the HTTP status.
+Every error is `{"error": {"message", "type", "param", "code"}}` with `code` the HTTP status. The type
+follows the status, except where vLLM names it otherwise and clients match it (`InvalidUserInput` for
+the adapter routes' refusals).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _ERROR_TYPES: dict[int, str] = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+# vLLM's error.type for a refused adapter load or unload (missing fields, duplicate name, bad adapter).
+INVALID_USER_INPUT = "InvalidUserInput"
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
 _OBJECT_REPR = re.compile(r"<([\w.]+) object at <address>>")
 
@@ -44,16 +48,18 @@ class APIError(Exception):
     """An error the serving layer answers with directly: status, message and the offending parameter."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, headers: dict[str, str] | None = None
+        self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.err_type = err_type  # None: the status's type
         self.headers = headers  # e.g. Retry-After on a 503
 
     def response(self) -> JSONResponse:
-        return error_response(self.message, self.status, self.param, self.headers)
+        return error_response(self.message, self.status, self.param, self.err_type, self.headers)
 
 
 def sanitize(message: str) -> str:
@@ -72,21 +78,21 @@ def error_type(status: int) -> str:
         return "Error"
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict:
-    return {
-        "error": {"message": sanitize(message), "type": error_type(status), "param": param, "code": status}
-    }
+def error_body(message: str, status: int, param: str | None = None, err_type: str | None = None) -> dict:
+    kind = err_type or error_type(status)
+    return {"error": {"message": sanitize(message), "type": kind, "param": param, "code": status}}
 
 
 def error_response(
-    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+    message: str, status: int, param: str | None = None, err_type: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, status, param, err_type), status_code=status, headers=headers)
 
 
-def sse_error(message: str, status: int, param: str | None = None) -> str:
+def sse_error(message: str, status: int, param: str | None = None, err_type: str | None = None) -> str:
     """An error as a server-sent event, for failures after a stream has started."""
-    return f"data: {json.dumps(error_body(message, status, param))}\n\n"
+    return f"data: {json.dumps(error_body(message, status, param, err_type))}\n\n"
 
 
 def api_error_from_exception(exc: BaseException) -> APIError:

@@ -120,26 +120,35 @@ class LoraserveServer(uvicorn.Server):
             await self.engine.shutdown()
 
 
-def build_server(app: FastAPI, options: Any, engine: EngineClient | None = None) -> LoraserveServer:
-    """The server for `app` under `options` (api_server.ServerOptions)."""
+def build_server(
+    app: FastAPI, options: Any, engine: EngineClient | None = None, uvicorn_kwargs: dict[str, Any] | None = None
+) -> LoraserveServer:
+    """The server for `app` under `options` (api_server.ServerOptions); `uvicorn_kwargs` are more
+    uvicorn.Config keywords (`frontend.uvicorn_options`: TLS, log level, root path)."""
     config = uvicorn.Config(
         app,
         http=head_deadline_protocol(options.request_read_timeout_s),
         log_config=None,
-        log_level=envs.logging_level().lower(),
         timeout_keep_alive=max(1, round(options.keep_alive_timeout_s)),
         timeout_graceful_shutdown=round(options.shutdown_timeout_s + _UVICORN_GRACE_MARGIN_S),
+        **{"log_level": envs.logging_level().lower(), **(uvicorn_kwargs or {})},
     )
     return LoraserveServer(config, app.state.lifecycle, engine, options.shutdown_timeout_s)
 
 
-async def serve_app(app: FastAPI, sock: socket.socket, options: Any, engine: EngineClient | None = None) -> None:
+async def serve_app(
+    app: FastAPI,
+    sock: socket.socket,
+    options: Any,
+    engine: EngineClient | None = None,
+    uvicorn_kwargs: dict[str, Any] | None = None,
+) -> None:
     """Serve `app` on a bound socket until SIGINT/SIGTERM (draining as the module says).
 
     With `engine`, serving also stops when the engine dies, and EngineDeadError is raised then: a dead
     engine never recovers, and a process that stays up answering 500 is never restarted by a supervisor.
     """
-    server = build_server(app, options, engine)
+    server = build_server(app, options, engine, uvicorn_kwargs)
     watchdog = asyncio.create_task(stop_when_dead(engine, server)) if engine is not None else None
     try:
         await server.serve(sockets=[sock])

@@ -18,6 +18,12 @@ from fastapi import FastAPI
 from loraserve import envs
 from loraserve.entrypoints.openai.api_server import ServerOptions, build_app
 from loraserve.entrypoints.openai.cli_args import parse_serve_args
+from loraserve.entrypoints.openai.frontend import (
+    FrontendOptions,
+    apply_log_config,
+    bind_unix_socket,
+    uvicorn_options,
+)
 from loraserve.entrypoints.openai.http_server import serve_app
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 
@@ -66,7 +72,9 @@ async def run_server(args: argparse.Namespace) -> None:
     from loraserve.engine.async_engine import AsyncLLMEngine
     from loraserve.plugins import load_general_plugins
 
-    sock = bind_socket(args.host, args.port)  # before the slow model load, so a busy port fails at once
+    frontend = FrontendOptions.from_cli_args(args)
+    # Bound before the slow model load, so that a busy port fails at once.
+    sock = bind_unix_socket(frontend.uds) if frontend.uds else bind_socket(args.host, args.port)
     try:
         load_general_plugins()
         if args.model is None:
@@ -76,17 +84,18 @@ async def run_server(args: argparse.Namespace) -> None:
         try:
             options = ServerOptions(
                 served_model_names=args.served_model_name or [],
-                api_keys=[args.api_key] if args.api_key else [],
+                api_keys=list(args.api_key or []),
                 lora_modules=args.lora_modules,
                 trust_request_chat_template=args.trust_request_chat_template,
                 max_request_body_bytes=args.max_request_body_size,
                 request_read_timeout_s=args.request_read_timeout,
                 keep_alive_timeout_s=envs.http_keep_alive_timeout(),
                 shutdown_timeout_s=args.shutdown_timeout,
+                frontend=frontend,
             )
             app = await build_app(engine, options)
             _log_startup(app, engine, args, sock)
-            await serve_app(app, sock, options, engine)
+            await serve_app(app, sock, options, engine, uvicorn_options(frontend))
         finally:
             await engine.shutdown()
     finally:
@@ -123,12 +132,12 @@ def _log_startup(app: FastAPI, engine: AsyncLLMEngine, args: argparse.Namespace,
             "resolvers: %s.",
             [type(r).__name__ for r in models.lora_resolvers] or "none",
         )
-    logger.info(
-        "Serving on http://%s:%d (API key %s).",
-        args.host,
-        sock.getsockname()[1],
-        "required" if args.api_key else "not required",
-    )
+    if sock.family == socket.AF_UNIX:
+        where = f"unix:{sock.getsockname()}"
+    else:
+        scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+        where = f"{scheme}://{args.host}:{sock.getsockname()[1]}"
+    logger.info("Serving on %s (API key %s).", where, "required" if args.api_key else "not required")
 
 
 def configure_logging() -> None:
@@ -147,6 +156,7 @@ def serve_main(args: argparse.Namespace, prog: str) -> int:
     exit status 1."""
     configure_logging()
     try:
+        apply_log_config(getattr(args, "log_config_file", None))
         asyncio.run(run_server(args))
     except KeyboardInterrupt:
         return 130

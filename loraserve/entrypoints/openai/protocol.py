@@ -14,8 +14,6 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
-# The same bound the engine's SamplingParams enforces, repeated so the schema documents it.
-MAX_LOGPROBS = 20
 
 
 def random_id(prefix: str) -> str:
@@ -74,13 +72,14 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:<id>" (exact, for clients)
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs (--max-logprobs)
     echo: bool | None = False
     suffix: str | None = None
 
@@ -95,7 +94,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -207,8 +206,10 @@ class ModelList(OpenAIBaseModel):
 
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
-    lora_name: str
-    lora_path: str
+    # Optional here so that a missing field gets vLLM's "must be provided" InvalidUserInput answer.
+    lora_name: str | None = None
+    lora_path: str | None = None
+    load_inplace: bool = False  # replace the weights of an adapter loaded under this name
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

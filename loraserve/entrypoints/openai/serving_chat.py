@@ -51,9 +51,12 @@ class OpenAIServingChat(OpenAIServing):
         metrics: ServerMetrics | None = None,
         trust_request_chat_template: bool = False,
         tokenizer_pool: Executor | None = None,
+        response_role: str = "assistant",  # --response-role
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
-        super().__init__(engine, models, metrics, tokenizer_pool)
+        super().__init__(engine, models, metrics, tokenizer_pool, return_tokens_as_token_ids)
         self.trust_request_chat_template = trust_request_chat_template
+        self.response_role = response_role
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -172,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatCompletionChoice(
                 index=seq.index,
-                message=ChatResponseMessage(content=seq.text),
+                message=ChatResponseMessage(role=self.response_role, content=seq.text),
                 logprobs=self._logprobs(job, seq, 0),
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
@@ -212,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
                 if final is None:
                     # The role chunk waits for the first output so that early engine errors get a status.
                     roles = [
-                        ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                        ChatStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))
                         for i in range(job.prompt.sampling_params.n)
                     ]
                     yield self._chunk(job, roles)

@@ -25,6 +25,7 @@ from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import SamplingRequest
 from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.streams import merge_async_iterators
+from loraserve.entrypoints.openai.vllm_extras import refuse_unsupported_extras
 from loraserve.errors import EngineDeadError
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import Logprob, RequestOutput
@@ -57,6 +58,7 @@ class OpenAIServing:
         models: OpenAIServingModels,
         metrics: ServerMetrics | None = None,
         tokenizer_pool: Executor | None = None,
+        return_tokens_as_token_ids: bool = False,  # --return-tokens-as-token-ids: every request's default
     ) -> None:
         self.engine = engine
         self.models = models
@@ -66,6 +68,7 @@ class OpenAIServing:
         # at once), never on the event loop that serves every other connection.
         self.tokenizer_pool = tokenizer_pool or ThreadPoolExecutor(1, thread_name_prefix="loraserve-tokenizer")
         self._max_prompt_chars: int | None = None
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -89,6 +92,8 @@ class OpenAIServing:
             raise APIError(
                 "logit_bias is not supported by this server.", HTTPStatus.BAD_REQUEST, "logit_bias"
             )
+        # vLLM's extras that would change the result are refused by name; other unknown fields are ignored.
+        refuse_unsupported_extras(request.model_extra or {}, is_chat=hasattr(request, "messages"))
         if request.unknown_fields():
             logger.debug("Ignoring unknown request fields: %s", request.unknown_fields())
 
@@ -101,6 +106,13 @@ class OpenAIServing:
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of `text` (tokenized off the event loop); 400 for text that is not valid Unicode or
         is too long to fit in max_model_len whatever its tokens."""
+        if self.tokenizer is None:
+            raise APIError(
+                "This server was started with --skip-tokenizer-init: it has no tokenizer, so the prompt must be "
+                "token ids (a list of integers) and chat completions are unavailable.",
+                HTTPStatus.BAD_REQUEST,
+                param,
+            )
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:  # lone surrogates ("\ud800") are valid JSON but not text
@@ -175,14 +187,20 @@ class OpenAIServing:
     def sampling_params(
         self, request: SamplingRequest, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
-        """SamplingParams from the request; its ValueErrors (which name the field) become 400s."""
+        """SamplingParams from the request (unset fields: the generation config's defaults, else vLLM's);
+        its ValueErrors (which name the field) become 400s."""
+        default = self.engine.model_config.sampling_defaults
         values: dict[str, Any] = dict(
             n=request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            temperature=default.get("temperature", 1.0) if request.temperature is None else request.temperature,
+            top_p=default.get("top_p", 1.0) if request.top_p is None else request.top_p,
+            top_k=default.get("top_k", -1) if request.top_k is None else request.top_k,
+            min_p=default.get("min_p", 0.0) if request.min_p is None else request.min_p,
+            repetition_penalty=(
+                default.get("repetition_penalty", 1.0)
+                if request.repetition_penalty is None
+                else request.repetition_penalty
+            ),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             seed=request.seed,
@@ -194,6 +212,7 @@ class OpenAIServing:
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
         )
         if request.stop_token_ids:
             self.check_token_ids(request.stop_token_ids, "stop_token_ids")
@@ -212,7 +231,7 @@ class OpenAIServing:
 
     def token_renderer(self, request: SamplingRequest) -> Callable[[int, Logprob | None], str]:
         """How logprobs name tokens: their text, or "token_id:<id>" when the request asks for ids."""
-        if request.return_tokens_as_token_ids:
+        if request.return_tokens_as_token_ids or self.return_tokens_as_token_ids or self.tokenizer is None:
             return lambda token_id, _: f"token_id:{token_id}"
         return self.decode_token
 

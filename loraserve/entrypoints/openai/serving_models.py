@@ -18,7 +18,7 @@ from http import HTTPStatus
 
 from loraserve import envs
 from loraserve.entrypoints.openai.engine_client import EngineClient
-from loraserve.entrypoints.openai.errors import APIError
+from loraserve.entrypoints.openai.errors import INVALID_USER_INPUT, APIError
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.names import check_name, check_path
 from loraserve.entrypoints.openai.protocol import (
@@ -193,33 +193,65 @@ class OpenAIServingModels:
         self.lora_requests[name] = lora_request
         return lora_request
 
+    async def _replace_lora(self, loaded: LoRARequest, path: str) -> LoRARequest:
+        """load_inplace: new weights under the same name (and a new id, so that requests running on the
+        old weights finish on them); the name points at the new adapter once the engine serves it."""
+        lora_request = LoRARequest(
+            lora_name=loaded.lora_name,
+            lora_int_id=next(self._lora_ids),
+            lora_path=path,
+            base_model_name=loaded.base_model_name,
+        )
+        start = time.perf_counter()
+        await self.engine.replace_lora(loaded.lora_id, lora_request)
+        if self.metrics is not None:
+            self.metrics.lora_add_seconds.observe(time.perf_counter() - start)
+        self.lora_requests[loaded.lora_name] = lora_request
+        return lora_request
+
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
-        """POST /v1/load_lora_adapter: validate, then register; APIError with the status otherwise."""
-        name, path = request.lora_name.strip(), request.lora_path.strip()
+        """POST /v1/load_lora_adapter: validate, then register (or, with load_inplace, replace the
+        weights of the adapter loaded under that name); APIError with the status otherwise."""
+        name, path = (request.lora_name or "").strip(), (request.lora_path or "").strip()
         if not name or not path:
-            raise APIError("Both 'lora_name' and 'lora_path' must be provided.", HTTPStatus.BAD_REQUEST)
+            raise APIError(
+                "Both 'lora_name' and 'lora_path' must be provided.", HTTPStatus.BAD_REQUEST, None, INVALID_USER_INPUT
+            )
         check_name(name, "lora_name")  # before anything registers, logs or counts them
         check_path(path, "lora_path")
         if not self.lora_enabled:
             raise APIError(
-                "LoRA is not enabled; start the server with --enable-lora.", HTTPStatus.BAD_REQUEST
+                "LoRA is not enabled; start the server with --enable-lora.",
+                HTTPStatus.BAD_REQUEST,
+                None,
+                INVALID_USER_INPUT,
             )
         if self.is_base_model(name):
             raise APIError(
-                f"'{name}' is the name of a served base model.", HTTPStatus.BAD_REQUEST, "lora_name"
+                f"'{name}' is the name of a served base model.",
+                HTTPStatus.BAD_REQUEST,
+                "lora_name",
+                INVALID_USER_INPUT,
             )
         async with self.name_locks.hold(name):
-            if name in self.lora_requests:
+            loaded = self.lora_requests.get(name)
+            if loaded is not None and not request.load_inplace:
                 raise APIError(
-                    f"The lora adapter '{name}' has already been loaded.", HTTPStatus.BAD_REQUEST, "lora_name"
+                    f"The lora adapter '{name}' has already been loaded.",
+                    HTTPStatus.BAD_REQUEST,
+                    "lora_name",
+                    INVALID_USER_INPUT,
                 )
             try:
-                await self._add_lora(name, path, None)
+                if loaded is None:
+                    await self._add_lora(name, path, None)
+                else:
+                    await self._replace_lora(loaded, path)
             except LoRAAdapterNotFoundError as exc:
                 raise APIError(str(exc), HTTPStatus.NOT_FOUND, "lora_path") from exc
             except ValueError as exc:  # LoRAAdapterError and any other validation failure
-                raise APIError(str(exc), HTTPStatus.BAD_REQUEST, "lora_path") from exc
-        logger.info("Loaded LoRA adapter %r from %r.", name, path)
+                raise APIError(str(exc), HTTPStatus.BAD_REQUEST, "lora_path", INVALID_USER_INPUT) from exc
+        logger.info("Loaded LoRA adapter %r from %r%s.", name, path, " in place" if loaded else "")
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
@@ -238,7 +270,12 @@ class OpenAIServingModels:
             check_name(request.lora_name, "lora_name")
             return request.lora_name
         if request.lora_int_id is None:
-            raise APIError("Either 'lora_name' or 'lora_int_id' must be provided.", HTTPStatus.BAD_REQUEST)
+            raise APIError(
+                "Either 'lora_name' or 'lora_int_id' must be provided.",
+                HTTPStatus.BAD_REQUEST,
+                None,
+                INVALID_USER_INPUT,
+            )
         for lora_request in self.lora_requests.values():
             if lora_request.lora_id == request.lora_int_id:
                 return lora_request.lora_name

@@ -1,0 +1,58 @@
+"""`loraserve serve <argv>` run in-process, exactly as the command line runs it, for tests of whole
+command lines: the parser, the launcher, the engine and uvicorn, on a background thread.
+
+The uvicorn server is captured when the launcher creates it, so the test can stop it as SIGTERM would
+(signals only reach the main thread).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from support.harness import wait_for
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def live_serve(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Run `loraserve serve *argv` until the block ends; yields the started uvicorn server."""
+    from loraserve.entrypoints import cli
+    from loraserve.entrypoints.openai import launcher
+
+    servers: list[Any] = []
+    real_class = launcher._graceful_server_class
+
+    def recording_class() -> type:
+        base = real_class()
+
+        class Recorded(base):  # type: ignore[misc, valid-type]
+            def __init__(self, config: Any) -> None:
+                super().__init__(config)
+                servers.append(self)
+
+        return Recorded
+
+    monkeypatch.setattr(launcher, "_graceful_server_class", recording_class)
+    monkeypatch.setattr(launcher, "configure_logging", lambda: None)  # keep pytest's logging setup
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(cli.main(["serve", *argv])), daemon=True)
+    thread.start()
+    wait_for(lambda: bool(status) or (bool(servers) and servers[0].started), 120, "the server to start")
+    assert not status, f"serve exited with status {status} before serving"
+    try:
+        yield servers[0]
+    finally:
+        servers[0].should_exit = True
+        thread.join(60)
+    assert status == [0], status
