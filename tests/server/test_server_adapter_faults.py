@@ -198,4 +198,4 @@ def test_resolved_broken_adapters_show_no_server_paths(faults, name: str, phrase
     assert not Path("/tmp/loraserve_pwned").exists()
     by_path = load(server, f"{name}-by-path", str(root / "resolver" / name))
     assert "weights_only" not in assert_error(by_path, 400, phrase, root=root)
-    assert_error(load(server, "missing", str(root / "nowhere")), 404, "LoRA adapter 'missing' not found", root=root)
+    assert_error(load(server, "missing", str(root / "nowhere")), 404, "No adapter found for LoRA adapter 'missing'", root=root)

@@ -20,7 +20,8 @@ import httpx
 import pytest
 import torch
 import transformers
-from support.live_serve import free_port, live_serve
+from support.live_serve import live_serve
+from support.serve_process import free_port
 
 PROMPT = [5, 17, 42, 99, 7]
 

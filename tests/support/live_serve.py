@@ -7,7 +7,6 @@ The uvicorn server is captured when the launcher creates it, so the test can sto
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,32 +17,20 @@ import pytest
 from support.harness import wait_for
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def live_serve(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Run `loraserve serve *argv` until the block ends; yields the started uvicorn server."""
     from loraserve.entrypoints import cli
-    from loraserve.entrypoints.openai import launcher
+    from loraserve.entrypoints.openai import http_server, launcher
 
     servers: list[Any] = []
-    real_class = launcher._graceful_server_class
+    real_build = http_server.build_server
 
-    def recording_class() -> type:
-        base = real_class()
+    def recording_build(*args: Any, **kwargs: Any) -> Any:
+        servers.append(real_build(*args, **kwargs))
+        return servers[-1]
 
-        class Recorded(base):  # type: ignore[misc, valid-type]
-            def __init__(self, config: Any) -> None:
-                super().__init__(config)
-                servers.append(self)
-
-        return Recorded
-
-    monkeypatch.setattr(launcher, "_graceful_server_class", recording_class)
+    monkeypatch.setattr(http_server, "build_server", recording_build)
     monkeypatch.setattr(launcher, "configure_logging", lambda: None)  # keep pytest's logging setup
     status: list[int] = []
     thread = threading.Thread(target=lambda: status.append(cli.main(["serve", *argv])), daemon=True)
