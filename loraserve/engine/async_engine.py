@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from loraserve.engine.arg_utils import EngineArgs
+from loraserve.engine.heap_trim import HeapTrimmer
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.step_failures import StepFailureLimitError
 from loraserve.errors import EngineDeadError, EngineShutdownError
@@ -57,6 +58,7 @@ class AsyncLLMEngine:
         self._closed = False
         self._waiters: set[concurrent.futures.Future[None]] = set()  # `_until` calls in progress
         self.dead_error: BaseException | None = None
+        self._heap = HeapTrimmer()  # the engine thread returns freed memory to the OS between steps
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
@@ -87,6 +89,7 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_commands(block=not self.engine.has_unfinished_requests())
+            self._heap.maybe_trim()
             if self.dead_error is not None or not self.engine.has_unfinished_requests():
                 continue
             try:

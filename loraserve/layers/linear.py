@@ -67,7 +67,7 @@ class Linear(nn.Module):
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return _packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
@@ -75,6 +75,31 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}"
+
+
+def packed_rows(num_rows: int) -> int:
+    """The row count a packed linear runs with: 16, 32, 64, then the next multiple of 32.
+
+    oneDNN keeps state for every input shape its packed linear has seen, and a server sees nearly every
+    token count up to max_num_batched_tokens, so its memory grew for as long as new counts came (about
+    30 KB per new count and layer). Rounding up bounds the shapes to a few dozen; the extra rows cost
+    little, since a small batch's matmul is bound by reading the weights, not by its rows.
+    """
+    if num_rows <= 16:
+        return 16
+    if num_rows <= 64:
+        return 1 << (num_rows - 1).bit_length()
+    return -(-num_rows // 32) * 32
+
+
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    padded = packed_rows(num_rows)
+    if padded != num_rows:
+        rows = F.pad(rows, (0, 0, 0, padded - num_rows))
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+    return out[:num_rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:

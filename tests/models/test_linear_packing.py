@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.layers.linear import Linear, pack_cpu_linears
+from loraserve.layers.linear import Linear, pack_cpu_linears, packed_rows
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built into torch")
@@ -29,3 +29,27 @@ def test_packed_matches_dense_and_shared_weight_survives() -> None:
         x = torch.randn(rows, 48)
         torch.testing.assert_close(plain(x), F.linear(x, dense_plain, plain.bias), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(tied(x), F.linear(x, dense_tied), atol=1e-5, rtol=1e-5)
+
+
+def test_row_buckets_cover_and_stay_few() -> None:
+    buckets = {packed_rows(n) for n in range(1, 4097)}
+    assert all(packed_rows(n) >= n for n in range(1, 4097))
+    assert all(packed_rows(n) <= max(16, 2 * n) for n in range(1, 65))  # small batches: at most double
+    assert all(packed_rows(n) - n < 32 for n in range(65, 4097))  # larger ones: under 32 extra rows
+    assert len(buckets) <= 3 + 4096 // 32  # every shape a 4k-token step could need
+
+
+@pytest.mark.parametrize("num_rows", [1, 15, 16, 17, 33, 64, 65, 100, 2048])
+def test_packed_linear_matches_dense(num_rows: int) -> None:
+    torch.manual_seed(num_rows)
+    layer = Linear(96, [40, 24], bias=True, dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()  # type: ignore[union-attr]
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()  # type: ignore[union-attr]
+    if pack_cpu_linears(layer) == 0:
+        pytest.skip("oneDNN cannot pack on this CPU")
+    x = torch.randn(num_rows, 96)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+    x3 = torch.randn(2, num_rows, 96)  # leading dims other than tokens keep their shape
+    torch.testing.assert_close(layer(x3), F.linear(x3, weight, bias), rtol=1e-4, atol=1e-4)
