@@ -237,3 +237,29 @@ def test_dead_engine(tokenizer) -> None:
         assert health.status_code == 500 and health.json()["error"]["code"] == 500
         again = server.http.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 5})
         assert again.status_code == 500
+
+
+def test_api_key_and_drain_behind_a_root_path(tokenizer) -> None:
+    """With --root-path, uvicorn prefixes every path: /health stays open, /metrics stays up while
+    draining, and everything else still needs the key."""
+    from loraserve.entrypoints.openai.api_server import build_app
+
+    async def run() -> dict[str, int]:
+        options = ServerOptions(served_model_names=["base"], api_keys=[API_KEY])
+        app = await build_app(FakeEngine(tokenizer), options)
+        transport = httpx.ASGITransport(app=app, root_path="/llm")
+        key = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            seen = {
+                "health": (await client.get("/llm/health")).status_code,
+                "models": (await client.get("/llm/v1/models")).status_code,
+                "models_key": (await client.get("/llm/v1/models", headers=key)).status_code,
+            }
+            app.state.lifecycle.is_draining = True
+            seen["metrics_draining"] = (await client.get("/llm/metrics", headers=key)).status_code
+            seen["models_draining"] = (await client.get("/llm/v1/models", headers=key)).status_code
+        return seen
+
+    assert asyncio.run(run()) == {
+        "health": 200, "models": 401, "models_key": 200, "metrics_draining": 200, "models_draining": 503,
+    }

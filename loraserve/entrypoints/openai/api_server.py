@@ -196,11 +196,20 @@ def _add_generation_routes(
 def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-        return PlainTextResponse(await models.load_lora_adapter(body))
+        return await _plain(models.load_lora_adapter(body))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-        return PlainTextResponse(await models.unload_lora_adapter(body))
+        return await _plain(models.unload_lora_adapter(body))
+
+
+async def _plain(result: Awaitable[str]) -> Response:
+    """A route's text, or its error as a response (the global handler would log a shutdown's 503 as a
+    traceback: Starlette re-raises what reaches its `Exception` handler)."""
+    try:
+        return PlainTextResponse(await result)
+    except Exception as exc:
+        return api_error_from_exception(exc).response()
 
 
 async def _respond(

@@ -11,7 +11,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraserve.entrypoints.openai.http_guard import send_json_error
+from loraserve.entrypoints.openai.http_guard import app_path, send_json_error
 
 OPEN_PATHS = frozenset({b"/health"})
 
@@ -39,7 +39,7 @@ class APIKeyMiddleware:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        raw_path = scope.get("raw_path") or scope.get("path", "").encode()
+        raw_path = app_path(scope)
         if raw_path in OPEN_PATHS or self.is_authorized(scope):
             await self.app(scope, receive, send)
             return

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
-_OPEN_WHILE_DRAINING = frozenset({"/metrics"})
+_OPEN_WHILE_DRAINING = frozenset({b"/metrics"})
 
 
 @dataclass(slots=True)
@@ -24,6 +24,16 @@ class ServerLifecycle:
     """Shared by the app and the server around it: set when shutdown begins."""
 
     is_draining: bool = False
+
+
+def app_path(scope: Scope) -> bytes:
+    """The raw request path as the app's routes see it: without --root-path's prefix (uvicorn adds it
+    to both `path` and `raw_path`), nothing else normalised."""
+    raw = scope.get("raw_path") or scope.get("path", "").encode()
+    root = (scope.get("root_path") or "").encode()
+    if root and raw.startswith(root) and raw[len(root) : len(root) + 1] in (b"", b"/", b"?"):
+        return raw[len(root) :] or b"/"
+    return bytes(raw)
 
 
 async def send_json_error(
@@ -60,7 +70,7 @@ class RequestGuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.lifecycle.is_draining and scope.get("path") not in _OPEN_WHILE_DRAINING:
+        if self.lifecycle.is_draining and app_path(scope) not in _OPEN_WHILE_DRAINING:
             await send_json_error(
                 send, 503, "The server is shutting down and accepts no new requests.",
                 "ServiceUnavailableError", [(b"connection", b"close"), (b"retry-after", b"1")],
