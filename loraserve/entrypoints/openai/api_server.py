@@ -52,7 +52,7 @@ class ServerOptions:
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     allow_runtime_lora_updating: bool | None = None  # None: read the environment
     trust_request_chat_template: bool = False  # a request's own chat template runs only when True
-    max_request_body_bytes: int = 16 << 20
+    max_request_body_bytes: int = 4 << 20
     request_read_timeout_s: float = 30.0  # a request's head, and then its body, must arrive within this
     keep_alive_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 30.0  # SIGTERM: running requests may finish within this, then fail (503)

@@ -7,6 +7,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
+from loraserve.engine.admission import check_request_size
 from loraserve.entrypoints.openai.errors import APIError
 from loraserve.entrypoints.openai.logprobs import completion_logprobs
 from loraserve.entrypoints.openai.protocol import (
@@ -74,13 +75,13 @@ class OpenAIServingCompletion(OpenAIServing):
             return [await self.encode(prompt)]
         if not prompt:
             raise APIError("prompt must not be an empty list.", HTTPStatus.BAD_REQUEST, "prompt")
-        if isinstance(prompt[0], int):
-            batch: list = [prompt]
-        else:
-            batch = list(prompt)
+        batch: list = [prompt] if isinstance(prompt[0], int) else list(prompt)
+        # Count first: a request of a million tiny prompts is refused before any work per prompt.
+        check_request_size(self.engine.scheduler_config, len(batch) * request.n, 0)
         result = []
         for item in batch:
             ids = await self.encode(item) if isinstance(item, str) else list(item)
+            self.max_tokens_for(len(ids), None, "prompt")  # its length before each of its ids
             self.check_token_ids(ids, "prompt")
             result.append(ids)
         return result
