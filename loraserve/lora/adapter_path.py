@@ -102,6 +102,17 @@ class AdapterLocations:
         with self._lock:
             return self._folders.setdefault(lora_request.lora_id, folder)
 
+    def known_folder(self, lora_request: LoRARequest) -> str | None:
+        """The local folder without downloading: the resolved one, or the expanded path when it is not a
+        Hub repo id; None for a repo not downloaded yet (there are no files to fingerprint)."""
+        with self._lock:
+            known = self._folders.get(lora_request.lora_id)
+        if known is not None:
+            return known
+        if hub_repo_parts(lora_request.lora_path) is not None:
+            return None
+        return expand_adapter_path(lora_request.lora_path)
+
     def forget(self, lora_id: int) -> None:
         """The adapter is gone (or failed to load): the next registration of its id resolves again."""
         with self._lock:

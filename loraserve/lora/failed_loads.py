@@ -53,13 +53,21 @@ class _Failure:
 class FailedLoads:
     """Failed adapter loads by key (any thread)."""
 
-    def __init__(self, capacity: int = MAX_REMEMBERED) -> None:
+    def __init__(
+        self, locate: Callable[[LoRARequest], str | None] | None = None, capacity: int = MAX_REMEMBERED
+    ) -> None:
+        # The local folder behind a request's lora_path (`~` expanded, a Hub download's snapshot), or
+        # None when there is none yet: a failure before any local files exist is not remembered.
+        self._locate = locate or (lambda lora_request: lora_request.lora_path)
         self._capacity = capacity
         self._failures: OrderedDict[Hashable, _Failure] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._failures)
+
+    def folder_of(self, lora_request: LoRARequest) -> str | None:
+        return self._locate(lora_request)
 
     def check(self, key: Hashable, folder: str) -> Fingerprint:
         """Raise the remembered error if `key` failed on exactly these files; else their fingerprint,
@@ -91,11 +99,13 @@ class FailedLoads:
         """`read(lora_request)`, unless the same name and path failed on the same files before; an
         adapter error is remembered (other errors, like a full cache, are not the files' fault)."""
         key = (lora_request.lora_name, lora_request.lora_path)
-        files = self.check(key, lora_request.lora_path)
+        folder = self._locate(lora_request)
+        files = self.check(key, folder) if folder is not None else None
         try:
             lora_model = read(lora_request)
         except LoRAAdapterError as error:
-            self.record(key, files, error)
+            if files is not None:
+                self.record(key, files, error)
             raise
         self.forget(key)
         return lora_model

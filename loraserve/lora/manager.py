@@ -53,10 +53,11 @@ class LoRAManager:
         self._slots = SlotTable(wrap_model_for_lora(model, lora_config), lora_config.max_loras)
         # A weights file larger than any valid adapter for this model and max_lora_rank is refused by size.
         max_file_bytes = LoRATargets.from_model(model).max_adapter_bytes(lora_config.max_lora_rank)
-        self._failed = FailedLoads()  # the same broken files fail fast, without another read
         # No bound method of the manager goes into its parts: a cycle would keep every cached adapter
         # alive after the engine is dropped, until a garbage-collector pass (seconds of freeing GBs).
         self._locations = AdapterLocations()  # lora_path (maybe ~ or a Hub repo id) -> local folder
+        # The same broken files fail fast, without another read; fingerprinted where they really are.
+        self._failed = FailedLoads(self._locations.known_folder)
         read_files = partial(read_adapter, model, lora_config, self._lora_dtype, max_file_bytes, self._locations)
         read = partial(self._failed.read, read_files)
         self._host = HostCache(lora_config.cpu_capacity, read, self._lock, self._slots.release)
@@ -223,11 +224,12 @@ class LoRAManager:
                 return
             lora_request, digest = self._registry.requests[lora_id], self._registry.digests[lora_id]
         name, key = lora_request.lora_name, _changed_key(lora_id)
-        files = self._failed.check(key, lora_request.lora_path)
+        folder = self._failed.folder_of(lora_request) or lora_request.lora_path
+        files = self._failed.check(key, folder)
         try:
             reloaded = self.load(lora_request, protected=step_ids)
         except LoRAAdapterError as e:
-            if not os.path.isdir(lora_request.lora_path):
+            if not os.path.isdir(folder):
                 raise LoRAAdapterGoneError(
                     f"LoRA adapter '{name}' is registered but its files are gone from disk; unload it, "
                     "or put its files back."

@@ -211,3 +211,59 @@ def test_registered_adapter_changed_on_disk_never_serves_the_new_weights(
     safetensors.torch.save_file(stand_in_tensors(7), str(folder / "adapter_model.safetensors"))
     assert manager.remove(1, in_use=False)
     assert manager.register(LoRARequest("c", 1, str(folder)), explicit=True) != digest
+
+
+def test_failed_loads_under_a_home_path_are_retried_once_fixed(tmp_path, monkeypatch) -> None:
+    """A `~/...` adapter is fingerprinted at its real folder: fixing its files lets the next load read
+    them again (keyed on the raw path, every fingerprint was 'missing' and the error stuck forever)."""
+    import os
+
+    from loraserve.errors import LoRAAdapterError
+    from loraserve.lora.adapter_path import AdapterLocations
+    from loraserve.lora.failed_loads import FailedLoads
+    from loraserve.lora.request import LoRARequest
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / "ad"
+    folder.mkdir()
+    config = folder / "adapter_config.json"
+    config.write_text("{broken")
+    reads: list[str] = []
+
+    def read(request: LoRARequest) -> str:
+        reads.append(request.lora_path)
+        if config.read_text() == "{broken":
+            raise LoRAAdapterError("LoRA adapter 'ad': adapter_config.json is not valid JSON")
+        return "loaded"
+
+    failed = FailedLoads(AdapterLocations().known_folder)
+    request = LoRARequest("ad", 1, "~/ad")
+    for _ in range(2):
+        with pytest.raises(LoRAAdapterError, match="not valid JSON"):
+            failed.read(read, request)  # type: ignore[arg-type]
+    assert len(reads) == 1  # the second failure came from memory
+    config.write_text("{}")
+    os.utime(config, ns=(1, 1))  # a new mtime even on a coarse clock
+    assert failed.read(read, request) == "loaded"  # type: ignore[arg-type]
+    assert len(reads) == 2
+
+
+def test_hub_ids_not_downloaded_are_not_remembered(tmp_path, monkeypatch) -> None:
+    """A failure before any local files exist (a Hub download that failed) is retried next time."""
+    from loraserve.errors import LoRAAdapterError
+    from loraserve.lora.adapter_path import AdapterLocations
+    from loraserve.lora.failed_loads import FailedLoads
+    from loraserve.lora.request import LoRARequest
+
+    monkeypatch.chdir(tmp_path)
+    calls: list[int] = []
+
+    def read(request: LoRARequest) -> str:
+        calls.append(1)
+        raise LoRAAdapterError("LoRA adapter 'hub': downloading failed")
+
+    failed = FailedLoads(AdapterLocations().known_folder)
+    for _ in range(3):
+        with pytest.raises(LoRAAdapterError):
+            failed.read(read, LoRARequest("hub", 2, "some-org/some-adapter"))  # type: ignore[arg-type]
+    assert len(calls) == 3 and len(failed) == 0
