@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -338,12 +339,12 @@ class LLMEngine:
         """Whether `add_lora` (or a request) registered this adapter; safe to call from any thread."""
         return self.lora is not None and self.lora.is_registered(lora_id)
 
-    def prefetch_lora(self, lora_request: LoRARequest) -> None:
+    def prefetch_lora(self, lora_request: LoRARequest, also_keep: Collection[int] = ()) -> None:
         """Read and validate an adapter into the host cache ahead of `add_lora` / `add_request`, so
-        the step loop never waits on its disk read. Safe to call from any thread; a no-op with LoRA
-        off (`add_request` reports that)."""
+        the step loop never waits on its disk read; `also_keep` (an adapter it replaces) is not
+        evicted for it. Safe to call from any thread; a no-op with LoRA off (`add_request` says so)."""
         if self.lora is not None:
-            self.lora.prefetch(lora_request)
+            self.lora.prefetch(lora_request, also_keep)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter: now if no request uses it, else once they finish (`lora_removed`

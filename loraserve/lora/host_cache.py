@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from loraserve.errors import LoRAAdapterError
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.lru import CacheFullError, LRUCache
 from loraserve.lora.request import LoRARequest
@@ -94,9 +95,11 @@ class HostCache:
         try:
             self._adapters.put(lora_model.lora_id, lora_model, keep)
         except CacheFullError:
-            raise ValueError(
-                f"cannot add LoRA adapter '{lora_model.name}': the host cache (max_cpu_loras="
-                f"{self.capacity}) holds only pinned adapters or adapters of the step ({sorted(self.ids())})"
+            raise LoRAAdapterError(
+                f"LoRA adapter '{lora_model.name}': no room in host memory: the host cache (max_cpu_loras="
+                f"{self.capacity}) holds only adapters it must keep (pinned, in the running step, or still "
+                f"serving requests while being replaced or unloaded: {sorted(self.ids())}); retry later or "
+                "raise --max-cpu-loras"
             ) from None
         return True
 

@@ -62,9 +62,13 @@ class LoRAManager:
         read = partial(self._failed.read, read_files)
         self._host = HostCache(lora_config.cpu_capacity, read, self._lock, self._slots.release)
         self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
+        # Adapters being removed (unloaded or replaced in place) whose requests still run: their cached
+        # copy may be the only one left (files deleted or overwritten), so the host cache keeps them.
+        # Rebound, never mutated, so that other threads' keep() reads it without the lock.
+        self._retained: frozenset[int] = frozenset()
 
     # ---- registration (engine thread) -----------------------------------------------------------
-    def register(self, lora_request: LoRARequest, explicit: bool = False) -> str:
+    def register(self, lora_request: LoRARequest, explicit: bool = False, also_keep: Collection[int] = ()) -> str:
         """Load and validate an adapter (idempotent for the same id, name and path); return its
         identity digest, the prefix-cache salt. `explicit` (an add_lora call) lifts an unload."""
         with self._lock:
@@ -72,7 +76,7 @@ class LoRAManager:
             digest = self._registry.check_can_register(lora_request, explicit)
         if digest is not None:
             return digest
-        digest = self.load(lora_request).identity.digest
+        digest = self.load(lora_request, also_keep=also_keep).identity.digest
         with self._lock:
             self._registry.add(lora_request, digest)
         return digest
@@ -91,12 +95,12 @@ class LoRAManager:
         with self._lock:
             return self._registry.successor(lora_request)
 
-    def prefetch(self, lora_request: LoRARequest) -> None:
+    def prefetch(self, lora_request: LoRARequest, also_keep: Collection[int] = ()) -> None:
         """Read and validate an adapter the engine does not serve yet, so that registering it later
-        finds it cached. Any thread; concurrent calls for one adapter read it once."""
+        finds it cached (evicting none of `also_keep`). Any thread; one read per adapter."""
         lora_request = self.successor(lora_request)
         if not self.is_registered(lora_request.lora_id):
-            self.load(lora_request)
+            self.load(lora_request, also_keep=also_keep)
 
     def replace(self, old_id: int, lora_request: LoRARequest, in_use: bool) -> str:
         """Serve `lora_request` in place of registered adapter `old_id` (vLLM's load_inplace); its digest.
@@ -110,7 +114,7 @@ class LoRAManager:
             if old_id not in self._registry.requests or old_id in self._registry.pending_removals:
                 raise LoRAAdapterNotFoundError(f"LoRA id {old_id} is not registered; load it first.")
         if lora_request.lora_id != old_id:
-            digest = self.register(lora_request, explicit=True)
+            digest = self.register(lora_request, explicit=True, also_keep=(old_id,))
             with self._lock:
                 new_model = self._host.peek(lora_request.lora_id)
                 if self._slots.unpin(old_id) and new_model is not None:
@@ -156,6 +160,7 @@ class LoRAManager:
                 return False
             if in_use:
                 self._registry.defer_removal(lora_id)
+                self._retained = self._retained | {lora_id}
             else:
                 self._forget(lora_id)
             return True
@@ -181,6 +186,7 @@ class LoRAManager:
                 self._forget(lora_id)
 
     def _forget(self, lora_id: int) -> None:
+        self._retained = self._retained - {lora_id}
         self._drop(lora_id)
         self._registry.forget(lora_id)
         self._failed.forget(_changed_key(lora_id))
@@ -285,13 +291,17 @@ class LoRAManager:
             return slots
 
     # ---- loading (any thread) -------------------------------------------------------------------
-    def load(self, lora_request: LoRARequest, protected: Collection[int] | None = None) -> LoRAModel:
+    def load(
+        self, lora_request: LoRARequest, protected: Collection[int] | None = None, also_keep: Collection[int] = ()
+    ) -> LoRAModel:
         """The adapter from the host cache, else read, validated and cached (and written into a free
-        slot, if any). To make room the cache evicts neither pinned adapters nor `protected` ones
-        (default: the adapters of the current step)."""
+        slot, if any). To make room the cache evicts no pinned adapter, no `protected` one (default:
+        the adapters of the current step), no retained one (being removed while requests run) and
+        none of `also_keep`."""
 
         def keep() -> frozenset[int]:
-            return self._slots.pinned_ids | (self._in_use if protected is None else frozenset(protected))
+            step = self._in_use if protected is None else frozenset(protected)
+            return self._slots.pinned_ids | step | self._retained | frozenset(also_keep)
 
         return self._host.load(lora_request, keep, self._admit)
 

@@ -110,3 +110,55 @@ def test_the_same_id_is_not_replaced_under_running_requests(
         engine.add_lora(LoRARequest("policy", 1, step2, load_inplace=True))
     engine.abort_request("r")
     assert engine.add_lora(LoRARequest("policy", 1, step2, load_inplace=True))
+
+
+def test_overwritten_folder_with_a_small_host_cache(
+    tiny_model: Any, two_adapters: tuple[str, str], tmp_path: Any
+) -> None:
+    """A trainer overwrites the adapter's folder, then reloads it in place while a request runs on the
+    old weights, with room for only two adapters in host memory. The old copy in memory is the only
+    one left: other loads must not evict it, so the running request finishes on it (never a reload of
+    the overwritten files, a 409)."""
+    step1, step2 = two_adapters
+    reference = LLM(tiny_model("llama"), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=4)
+    ref1, ref2 = run(reference, LoRARequest("ref1", 1, step1)), run(reference, LoRARequest("ref2", 2, step2))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=tiny_model("llama"), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2)
+    )
+    live = str(tmp_path / "live")
+    shutil.copytree(step1, live)
+    old = LoRARequest("policy", 10, live)
+    engine.add_request("before", PROMPT, PARAMS, old)
+    engine.step()
+    engine.step()  # "before" is decoding on the old weights
+    shutil.rmtree(live)
+    shutil.copytree(step2, live)
+    engine.prefetch_lora(LoRARequest("policy", 11, live), also_keep=(10,))  # what the server does first
+    assert engine.replace_lora(10, LoRARequest("policy", 11, live))
+    engine.add_request("other", PROMPT, PARAMS, LoRARequest("other", 12, step1))  # needs room too
+    engine.add_request("after", PROMPT, PARAMS, LoRARequest("policy", 11, live))
+    outputs: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.error or list(output.outputs[0].token_ids)
+    assert outputs == {"before": ref1, "other": ref1, "after": ref2}
+
+
+def test_no_room_for_both_copies_refuses_the_reload(tiny_model: Any, two_adapters: tuple[str, str]) -> None:
+    """With one adapter of host memory and the old weights still running, an in-place reload cannot
+    hold both copies: it is refused (the old weights keep serving), never evicting the running copy."""
+    step1, step2 = two_adapters
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=tiny_model("llama"), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    )
+    engine.add_request("before", PROMPT, PARAMS, LoRARequest("policy", 10, step1))
+    engine.step()
+    with pytest.raises(LoRAAdapterError):
+        engine.prefetch_lora(LoRARequest("policy", 11, step2), also_keep=(10,))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.error
+    assert finished == {"before": None}
