@@ -122,6 +122,9 @@ class LoRAConfig:
     max_lora_rank: int = 16
     lora_dtype: torch.dtype | None = None  # None = model dtype
     enable_lora_bias: bool = False
+    # vLLM's --lora-target-modules: LoRA only on these module names (e.g. ("o_proj", "qkv_proj")); an
+    # adapter's weights for other modules are skipped with a warning. None: every LoRA-capable module.
+    target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:

@@ -60,6 +60,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     lora_dtype: str = "auto"
     enable_lora_bias: bool = False
+    lora_target_modules: list[str] | None = None
 
     def _hf_overrides(self) -> Any:
         """hf_overrides with --rope-scaling / --rope-theta folded in (a dict or JSON string only)."""
@@ -115,6 +116,7 @@ class EngineArgs:
                 max_lora_rank=self.max_lora_rank,
                 lora_dtype=lora_dtype,
                 enable_lora_bias=self.enable_lora_bias,
+                target_modules=tuple(self.lora_target_modules) if self.lora_target_modules else None,
             )
         max_batched = max(self.max_num_batched_tokens, 1)
         if not self.enable_chunked_prefill:

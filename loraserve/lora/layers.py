@@ -132,12 +132,18 @@ class LinearWithLoRA(Linear):
 
 
 def wrap_model_for_lora(model: nn.Module, lora_config: LoRAConfig) -> dict[str, LinearWithLoRA]:
-    """Replace every LoRA-capable `Linear` of the model by a `LinearWithLoRA`, in place.
+    """Replace every LoRA-capable `Linear` of the model (those `lora_config.target_modules` names, when
+    given) by a `LinearWithLoRA`, in place.
 
     Idempotent: layers already wrapped are kept. Returns the wrapped layers by full module name.
     """
     wrapped: dict[str, LinearWithLoRA] = {}
+    allowed = lora_config.target_modules
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     for name, module in lora_target_modules(model).items():
+        leaf = name.rpartition(".")[2]
+        if allowed is not None and leaf not in allowed and not set(packed.get(leaf, ())) & set(allowed):
+            continue  # --lora-target-modules leaves it without LoRA (a packed one stays if any part is named)
         if isinstance(module, LinearWithLoRA):
             wrapped[name] = module
             continue

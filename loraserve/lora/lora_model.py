@@ -135,8 +135,14 @@ def _build_loras(
         )
     loras: dict[str, ModuleLoRA] = {}
     packed: dict[str, list[LoRALayerWeights | None]] = {}
+    # With --lora-target-modules only some layers take LoRA: weights for the others are skipped.
+    restricted = any(hasattr(m, "lora_a_stacked") for m in targets.modules.values())
+    skipped = []
     for module_name, parts in sorted(by_module.items()):
         base, packed_name, index = targets.locate(module_name)
+        if restricted and not hasattr(base, "lora_a_stacked"):
+            skipped.append(module_name.rpartition(".")[2])
+            continue
         offsets = base.slice_offsets() if packed_name else [0, base.out_features]
         weights = layer_weights(
             module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name,
@@ -152,6 +158,11 @@ def _build_loras(
             loras[module_name] = weights
         else:
             packed.setdefault(packed_name, [None] * len(base.output_sizes))[index] = weights
+    if skipped:
+        logger.warning(
+            "LoRA adapter '%s': weights for %s are not applied (--lora-target-modules leaves them out)",
+            name, sorted(set(skipped)),
+        )
     for packed_name, slices in packed.items():
         if packed_name in loras:
             raise LoRAAdapterError(

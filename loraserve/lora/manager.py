@@ -50,6 +50,7 @@ class LoRAManager:
         self._lora_dtype = lora_config.lora_dtype or dtype
         self._lock = threading.RLock()
         self._registry = AdapterRegistry()
+        _check_target_modules(model, lora_config)
         self._slots = SlotTable(wrap_model_for_lora(model, lora_config), lora_config.max_loras)
         # A weights file larger than any valid adapter for this model and max_lora_rank is refused by size.
         max_file_bytes = LoRATargets.from_model(model).max_adapter_bytes(lora_config.max_lora_rank)
@@ -358,6 +359,19 @@ def read_adapter(
     except BaseException:
         locations.forget(lora_request.lora_id)  # a failed load leaves no trace, its location included
         raise
+
+
+def _check_target_modules(model: nn.Module, lora_config: LoRAConfig) -> None:
+    """--lora-target-modules may only name modules this model can put LoRA on."""
+    if lora_config.target_modules is None:
+        return
+    supported = LoRATargets.from_model(model).supported_leaf_names()
+    unknown = sorted(set(lora_config.target_modules) - set(supported))
+    if unknown:
+        raise ValueError(
+            f"--lora-target-modules names {unknown}, which this model has no LoRA-capable module for; "
+            f"choose among {supported}"
+        )
 
 
 def _changed_key(lora_id: int) -> tuple[str, int]:

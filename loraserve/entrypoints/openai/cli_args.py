@@ -250,6 +250,14 @@ def _add_lora_args(lora: Any) -> None:
         choices=_DTYPES,
         help="Adapter weight dtype (default: auto = the model's).",
     )
+    lora.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="Put LoRA only on these modules (e.g. o_proj qkv_proj); adapters' weights for others are "
+        "skipped with a warning (default: every LoRA-capable module).",
+    )
     lora.add_argument("--enable-lora-bias", action="store_true", help="Accept adapters with bias terms.")
 
 
