@@ -230,8 +230,10 @@ class AsyncLLMEngine:
     async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
         """load_inplace: `lora_request` (a new id) serves from the next step; the old adapter's running
         requests finish on its weights and it goes once they are done (not awaited here)."""
-        if not self.engine.is_lora_registered(lora_request.lora_id):  # read off the step loop, old kept
-            await asyncio.to_thread(self.engine.prefetch_lora, lora_request, (old_lora_id,))
+        if not self.engine.is_lora_registered(lora_request.lora_id):  # read off the step loop
+            running = await self._call(lambda engine: engine.is_lora_in_use(old_lora_id))
+            keep = (old_lora_id,) if running else ()  # the old copy may be all its requests have left
+            await asyncio.to_thread(self.engine.prefetch_lora, lora_request, keep)
         return bool(await self._call(lambda engine: engine.replace_lora(old_lora_id, lora_request)))
 
     async def remove_lora(self, lora_id: int) -> bool:

@@ -335,6 +335,10 @@ class LLMEngine:
         manager.replace(old_lora_id, lora_request, old_lora_id in self._loras_in_use())
         return True
 
+    def is_lora_in_use(self, lora_id: int) -> bool:
+        """Whether an unfinished request uses the adapter (engine thread)."""
+        return lora_id in self._loras_in_use()
+
     def is_lora_registered(self, lora_id: int) -> bool:
         """Whether `add_lora` (or a request) registered this adapter; safe to call from any thread."""
         return self.lora is not None and self.lora.is_registered(lora_id)

@@ -115,7 +115,7 @@ class LoRAManager:
             if old_id not in self._registry.requests or old_id in self._registry.pending_removals:
                 raise LoRAAdapterNotFoundError(f"LoRA id {old_id} is not registered; load it first.")
         if lora_request.lora_id != old_id:
-            digest = self.register(lora_request, explicit=True, also_keep=(old_id,))
+            digest = self.register(lora_request, explicit=True, also_keep=(old_id,) if in_use else ())
             with self._lock:
                 new_model = self._host.peek(lora_request.lora_id)
                 if self._slots.unpin(old_id) and new_model is not None:
