@@ -237,6 +237,11 @@ def test_weights_and_identity(llama_and_adapter: tuple[Any, Any, Path], tmp_path
     (bin_dir / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
     torch.save(tensors, bin_dir / "adapter_model.bin")
     assert _load(bin_dir, native).identity.digest == model.identity.digest
+    # With both, the safetensors file wins: the .bin beside it (other weights, even a pickle) is unread.
+    both = _copy_adapter(folder, tmp_path / "both", tensors)
+    torch.save({"x": _Exploit()}, both / "adapter_model.bin")
+    assert _load(both, native).identity.digest == model.identity.digest
+    assert not Path("/tmp/loraserve_pwned").exists()
 
 
 class _Exploit:

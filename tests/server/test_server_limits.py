@@ -166,3 +166,33 @@ def test_tokenization_does_not_block_the_event_loop(tokenizer) -> None:
             gated.release.set()
             thread.join(60)
         assert result["status"] == 200
+
+
+def test_a_hundred_concurrent_requests_all_complete(server: RunningServer) -> None:
+    """100 clients at once (half streaming, two models): every one gets its full, correct answer."""
+    import asyncio
+
+    from support.fake_server_fixtures import expected_ids
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, list[int], list[int]]:
+        prompt_ids = [6 + i % 50, 7, 8]
+        body = {"model": "base", "prompt": prompt_ids, "max_tokens": 4, "logprobs": 0,
+                "return_tokens_as_token_ids": True}
+        if i % 2:
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+                tokens = [t for line in lines for c in json.loads(line[6:])["choices"] for t in c["logprobs"]["tokens"]]
+                status = response.status_code
+        else:
+            response = await client.post("/v1/completions", json=body)
+            status, tokens = response.status_code, response.json()["choices"][0]["logprobs"]["tokens"]
+        return status, [int(t.split(":")[1]) for t in tokens], expected_ids(server, prompt_ids, 4)
+
+    async def run() -> list[tuple[int, list[int], list[int]]]:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(100)))
+
+    results = asyncio.run(run())
+    assert all(status == 200 for status, _, _ in results)
+    assert all(got == want for _, got, want in results)
