@@ -137,6 +137,13 @@ class HostCache:
     def read_fresh(self, lora_request: LoRARequest) -> LoRAModel:
         """Read and validate an adapter without looking at or filling the cache (an in-place reload
         of an id that is cached with other weights); counted as a load."""
+        lora_model, elapsed = self._timed_read(lora_request)
+        with self._lock:
+            self._count_load(elapsed)
+        return lora_model
+
+    def _timed_read(self, lora_request: LoRARequest) -> tuple[LoRAModel, float]:
+        """The adapter read and validated, and the seconds it took; a failure is counted."""
         start = time.perf_counter()
         try:
             lora_model = self._read(lora_request)
@@ -144,12 +151,12 @@ class HostCache:
             with self._lock:
                 self.counters.num_load_failures += 1
             raise
-        elapsed = time.perf_counter() - start
-        with self._lock:
-            self.counters.num_loads += 1
-            self.counters.load_seconds_total += elapsed
-            self._new_latencies.append(elapsed)
-        return lora_model
+        return lora_model, time.perf_counter() - start
+
+    def _count_load(self, elapsed: float) -> None:  # under the lock
+        self.counters.num_loads += 1
+        self.counters.load_seconds_total += elapsed
+        self._new_latencies.append(elapsed)
 
     def _hit(self, lora_id: int) -> LoRAModel | None:
         cached = self._adapters.get(lora_id)
@@ -163,14 +170,7 @@ class HostCache:
         keep: Callable[[], Collection[int]],
         admit: Callable[[LoRAModel], None],
     ) -> LoRAModel:
-        start = time.perf_counter()
-        try:
-            lora_model = self._read(lora_request)
-        except Exception:
-            with self._lock:
-                self.counters.num_load_failures += 1
-            raise
-        elapsed = time.perf_counter() - start
+        lora_model, elapsed = self._timed_read(lora_request)
         with self._lock:
             try:
                 if not self.add(lora_model, keep()):
@@ -183,9 +183,7 @@ class HostCache:
             except Exception:
                 self.counters.num_load_failures += 1
                 raise
-            self.counters.num_loads += 1
-            self.counters.load_seconds_total += elapsed
-            self._new_latencies.append(elapsed)
+            self._count_load(elapsed)
         return lora_model
 
     def _evicted(self, lora_id: int, lora_model: LoRAModel) -> None:

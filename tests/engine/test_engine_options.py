@@ -11,7 +11,7 @@ from typing import Any
 import huggingface_hub
 import pytest
 import torch
-import transformers
+from support.tiny_gemma2 import save_tiny_gemma2
 
 from loraserve import LLM, SamplingParams
 from loraserve.engine.arg_utils import EngineArgs
@@ -22,15 +22,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 @pytest.fixture(scope="module")
 def gemma2_without_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     """A tiny random Gemma-2 (softcapped attention, alternating window) saved without any tokenizer file."""
-    config = transformers.Gemma2Config(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=2.0,
-        final_logit_softcapping=3.0, query_pre_attn_scalar=8, initializer_range=0.5, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    hf = transformers.Gemma2ForCausalLM(config).eval()
     path = str(tmp_path_factory.mktemp("gemma2"))
-    hf.save_pretrained(path)
+    hf = save_tiny_gemma2(path, 0)
     return path, hf
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from support.fake_engine import FakeEngine
 from support.harness import RunningServer
+from support.tiny_gemma2 import save_tiny_gemma2
 
 from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.entrypoints.openai.protocol import CompletionRequest
@@ -21,15 +21,8 @@ PROMPT = [5, 17, 42, 99, 7, 8, 9, 10]
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
-    config = transformers.Gemma2Config(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=2.0,
-        final_logit_softcapping=3.0, query_pre_attn_scalar=8, initializer_range=0.5, max_position_embeddings=64,
-    )
-    torch.manual_seed(1)
-    hf = transformers.Gemma2ForCausalLM(config).eval()
     path = str(tmp_path_factory.mktemp("gemma2"))
-    hf.save_pretrained(path)
+    hf = save_tiny_gemma2(path, 1)
     return path, hf
 
 
