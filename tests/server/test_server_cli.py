@@ -17,7 +17,8 @@ import torch
 from support.serve_process import CLI, ServeProcess
 
 from loraserve.engine.arg_utils import EngineArgs
-from loraserve.entrypoints.openai.cli_args import human_int, parse_serve_args
+from loraserve.entrypoints.openai.cli_args import parse_serve_args
+from loraserve.entrypoints.openai.cli_types import human_int
 from loraserve.entrypoints.openai.frontend import frontend_dests
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
 

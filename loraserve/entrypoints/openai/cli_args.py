@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import Any, NoReturn
 
 from loraserve import envs
+from loraserve.entrypoints.openai.cli_limit_args import add_limit_args
+from loraserve.entrypoints.openai.cli_types import positive_int
 from loraserve.entrypoints.openai.cli_vllm_args import (
     add_vllm_engine_args,
     add_vllm_frontend_args,
@@ -22,7 +23,6 @@ from loraserve.entrypoints.openai.cli_vllm_args import (
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
 from loraserve.entrypoints.openai.vllm_compat import add_compat_args, check_compat_args, expand_config_file
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _DTYPES = ["auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16"]
 
 
@@ -31,32 +31,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def positive_int(value: str) -> int:
-    number = human_int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
-    return number
-
-
-def human_int(value: str) -> int:
-    """An integer with an optional size suffix, as vLLM reads them.
-
-    Lowercase k/m/g/t and kB/MB/GB are decimal ("8k" = 8000); uppercase K/M/G/T and KiB/MiB/GiB are
-    binary ("1G" = "1GiB" = 2**30).
-    """
-    match = _SIZE.match(value)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 8k or 1GiB, got {value!r}")
-    number, unit, rest = match.groups()
-    if not unit:
-        if "." in number or rest:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}")
-        return int(number)
-    is_binary = rest.lower().startswith("i") or (unit.isupper() and not rest)
-    base = 1024 if is_binary else 1000
-    return int(float(number) * base ** ("kmgt".index(unit.lower()) + 1))
 
 
 def json_object(value: str) -> dict[str, Any]:
@@ -107,7 +81,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_vllm_frontend_args(parser.add_argument_group("HTTP front end"))
     add_compat_args(parser)
     parser.add_argument("--config", default=None, help="YAML file of flag: value pairs (flags given here win).")
-    _add_limit_args(parser.add_argument_group("limits and shutdown"))
+    add_limit_args(parser.add_argument_group("limits and shutdown"))
 
 
 def _add_server_args(server: Any) -> None:
@@ -259,61 +233,6 @@ def _add_lora_args(lora: Any) -> None:
         "skipped with a warning (default: every LoRA-capable module).",
     )
     lora.add_argument("--enable-lora-bias", action="store_true", help="Accept adapters with bias terms.")
-
-
-def non_negative_seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from exc
-    if not 0 <= seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {value!r}")
-    return seconds
-
-
-def positive_seconds(value: str) -> float:
-    seconds = non_negative_seconds(value)
-    if seconds == 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value!r}")
-    return seconds
-
-
-def _add_limit_args(limits: Any) -> None:
-    limits.add_argument(
-        "--max-num-queued-reqs",
-        type=positive_int,
-        default=None,
-        help="Most sequences waiting or running at once (a request with n choices counts n); beyond it "
-        "requests get 503 with Retry-After, and a request larger than it alone gets 400 (default: 1024).",
-    )
-    limits.add_argument(
-        "--max-num-queued-tokens",
-        type=positive_int,
-        default=None,
-        help="Most prompt tokens waiting to be processed, e.g. 256k; beyond it requests get 503 with "
-        "Retry-After (default: 262144).",
-    )
-    limits.add_argument(
-        "--max-request-body-size",
-        type=positive_int,
-        default=4 << 20,
-        help="Largest request body in bytes, e.g. 16MiB; a larger one gets 413 (default: 4MiB: parsing a "
-        "body holds the event loop, about 0.3 s per MiB of JSON in the worst case).",
-    )
-    limits.add_argument(
-        "--request-read-timeout",
-        type=positive_seconds,
-        default=30.0,
-        help="Seconds within which a request's head, and then its body, must arrive; a slower "
-        "connection is closed (head) or answered 408 (body) (default: %(default)s).",
-    )
-    limits.add_argument(
-        "--shutdown-timeout",
-        type=non_negative_seconds,
-        default=30.0,
-        help="On SIGTERM, seconds running requests may take to finish before they end with 503 "
-        "(streams: an error event, then [DONE]); 0 ends them at once (default: %(default)s).",
-    )
 
 
 def make_serve_parser(prog: str = "loraserve serve") -> argparse.ArgumentParser:
