@@ -207,6 +207,11 @@ class AsyncLLMEngine:
             if not finished:
                 await self.abort(request_id)
 
+    async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
+        """EngineOverloadedError unless a request of this size fits the queue now (on the engine thread,
+        so it sees the queue as the next adds will)."""
+        await self._call(lambda engine: engine.check_admission(num_seqs, num_prefill_tokens))
+
     async def abort(self, request_id: str) -> None:
         def abort(engine: LLMEngine) -> None:
             # A consumer still iterating gets the final 'abort' output instead of waiting forever.

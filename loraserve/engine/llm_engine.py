@@ -140,6 +140,11 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request
 
+    def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
+        """Raise EngineOverloadedError (or RequestTooLargeError) unless a request of this size fits the
+        queue now: what a multi-prompt API call asks before adding its prompts one by one."""
+        check_admission(self.config.scheduler, self.scheduler.queue_load(), num_seqs, num_prefill_tokens)
+
     def _sampling_params(self, params: SamplingParams | None, num_prompt_tokens: int) -> SamplingParams:
         """The request's own copy (the generation config's defaults when None), with the model's extra eos
         ids and the max_tokens left by the prompt; refuses what this engine cannot give it."""

@@ -61,3 +61,15 @@ def test_offline_llm_is_not_limited(tiny_model: Any) -> None:
         [{"prompt_token_ids": PROMPT}] * 300, SamplingParams(max_tokens=1, n=4), use_tqdm=False
     )
     assert len(outputs) == 300 and all(len(o.outputs) == 4 for o in outputs)
+
+
+def test_check_admission_sees_the_queue_as_the_next_add_will(tiny_model: Any) -> None:
+    engine = _engine(tiny_model, max_num_queued_reqs=4)
+    engine.add_request("a", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2, n=2))
+    engine.check_admission(2, 8)  # 2 + 2 fits
+    with pytest.raises(EngineOverloadedError):
+        engine.check_admission(3, 12)
+    with pytest.raises(RequestTooLargeError):
+        engine.check_admission(5, 20)
+    _run_to_completion(engine)
+    engine.check_admission(4, 16)

@@ -196,3 +196,33 @@ def test_a_hundred_concurrent_requests_all_complete(server: RunningServer) -> No
     results = asyncio.run(run())
     assert all(status == 200 for status, _, _ in results)
     assert all(got == want for _, got, want in results)
+
+
+def test_a_multi_prompt_request_is_admitted_whole_or_not_at_all(tokenizer) -> None:
+    """With the queue nearly full, a 3-prompt request gets a 503 before any of its prompts starts."""
+    from support.fake_engine import hold_generation, release_generation
+    from support.harness import wait_for
+
+    engine = FakeEngine(tokenizer, scheduler_config=SchedulerConfig(max_num_queued_reqs=3))
+    with RunningServer(engine, ServerOptions(served_model_names=["base"])) as server:
+        hold_generation(server)
+        result: dict[str, int] = {}
+        first = threading.Thread(
+            target=lambda: result.update(status=httpx.post(
+                server.url + "/v1/completions", json={"model": "base", "prompt": [5, 6], "max_tokens": 2}, timeout=60
+            ).status_code)
+        )
+        first.start()
+        try:
+            wait_for(lambda: len(engine.running) == 1, what="the first request to run")
+            seen = len(engine.prompts_seen)
+            body = {"model": "base", "prompt": [[7, 8], [9, 10], [11, 12]], "max_tokens": 2}
+            response = server.http.post("/v1/completions", json=body)
+            _error(response, 503)
+            assert response.headers["retry-after"] == "1"
+            assert len(engine.prompts_seen) == seen  # none of its prompts reached the engine
+        finally:
+            release_generation(server)
+            first.join(60)
+        assert result["status"] == 200
+        assert server.http.post("/v1/completions", json=body).status_code == 200  # room again

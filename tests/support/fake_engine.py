@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.config import LoRAConfig, SchedulerConfig
+from loraserve.engine.admission import QueueLoad, check_admission
 from loraserve.errors import (
     EngineDeadError,
     EngineShutdownError,
@@ -214,6 +215,10 @@ class FakeEngine:
                 self.aborted_event.set()
             async with self._changed:
                 self._changed.notify_all()
+
+    async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
+        """Like the real engine's, against `scheduler_config` and the requests running now."""
+        check_admission(self.scheduler_config, QueueLoad(len(self.running), 0), num_seqs, num_prefill_tokens)
 
     async def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)

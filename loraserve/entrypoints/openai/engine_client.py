@@ -75,6 +75,10 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
+        """EngineOverloadedError (503) unless a request of this size fits the queue now."""
+        ...
+
     async def add_lora(self, lora_request: LoRARequest) -> bool: ...
 
     async def remove_lora(self, lora_id: int) -> bool:

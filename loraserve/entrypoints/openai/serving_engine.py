@@ -244,6 +244,11 @@ class OpenAIServing:
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, cumulative output) from one engine request per prompt, interleaved; with
         `group_id` the prompts take scheduling turns as one request."""
+        if len(prompts) > 1:  # all or none: no prompt runs when a later one would find the queue full
+            await self.engine.check_admission(
+                sum(p.sampling_params.n for p in prompts),
+                sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
+            )
         timings = [_Timing(time.perf_counter()) for _ in prompts]
         unfinished = {prompt.request_id: i for i, prompt in enumerate(prompts)}
         iterators = [
