@@ -249,7 +249,7 @@ def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     assert not cpu_ops.kernel_available() and not cpu_ops.write_kernel_available()
-    assert "CPU LoRA kernel unavailable" in caplog.text
+    assert "C kernel cpu_kernel.c unavailable" in caplog.text
 
 
 # Property tests: random steps against the naive reference. Each layout the builder can pick is

@@ -1,9 +1,6 @@
 """The fused float32 CPU LoRA kernel (`cpu_kernel.c`): built on first use, called through ctypes.
 
-The C source ships with the package and is compiled with the system C compiler into
-`<cache_root>/kernels/` the first time a CPU LoRA step needs it (well under a second: it includes no
-torch headers), keyed by a digest of the source, the flags and this CPU's feature flags, so a cache
-shared between machines never runs code built for another CPU. No compiler, a failed build, or
+Built for this CPU on first use by `loraserve.native.build`. No compiler, a failed build, or
 LORASERVE_CPU_LORA_KERNEL=0 leaves the torch ops in charge; the result is the same either way.
 
 The kernel beats torch's bmm on short segments (decode) and loses on long ones (prefill is
@@ -14,73 +11,34 @@ steps whose segments are at most MAX_SEGMENT_LEN tokens long.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from array import array
-from importlib import resources
 from typing import Any
 
 import torch
 
 from loraserve import envs
 from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.native.build import load_library
 
 logger = logging.getLogger(__name__)
 
 MAX_SEGMENT_LEN = 32  # longest per-slot token segment the kernel beats the bmm path on (see above)
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _lock = threading.Lock()
 _kernel: Any = None  # lora_fused_f32, once loaded
 _write_kernel: Any = None  # lora_write_blocks, once loaded
 _loaded = False
 
 
-def _source() -> bytes:
-    return resources.files("loraserve.lora.ops").joinpath("cpu_kernel.c").read_bytes()
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str, source: bytes, target: str) -> None:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
-        src = os.path.join(tmp, "cpu_kernel.c")
-        with open(src, "wb") as f:
-            f.write(source)
-        out = os.path.join(tmp, "kernel.so")
-        subprocess.run([compiler, *_FLAGS, "-o", out, src], check=True, capture_output=True, timeout=120)
-        os.replace(out, target)  # atomic: concurrent builders never load a half-written library
-
-
 def _load() -> Any:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler found: CPU LoRA runs on the torch ops")
+    lib = load_library("loraserve.lora.ops", "cpu_kernel.c")
+    if lib is None:
         return None
-    source = _source()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    target = os.path.join(envs.cache_root(), "kernels", f"lora_cpu_{key}.so")
     try:
-        if not os.path.exists(target):
-            _build(compiler, source, target)
-        lib = ctypes.CDLL(target)
         fused, write = lib.lora_fused_f32, lib.lora_write_blocks
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("CPU LoRA kernel unavailable (%s %s); using the torch ops", e, detail[-500:])
+    except AttributeError as e:
+        logger.warning("CPU LoRA kernel unavailable (%s); using the torch ops", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fused.restype = ctypes.c_int

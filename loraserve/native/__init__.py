@@ -1,0 +1,1 @@
+"""The package's hand-written C kernels' shared build and load machinery."""

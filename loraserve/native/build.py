@@ -1,0 +1,73 @@
+"""Builds and loads the package's C kernels: compiled on first use for this CPU, loaded via ctypes.
+
+Each kernel's C source ships with the package and is compiled with the system C compiler into
+`<cache_root>/kernels/` the first time it is needed (well under a second: no torch headers), with
+`-march=native`, so the compiler's own feature macros (`__AVX2__`, `__AVX512F__`, `__AVX512BF16__`,
+...) pick the code paths this CPU runs: that is the runtime dispatch on CPU flags. The file name
+carries a digest of the source, the flags and this CPU's feature flags, so a cache shared between
+machines never runs code built for another CPU. No compiler or a failed build returns None and the
+caller keeps its torch twin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+from loraserve import envs
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (e.g. 'avx2', 'avx512_bf16', 'amx_bf16')."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        line = platform.processor()
+    return frozenset(line.partition(":")[2].split())
+
+
+def _build(compiler: str, source: bytes, name: str, target: str) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
+        src = os.path.join(tmp, name)
+        with open(src, "wb") as f:
+            f.write(source)
+        out = os.path.join(tmp, "kernel.so")
+        subprocess.run([compiler, *FLAGS, "-o", out, src, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(out, target)  # atomic: concurrent builders never load a half-written library
+
+
+def load_library(package: str, source_name: str) -> ctypes.CDLL | None:
+    """The compiled `source_name` (a C file inside `package`), built if this CPU has no build yet;
+    None when there is no compiler or the build fails (logged once per call)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler found: %s runs on its torch twin", source_name)
+        return None
+    source = resources.files(package).joinpath(source_name).read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), " ".join(sorted(cpu_flags())).encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    stem = source_name.rsplit(".", 1)[0]
+    target = os.path.join(envs.cache_root(), "kernels", f"{stem}_{key}.so")
+    try:
+        if not os.path.exists(target):
+            _build(compiler, source, source_name, target)
+        return ctypes.CDLL(target)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("C kernel %s unavailable (%s %s); using its torch twin", source_name, e, detail[-500:])
+        return None
