@@ -5,6 +5,10 @@ request's cache salt). The salt is the adapter's content digest (None for the ba
 prompt under two adapters, or under one name with new weights, never shares KV. Blocks whose
 reference count drops to zero stay cached (LRU) until their memory is needed.
 
+A fresh adapter's digest is still being hashed when its first request is scheduled (the request does
+not wait for it): until it is known, that request's blocks neither reuse the cache nor enter it; they
+are committed on the first step after the digest is done.
+
 It reads sequences and hands out block ids; the scheduler records them on the sequence.
 """
 
@@ -16,7 +20,14 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
-from loraserve.engine.sequence import Sequence
+from loraserve.engine.sequence import CacheSalt, Sequence
+
+
+def salt_key(salt: CacheSalt | None) -> str | None:
+    """The salt's text ("" for the base model), or None while the adapter's digest is unknown."""
+    if salt is None:
+        return ""
+    return salt.result() if salt.done() else None
 
 
 def block_hash(parent: bytes | None, token_ids: Seq[int], salt: str | None) -> bytes:
@@ -65,14 +76,15 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def reuse_cached_prefix(self, seq: Sequence, salt: str | None) -> list[int]:
+    def reuse_cached_prefix(self, seq: Sequence, cache_salt: CacheSalt | None) -> list[int]:
         """The blocks of the longest cached prefix of a fresh sequence, now referenced by it.
 
         At least one token is always left to compute, since the last position's logits are needed.
         """
         hashes: list[bytes] = []
         block_ids: list[int] = []
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        salt = salt_key(cache_salt)
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None or salt is None:
             self.seq_hashes[seq.seq_id] = hashes
             return block_ids
         self.num_prefix_queries += 1
@@ -94,9 +106,11 @@ class BlockManager:
             self.num_prefix_hits += 1
         return block_ids
 
-    def commit_computed(self, seq: Sequence, salt: str | None) -> None:
-        """Register every newly full, computed block of `seq` in the prefix cache."""
-        if not self.enable_prefix_caching:
+    def commit_computed(self, seq: Sequence, cache_salt: CacheSalt | None) -> None:
+        """Register every newly full, computed block of `seq` in the prefix cache (none while the
+        salt is unknown: a later call catches up)."""
+        salt = salt_key(cache_salt)
+        if not self.enable_prefix_caching or salt is None:
             return
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from loraserve.engine.detokenizer import IncrementalDetokenizer
     from loraserve.lora.request import LoRARequest
     from loraserve.sampling_params import SamplingParams
+
+
+class CacheSalt(Protocol):
+    """An adapter's content digest, perhaps still being computed (`lora.digest.PendingDigest`)."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> str: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -94,7 +102,7 @@ class Request:
     params: SamplingParams
     lora_request: LoRARequest | None
     arrival_time: float
-    cache_salt: str | None = None  # adapter identity digest: part of every prefix-cache key
+    cache_salt: CacheSalt | None = None  # adapter identity digest: part of every prefix-cache key
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None

@@ -1,9 +1,12 @@
-"""RMSNorm computed in float32 like the reference implementations, then cast back."""
+"""RMSNorm computed in float32 like the reference implementations, then cast back; optionally fused
+with the residual add that precedes it in a pre-norm decoder layer."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from loraserve.layers.fused_ops import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +16,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        """x [..., D] -> the normalized rows, same shape."""
+        rows = x.reshape(-1, x.shape[-1])
+        return rms_norm(rows, self.weight, self.eps)[0].view(x.shape)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += x (in place), then (norm(residual), residual). x, residual [T, D]."""
+        out, updated = rms_norm(x, self.weight, self.eps, residual)
+        assert updated is not None
+        return out, updated

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from loraserve.layers.fused_ops import rotary_
+
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -52,14 +54,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_table", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_table", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D] (rotary over the full head_dim, half-split layout)."""
-        cos = self.cos_table.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        sin = self.sin_table.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    def apply_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        """Rope on the first num_heads heads of every row of x, in place (the half-split layout).
+        x [T, >= num_heads * head_dim] with unit column stride (e.g. q and k at the front of a packed
+        qkv output); positions [T] int64."""
+        rotary_(x, positions, self.cos_table, self.sin_table, num_heads, self.head_dim)

@@ -149,7 +149,7 @@ def layer_weights(
                 f"values that overflow the LoRA dtype once scaled by {factor:g}"
             )
     bias = combined_bias(parts, scaling, base, out_start, out_end, module_name, name)
-    return LoRALayerWeights(module_name, rank, lora_a.float(), lora_b.float(), scaling, bias)
+    return LoRALayerWeights(module_name, rank, lora_a, lora_b, scaling, bias)  # the caller sets the dtype
 
 
 def combined_bias(

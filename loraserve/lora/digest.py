@@ -43,6 +43,10 @@ class HashPart:
         except BaseException as e:  # noqa: BLE001 - re-raised in the waiting thread
             self._error = e
 
+    def done(self) -> bool:
+        """Whether the hash is finished (or failed): `digest()` would not wait."""
+        return not self._thread.is_alive()
+
     def wait_loaded(self) -> None:
         """Wait until the bytes are in place (the read is done); raises the read's error."""
         self._loaded.wait()
@@ -64,6 +68,10 @@ class PendingDigest:
         self._prefix, self._parts = prefix, parts
         self._digest: str | None = None
         self._lock = threading.Lock()  # result() may be called from several threads
+
+    def done(self) -> bool:
+        """Whether `result()` would return (or raise) without waiting for a hashing thread."""
+        return self._digest is not None or all(part.done() for part in self._parts)
 
     def result(self) -> str:
         with self._lock:

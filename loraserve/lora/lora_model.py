@@ -91,8 +91,9 @@ class LoRAModel:
         # weights are parsed here and, often, uploaded to a slot; `identity` waits for it.
         pending = adapter.start_digest(peft_helper.config_json)
         try:
-            bound = adapter.max_abs()
-            loras, num_bytes = _build_loras(adapter.tensors, name, peft_helper, model, dtype, device, bound)
+            bound = adapter.max_abs()  # of the stored values: the check below is against the target dtype
+            tensors = adapter.tensors_in(dtype)
+            loras, num_bytes = _build_loras(tensors, name, peft_helper, model, dtype, device, bound)
         except BaseException:
             with contextlib.suppress(Exception):
                 pending.result()  # never leave hashing threads behind a failed load
@@ -173,8 +174,10 @@ def _build_loras(
 
 
 def _to(weights: LoRALayerWeights, dtype: torch.dtype, device: torch.device | str) -> LoRALayerWeights:
-    weights.lora_a = weights.lora_a.to(device=device, dtype=dtype)
-    weights.lora_b = weights.lora_b.to(device=device, dtype=dtype)
+    if weights.lora_a.dtype != dtype or weights.lora_a.device != torch.device(device):
+        weights.lora_a = weights.lora_a.to(device=device, dtype=dtype)
+    if weights.lora_b.dtype != dtype or weights.lora_b.device != torch.device(device):
+        weights.lora_b = weights.lora_b.to(device=device, dtype=dtype)
     if weights.bias is not None:
         weights.bias = weights.bias.to(device=device, dtype=dtype)
     return weights

@@ -31,6 +31,7 @@ from loraserve.errors import (
     LoRAAdapterNotFoundError,
 )
 from loraserve.lora.adapter_path import AdapterLocations
+from loraserve.lora.digest import PendingDigest
 from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
@@ -69,15 +70,18 @@ class LoRAManager:
         self._retained: frozenset[int] = frozenset()
 
     # ---- registration (engine thread) -----------------------------------------------------------
-    def register(self, lora_request: LoRARequest, explicit: bool = False, also_keep: Collection[int] = ()) -> str:
+    def register(
+        self, lora_request: LoRARequest, explicit: bool = False, also_keep: Collection[int] = ()
+    ) -> PendingDigest:
         """Load and validate an adapter (idempotent for the same id, name and path); return its
-        identity digest, the prefix-cache salt. `explicit` (an add_lora call) lifts an unload."""
+        identity digest, the prefix-cache salt, which may still be hashing on background threads: a
+        cold adapter's first request does not wait for it. `explicit` (an add_lora call) lifts an unload."""
         with self._lock:
             lora_request = self._registry.successor(lora_request)
             digest = self._registry.check_can_register(lora_request, explicit)
         if digest is not None:
             return digest
-        digest = self.load(lora_request, also_keep=also_keep).identity.digest
+        digest = self.load(lora_request, also_keep=also_keep).pending_digest
         with self._lock:
             self._registry.add(lora_request, digest)
         return digest
@@ -103,7 +107,7 @@ class LoRAManager:
         if not self.is_registered(lora_request.lora_id):
             self.load(lora_request, also_keep=also_keep)
 
-    def replace(self, old_id: int, lora_request: LoRARequest, in_use: bool) -> str:
+    def replace(self, old_id: int, lora_request: LoRARequest, in_use: bool) -> PendingDigest:
         """Serve `lora_request` in place of registered adapter `old_id` (vLLM's load_inplace); its digest.
 
         The new weights are read and validated first: if that fails nothing changes. Under a new id
@@ -130,7 +134,7 @@ class LoRAManager:
             )
         self._locations.forget(old_id)  # a Hub repo id is looked up again: the point is new weights
         fresh = self._host.read_fresh(lora_request)
-        digest = fresh.identity.digest
+        digest = fresh.pending_digest
         with self._lock:
             pinned = old_id in self._slots.pinned_ids
             self._drop(old_id)
@@ -246,7 +250,7 @@ class LoRAManager:
                 f"LoRA adapter '{name}' changed on disk since it was loaded and no longer loads ({reason}); "
                 "unload it and load it again once its files are fixed."
             ) from None
-        if reloaded.identity.digest != digest:
+        if reloaded.identity.digest != digest.result():
             with self._lock:
                 self._drop(lora_id)
             error = LoRAAdapterChangedError(

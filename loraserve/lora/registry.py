@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+from loraserve.lora.digest import PendingDigest
 from loraserve.lora.request import LoRARequest
 
 # A request carries a replaced id only between resolving its model name and reaching the engine, so
@@ -27,12 +28,13 @@ MAX_REDIRECTS = 4096
 @dataclass(slots=True)
 class AdapterRegistry:
     requests: dict[int, LoRARequest] = field(default_factory=dict)
-    digests: dict[int, str] = field(default_factory=dict)  # lora_id -> identity digest (cache salt)
+    # lora_id -> identity digest (the cache salt), possibly still being hashed
+    digests: dict[int, PendingDigest] = field(default_factory=dict)
     pending_removals: dict[int, concurrent.futures.Future[None]] = field(default_factory=dict)
     removed_ids: set[int] = field(default_factory=set)
     replaced: OrderedDict[int, int] = field(default_factory=OrderedDict)  # old id -> its replacement's id
 
-    def check_can_register(self, lora_request: LoRARequest, explicit: bool) -> str | None:
+    def check_can_register(self, lora_request: LoRARequest, explicit: bool) -> PendingDigest | None:
         """The digest when this adapter is registered already, None when it may be registered now;
         raises when it is being (or was) unloaded, or its id names another adapter."""
         lora_id = lora_request.lora_id
@@ -48,7 +50,7 @@ class AdapterRegistry:
             )
         return self.digests[lora_id]
 
-    def add(self, lora_request: LoRARequest, digest: str) -> None:
+    def add(self, lora_request: LoRARequest, digest: PendingDigest) -> None:
         self.removed_ids.discard(lora_request.lora_id)
         self.requests[lora_request.lora_id] = lora_request
         self.digests[lora_request.lora_id] = digest

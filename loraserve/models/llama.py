@@ -16,6 +16,7 @@ from torch import nn
 
 from loraserve.layers.attention import PagedAttention
 from loraserve.layers.forward_batch import ForwardBatch, KVCacheSpec
+from loraserve.layers.fused_ops import silu_and_mul
 from loraserve.layers.linear import Linear
 from loraserve.layers.norm import RMSNorm
 from loraserve.layers.rotary import RotaryEmbedding
@@ -115,13 +116,17 @@ class LlamaAttention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x, batch).split(self.split_sizes, dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous(), kv_cache, batch.attn)
+        qkv = self.qkv_proj(x, batch)
+        if self.q_norm is None or self.k_norm is None:
+            self.rotary.apply_(positions, qkv, self.num_heads + self.num_kv_heads)  # q and k lead the row
+            q, k, v = qkv.split(self.split_sizes, dim=-1)
+        else:
+            q, k, v = qkv.split(self.split_sizes, dim=-1)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
+            self.rotary.apply_(positions, q, self.num_heads)
+            self.rotary.apply_(positions, k, self.num_kv_heads)
+        out = self.attn(q, k, v, kv_cache, batch.attn)
         return self.o_proj(out, batch)
 
 
@@ -135,7 +140,10 @@ class LlamaMLP(nn.Module):
         self.size = size
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch).split(self.size, dim=-1)
+        gate_up = self.gate_up_proj(x, batch)
+        if self.act is F.silu:
+            return self.down_proj(silu_and_mul(gate_up), batch)
+        gate, up = gate_up.split(self.size, dim=-1)
         return self.down_proj(self.act(gate) * up, batch)
 
 
@@ -147,9 +155,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(args, dtype)
 
-    def forward(self, positions, x, kv_cache, batch):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block with the residual stream carried beside the hidden state: each residual add is
+        fused into the norm that follows it. Returns (mlp output, residual so far)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, batch)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h, batch), residual
 
 
 class LlamaModel(nn.Module):
@@ -163,9 +185,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, batch):  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, batch)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, batch)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(NativeCausalLM):

@@ -16,7 +16,21 @@ from loraserve.sampling_params import SamplingParams
 _ids = itertools.count()
 
 
-def _seq(num_prompt: int, lora_id: int = 0, max_tokens: int = 4, salt: str | None = None,
+class Salt:
+    """A cache salt whose digest is known once `ready` is set (as a fresh adapter's, being hashed)."""
+
+    def __init__(self, text: str, ready: bool = True) -> None:
+        self.text, self.ready = text, ready
+
+    def done(self) -> bool:
+        return self.ready
+
+    def result(self) -> str:
+        assert self.ready, "the block manager waited for a digest still being hashed"
+        return self.text
+
+
+def _seq(num_prompt: int, lora_id: int = 0, max_tokens: int = 4, salt: Salt | None = None,
          token: int = 7) -> Sequence:
     lora = LoRARequest(f"a{lora_id}", lora_id, f"/x/{lora_id}") if lora_id else None
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -92,22 +106,58 @@ def test_preemption_frees_blocks_and_recomputes() -> None:
 
 def test_prefix_cache_keyed_by_salt() -> None:
     blocks = BlockManager(32, 4)
-    first = _seq(13, salt="adapter-v1")
+    v1, v2 = Salt("adapter-v1"), Salt("adapter-v2")
+    first = _seq(13, salt=v1)
     first.block_ids = blocks.allocate(first, 13) or []
     first.num_computed_tokens = 13
-    blocks.commit_computed(first, "adapter-v1")
+    blocks.commit_computed(first, v1)
     blocks.free(first)
-    same = _seq(13, salt="adapter-v1")
-    same.block_ids = blocks.reuse_cached_prefix(same, "adapter-v1")
+    same = _seq(13, salt=Salt("adapter-v1"))
+    same.block_ids = blocks.reuse_cached_prefix(same, Salt("adapter-v1"))
     assert same.block_ids == first.block_ids[:3]  # 3 full blocks; the last token stays to compute
-    other = _seq(13, salt="adapter-v2")
-    assert blocks.reuse_cached_prefix(other, "adapter-v2") == []
+    other = _seq(13, salt=v2)
+    assert blocks.reuse_cached_prefix(other, v2) == []
     base = _seq(13)
     assert blocks.reuse_cached_prefix(base, None) == []
     blocks.free(same)
     blocks.free(other)
     blocks.free(base)
     assert blocks.num_free_blocks == 32
+
+
+def test_a_salt_still_hashing_neither_reuses_nor_commits_until_known() -> None:
+    """A fresh adapter's first request runs before its digest is known: no cache hit is possible
+    then, and its blocks enter the cache on the first commit after the digest is done."""
+    blocks = BlockManager(32, 4)
+    cached = _seq(13, salt=Salt("adapter"))
+    cached.block_ids = blocks.allocate(cached, 13) or []
+    cached.num_computed_tokens = 13
+    blocks.commit_computed(cached, Salt("adapter"))
+    hashing = Salt("adapter", ready=False)
+    fresh = _seq(13, salt=hashing)
+    fresh.block_ids = blocks.reuse_cached_prefix(fresh, hashing)
+    assert fresh.block_ids == []  # the same content is cached, but its digest is not known yet
+    blocks.free(fresh)
+    unknown = _seq(13, salt=hashing, token=8)
+    unknown.block_ids = blocks.allocate(unknown, 13) or []
+    unknown.num_computed_tokens = 13
+    blocks.commit_computed(unknown, hashing)
+    blocks.free(unknown)
+    hashing.ready = True
+    probe_unknown = _seq(13, salt=Salt("adapter"), token=8)
+    assert blocks.reuse_cached_prefix(probe_unknown, Salt("adapter")) == []  # never committed
+    blocks.free(probe_unknown)
+    blocks.free(cached)
+    again = _seq(17, salt=Salt("late"))
+    again.block_ids = blocks.allocate(again, 17) or []
+    again.num_computed_tokens = 17
+    late = Salt("late", ready=False)
+    blocks.commit_computed(again, late)
+    late.ready = True
+    blocks.commit_computed(again, late)  # catches up from the first block
+    blocks.free(again)
+    probe = _seq(17, salt=Salt("late"))
+    assert len(blocks.reuse_cached_prefix(probe, Salt("late"))) == 4
 
 
 def _request_seqs(num_seqs: int, num_prompt: int, max_tokens: int, group_id: str | None = None,

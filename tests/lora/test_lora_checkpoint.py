@@ -45,6 +45,21 @@ def test_zero_copy_reader_equals_the_library(tmp_path: Path, dtypes: tuple[torch
         assert adapter.tensors[key].dtype == tensor.dtype and torch.equal(adapter.tensors[key], tensor), key
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16,), (torch.float32, torch.float16)],
+                         ids=["f32", "bf16", "mixed"])
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensors_in_a_dtype_equal_converting_each(tmp_path: Path, dtypes: tuple[torch.dtype, ...],
+                                                  target: torch.dtype) -> None:
+    """One conversion over the data region gives exactly what converting each tensor gives."""
+    folder = _save(tmp_path / "a", _tensors(2, dtypes))
+    adapter = read_adapter_file(folder, "a")
+    converted = adapter.tensors_in(target)
+    assert converted.keys() == adapter.tensors.keys()
+    for key, tensor in adapter.tensors.items():
+        assert converted[key].dtype == target and converted[key].shape == tensor.shape, key
+        assert torch.equal(converted[key], tensor.to(target)), key
+
+
 def test_digest_is_content_defined(tmp_path: Path) -> None:
     tensors = _tensors(2)
     fast = read_adapter_file(_save(tmp_path / "a", tensors), "a")

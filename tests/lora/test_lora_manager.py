@@ -204,8 +204,9 @@ def _manager(max_loras: int, max_cpu_loras: int) -> tuple[LoRAManager, StandInLl
 
 def test_register_remove_and_list(adapter_dir) -> None:  # type: ignore[no-untyped-def]
     manager, model = _manager(2, 3)
-    digest = manager.register(adapter_dir(1))
-    assert manager.register(adapter_dir(1)) == digest and manager.register(adapter_dir(2)) != digest
+    digest = manager.register(adapter_dir(1)).result()
+    assert manager.register(adapter_dir(1)).result() == digest
+    assert manager.register(adapter_dir(2)).result() != digest
     with pytest.raises(LoRAAdapterError, match="already registered as 'ad1'"):
         manager.register(LoRARequest("other", 1, adapter_dir(2).lora_path))
     assert [r.lora_name for r in manager.list_requests()] == ["ad1", "ad2"]

@@ -1,0 +1,132 @@
+"""Fused elementwise ops of a decoder layer: RMSNorm (with the residual add), SiLU-and-mul, rope.
+
+Each op has a pure-torch twin (the semantics, and the path on CUDA, for other dtypes, without a C
+compiler, or with LORASERVE_CPU_FUSED_OPS=0) and a C kernel (`fused_kernel.c`, built for this CPU by
+`loraserve.native.build`) that does the same in one pass over the rows. A decode step of a small
+model spends as much time in these elementwise ops, their temporaries and their dispatch as in its
+matmuls; bf16 elementwise ops are especially slow in torch on CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import torch
+
+from loraserve import envs
+from loraserve.native.build import load_library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_lib: Any = None
+_loaded = False
+
+
+def _load() -> Any:
+    lib = load_library("loraserve.layers", "fused_kernel.c")
+    if lib is None:
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i32]
+    lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i32, i32]
+    lib.rotary_inplace.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
+    for fn in (lib.silu_and_mul, lib.rms_norm, lib.rotary_inplace):
+        fn.restype = None
+    return lib
+
+
+def kernel_available() -> bool:
+    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built."""
+    global _lib, _loaded
+    if not envs.cpu_fused_ops():
+        return False
+    with _lock:
+        if not _loaded:
+            _lib = _load()
+            _loaded = True
+    return _lib is not None
+
+
+def _served(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel serves these 2-D row-major CPU tensors of one supported dtype."""
+    first = tensors[0]
+    return (
+        first.dtype in _DTYPE_CODES and first.device.type == "cpu"
+        and all(t.dtype == first.dtype and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+                for t in tensors)
+        and kernel_available()
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Semantics: with a residual, residual = x + residual (in place, rounded to the dtype) and the
+    norm reads it; out = weight * (h * rsqrt(mean(h^2) + eps)).to(dtype) with h the row in float32.
+    Returns (out, residual). Shape: x, residual [T, D]; weight [D] -> out [T, D]."""
+    if not (_served(x) and (residual is None or _served(x, residual)) and weight.dtype == x.dtype
+            and weight.is_contiguous() and x.shape[-1] == weight.shape[0]):
+        return rms_norm_twin(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    res_ptr, res_ld = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+    _lib.rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_ld, out.data_ptr(), out.stride(0), weight.data_ptr(),
+                  x.shape[0], x.shape[1], eps, _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out, residual
+
+
+def rms_norm_twin(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Semantics: silu(gate) * up with gate, up = x.split(half). Shape: x [T, 2I] -> [T, I]."""
+    width = x.shape[-1] // 2
+    if not _served(x):
+        return silu_and_mul_twin(x)
+    out = x.new_empty(x.shape[0], width)
+    _lib.silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], width,
+                      _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def silu_and_mul_twin(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_(
+    x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    num_heads: int, head_dim: int,
+) -> None:
+    """Semantics: rope (half-split layout) on the first num_heads heads of each row of x, in place:
+    x_h = x_h * cos[pos] + rotate_half(x_h) * sin[pos], the float32 tables cast to x's dtype first.
+    Shape: x [T, >= num_heads * head_dim] (row stride free); positions [T] int64; tables [P, head_dim]."""
+    if not (_served(x) and positions.dtype == torch.int64 and positions.is_contiguous()
+            and cos_table.dtype == torch.float32 and cos_table.is_contiguous() and sin_table.is_contiguous()
+            and x.shape[1] >= num_heads * head_dim):
+        rotary_twin_(x, positions, cos_table, sin_table, num_heads, head_dim)
+        return
+    _lib.rotary_inplace(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_table.data_ptr(),
+                        sin_table.data_ptr(), x.shape[0], num_heads, head_dim, _DTYPE_CODES[x.dtype],
+                        torch.get_num_threads())
+
+
+def rotary_twin_(
+    x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    num_heads: int, head_dim: int,
+) -> None:
+    heads = x[:, : num_heads * head_dim].unflatten(-1, (num_heads, head_dim))
+    cos = cos_table.index_select(0, positions).unsqueeze(1).to(x.dtype)
+    sin = sin_table.index_select(0, positions).unsqueeze(1).to(x.dtype)
+    half = head_dim // 2
+    rotated = torch.cat([-heads[..., half:], heads[..., :half]], dim=-1)
+    heads.copy_(heads * cos + rotated * sin)
