@@ -12,7 +12,10 @@ sequence is preempted (its blocks freed, recomputed later). Waiting sequences ar
 budget, `max_num_seqs`, free blocks and the `max_loras` distinct-adapter limit allow, requests taking
 turns (FCFS within a turn), so one request with hundreds of sequences cannot starve a later short one. A waiting
 sequence held back by the adapter limit lets others with already-active adapters pass only for a
-bounded number of steps, so it never starves.
+bounded number of steps, so it never starves. When more adapters wait than slots are free, the free
+slots go first to the adapters with the most waiting requests (one slot then serves many sequences,
+so fewer swaps serve the same traffic), except that a sequence waiting for MAX_LORA_REORDER_STEPS
+steps keeps its arrival-order place.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from loraserve.engine.sequence import Sequence, SequenceStatus
 from loraserve.outputs import PositionLogprobs
 
 MAX_LORA_BYPASS_STEPS = 8
+MAX_LORA_REORDER_STEPS = 16
 
 
 @dataclass(slots=True)
@@ -74,8 +78,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.waiting_since_step = self.num_steps
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -88,6 +94,7 @@ class Scheduler:
         return QueueLoad(len(seqs), prefill)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -154,6 +161,7 @@ class Scheduler:
         self._free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
+        seq.waiting_since_step = self.num_steps
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
@@ -190,6 +198,35 @@ class Scheduler:
         self.running.extend(admitted)
 
     def _admission_order(self) -> list[Sequence]:
+        order = self._turn_order()
+        return self._by_adapter_demand(order) if self.max_loras is not None else order
+
+    def _by_adapter_demand(self, order: list[Sequence]) -> list[Sequence]:
+        """`order` with its sequences that need a new slot reordered among their own places: busiest
+        adapter first (by waiting requests), its sequences together, arrival order within; those that
+        waited MAX_LORA_REORDER_STEPS steps first of all. Unchanged when every adapter fits the slots."""
+        assert self.max_loras is not None
+        running = self._active_loras()
+        places = [i for i, seq in enumerate(order) if seq.lora_id and seq.lora_id not in running]
+        if len(running) + len({order[i].lora_id for i in places}) <= self.max_loras:
+            return order
+        demand = Counter(lora_id for lora_id, _ in {(order[i].lora_id, order[i].request.turn_key) for i in places})
+        first_place: dict[int, int] = {}
+        for i in places:
+            first_place.setdefault(order[i].lora_id, i)
+
+        def rank(i: int) -> tuple[int, int, int, int]:
+            seq = order[i]
+            if self.num_steps - seq.waiting_since_step >= MAX_LORA_REORDER_STEPS:
+                return (0, 0, 0, i)
+            return (1, -demand[seq.lora_id], first_place[seq.lora_id], i)
+
+        reordered = list(order)
+        for place, source in zip(places, sorted(places, key=rank)):
+            reordered[place] = order[source]
+        return reordered
+
+    def _turn_order(self) -> list[Sequence]:
         """Waiting sequences taking turns by request (the prompts of one API call count as one request):
         first each one's first sequence (in arrival order), then each one's second, and so on, counting
         sequences already running. A request with many sequences (prompts x n) then cannot take every

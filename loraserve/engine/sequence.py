@@ -58,6 +58,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_skipped_for_lora: int = 0
+    waiting_since_step: int = 0  # the scheduler step at which it last joined the waiting queue
 
     @property
     def params(self) -> SamplingParams:

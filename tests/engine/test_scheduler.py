@@ -8,7 +8,7 @@ import pytest
 
 from loraserve.config import SchedulerConfig
 from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.scheduler import SampledToken, Scheduler
+from loraserve.engine.scheduler import MAX_LORA_REORDER_STEPS, SampledToken, Scheduler
 from loraserve.engine.sequence import Request, Sequence
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
@@ -215,3 +215,33 @@ def test_separate_requests_keep_arrival_order() -> None:
             if seq not in order:
                 order.append(seq)
     assert order == seqs
+
+
+def test_free_slots_go_to_the_adapter_with_most_waiting_requests() -> None:
+    """Two slots, five waiting requests: the adapter three of them share takes a slot before the
+    later single-request adapter, so four sequences run instead of two."""
+    sched = _scheduler(max_loras=2, max_seqs=8, budget=64)
+    lone_a, lone_b = _seq(3, lora_id=1), _seq(3, lora_id=2)
+    busy = [_seq(3, lora_id=3) for _ in range(3)]
+    for seq in (lone_a, lone_b, *busy):
+        sched.add(seq)
+    admitted = {seq for seq, _ in _step(sched)}
+    assert admitted == {lone_a, *busy}  # the busy adapter's 3 requests, then the first lone one
+    assert lone_b in sched.waiting
+
+
+def test_demand_ordering_never_holds_a_sequence_past_the_reorder_bound() -> None:
+    """A lone adapter keeps losing to busier ones only for MAX_LORA_REORDER_STEPS steps."""
+    sched = _scheduler(max_loras=1, max_seqs=8, budget=64, num_blocks=256)
+    lone = _seq(3, lora_id=1, max_tokens=1)
+    sched.add(lone)
+    busy_id = 100
+    for step in range(MAX_LORA_REORDER_STEPS + 4):
+        for _ in range(2):  # a new busy adapter arrives every step, with two requests
+            sched.add(_seq(3, lora_id=busy_id, max_tokens=1))
+        busy_id += 1
+        if lone in {seq for seq, _ in _step(sched)}:
+            break
+    assert lone.is_finished
+    assert step >= 1  # it was passed over at first: the ordering did act
+    assert step <= MAX_LORA_REORDER_STEPS + 1
