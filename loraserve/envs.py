@@ -86,6 +86,11 @@ def cpu_lora_kernel() -> bool:
     return (get_env("CPU_LORA_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
 
 
+def cpu_kernel_arch() -> str:
+    """The `-march=` the C kernels are built with (default `native`: this CPU's own instructions)."""
+    return (get_env("CPU_KERNEL_ARCH", "native") or "native").strip()
+
+
 def cpu_fused_ops() -> bool:
     """Run CPU RMSNorm, SiLU-and-mul and rope through the fused C kernel (default on; "0" keeps torch)."""
     return (get_env("CPU_FUSED_OPS", "1") or "1").strip().lower() not in ("0", "false")

@@ -43,7 +43,7 @@ static inline void store(void *p, int64_t i, float v, int dtype) {
 /* exp(x) for x in float32, vectorizable: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]. */
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504f + 0.5f);
+    const float n = nearbyintf(x * 1.44269504f);
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -52,11 +52,96 @@ static inline float exp_approx(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23}; /* 2^n, n in [-126, 127] */
+    return p * scale.f;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SILU_LANES 16
+typedef __m512 vfloat;
+#define VSET(v) _mm512_set1_ps(v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#define VMIN(a, b) _mm512_min_ps(a, b)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), \
+                                                                         _mm512_set1_epi32(127)), 23))
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+/* bf16 <-> float32 lanes: widen by a 16-bit shift; narrow with round-to-nearest-even (NaN kept). */
+static inline vfloat vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512i vround_bits(vfloat v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+}
+static inline vfloat vround_bf16(vfloat v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(vround_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void vstore_bf16(uint16_t *p, vfloat v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(vround_bits(v), 16)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SILU_LANES 8
+typedef __m256 vfloat;
+#define VSET(v) _mm256_set1_ps(v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
+#define VMIN(a, b) _mm256_min_ps(a, b)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), \
+                                                                         _mm256_set1_epi32(127)), 23))
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+static inline vfloat vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline __m256i vround_bits(vfloat v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+}
+static inline vfloat vround_bf16(vfloat v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(vround_bits(v), _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void vstore_bf16(uint16_t *p, vfloat v) {
+    const __m256i bits = _mm256_srli_epi32(vround_bits(v), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+#endif
+
+#ifdef SILU_LANES
+/* exp_approx on every lane (the same polynomial, so lanes and the scalar tail agree). */
+static inline vfloat vexp(vfloat x) {
+    x = VMAX(VMIN(x, VSET(88.0f)), VSET(-87.0f));
+    const vfloat n = VROUND(VMUL(x, VSET(1.44269504f)));
+    vfloat r = VFMA(n, VSET(-0.693359375f), x);
+    r = VFMA(n, VSET(2.12194440e-4f), r);
+    vfloat p = VSET(1.9875691500e-4f);
+    p = VFMA(p, r, VSET(1.3981999507e-3f));
+    p = VFMA(p, r, VSET(8.3334519073e-3f));
+    p = VFMA(p, r, VSET(4.1665795894e-2f));
+    p = VFMA(p, r, VSET(1.6666665459e-1f));
+    p = VFMA(p, r, VSET(5.0000001201e-1f));
+    p = VFMA(VMUL(p, r), r, VADD(r, VSET(1.0f)));
+    return VMUL(p, VPOW2(n));
+}
+
+static inline vfloat vsilu(vfloat g) { return VDIV(g, VADD(VSET(1.0f), vexp(VMUL(g, VSET(-1.0f))))); }
+#endif
 
 /* Semantics: out[t, j] = silu(x[t, j]) * x[t, width + j] for j < width (x holds gate then up).
  * Shape: x [rows, 2*width] (row stride x_ld), out [rows, width] (row stride out_ld). */
@@ -64,16 +149,22 @@ void silu_and_mul(const void *x, int64_t x_ld, void *out, int64_t out_ld, int64_
                   int dtype, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * width >= MIN_PARALLEL_ELEMS)
     for (int64_t t = 0; t < rows; ++t) {
+        int64_t j = 0;
         if (dtype == 0) {
             const float *g = (const float *)x + t * x_ld, *u = g + width;
             float *o = (float *)out + t * out_ld;
-#pragma omp simd
-            for (int64_t j = 0; j < width; ++j) o[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
+#ifdef SILU_LANES
+            for (; j + SILU_LANES <= width; j += SILU_LANES) VSTORE(o + j, VMUL(vsilu(VLOAD(g + j)), VLOAD(u + j)));
+#endif
+            for (; j < width; ++j) o[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
         } else {
             const uint16_t *g = (const uint16_t *)x + t * x_ld, *u = g + width;
             uint16_t *o = (uint16_t *)out + t * out_ld;
-#pragma omp simd
-            for (int64_t j = 0; j < width; ++j) {
+#ifdef SILU_LANES
+            for (; j + SILU_LANES <= width; j += SILU_LANES)
+                vstore_bf16(o + j, VMUL(vround_bf16(vsilu(vload_bf16(g + j))), vload_bf16(u + j)));
+#endif
+            for (; j < width; ++j) {
                 const float gv = bf16_load(g[j]);
                 const float s = bf16_load(bf16_round(gv / (1.0f + exp_approx(-gv))));
                 o[j] = bf16_round(s * bf16_load(u[j]));

@@ -38,13 +38,14 @@ def _load() -> Any:
 
 
 def kernel_available() -> bool:
-    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built."""
+    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built. The
+    switch is read once, on the first call: these ops run ~10 times per layer and step."""
     global _lib, _loaded
-    if not envs.cpu_fused_ops():
-        return False
+    if _loaded:
+        return _lib is not None
     with _lock:
         if not _loaded:
-            _lib = _load()
+            _lib = _load() if envs.cpu_fused_ops() else None
             _loaded = True
     return _lib is not None
 

@@ -7,6 +7,9 @@ Each kernel's C source ships with the package and is compiled with the system C 
 carries a digest of the source, the flags and this CPU's feature flags, so a cache shared between
 machines never runs code built for another CPU. No compiler or a failed build returns None and the
 caller keeps its torch twin.
+
+LORASERVE_CPU_KERNEL_ARCH replaces `native` in `-march=` (e.g. `haswell` for the AVX2 paths,
+`x86-64` for the portable C): the tests use it to run every path on one machine.
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from loraserve import envs
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+
+
+def march() -> str:
+    return f"-march={envs.cpu_kernel_arch()}"
 
 
 @functools.cache
@@ -40,14 +47,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def _build(compiler: str, source: bytes, name: str, target: str) -> None:
+def _build(compiler: str, flags: tuple[str, ...], source: bytes, name: str, target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         src = os.path.join(tmp, name)
         with open(src, "wb") as f:
             f.write(source)
         out = os.path.join(tmp, "kernel.so")
-        subprocess.run([compiler, *FLAGS, "-o", out, src, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, "-o", out, src, "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(out, target)  # atomic: concurrent builders never load a half-written library
 
 
@@ -59,13 +66,14 @@ def load_library(package: str, source_name: str) -> ctypes.CDLL | None:
         logger.info("no C compiler found: %s runs on its torch twin", source_name)
         return None
     source = resources.files(package).joinpath(source_name).read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), " ".join(sorted(cpu_flags())).encode(),
+    flags = (*FLAGS, march())
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     stem = source_name.rsplit(".", 1)[0]
     target = os.path.join(envs.cache_root(), "kernels", f"{stem}_{key}.so")
     try:
         if not os.path.exists(target):
-            _build(compiler, source, source_name, target)
+            _build(compiler, flags, source, source_name, target)
         return ctypes.CDLL(target)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""

@@ -3,6 +3,12 @@ float64 reference, in float32 and bfloat16, on strided rows like the ones the mo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -16,13 +22,20 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 3e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
 
 
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    rotary_: Callable[..., None]
+
+
 @pytest.fixture(params=["kernel", "twin"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "kernel" and not fused_ops.kernel_available():
-        pytest.skip("no C compiler: the fused kernel cannot be built here")
+def ops(request: pytest.FixtureRequest) -> Ops:
     if request.param == "twin":
-        monkeypatch.setenv("LORASERVE_CPU_FUSED_OPS", "0")
-    return str(request.param)
+        return Ops(fused_ops.rms_norm_twin, fused_ops.silu_and_mul_twin, fused_ops.rotary_twin_)
+    if not fused_ops.kernel_available():
+        pytest.skip("no C compiler: the fused kernel cannot be built here")
+    return Ops(fused_ops.rms_norm, fused_ops.silu_and_mul, fused_ops.rotary_)
 
 
 def wide_rows(rows: int, width: int, dtype: torch.dtype, pad: int = 7, seed: int = 0) -> torch.Tensor:
@@ -33,10 +46,10 @@ def wide_rows(rows: int, width: int, dtype: torch.dtype, pad: int = 7, seed: int
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 64), (5, 576), (33, 100)])
-def test_rms_norm_matches_float64(backend: str, dtype: torch.dtype, rows: int, width: int) -> None:
+def test_rms_norm_matches_float64(ops: Ops, dtype: torch.dtype, rows: int, width: int) -> None:
     x = wide_rows(rows, width, dtype)
     weight = (torch.rand(width, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
-    out, residual = fused_ops.rms_norm(x, weight, 1e-6)
+    out, residual = ops.rms_norm(x, weight, 1e-6)
     assert residual is None and out.shape == x.shape and out.dtype == dtype
     h = x.double()
     ref = weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -44,11 +57,11 @@ def test_rms_norm_matches_float64(backend: str, dtype: torch.dtype, rows: int, w
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_adds_the_residual_in_place(backend: str, dtype: torch.dtype) -> None:
+def test_rms_norm_adds_the_residual_in_place(ops: Ops, dtype: torch.dtype) -> None:
     x, residual = wide_rows(9, 576, dtype, seed=2), wide_rows(9, 576, dtype, pad=0, seed=3).contiguous()
     before = residual.clone()
     weight = torch.ones(576, dtype=dtype)
-    out, updated = fused_ops.rms_norm(x, weight, 1e-5, residual)
+    out, updated = ops.rms_norm(x, weight, 1e-5, residual)
     assert updated is residual
     torch.testing.assert_close(residual, (before + x), atol=0, rtol=0)  # the add rounds like torch's
     h = (before.double() + x.double())
@@ -58,24 +71,28 @@ def test_rms_norm_adds_the_residual_in_place(backend: str, dtype: torch.dtype) -
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 1536), (17, 100), (200, 384)])
-def test_silu_and_mul_matches_float64(backend: str, dtype: torch.dtype, rows: int, width: int) -> None:
+def test_silu_and_mul_matches_float64(ops: Ops, dtype: torch.dtype, rows: int, width: int) -> None:
     x = wide_rows(rows, 2 * width, dtype) * 4  # reach exp's tails: |x| up to ~30
-    out = fused_ops.silu_and_mul(x)
+    out = ops.silu_and_mul(x)
     assert out.shape == (rows, width) and out.dtype == dtype
     gate, up = x.double().split(width, dim=-1)
     torch.testing.assert_close(out.double(), torch.nn.functional.silu(gate) * up, **tol(dtype))
 
 
-def test_silu_and_mul_extremes_and_nan(backend: str) -> None:
-    x = torch.tensor([[-100.0, 100.0, 0.0, float("nan"), 2.0, 2.0, 3.0, 1.0]])
-    out = fused_ops.silu_and_mul(x)
-    assert out[0, 0].abs() < 1e-30 and out[0, 1] == pytest.approx(200.0) and out[0, 2] == 0.0
-    assert torch.isnan(out[0, 3])
+def test_silu_and_mul_extremes_and_nan(ops: Ops) -> None:
+    gate = torch.tensor([-100.0, 100.0, 0.0, float("nan"), 2.0, -3.0, 30.0, -30.0]).repeat(5)  # lanes and tail
+    out = ops.silu_and_mul(torch.cat([gate, torch.full_like(gate, 2.0)]).unsqueeze(0))[0]
+    for i in (0, 8, 32):
+        assert out[i].abs() < 1e-30 and out[i + 1] == pytest.approx(200.0) and out[i + 2] == 0.0
+        assert torch.isnan(out[i + 3])
+        torch.testing.assert_close(out[i + 4 : i + 8], out[4:8], atol=1e-6, rtol=1e-6)  # lanes = scalar tail
+    expected = 2.0 * torch.nn.functional.silu(gate[4:8].double())
+    torch.testing.assert_close(out[4:8].double(), expected, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,head_dim", [(9, 64), (2, 128), (3, 6)])
-def test_rotary_in_place_matches_float64(backend: str, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
+def test_rotary_in_place_matches_float64(ops: Ops, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
     rows, extra = 11, 2 * head_dim  # heads past num_heads (v) must stay untouched
     x = wide_rows(rows, num_heads * head_dim + extra, dtype)
     before = x.clone()
@@ -83,7 +100,7 @@ def test_rotary_in_place_matches_float64(backend: str, dtype: torch.dtype, num_h
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).double() / head_dim))
     freqs = torch.outer(torch.arange(512).double(), inv_freq)
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
-    fused_ops.rotary_(x, positions, cos.float(), sin.float(), num_heads, head_dim)
+    ops.rotary_(x, positions, cos.float(), sin.float(), num_heads, head_dim)
     torch.testing.assert_close(x[:, num_heads * head_dim:], before[:, num_heads * head_dim:], atol=0, rtol=0)
     heads = before[:, : num_heads * head_dim].double().unflatten(-1, (num_heads, head_dim))
     half = head_dim // 2
@@ -94,7 +111,7 @@ def test_rotary_in_place_matches_float64(backend: str, dtype: torch.dtype, num_h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_and_twin_agree_on_bf16_rounding(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_and_twin_agree_on_bf16_rounding(dtype: torch.dtype) -> None:
     """The kernel rounds where the twin's torch ops round: outputs agree to within one ulp."""
     if not fused_ops.kernel_available():
         pytest.skip("no C compiler: the fused kernel cannot be built here")
@@ -107,3 +124,17 @@ def test_kernel_and_twin_agree_on_bf16_rounding(dtype: torch.dtype, monkeypatch:
     for a, b in ((kernel_silu, twin_silu), (kernel_norm, twin_norm)):
         diff = (a.double() - b.double()).abs()
         assert bool((diff <= b.double().abs() * ulp + 1e-30).all()), float(diff.max())
+
+
+@pytest.mark.parametrize("arch", ["haswell", "x86-64"], ids=["avx2", "portable"])
+def test_the_other_cpu_paths_match_too(arch: str, tmp_path: object) -> None:
+    """The AVX2 build and the portable C build (what other CPUs run) pass this file's tests here."""
+    if not fused_ops.kernel_available():
+        pytest.skip("no C compiler: the fused kernel cannot be built here")
+    env = {**os.environ, "LORASERVE_CPU_KERNEL_ARCH": arch, "LORASERVE_CACHE_ROOT": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "not other_cpu_paths"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout
