@@ -197,8 +197,8 @@ class S3AdapterStore:
         if self._clock() >= expires:
             del self._misses[lora_name]
             return False, None
-        if error is not None:
-            raise error
+        if error is not None:  # a fresh exception: re-raising one object would grow its traceback
+            raise type(error)(str(error))
         return True, None
 
     def _lookup(self, lora_name: str) -> str | None:
