@@ -49,6 +49,44 @@ def lora_resolver_hf_repo_list() -> list[str]:
     return [repo.strip() for repo in value.split(",") if repo.strip()]
 
 
+def lora_resolver_s3_bucket() -> str | None:
+    """The bucket of the S3 adapter store; the S3 resolver registers only when it is set."""
+    return get_env("LORA_RESOLVER_S3_BUCKET") or None
+
+
+def lora_resolver_s3_prefix() -> str:
+    """Key prefix of the adapters in the bucket: adapter N lives under `<prefix>/N/`."""
+    return get_env("LORA_RESOLVER_S3_PREFIX", "") or ""
+
+
+def lora_resolver_s3_endpoint_url() -> str | None:
+    """An S3-compatible endpoint (MinIO, R2, moto); unset: AWS, or boto3's own AWS_ENDPOINT_URL."""
+    return get_env("LORA_RESOLVER_S3_ENDPOINT_URL") or None
+
+
+def lora_resolver_s3_region() -> str | None:
+    return get_env("LORA_RESOLVER_S3_REGION") or None
+
+
+def lora_resolver_s3_cache_dir() -> str:
+    """Where downloaded adapters are kept (default: <cache_root>/s3-adapters)."""
+    return get_env("LORA_RESOLVER_S3_CACHE_DIR") or os.path.join(cache_root(), "s3-adapters")
+
+
+def lora_resolver_s3_number(name: str, default: float, minimum: float) -> float:
+    """LORA_RESOLVER_S3_<name> as a number of at least `minimum` (timeouts, retries, TTL, size bound)."""
+    value = get_env(f"LORA_RESOLVER_S3_{name}")
+    if value is None or not value.strip():
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not number >= minimum:
+        raise ValueError(f"LORASERVE_LORA_RESOLVER_S3_{name} must be a number >= {minimum:g}, got {value!r}")
+    return number
+
+
 def http_keep_alive_timeout() -> float:
     """Seconds an idle keep-alive connection stays open (HTTP_TIMEOUT_KEEP_ALIVE, vLLM's name).
 

@@ -15,6 +15,11 @@ class LoRAAdapterGoneError(LoRAAdapterNotFoundError):
     """A registered adapter must be read again but its folder is gone from disk (HTTP 404)."""
 
 
+class LoRAAdapterUnavailableError(LoRAAdapterError):
+    """The store that holds an adapter cannot be read right now (HTTP 503 with Retry-After): the same
+    request may succeed later. The message names the adapter and the reason, never the store's address."""
+
+
 class LoRAAdapterChangedError(LoRAAdapterError):
     """A registered adapter must be read again but its files no longer hold the content it was
     registered with (HTTP 409): new weights never run under the old identity."""

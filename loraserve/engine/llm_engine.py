@@ -372,6 +372,13 @@ class LLMEngine:
         return self.lora.list_requests() if self.lora is not None else []
 
     def stats(self) -> dict[str, Any]:
+        """A snapshot for metrics (any thread; `/metrics` and each replica's aggregation read it).
+
+        Numbers (gauges; monotonic counters such as `num_step_failures`, `lora_num_loads`,
+        `lora_num_load_failures`), `{adapter name: count}` maps (`running_by_adapter`,
+        `waiting_by_adapter`; "" is the base model), and lists of new observations (`lora_load_seconds`,
+        drained by each call). With LoRA: `max_lora` (the number of compute slots) and
+        `lora_adapters_loaded` = {"slot": [names], "host": [names]} (`LoRAManager.resident_adapters`)."""
         running, waiting = self.scheduler.running, self.scheduler.waiting
         stats: dict[str, Any] = {
             "num_running": len(running),
@@ -387,5 +394,7 @@ class LLMEngine:
         }
         if self.lora is not None:
             stats.update(self.lora.stats())  # its lists are observations new since the last call
+            stats["max_lora"] = self.lora.lora_config.max_loras
+            stats["lora_adapters_loaded"] = self.lora.resident_adapters()
         return stats
 

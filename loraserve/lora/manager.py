@@ -327,6 +327,22 @@ class LoRAManager:
             raise LoRAAdapterError(f"LoRA adapter '{lora_model.name}' does not fit a slot: {e}") from None
 
     # ---- metrics (any thread) -------------------------------------------------------------------
+    def resident_adapters(self) -> dict[str, list[str]]:
+        """Adapter names by residency level, each list sorted and without repeats: "host" = in host
+        memory, "slot" = in a compute slot. A slot holds only adapters that are in host memory, so
+        every "slot" name is also a "host" name (an adapter replaced in place may appear twice
+        under one name while its old requests finish: it is listed once)."""
+        with self._lock:
+            host, slot = set(), set()
+            for lora_id in self._host.ids():
+                lora_model = self._host.peek(lora_id)
+                if lora_model is None:
+                    continue
+                host.add(lora_model.name)
+                if self._slots.slot_of(lora_id) is not None:
+                    slot.add(lora_model.name)
+            return {"slot": sorted(slot), "host": sorted(host)}
+
     def stats(self) -> dict[str, int | float | list[float]]:
         """Counters and occupancy, keys prefixed `lora_`; `lora_load_seconds` lists the disk load
         latencies observed since the previous call (a histogram's new observations)."""

@@ -86,6 +86,7 @@ class FakeEngine:
     load_latencies: list[float] = field(default_factory=list)  # drained by stats(), like the real engine
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     shutdown_error: BaseException | None = None
+    waiting: dict[str, int] = field(default_factory=dict)  # reported as waiting_by_adapter (adapter -> count)
 
     def __post_init__(self) -> None:
         self.model_config = FakeModelConfig(
@@ -273,14 +274,19 @@ class FakeEngine:
         for lora_id in self.running.values():
             name = self.loras[lora_id].lora_name if lora_id in self.loras else ""
             running[name] = running.get(name, 0) + 1
-        return {
+        stats: dict[str, Any] = {
             "num_running": len(self.running),
-            "num_waiting": 0,
+            "num_waiting": sum(self.waiting.values()),
             "running_by_adapter": running,
-            "waiting_by_adapter": {},
+            "waiting_by_adapter": dict(self.waiting),
             "lora_num_loads": len(self.loras),
             "lora_load_seconds": self._drain_latencies(),
         }
+        if self.lora_config is not None:  # like the real engine: every adapter in host memory, the
+            stats["max_lora"] = self.lora_config.max_loras  # running ones in slots
+            names = {lora.lora_name for lora in self.loras.values()}
+            stats["lora_adapters_loaded"] = {"slot": sorted(n for n in running if n), "host": sorted(names)}
+        return stats
 
     def _drain_latencies(self) -> list[float]:
         drained, self.load_latencies = self.load_latencies, []

@@ -21,6 +21,7 @@ from loraserve.errors import (
     LoRAAdapterChangedError,
     LoRAAdapterError,
     LoRAAdapterNotFoundError,
+    LoRAAdapterUnavailableError,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ def api_error_from_exception(exc: BaseException) -> APIError:
         return APIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, LoRAAdapterNotFoundError):
         return APIError(str(exc), HTTPStatus.NOT_FOUND)
+    if isinstance(exc, LoRAAdapterUnavailableError):
+        return APIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, param="model", headers={"Retry-After": "1"})
     if isinstance(exc, LoRAAdapterChangedError):
         return APIError(str(exc), HTTPStatus.CONFLICT, param="model")
     if isinstance(exc, (LoRAAdapterError, ValueError)):

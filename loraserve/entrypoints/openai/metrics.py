@@ -4,7 +4,8 @@ Each server owns its own CollectorRegistry, so several servers (tests) can live 
 engine's `stats()` is read once per scrape: numbers become gauges (counters for the monotonic keys in
 `_COUNTERS`, exported with Prometheus' `_total` suffix), `{adapter: count}` maps become gauges
 labelled `lora_name` ("" is the base model), and lists are new observations (seconds, e.g. adapter load
-latencies drained since the previous call) added to a histogram of the same name.
+latencies drained since the previous call) added to a histogram of the same name. The LoRA residency
+and request-info metrics routers read are `lora_metrics.py`'s.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from loraserve.entrypoints.openai.lora_metrics import LoRAMetricsCollector
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,8 @@ class ServerMetrics:
         self._engine_gauges = _SnapshotCollector()
         self._engine_histograms: dict[str, Histogram] = {}
         self.registry.register(self._engine_gauges)
+        self._lora = LoRAMetricsCollector()
+        self.registry.register(self._lora)
 
     def refresh(self) -> None:
         """Read the engine's stats once; list entries are new observations for their histograms."""
@@ -114,6 +119,7 @@ class ServerMetrics:
         except Exception:
             logger.exception("Engine stats could not be read for /metrics.")
             return
+        stats = self._lora.update(stats)
         gauges = {}
         for key, value in stats.items():
             if isinstance(value, (list, tuple)):

@@ -27,7 +27,7 @@ from loraserve.entrypoints.openai.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
 )
-from loraserve.errors import LoRAAdapterNotFoundError
+from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError, LoRAAdapterUnavailableError
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
@@ -157,6 +157,12 @@ class OpenAIServingModels:
         for resolver in self.lora_resolvers:
             try:
                 found = await resolver.resolve_lora(self.base_model_name, name)
+            except LoRAAdapterNotFoundError:
+                continue
+            except LoRAAdapterError as exc:  # found but refused, or its store unreachable: said, not hidden
+                logger.warning("LoRA resolver %s could not provide %r: %s", type(resolver).__name__, name, exc)
+                load_error = load_error or exc
+                continue
             except Exception:
                 # A broken plugin must not turn every unknown name into a 500; the next resolver tries.
                 logger.exception("LoRA resolver %s failed on %r.", type(resolver).__name__, name)
@@ -170,6 +176,8 @@ class OpenAIServingModels:
                     "Adapter %r found by %s failed to load: %s", name, type(resolver).__name__, exc
                 )
                 load_error = load_error or exc
+        if isinstance(load_error, LoRAAdapterUnavailableError):
+            raise APIError(str(load_error), HTTPStatus.SERVICE_UNAVAILABLE, "model", headers={"Retry-After": "1"})
         if load_error is not None:
             raise APIError(
                 f"The lora adapter '{name}' was found but failed to load: {load_error}",

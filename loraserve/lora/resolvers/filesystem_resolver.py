@@ -24,12 +24,21 @@ PLUGIN_NAME = "lora_filesystem_resolver"
 UNASSIGNED_LORA_INT_ID = 1
 
 
+def name_parts(name: str) -> list[str] | None:
+    """The `/`-separated parts of an adapter name that stays below its root (a folder, a key prefix);
+    None for an empty or absolute name, a NUL, a backslash, or an empty, `.` or `..` part."""
+    if not name or "\x00" in name or "\\" in name or os.path.isabs(name) or name.startswith("/"):
+        return None
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return None
+    return parts
+
+
 def path_inside(root: str, name: str) -> str | None:
     """`root/name` with every symlink resolved, or None when it is not strictly inside `root`."""
-    if not name or "\x00" in name or os.path.isabs(name) or name.startswith(("/", "\\")):
-        return None
-    parts = name.replace("\\", "/").split("/")
-    if any(part in ("", ".", "..") for part in parts):
+    parts = name_parts(name)
+    if parts is None:
         return None
     real_root = os.path.realpath(root)
     candidate = os.path.realpath(os.path.join(real_root, *parts))
