@@ -371,6 +371,10 @@ class LLMEngine:
     def list_loras(self) -> list[LoRARequest]:
         return self.lora.list_requests() if self.lora is not None else []
 
+    def lora_residency(self) -> dict[str, str]:
+        """Adapter name -> "slot" or "host" for every adapter in memory (any thread)."""
+        return self.lora.residency() if self.lora is not None else {}
+
     def stats(self) -> dict[str, Any]:
         running, waiting = self.scheduler.running, self.scheduler.waiting
         stats: dict[str, Any] = {

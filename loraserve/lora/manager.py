@@ -323,6 +323,17 @@ class LoRAManager:
             raise LoRAAdapterError(f"LoRA adapter '{lora_model.name}' does not fit a slot: {e}") from None
 
     # ---- metrics (any thread) -------------------------------------------------------------------
+    def residency(self) -> dict[str, str]:
+        """Where each cached adapter is, by name: "slot" (in a compute slot) or "host" (in memory only);
+        a router uses it to send an adapter's requests where it is already loaded."""
+        with self._lock:
+            found: dict[str, str] = {}
+            for lora_id in self._host.ids():
+                lora_model = self._host.peek(lora_id)
+                if lora_model is not None and found.get(lora_model.name) != "slot":
+                    found[lora_model.name] = "slot" if self._slots.slot_of(lora_id) is not None else "host"
+            return found
+
     def stats(self) -> dict[str, int | float | list[float]]:
         """Counters and occupancy, keys prefixed `lora_`; `lora_load_seconds` lists the disk load
         latencies observed since the previous call (a histogram's new observations)."""
