@@ -34,6 +34,19 @@ class ReplicaLoad:
     residency: str | None = None  # SLOT, HOST, or None when the adapter is not in its memory
 
 
+def known_residency(
+    reported: str | None, report_time: float, sent_at: float | None, grace_s: float
+) -> str | None:
+    """Where the router should believe an adapter is on one replica: the replica's report, unless the
+    router sent the adapter there after (`grace_s` before) that report was taken: then it is on its
+    way into a slot there, whatever the older report says."""
+    if reported is not None:
+        return reported
+    if sent_at is not None and sent_at >= report_time - grace_s:
+        return SLOT
+    return None
+
+
 def _holder_order(replica: ReplicaLoad) -> tuple[bool, int, str]:
     return (replica.residency != SLOT, replica.num_in_flight, replica.replica_id)
 

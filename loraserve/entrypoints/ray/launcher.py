@@ -76,7 +76,8 @@ def replica_resources(args: argparse.Namespace, is_local: bool) -> ReplicaResour
 def start_ray(args: argparse.Namespace) -> bool:
     """Join RAY_ADDRESS, or start a local Ray sized for the replicas; True when it is local."""
     address = os.environ.get("RAY_ADDRESS")
-    level = envs.logging_level()
+    level = logging.getLevelName(envs.logging_level())
+    level = level if isinstance(level, int) else logging.INFO
     if address:
         ray.init(address=address, logging_level=level)
         return False
@@ -97,7 +98,12 @@ def deploy_replicas(engine_args: EngineArgs, args: argparse.Namespace, is_local:
     resources = replica_resources(args, is_local)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
     serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False})
-    deployment = serve.deployment(EngineReplica).options(
+    router: dict[str, Any] = {
+        "request_router_class": AffinityRouter,
+        "request_router_kwargs": {"spread_queue_depth": args.replica_spread_queue_depth},
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
+    deployment = serve.deployment(
         name=DEPLOYMENT_NAME,
         num_replicas=args.replicas,
         max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
@@ -106,16 +112,12 @@ def deploy_replicas(engine_args: EngineArgs, args: argparse.Namespace, is_local:
             "num_gpus": resources.num_gpus,
             "runtime_env": {"env_vars": env_vars},
         },
-        request_router_config=RequestRouterConfig(
-            request_router_class=AffinityRouter,
-            request_router_kwargs={"spread_queue_depth": args.replica_spread_queue_depth},
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-        ),
+        request_router_config=RequestRouterConfig(**router),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=args.shutdown_timeout,
         max_constructor_retry_count=1,  # a model that fails to load fails the same way every time
         logging_config={"enable_access_log": False},
-    )
+    )(EngineReplica)
     app = deployment.bind(engine_args, envs.logging_level())
     return serve.run(app, name=APP_NAME, route_prefix=None)
 

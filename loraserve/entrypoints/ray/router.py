@@ -26,8 +26,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from loraserve.entrypoints.ray.affinity import (
     DEFAULT_SPREAD_QUEUE_DEPTH,
-    SLOT,
     ReplicaLoad,
+    known_residency,
     rank_replicas,
     rank_without_adapter,
 )
@@ -76,11 +76,12 @@ class AffinityRouter(RequestRouter):
         if not adapter:
             return ReplicaLoad(rid, queue_len or 0)
         stats = replica.routing_stats or {}
-        residency = (stats.get("residency") or {}).get(adapter)
-        if residency is None:
-            sent_at = self._sent.get((adapter, rid))
-            if sent_at is not None and sent_at >= float(stats.get("time", 0.0)) - REPORT_GRACE_S:
-                residency = SLOT
+        residency = known_residency(
+            (stats.get("residency") or {}).get(adapter),
+            float(stats.get("time", 0.0)),
+            self._sent.get((adapter, rid)),
+            REPORT_GRACE_S,
+        )
         return ReplicaLoad(rid, queue_len or 0, self._in_flight[(adapter, rid)], residency)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
