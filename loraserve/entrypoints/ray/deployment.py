@@ -108,6 +108,10 @@ class EngineReplica:
             "num_in_flight": sum(self._in_flight.values()),
         }
 
+    async def stats(self) -> dict[str, Any]:
+        """The engine's counters and gauges (its lists of new observations left out)."""
+        return {k: v for k, v in self.engine.stats().items() if not isinstance(v, list)}
+
     async def check_health(self) -> None:
         if not self.engine.is_healthy():
             raise RuntimeError(f"replica {self.replica_id}: the engine is dead ({self.engine.dead_error})")
