@@ -218,3 +218,10 @@ def test_replicas_without_ray_is_a_one_line_error(
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("loraserve serve: error: --replicas 2"), err
     assert "pip install 'loraserve[ray]'" in err
+
+
+def test_the_one_engine_launcher_module_refuses_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    from loraserve.entrypoints.openai import launcher
+
+    assert launcher.main(["some/model", "--replicas", "3"]) == 2
+    assert "--replicas runs through `loraserve serve`" in capsys.readouterr().err

@@ -173,7 +173,12 @@ def serve_main(args: argparse.Namespace, prog: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m loraserve.entrypoints.openai.launcher"
-    return serve_main(parse_serve_args(argv, prog=prog), prog)
+    args = parse_serve_args(argv, prog=prog)
+    if args.replicas > 1:  # the replicas' launcher imports this module: it cannot be reached from here
+        print(f"{prog}: error: --replicas runs through `loraserve serve` (this module runs one engine)",
+              file=sys.stderr)
+        return 2
+    return serve_main(args, prog)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,25 @@ def deploy_replicas(engine_args: EngineArgs, args: argparse.Namespace, is_local:
         logging_config={"enable_access_log": False},
     )(EngineReplica)
     app = deployment.bind(engine_args, envs.logging_level())
-    return serve.run(app, name=APP_NAME, route_prefix=None)
+    try:
+        return serve.run(app, name=APP_NAME, route_prefix=None)
+    except RuntimeError as exc:  # "failed to update the deployments": the replica's reason is in the status
+        raise RuntimeError(f"the replicas failed to start: {_deployment_failure() or exc}") from None
+
+
+def _deployment_failure() -> str | None:
+    """The last `SomeError: message` line of the deployment's status (a replica's startup traceback)."""
+    try:
+        message = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].message
+    except Exception:
+        return None
+    causes = [line.strip() for line in message.splitlines() if _is_error_line(line.strip())]
+    return causes[-1] if causes else None
+
+
+def _is_error_line(line: str) -> bool:
+    name = line.split(":", 1)[0]
+    return ":" in line and name.isidentifier() and name.endswith(("Error", "Exception"))
 
 
 async def run_replicated_server(args: argparse.Namespace) -> None:
@@ -133,6 +151,8 @@ async def run_replicated_server(args: argparse.Namespace) -> None:
         if args.model is None:
             use_demo_model(args)
         engine_args = EngineArgs.from_cli_args(args)
+        if not os.environ.get("RAY_ADDRESS"):  # same filesystem as the replicas: bad flags fail here, fast
+            engine_args.create_engine_config()
         is_local = start_ray(args)
         logger.info("Starting %d engine replicas on %s Ray.", args.replicas, "a local" if is_local else "the")
         handle = deploy_replicas(engine_args, args, is_local)
@@ -164,14 +184,6 @@ def stop_ray(is_local: bool) -> None:
     ray.shutdown()
 
 
-def startup_error(exc: BaseException) -> str:
-    """One line: a replica's startup failure arrives as a long report with a traceback; its last
-    `SomeError: message` line says what went wrong."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    causes = [line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))]
-    return causes[-1] if causes else one_line(exc)
-
-
 def serve_replicas_main(args: argparse.Namespace, prog: str) -> int:
     configure_logging()
     try:
@@ -182,6 +194,6 @@ def serve_replicas_main(args: argparse.Namespace, prog: str) -> int:
     except Exception as exc:
         if logger.isEnabledFor(logging.DEBUG):
             logger.exception("Server failed")
-        print(f"{prog}: error: {startup_error(exc)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return 1
     return 0
