@@ -159,6 +159,24 @@ def test_streams_and_errors_carry_the_replica_header(cluster: dict[str, Any]) ->
     assert missing.status_code == 404 and missing.headers["x-loraserve-replica"] == "ingress"
 
 
+@pytest.mark.ray
+@needs_ray
+def test_runtime_load_reload_and_unload_reach_the_replicas(cluster: dict[str, Any]) -> None:
+    url, store = cluster["server"].url, cluster["store"]
+    load = {"lora_name": "extra", "lora_path": str(store / adapter_name(5))}
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    home = loaded.headers["x-loraserve-replica"]  # validated where its requests will run
+    assert replica_of(complete(url, "extra", PROMPTS[0])) == home
+    reload = {**load, "lora_path": str(store / adapter_name(6)), "load_inplace": True}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=reload, timeout=60).status_code == 200
+    same_as_six = complete(url, adapter_name(6), PROMPTS[0]).json()["choices"][0]["text"]
+    assert complete(url, "extra", PROMPTS[0]).json()["choices"][0]["text"] == same_as_six
+    unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "extra"}, timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
+    assert complete(url, "extra", PROMPTS[0]).status_code == 404
+
+
 def _outcome(response: httpx.Response) -> str:
     """"ok", or "503" for a clear OpenAI-style unavailable error; anything else fails the test."""
     if response.status_code == 200:
