@@ -57,6 +57,23 @@ def build_adapters(model_path: str, count: int, rank: int = 16) -> list[str]:
     return paths
 
 
+def cpu_class() -> str:
+    """This machine's CPU as the notes name it: model, the vector extensions that pick our code paths,
+    and the torch thread count."""
+    from loraserve.native.build import cpu_flags
+
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    flags = cpu_flags()
+    found = [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"),
+                                     ("amx_bf16", "AMX")) if flag in flags]
+    return f"{model}, {' + '.join(found) or 'no AVX2'}, {torch.get_num_threads()} threads"
+
+
 def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(10, vocab_size, (length,), generator=g).tolist() for _ in range(num)]

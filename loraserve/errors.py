@@ -47,3 +47,8 @@ class EngineOverloadedError(RuntimeError):
 
 class RequestTooLargeError(ValueError):
     """A request needs more queue room than the server ever grants (HTTP 400); retrying cannot help."""
+
+
+class ReplicaUnavailableError(EngineOverloadedError):
+    """The replica running a request died or could not be reached (HTTP 503 with Retry-After); the
+    cluster starts a replacement, so the same request may succeed when sent again."""

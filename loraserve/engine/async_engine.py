@@ -269,6 +269,10 @@ class AsyncLLMEngine:
     async def list_loras(self) -> list[LoRARequest]:
         return list(await self._call(lambda engine: engine.list_loras()))
 
+    def lora_residency(self) -> dict[str, str]:
+        """Adapter name -> "slot" (in a compute slot) or "host" (in memory only), for routing."""
+        return self.engine.lora_residency()
+
     def stats(self) -> dict[str, Any]:
         """The engine's stats; its lists (adapter load latencies) are new since the previous scrape."""
         try:

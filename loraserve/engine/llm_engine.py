@@ -371,6 +371,14 @@ class LLMEngine:
     def list_loras(self) -> list[LoRARequest]:
         return self.lora.list_requests() if self.lora is not None else []
 
+    def lora_residency(self) -> dict[str, str]:
+        """Adapter name -> its highest residency level, "slot" or "host", for every adapter in memory
+        (any thread; what a replica reports to the adapter-affinity router)."""
+        if self.lora is None:
+            return {}
+        levels = self.lora.resident_adapters()
+        return {**{name: "host" for name in levels["host"]}, **{name: "slot" for name in levels["slot"]}}
+
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread; `/metrics` and each replica's aggregation read it).
 

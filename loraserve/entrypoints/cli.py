@@ -61,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "serve":
+        check_serve_args(serve_parser, args)
+        if args.replicas > 1:
+            return _serve_replicas(args)
         from loraserve.entrypoints.openai.launcher import serve_main
 
-        check_serve_args(serve_parser, args)
         return serve_main(args, "loraserve serve")
     from loraserve.demo.run import run_demo
     from loraserve.entrypoints.openai.launcher import configure_logging, one_line
@@ -75,6 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loraserve demo: error: {one_line(exc)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    from loraserve.entrypoints.ray import ray_missing_error
+
+    problem = ray_missing_error(args.replicas)
+    if problem is not None:
+        print(f"loraserve serve: error: {problem}", file=sys.stderr)
+        return 1
+    from loraserve.entrypoints.ray.launcher import serve_replicas_main
+
+    return serve_replicas_main(args, "loraserve serve")
 
 
 if __name__ == "__main__":

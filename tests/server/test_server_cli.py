@@ -168,6 +168,7 @@ def test_unset_flags_keep_engine_defaults_and_every_engine_flag_is_a_field() -> 
     server_flags = {
         "model_tag", "host", "port", "api_key", "lora_modules", "trust_request_chat_template", "config",
         "max_request_body_size", "request_read_timeout", "shutdown_timeout",
+        "replicas", "replica_spread_queue_depth", "replica_cpus", "replica_gpus",
     }
     server_flags |= frontend_dests()
     assert set(vars(args)) - server_flags <= {f.name for f in fields(EngineArgs)}

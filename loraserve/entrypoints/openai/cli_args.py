@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from loraserve import envs
 from loraserve.entrypoints.openai.cli_limit_args import add_limit_args
+from loraserve.entrypoints.openai.cli_replica_args import add_replica_args
 from loraserve.entrypoints.openai.cli_types import positive_int
 from loraserve.entrypoints.openai.cli_vllm_args import (
     add_vllm_engine_args,
@@ -82,6 +83,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_compat_args(parser)
     parser.add_argument("--config", default=None, help="YAML file of flag: value pairs (flags given here win).")
     add_limit_args(parser.add_argument_group("limits and shutdown"))
+    add_replica_args(parser.add_argument_group("replicas (Ray Serve)"))
 
 
 def _add_server_args(server: Any) -> None:

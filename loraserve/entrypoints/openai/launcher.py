@@ -11,7 +11,7 @@ import asyncio
 import logging
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -26,9 +26,6 @@ from loraserve.entrypoints.openai.frontend import (
 )
 from loraserve.entrypoints.openai.http_server import serve_app
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
-
-if TYPE_CHECKING:
-    from loraserve.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("loraserve.server")
 
@@ -82,19 +79,9 @@ async def run_server(args: argparse.Namespace) -> None:
         engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
         await engine.start()
         try:
-            options = ServerOptions(
-                served_model_names=args.served_model_name or [],
-                api_keys=list(args.api_key or []),
-                lora_modules=args.lora_modules,
-                trust_request_chat_template=args.trust_request_chat_template,
-                max_request_body_bytes=args.max_request_body_size,
-                request_read_timeout_s=args.request_read_timeout,
-                keep_alive_timeout_s=envs.http_keep_alive_timeout(),
-                shutdown_timeout_s=args.shutdown_timeout,
-                frontend=frontend,
-            )
+            options = server_options(args, frontend)
             app = await build_app(engine, options)
-            _log_startup(app, engine, args, sock)
+            log_startup(app, engine, args, sock)
             await serve_app(app, sock, options, engine, uvicorn_options(frontend))
         finally:
             await engine.shutdown()
@@ -102,7 +89,23 @@ async def run_server(args: argparse.Namespace) -> None:
         sock.close()
 
 
-def _log_startup(app: FastAPI, engine: AsyncLLMEngine, args: argparse.Namespace, sock: socket.socket) -> None:
+def server_options(args: argparse.Namespace, frontend: FrontendOptions) -> ServerOptions:
+    """The HTTP layer's options from the flags (the same with one engine or with replicas)."""
+    return ServerOptions(
+        served_model_names=args.served_model_name or [],
+        api_keys=list(args.api_key or []),
+        lora_modules=args.lora_modules,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=args.max_request_body_size,
+        request_read_timeout_s=args.request_read_timeout,
+        keep_alive_timeout_s=envs.http_keep_alive_timeout(),
+        shutdown_timeout_s=args.shutdown_timeout,
+        frontend=frontend,
+    )
+
+
+def log_startup(app: FastAPI, engine: Any, args: argparse.Namespace, sock: socket.socket) -> None:
+    """What is served where; `engine` is the AsyncLLMEngine or the replicas' client (same configs)."""
     models: OpenAIServingModels = app.state.models
     config = engine.model_config
     logger.info(
@@ -170,7 +173,12 @@ def serve_main(args: argparse.Namespace, prog: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m loraserve.entrypoints.openai.launcher"
-    return serve_main(parse_serve_args(argv, prog=prog), prog)
+    args = parse_serve_args(argv, prog=prog)
+    if args.replicas > 1:  # the replicas' launcher imports this module: it cannot be reached from here
+        print(f"{prog}: error: --replicas runs through `loraserve serve` (this module runs one engine)",
+              file=sys.stderr)
+        return 2
+    return serve_main(args, prog)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""`AffinityRouter`: Ray Serve's request router for the engine replicas, ranking them by adapter affinity.
+
+It runs inside the process that holds the deployment handle (the HTTP ingress). The request's
+multiplexed model id is its adapter name ("" for the base model); `affinity.rank_replicas` decides.
+
+What it knows of each replica, freshest first:
+- the requests it routed there itself and that have not completed, per adapter (exact, instant);
+- the replica's own report (`EngineReplica.record_routing_stats`, every few seconds through the Serve
+  controller): which adapters sit in a slot or in host memory;
+- the adapters it routed there since that report was taken (counted as in a slot: the replica loads
+  them for the request), so the next request of a new adapter follows the first one at once.
+Ray's per-replica queue length (ongoing requests) is the load.
+
+A model id `TARGET_PREFIX + replica id` pins a call to that one replica: the client uses it to reach
+every replica (adapter removal).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter, OrderedDict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from loraserve.entrypoints.ray.affinity import (
+    DEFAULT_SPREAD_QUEUE_DEPTH,
+    ReplicaLoad,
+    known_residency,
+    rank_replicas,
+    rank_without_adapter,
+)
+
+TARGET_PREFIX = "@replica:"
+# A report taken this long after the router sent an adapter somewhere overrides the router's memory of
+# it (the replica counts the adapter from the moment the request reaches it, so this only needs to
+# cover the dispatch).
+REPORT_GRACE_S = 1.0
+MAX_REMEMBERED = 100_000  # (adapter, replica) pairs the router remembers sending; oldest dropped first
+
+_routers: weakref.WeakSet[AffinityRouter] = weakref.WeakSet()
+
+
+def known_replica_ids() -> set[str]:
+    """The replicas the routers in this process currently route to."""
+    return {rid for router in list(_routers) for rid in router.replica_ids()}
+
+
+class AffinityRouter(RequestRouter):
+    def initialize_state(self, spread_queue_depth: int = DEFAULT_SPREAD_QUEUE_DEPTH, **_: Any) -> None:
+        self.spread_queue_depth = spread_queue_depth
+        self._sent: OrderedDict[tuple[str, str], float] = OrderedDict()  # (adapter, replica) -> when
+        self._in_flight: Counter[tuple[str, str]] = Counter()
+        self._requests: dict[str, tuple[str, str]] = {}  # internal request id -> (adapter, replica)
+        _routers.add(self)
+
+    def replica_ids(self) -> list[str]:
+        return [replica_id.unique_id for replica_id in list(self._replicas)]
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if adapter.startswith(TARGET_PREFIX):
+            target = by_id.get(adapter.removeprefix(TARGET_PREFIX))
+            return [[target]] if target is not None else []
+        loads = [self._load_of(r, adapter) for r in candidate_replicas]
+        ranks = rank_replicas(loads, self.spread_queue_depth) if adapter else rank_without_adapter(loads)
+        return [[by_id[rid] for rid in rank] for rank in ranks]
+
+    def _load_of(self, replica: RunningReplica, adapter: str) -> ReplicaLoad:
+        rid = replica.replica_id.unique_id
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        if not adapter:
+            return ReplicaLoad(rid, queue_len or 0)
+        stats = replica.routing_stats or {}
+        residency = known_residency(
+            (stats.get("residency") or {}).get(adapter),
+            float(stats.get("time", 0.0)),
+            self._sent.get((adapter, rid)),
+            REPORT_GRACE_S,
+        )
+        return ReplicaLoad(rid, queue_len or 0, self._in_flight[(adapter, rid)], residency)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        adapter = pending_request.metadata.multiplexed_model_id
+        if not adapter or adapter.startswith(TARGET_PREFIX):
+            return
+        key = (adapter, replica_id.unique_id)
+        self._sent[key] = time.time()
+        self._sent.move_to_end(key)
+        while len(self._sent) > MAX_REMEMBERED:
+            self._sent.popitem(last=False)
+        self._in_flight[key] += 1
+        self._requests[pending_request.metadata.internal_request_id] = key
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        key = self._requests.pop(internal_request_id, None)
+        if key is not None:
+            self._in_flight[key] -= 1
+            if self._in_flight[key] <= 0:
+                del self._in_flight[key]
