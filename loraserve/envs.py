@@ -104,6 +104,19 @@ def http_keep_alive_timeout() -> float:
     return seconds
 
 
+def replica_stats_timeout() -> float:
+    """Seconds the --replicas ingress waits for one replica's engine stats when /metrics is scraped
+    (REPLICA_STATS_TIMEOUT, default 1.5); a replica slower than that is left out of the scrape."""
+    value = get_env("REPLICA_STATS_TIMEOUT", "1.5") or "1.5"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"LORASERVE_REPLICA_STATS_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 def logging_level() -> str:
     return (get_env("LOGGING_LEVEL", "INFO") or "INFO").upper()
 

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loraserve import __version__, envs
 from loraserve.entrypoints.openai.auth import APIKeyMiddleware
 from loraserve.entrypoints.openai.disconnect import ClientDisconnected, run_until_disconnect
-from loraserve.entrypoints.openai.engine_client import EngineClient
+from loraserve.entrypoints.openai.engine_client import EngineClient, ReplicaStatsSource
 from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception, error_response, sse_error
 from loraserve.entrypoints.openai.frontend import (
     FrontendOptions,
@@ -66,7 +66,8 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     runtime_updating = options.allow_runtime_lora_updating
     if runtime_updating is None:
         runtime_updating = envs.allow_runtime_lora_updating()
-    metrics = ServerMetrics(engine.stats)
+    replica_stats = engine.replica_stats if isinstance(engine, ReplicaStatsSource) else None
+    metrics = ServerMetrics(engine.stats, replica_stats)
     models = OpenAIServingModels(
         engine,
         [BaseModelPath(name, model_config.model) for name in names],
@@ -167,7 +168,7 @@ def _add_info_routes(
     async def prometheus_metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics.render_async(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

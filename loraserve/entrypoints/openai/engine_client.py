@@ -93,3 +93,13 @@ class EngineClient(Protocol):
     def stats(self) -> dict[str, Any]:
         """A snapshot for /metrics: numbers, {adapter: count} maps, lists of new observations."""
         ...
+
+
+@runtime_checkable
+class ReplicaStatsSource(Protocol):
+    """What an `EngineClient` in front of several engines (`--replicas`) adds: /metrics exports theirs."""
+
+    async def replica_stats(self) -> dict[str, dict[str, Any] | None]:
+        """Replica id -> that engine's `stats()`, or None when it did not answer within a bounded
+        time (a dead or stuck replica never holds up a scrape)."""
+        ...

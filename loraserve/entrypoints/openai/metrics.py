@@ -1,65 +1,50 @@
 """Prometheus metrics of one server: request and token counters, latency histograms, engine gauges.
 
 Each server owns its own CollectorRegistry, so several servers (tests) can live in one process. The
-engine's `stats()` is read once per scrape: numbers become gauges (counters for the monotonic keys in
-`_COUNTERS`, exported with Prometheus' `_total` suffix), `{adapter: count}` maps become gauges
-labelled `lora_name` ("" is the base model), and lists are new observations (seconds, e.g. adapter load
-latencies drained since the previous call) added to a histogram of the same name. The LoRA residency
-and request-info metrics routers read are `lora_metrics.py`'s.
+engine's `stats()` is read once per scrape and exported by `engine_metrics.stats_families` (gauges,
+counters, per-adapter gauges, the LoRA metrics routers read); its lists are new observations (seconds,
+e.g. adapter load latencies drained since the previous call) added to a histogram of the same name.
+
+Behind `--replicas` the HTTP server is an ingress with no engine: each scrape also asks every replica
+for its engine's stats (`get_replica_stats`, bounded in time by the caller) and exports them the same
+way, each sample labelled `replica=<id>`; a replica that did not answer is left out of that scrape and
+counted in `loraserve:replica_scrape_failures_total{replica}`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from loraserve.entrypoints.openai.lora_metrics import LoRAMetricsCollector
+from loraserve.entrypoints.openai.engine_metrics import PREFIX, merge_families, metric_name, stats_families
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "loraserve:"
-# Engine stats keys with a fixed public name; any other key is exported as PREFIX + key.
-_RENAMED = {
-    "num_running": "num_requests_running",
-    "num_waiting": "num_requests_waiting",
-    "running_by_adapter": "num_requests_running_by_lora",
-    "waiting_by_adapter": "num_requests_waiting_by_lora",
-}
-# Engine stats keys that only ever grow: exported as counters, so rate() and alerts work on them.
-_COUNTERS = {"num_step_failures": "Engine steps that raised; their requests failed, the engine went on."}
+REPLICA_LABEL = "replica"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Replica id -> its engine's stats, or None for a replica that did not answer in time.
+ReplicaStats = Mapping[str, Mapping[str, Any] | None]
+Snapshot = tuple[dict[str, str], dict[str, Any]]  # (extra labels, one engine's stats without lists)
 
 
-def _metric_name(key: str) -> str:
-    return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", _RENAMED.get(key, key))
+class _EngineStatsCollector(Collector):
+    """The families of the latest engine stats snapshots (one per engine), merged by name."""
 
-
-class _SnapshotCollector(Collector):
-    """The numeric and per-adapter entries of the latest engine stats snapshot, as gauges (counters)."""
-
-    def __init__(self) -> None:
-        self.snapshot: dict[str, Any] = {}
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self.snapshots: list[Snapshot] = []
 
     def collect(self) -> Iterator[Metric]:
-        for key, value in sorted(self.snapshot.items()):
-            name = _metric_name(key)
-            if key in _COUNTERS and isinstance(value, (int, float)):
-                yield CounterMetricFamily(name, _COUNTERS[key], value=float(value))
-            elif isinstance(value, (bool, int, float)):
-                yield GaugeMetricFamily(name, f"Engine stat {key}.", value=float(value))
-            elif isinstance(value, dict):
-                family = GaugeMetricFamily(name, f"Engine stat {key}, per adapter.", labels=["lora_name"])
-                for label, count in sorted(value.items(), key=lambda kv: str(kv[0])):
-                    if isinstance(count, (int, float)):
-                        family.add_metric([str(label or "")], float(count))
-                yield family
+        now = float(self._clock())
+        families = (f for extra, stats in self.snapshots for f in stats_families(stats, now, extra))
+        return iter(merge_families(families))
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -68,7 +53,11 @@ class _SnapshotCollector(Collector):
 class ServerMetrics:
     """Counters and histograms the serving layer records, plus the engine's stats at scrape time."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        get_stats: Callable[[], dict[str, Any]] | None = None,
+        get_replica_stats: Callable[[], Awaitable[ReplicaStats]] | None = None,
+    ) -> None:
         self.get_stats = get_stats
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -104,40 +93,68 @@ class ServerMetrics:
             buckets=_LOAD_BUCKETS,
             registry=self.registry,
         )
-        self._engine_gauges = _SnapshotCollector()
-        self._engine_histograms: dict[str, Histogram] = {}
-        self.registry.register(self._engine_gauges)
-        self._lora = LoRAMetricsCollector()
-        self.registry.register(self._lora)
+        self._engine_stats = _EngineStatsCollector()
+        self.registry.register(self._engine_stats)
+        self._local: dict[str, Any] = {}  # the last stats get_stats returned, lists left out
+        # Histograms of the engines' list entries: stats key -> (histogram, its label names).
+        self._engine_histograms: dict[str, tuple[Histogram, tuple[str, ...]]] = {}
+        self.get_replica_stats = get_replica_stats
+        self.replica_scrape_failures = Counter(
+            PREFIX + "replica_scrape_failures",
+            "Scrapes in which a replica's engine stats did not arrive in time (left out of that scrape).",
+            [REPLICA_LABEL],
+            registry=self.registry if get_replica_stats is not None else None,
+        )
 
-    def refresh(self) -> None:
-        """Read the engine's stats once; list entries are new observations for their histograms."""
-        if self.get_stats is None:
-            return
-        try:
-            stats = dict(self.get_stats())
-        except Exception:
-            logger.exception("Engine stats could not be read for /metrics.")
-            return
-        stats = self._lora.update(stats)
-        gauges = {}
+    def refresh(self, replica_stats: ReplicaStats | None = None) -> None:
+        """Read the engine's stats once (and take the replicas' as fetched); list entries are new
+        observations for their histograms."""
+        if self.get_stats is not None:
+            try:
+                self._local = self._split(dict(self.get_stats()), {})
+            except Exception:
+                logger.exception("Engine stats could not be read for /metrics.")
+        snapshots: list[Snapshot] = [({}, self._local)] if self._local else []
+        for replica_id, stats in sorted((replica_stats or {}).items()):
+            if stats is None:
+                self.replica_scrape_failures.labels(replica_id).inc()
+                continue
+            extra = {REPLICA_LABEL: replica_id}
+            snapshots.append((extra, self._split(dict(stats), extra)))
+        self._engine_stats.snapshots = snapshots
+
+    def _split(self, stats: dict[str, Any], extra: dict[str, str]) -> dict[str, Any]:
+        """`stats` without its lists, whose entries go to their histograms (labelled `extra`)."""
+        rest = {}
         for key, value in stats.items():
-            if isinstance(value, (list, tuple)):
-                histogram = self._engine_histograms.get(key)
-                if histogram is None:
-                    histogram = Histogram(
-                        _metric_name(key),
-                        f"Engine observations of {key}.",
-                        buckets=_LOAD_BUCKETS,
-                        registry=self.registry,
-                    )
-                    self._engine_histograms[key] = histogram
-                for seconds in value:
-                    histogram.observe(float(seconds))
-            else:
-                gauges[key] = value
-        self._engine_gauges.snapshot = gauges
+            if not isinstance(value, (list, tuple)):
+                rest[key] = value
+                continue
+            label_names = tuple(extra)
+            histogram, known_names = self._engine_histograms.get(key) or (None, label_names)
+            if histogram is None:
+                histogram = Histogram(
+                    metric_name(key),
+                    f"Engine observations of {key}.",
+                    label_names,
+                    buckets=_LOAD_BUCKETS,
+                    registry=self.registry,
+                )
+                self._engine_histograms[key] = (histogram, label_names)
+            if known_names != label_names:  # one histogram has one label set; never mixed in practice
+                continue
+            series = histogram.labels(*extra.values()) if extra else histogram
+            for seconds in value:
+                series.observe(float(seconds))
+        return rest
 
     def render(self) -> bytes:
+        """The exposition text with the engine's stats read now (no replicas: see `render_async`)."""
         self.refresh()
+        return generate_latest(self.registry)
+
+    async def render_async(self) -> bytes:
+        """`render`, with the replicas' stats fetched first when this server is a replicas' ingress."""
+        replica_stats = await self.get_replica_stats() if self.get_replica_stats is not None else None
+        self.refresh(replica_stats)
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import RequestCancelledError
 
+from loraserve import envs
 from loraserve.entrypoints.ray.deployment import ReplicaHello, ReplicaInfo
 from loraserve.entrypoints.ray.replica_header import note_replica
 from loraserve.entrypoints.ray.router import TARGET_PREFIX, known_replica_ids
@@ -58,6 +59,7 @@ class ReplicaClient:
         self._closed = False
         self._streams: dict[str, Any] = {}  # request id -> its DeploymentResponseGenerator
         self._background: set[asyncio.Task[bool]] = set()
+        self.stats_timeout_s = envs.replica_stats_timeout()
 
     @classmethod
     async def connect(cls, handle: Any) -> ReplicaClient:
@@ -169,8 +171,28 @@ class ReplicaClient:
         return removed
 
     def stats(self) -> dict[str, Any]:
-        """The ingress has no engine of its own; each replica's engine stats stay on the replica."""
+        """The ingress has no engine of its own: its stats are the replica count (see `replica_stats`)."""
         return {"num_replicas": len(known_replica_ids())}
+
+    async def replica_stats(self) -> dict[str, dict[str, Any] | None]:
+        """Every replica's engine stats, asked of all at once; None for one that does not answer within
+        `stats_timeout_s` (its call is cancelled), so a dead or stuck replica never holds up /metrics."""
+        replica_ids = sorted(known_replica_ids())
+        results = await asyncio.gather(*(self._stats_of(rid) for rid in replica_ids))
+        return dict(zip(replica_ids, results))
+
+    async def _stats_of(self, replica_id: str) -> dict[str, Any] | None:
+        response = self._handle.options(multiplexed_model_id=TARGET_PREFIX + replica_id).stats.remote()
+        try:
+            return dict(await asyncio.wait_for(self._call(response), self.stats_timeout_s))
+        except Exception as exc:  # TimeoutError, a lost replica, or its own failure: skipped this scrape
+            response.cancel()
+            logger.warning("Replica %s gave no engine stats for /metrics (%s); left out of this scrape.",
+                           replica_id, type(exc).__name__)
+            return None
+        except asyncio.CancelledError:  # the scrape itself went away
+            response.cancel()
+            raise
 
     def _check_open(self) -> None:
         if self._closed:

@@ -109,8 +109,9 @@ class EngineReplica:
         }
 
     async def stats(self) -> dict[str, Any]:
-        """The engine's counters and gauges (its lists of new observations left out)."""
-        return {k: v for k, v in self.engine.stats().items() if not isinstance(v, list)}
+        """The engine's stats for the ingress's /metrics; its lists (observations new since the last
+        call, e.g. adapter load latencies) are drained, so one scraper, the ingress, should ask."""
+        return self.engine.stats()
 
     async def check_health(self) -> None:
         if not self.engine.is_healthy():
