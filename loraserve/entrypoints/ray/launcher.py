@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,16 @@ ROUTING_STATS_PERIOD_S = 2.0  # how often each replica reports its adapters to t
 HEALTH_CHECK_PERIOD_S = 2.0
 # The engine's own queue limits answer 503 when full; Ray's per-replica cap must never bind first.
 MAX_ONGOING_PER_REPLICA = 100_000
-_FORWARDED_ENV_PREFIXES = ("LORASERVE_", "VLLM_", "HF_", "TRANSFORMERS_")
+# The environment the replicas get from this process (Ray starts them with its own): loraserve's and
+# vLLM's settings, Hugging Face's, and what boto3 reads for the S3 adapter store. Nothing else: the
+# rest of a shell's environment is none of the replicas' business.
+_FORWARDED_ENV_PREFIXES = ("LORASERVE_", "VLLM_", "HF_", "TRANSFORMERS_", "AWS_ENDPOINT_URL")
+_FORWARDED_AWS_ENV = frozenset({
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",  # static credentials
+    "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",  # credentials from files
+    "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_SESSION_NAME",  # web identity (EKS IRSA)
+    "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CA_BUNDLE", "AWS_EC2_METADATA_DISABLED",
+})  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +81,11 @@ def replica_resources(args: argparse.Namespace, is_local: bool) -> ReplicaResour
     if gpus is None:
         gpus = 1.0 if getattr(args, "device", None) == "cuda" else 0.0
     return ReplicaResources(cpus, gpus)
+
+
+def replica_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` every replica is started with (the allow-list above)."""
+    return {k: v for k, v in environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES) or k in _FORWARDED_AWS_ENV}
 
 
 def start_ray(args: argparse.Namespace) -> bool:
@@ -96,7 +111,7 @@ def start_ray(args: argparse.Namespace) -> bool:
 def deploy_replicas(engine_args: EngineArgs, args: argparse.Namespace, is_local: bool) -> Any:
     """Start the replicas (blocks until every one has loaded the model); the deployment handle."""
     resources = replica_resources(args, is_local)
-    env_vars = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+    env_vars = replica_env_vars(os.environ)
     serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False})
     router: dict[str, Any] = {
         "request_router_class": AffinityRouter,
