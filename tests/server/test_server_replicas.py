@@ -2,9 +2,12 @@
 
 One cluster per module: the test process starts a small local Ray, and the server (a child process,
 as users run it) joins it through RAY_ADDRESS, so the tests can reach the replica actors. Adapters are
-resolved by name from a shared folder (the filesystem resolver). The tests: a Zipf trace is answered in
-full, each adapter's requests stay on one replica, both replicas serve, greedy text equals one
-in-process engine's; killing a replica mid-trace loses no request (each succeeds or gets a clear 503).
+resolved by name from two stores at once: a shared folder (the filesystem resolver, `a00`...) and a
+moto S3 bucket (the S3 resolver, `s00`..., the same weights; the AWS settings reach the server only,
+after Ray started, so the replicas have them only as the launcher forwards them). The tests: a Zipf
+trace from either store is answered in full, each adapter's requests stay on one replica, both
+replicas serve, greedy text equals one in-process engine's; the ingress /metrics shows each replica's
+residency; killing a replica mid-trace loses no request (each succeeds or gets a clear 503).
 Without Ray, `--replicas 2` is a one-line error.
 """
 
@@ -24,7 +27,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from support.harness import wait_for
+from support.moto_s3 import FAKE_AWS_ENV, moto_s3_server, upload_adapter
 from support.serve_process import ServeProcess
 
 HAS_RAY = find_spec("ray") is not None and find_spec("ray.serve") is not None
@@ -47,8 +52,11 @@ SERVE_FLAGS = [
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def adapter_name(i: int) -> str:
-    return f"a{i:02d}"
+STORES = {"folder": "a", "s3": "s"}  # adapter name prefix of each store
+
+
+def adapter_name(i: int, store: str = "folder") -> str:
+    return f"{STORES[store]}{i:02d}"
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +82,23 @@ def cluster(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "PYTHONPATH": python_path,
         "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING": "true",
         "LORASERVE_LORA_RESOLVER_CACHE_DIR": str(store),
+        "LORASERVE_REPLICA_STATS_TIMEOUT": "60",  # a busy test machine never drops a replica from /metrics
+        "LORASERVE_LORA_RESOLVER_S3_PREFIX": "loras",
+        "LORASERVE_LORA_RESOLVER_S3_CACHE_DIR": str(tmp_path_factory.mktemp("s3-cache")),
     }
     try:
-        with ServeProcess([model_dir, *SERVE_FLAGS], env=env, startup_timeout_s=240) as server:
-            yield {"server": server, "model_dir": model_dir, "store": store}
-            status, output = server.stop()
-            assert status == 0, output[-3000:]
+        with pytest.MonkeyPatch.context() as mp:  # set after ray.init: Ray's own processes never see them
+            for key, value in FAKE_AWS_ENV.items():
+                mp.setenv(key, value)
+            with moto_s3_server() as s3:
+                bucket = s3.new_bucket()
+                for i in range(NUM_ADAPTERS):
+                    upload_adapter(s3, bucket, f"loras/{adapter_name(i, 's3')}", str(store / adapter_name(i)))
+                env |= {"LORASERVE_LORA_RESOLVER_S3_BUCKET": bucket, "LORASERVE_LORA_RESOLVER_S3_ENDPOINT_URL": s3.endpoint_url}
+                with ServeProcess([model_dir, *SERVE_FLAGS], env=env, startup_timeout_s=240) as server:
+                    yield {"server": server, "model_dir": model_dir, "store": store}
+                    status, output = server.stop()
+                    assert status == 0, output[-3000:]
     finally:
         ray.shutdown()
         if saved_path is None:
@@ -88,11 +107,12 @@ def cluster(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             os.environ["PYTHONPATH"] = saved_path
 
 
-def zipf_trace(num_requests: int, seed: int) -> list[tuple[str, str]]:
+def zipf_trace(num_requests: int, seed: int, store: str = "folder") -> list[tuple[str, str]]:
     rng = random.Random(seed)
     weights = [1 / (rank + 1) ** 1.1 for rank in range(NUM_ADAPTERS)]
-    names = rng.choices([adapter_name(i) for i in range(NUM_ADAPTERS)], weights, k=num_requests)
-    names[:NUM_ADAPTERS] = [adapter_name(i) for i in range(NUM_ADAPTERS)]  # every adapter at least once
+    every = [adapter_name(i, store) for i in range(NUM_ADAPTERS)]
+    names = rng.choices(every, weights, k=num_requests)
+    names[:NUM_ADAPTERS] = every  # every adapter at least once
     return [(name, rng.choice(PROMPTS)) for name in names]
 
 
@@ -125,9 +145,10 @@ def oracle_texts(model_dir: str, store: Path, jobs: set[tuple[str, str]]) -> dic
 
 @pytest.mark.ray
 @needs_ray
-def test_zipf_trace_keeps_adapters_on_their_replica(cluster: dict[str, Any]) -> None:
+@pytest.mark.parametrize("store", list(STORES))
+def test_zipf_trace_keeps_adapters_on_their_replica(cluster: dict[str, Any], store: str) -> None:
     url = cluster["server"].url
-    trace = zipf_trace(120, seed=7)
+    trace = zipf_trace(120, seed=7, store=store)
     with ThreadPoolExecutor(4) as pool:  # below the spread depth (8): affinity alone decides
         responses = list(pool.map(lambda job: complete(url, *job), trace))
     assert [r.status_code for r in responses] == [200] * len(trace), [r.text for r in responses if r.status_code != 200]
@@ -138,7 +159,8 @@ def test_zipf_trace_keeps_adapters_on_their_replica(cluster: dict[str, Any]) -> 
         main_share = counts.most_common(1)[0][1] / sum(counts.values())
         assert main_share >= 0.8, f"{name}: {dict(counts)}"
     assert len({replica for counts in by_adapter.values() for replica in counts}) == 2
-    texts = {(name, prompt): r.json()["choices"][0]["text"] for (name, prompt), r in zip(trace, responses)}
+    folder_of = {adapter_name(i, store): adapter_name(i) for i in range(NUM_ADAPTERS)}  # the same weights
+    texts = {(folder_of[name], prompt): r.json()["choices"][0]["text"] for (name, prompt), r in zip(trace, responses)}
     assert texts == oracle_texts(cluster["model_dir"], cluster["store"], set(texts))
 
 
@@ -172,9 +194,40 @@ def test_runtime_load_reload_and_unload_reach_the_replicas(cluster: dict[str, An
     assert httpx.post(f"{url}/v1/load_lora_adapter", json=reload, timeout=60).status_code == 200
     same_as_six = complete(url, adapter_name(6), PROMPTS[0]).json()["choices"][0]["text"]
     assert complete(url, "extra", PROMPTS[0]).json()["choices"][0]["text"] == same_as_six
+    assert "extra" in {s["lora_name"] for s in metric_samples(url, "loraserve:lora_adapter_loaded")}
     unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "extra"}, timeout=60)
     assert unloaded.status_code == 200, unloaded.text
     assert complete(url, "extra", PROMPTS[0]).status_code == 404
+    # Removed from every replica (each one is reached), so no replica holds it any more.
+    assert "extra" not in {s["lora_name"] for s in metric_samples(url, "loraserve:lora_adapter_loaded")}
+
+
+def metric_samples(url: str, name: str) -> list[dict[str, str]]:
+    """The labels of every sample of family `name` on the ingress's /metrics (value 1 or not)."""
+    text = httpx.get(f"{url}/metrics", timeout=120).text
+    return [{**s.labels, "value": str(s.value)} for f in text_string_to_metric_families(text) if f.name == name
+            for s in f.samples if not s.name.endswith("_created")]  # fmt: skip
+
+
+@pytest.mark.ray
+@needs_ray
+def test_ingress_metrics_show_each_replicas_residency(cluster: dict[str, Any]) -> None:
+    url = cluster["server"].url
+    names = [adapter_name(i) for i in range(4)]  # max_loras: each stays in a slot of its replica
+    homes = {name: replica_of(complete(url, name, PROMPTS[0])) for name in names}
+    loaded = metric_samples(url, "loraserve:lora_adapter_loaded")
+    assert loaded == metric_samples(url, "vllm:lora_adapter_loaded")  # vLLM's twin, the same samples
+    slots = {(s["lora_name"], s["replica"]) for s in loaded if s["level"] == "slot"}
+    assert {(name, home) for name, home in homes.items()} <= slots
+    info = {s["replica"]: s for s in metric_samples(url, "loraserve:lora_requests_info")}
+    assert len(info) == 2 and set(homes.values()) <= set(info), info  # both replicas, by the header's ids
+    assert all(s["max_lora"] == "4" for s in info.values())
+    running = {s["replica"] for s in metric_samples(url, "loraserve:num_requests_running")}
+    assert running == set(info)
+    loads = {s["replica"]: float(s["value"]) for s in metric_samples(url, "loraserve:lora_loads")
+             if s["outcome"] == "success"}  # fmt: skip
+    assert set(loads) == set(info) and all(loads[home] >= 1 for home in homes.values())
+    assert [float(s["value"]) for s in metric_samples(url, "loraserve:num_replicas")] == [2.0]
 
 
 def _outcome(response: httpx.Response) -> str:
@@ -222,6 +275,22 @@ def test_killing_a_replica_loses_no_request(cluster: dict[str, Any]) -> None:
     after = [complete(url, adapter_name(i), PROMPTS[3]) for i in range(NUM_ADAPTERS)]
     assert all(_outcome(r) == "ok" for r in after)
     assert victim not in {replica_of(r) for r in after}
+
+
+@needs_ray
+def test_replicas_get_the_aws_settings_and_nothing_else() -> None:
+    from loraserve.entrypoints.ray.launcher import replica_env_vars
+
+    aws = {
+        "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t",
+        "AWS_DEFAULT_REGION": "eu-west-1", "AWS_REGION": "eu-west-1", "AWS_PROFILE": "adapters",
+        "AWS_CONFIG_FILE": "/etc/aws/config", "AWS_SHARED_CREDENTIALS_FILE": "/etc/aws/credentials",
+        "AWS_CA_BUNDLE": "/etc/ssl/ca.pem", "AWS_ENDPOINT_URL": "http://minio:9000",
+        "AWS_ENDPOINT_URL_S3": "http://minio:9000",
+    }  # fmt: skip
+    ours = {"LORASERVE_LORA_RESOLVER_S3_BUCKET": "b", "VLLM_PLUGINS": "", "HF_TOKEN": "h", "TRANSFORMERS_OFFLINE": "1"}
+    others = {"HOME": "/root", "PATH": "/bin", "AWS_LAMBDA_FUNCTION_NAME": "f", "SECRET": "x"}
+    assert replica_env_vars({**aws, **ours, **others}) == {**aws, **ours}
 
 
 def test_replicas_without_ray_is_a_one_line_error(

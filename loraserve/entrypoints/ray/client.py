@@ -23,8 +23,9 @@ from ray.serve.exceptions import RequestCancelledError
 
 from loraserve import envs
 from loraserve.entrypoints.ray.deployment import ReplicaHello, ReplicaInfo
+from loraserve.entrypoints.ray.known_replicas import known_replica_ids
 from loraserve.entrypoints.ray.replica_header import note_replica
-from loraserve.entrypoints.ray.router import TARGET_PREFIX, known_replica_ids
+from loraserve.entrypoints.ray.router import TARGET_PREFIX
 from loraserve.errors import EngineShutdownError, ReplicaUnavailableError
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput

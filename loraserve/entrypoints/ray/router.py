@@ -18,7 +18,6 @@ every replica (adapter removal).
 from __future__ import annotations
 
 import time
-import weakref
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -31,6 +30,7 @@ from loraserve.entrypoints.ray.affinity import (
     rank_replicas,
     rank_without_adapter,
 )
+from loraserve.entrypoints.ray.known_replicas import track_router
 
 TARGET_PREFIX = "@replica:"
 # A report taken this long after the router sent an adapter somewhere overrides the router's memory of
@@ -39,21 +39,13 @@ TARGET_PREFIX = "@replica:"
 REPORT_GRACE_S = 1.0
 MAX_REMEMBERED = 100_000  # (adapter, replica) pairs the router remembers sending; oldest dropped first
 
-_routers: weakref.WeakSet[AffinityRouter] = weakref.WeakSet()
-
-
-def known_replica_ids() -> set[str]:
-    """The replicas the routers in this process currently route to."""
-    return {rid for router in list(_routers) for rid in router.replica_ids()}
-
-
 class AffinityRouter(RequestRouter):
     def initialize_state(self, spread_queue_depth: int = DEFAULT_SPREAD_QUEUE_DEPTH, **_: Any) -> None:
         self.spread_queue_depth = spread_queue_depth
         self._sent: OrderedDict[tuple[str, str], float] = OrderedDict()  # (adapter, replica) -> when
         self._in_flight: Counter[tuple[str, str]] = Counter()
         self._requests: dict[str, tuple[str, str]] = {}  # internal request id -> (adapter, replica)
-        _routers.add(self)
+        track_router(self)  # for known_replica_ids (see known_replicas.py: this class is pickled by value)
 
     def replica_ids(self) -> list[str]:
         return [replica_id.unique_id for replica_id in list(self._replicas)]
