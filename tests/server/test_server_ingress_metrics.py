@@ -103,11 +103,15 @@ def test_ingress_exports_each_replica_labelled(tokenizer) -> None:
         ingress.replicas["r3"] = replica_engine_stats([], [], {}, loads=0)  # it answers again
         ingress.replicas["r1"] = None  # and r1 stops answering
         again = scrape(server)
+        del ingress.replicas["r1"]  # then Ray replaces it: its series go
+        replaced = scrape(server)
     assert by_replica(again["loraserve:replica_scrape_failures"]) == {"r1": 1.0, "r3": 1.0}
     assert set(by_replica(again["loraserve:lora_requests_info"])) == {"r2", "r3"}
-    assert by_replica(again["loraserve:lora_load_seconds"], __name__="loraserve:lora_load_seconds_count") == {
-        "r1": 2.0, "r2": 1.0, "r3": 0.0}  # fmt: skip
-    assert ingress.num_scrapes == 2
+    count = {"__name__": "loraserve:lora_load_seconds_count"}
+    assert by_replica(again["loraserve:lora_load_seconds"], **count) == {"r1": 2.0, "r2": 1.0, "r3": 0.0}
+    assert by_replica(replaced["loraserve:replica_scrape_failures"]) == {"r3": 1.0}
+    assert by_replica(replaced["loraserve:lora_load_seconds"], **count) == {"r2": 1.0, "r3": 0.0}
+    assert ingress.num_scrapes == 3
 
 
 def test_single_server_metrics_have_no_replica_label(tokenizer) -> None:

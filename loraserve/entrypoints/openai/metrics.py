@@ -13,6 +13,7 @@ counted in `loraserve:replica_scrape_failures_total{replica}`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -99,9 +100,10 @@ class ServerMetrics:
         # Histograms of the engines' list entries: stats key -> (histogram, its label names).
         self._engine_histograms: dict[str, tuple[Histogram, tuple[str, ...]]] = {}
         self.get_replica_stats = get_replica_stats
+        self._seen_replicas: set[str] = set()  # the replicas of the previous scrape
         self.replica_scrape_failures = Counter(
             PREFIX + "replica_scrape_failures",
-            "Scrapes in which a replica's engine stats did not arrive in time (left out of that scrape).",
+            "Scrapes that got no engine stats from a replica (late, lost or failing; left out of that scrape).",
             [REPLICA_LABEL],
             registry=self.registry if get_replica_stats is not None else None,
         )
@@ -122,6 +124,17 @@ class ServerMetrics:
             extra = {REPLICA_LABEL: replica_id}
             snapshots.append((extra, self._split(dict(stats), extra)))
         self._engine_stats.snapshots = snapshots
+        if replica_stats is not None:
+            self._forget_replicas(set(self._seen_replicas) - set(replica_stats))
+            self._seen_replicas = set(replica_stats)
+
+    def _forget_replicas(self, replica_ids: set[str]) -> None:
+        """Series of replicas the ingress no longer routes to (Ray replaced them) leave the exposition."""
+        labelled = [h for h, names in self._engine_histograms.values() if names == (REPLICA_LABEL,)]
+        for metric in [*labelled, self.replica_scrape_failures]:
+            for replica_id in replica_ids:
+                with contextlib.suppress(KeyError):  # no series of that replica in this one
+                    metric.remove(replica_id)
 
     def _split(self, stats: dict[str, Any], extra: dict[str, str]) -> dict[str, Any]:
         """`stats` without its lists, whose entries go to their histograms (labelled `extra`)."""
