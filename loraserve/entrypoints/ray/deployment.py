@@ -17,6 +17,7 @@ from typing import Any
 
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.entrypoints.ray.replica_adapters import local_adapter
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -69,6 +70,8 @@ class EngineReplica:
         group_id: str | None = None,
     ) -> AsyncIterator[ReplicaHello | RequestOutput]:
         yield ReplicaHello(self.replica_id)
+        if lora_request is not None:
+            lora_request = await local_adapter(lora_request, self.engine.model_config.model)
         name = lora_request.lora_name if lora_request is not None else ""
         self._in_flight[name] += 1  # counted as resident from now: the router sends its next ones here
         try:
@@ -84,9 +87,11 @@ class EngineReplica:
         return self.replica_id
 
     async def add_lora(self, lora_request: LoRARequest) -> tuple[str, bool]:
-        return self.replica_id, await self.engine.add_lora(lora_request)
+        local = await local_adapter(lora_request, self.engine.model_config.model)
+        return self.replica_id, await self.engine.add_lora(local)
 
     async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> tuple[str, bool]:
+        lora_request = await local_adapter(lora_request, self.engine.model_config.model)
         if not self.engine.engine.is_lora_registered(old_lora_id):  # never served here: a plain add
             return self.replica_id, await self.engine.add_lora(lora_request)
         return self.replica_id, await self.engine.replace_lora(old_lora_id, lora_request)
