@@ -62,7 +62,7 @@ def attend(
             return paged_attention_cpu.paged_attention(q, k_cache, v_cache, *args)
     elif q.is_cuda and triton_available():
         assert _triton is not None
-        return _triton.paged_attention(q, k_cache, v_cache, *args)
+        return _triton.paged_attention(q, k_cache, v_cache, *args, max_query_len=meta.max_query_len)
     return paged_attention_torch.paged_attention(q, k_cache, v_cache, *args, index=meta.gather_index())
 
 
