@@ -162,6 +162,9 @@ static inline vf vpow2(vf y, vf n) { return ldexpf(y, (int)n); }
 static inline vf vsum_keys(const vf *a) { return a[0]; }
 #endif
 
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
 #define MAX_ROWS 32   /* query rows (queries x heads of a group) per work item: their accumulators stay in L1 */
 #define MIN_PART 256  /* shortest key partition worth a merge */
 
@@ -229,13 +232,44 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
 }
 #endif
 
-/* acc[0..d) += sum_j p[j] * v[j][0..d): each slice of acc stays in a register across the tile. */
-static inline void pv_f32(float *acc, const float *p, const float *const *v, int64_t d) {
+/* Rows r < nr of acc (d floats apart) += sum_j p[r * W + j] * v[j]: each slice of V is loaded (and
+ * widened from bf16) once for all the rows, and each slice of acc stays in a register across the tile.
+ * Callers pass a constant nr so the unused accumulators vanish. */
+static inline void pv_rows(float *acc, int64_t d, const float *p, int nr, const float *const *v,
+                           const uint16_t *const *v_bf16, int is_bf16) {
     for (int64_t i = 0; i < d; i += W) {
-        vf a = vload(acc + i, d - i);
+        const int64_t n = d - i;
+        vf a0 = vload(acc + i, n), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        if (nr > 1) a1 = vload(acc + d + i, n);
+        if (nr > 2) a2 = vload(acc + 2 * d + i, n);
+        if (nr > 3) a3 = vload(acc + 3 * d + i, n);
 #pragma GCC unroll 16
-        for (int j = 0; j < W; ++j) a = vfma(vset1(p[j]), vload(v[j] + i, d - i), a);
-        vstore(acc + i, a, d - i);
+        for (int j = 0; j < W; ++j) {
+            const vf x = is_bf16 ? vload_bf16(v_bf16[j] + i, n) : vload(v[j] + i, n);
+            a0 = vfma(vset1(p[j]), x, a0);
+            if (nr > 1) a1 = vfma(vset1(p[W + j]), x, a1);
+            if (nr > 2) a2 = vfma(vset1(p[2 * W + j]), x, a2);
+            if (nr > 3) a3 = vfma(vset1(p[3 * W + j]), x, a3);
+        }
+        vstore(acc + i, a0, n);
+        if (nr > 1) vstore(acc + d + i, a1, n);
+        if (nr > 2) vstore(acc + 2 * d + i, a2, n);
+        if (nr > 3) vstore(acc + 3 * d + i, a3, n);
+    }
+}
+
+/* pv_rows over `rows` rows, four at a time. */
+static void pv_group(float *acc, int64_t d, const float *p, int64_t rows, const float *const *v,
+                     const uint16_t *const *v_bf16, int is_bf16) {
+    for (int64_t r = 0; r < rows; r += 4) {
+        float *a = acc + r * d;
+        const float *pr = p + r * W;
+        switch (min64(4, rows - r)) {
+        case 4: pv_rows(a, d, pr, 4, v, v_bf16, is_bf16); break;
+        case 3: pv_rows(a, d, pr, 3, v, v_bf16, is_bf16); break;
+        case 2: pv_rows(a, d, pr, 2, v, v_bf16, is_bf16); break;
+        default: pv_rows(a, d, pr, 1, v, v_bf16, is_bf16); break;
+        }
     }
 }
 
@@ -264,12 +298,9 @@ typedef struct {
 } Item;
 
 typedef struct {
-    float *q, *acc, *m, *l, *k_tile, *v_tile;
+    float *q, *acc, *m, *l, *k_tile, *p; /* p: one query's group of probability rows, [group, W] */
     uint16_t *q_bf16;
 } Scratch;
-
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* Keys [lo, hi) that query qi of the item sees, within the item's partition. */
 static inline void key_range(const Args *a, const Item *it, int64_t qi, int64_t *lo, int64_t *hi) {
@@ -303,8 +334,8 @@ static inline float softmax_step(const Args *a, vf s, vmask live, float *m, floa
     s = vmul(s, vset1(a->scale));
     if (a->softcap > 0.0f) s = vmul(vset1(a->softcap), vtanh(vmul(s, vset1(1.0f / a->softcap))));
     s = vselect(live, s, vset1(-INFINITY));
-    const float m_new = fmaxf(*m, vhmax(s));
-    const float correction = expf(*m - m_new);
+    const float tile_max = vhmax(s), m_new = tile_max > *m ? tile_max : *m;
+    const float correction = m_new > *m ? expf(*m - m_new) : 1.0f;
     const vf probs = vselect(live, vexp(vsub(s, vset1(m_new))), vzero());
     *l = *l * correction + vhsum(probs);
     *m = m_new;
@@ -327,8 +358,8 @@ static inline vf row_scores(const Args *a, const Scratch *s, int64_t r, const ui
 /* Rows of the item against the W keys from k0 (n of them real) at the given cache element offsets. */
 static void attend_tile(const Args *a, const Item *it, Scratch *s, int64_t k0, int64_t n, const int64_t *offsets) {
     const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
-    const float *k_rows[W], *v_rows[W];
-    const uint16_t *k_bf16[W], *v_bf16[W];
+    const float *k_rows[W] = {0}, *v_rows[W] = {0};
+    const uint16_t *k_bf16[W] = {0}, *v_bf16[W] = {0};
     for (int j = 0; j < W; ++j) {
         if (a->is_bf16) {
             k_bf16[j] = (const uint16_t *)a->k_cache + offsets[j];
@@ -338,12 +369,9 @@ static void attend_tile(const Args *a, const Item *it, Scratch *s, int64_t k0, i
             v_rows[j] = (const float *)a->v_cache + offsets[j];
         }
     }
-    if (a->is_bf16) { /* converted once per tile, shared by every row of the item */
 #ifndef NATIVE_BF16_DOT
-        rows_to_f32(s->k_tile, k_bf16, k_rows, d);
+    if (a->is_bf16) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile, for every row of the item */
 #endif
-        rows_to_f32(s->v_tile, v_bf16, v_rows, d);
-    }
     for (int64_t qi = 0; qi < it->num_queries; ++qi) {
         int64_t lo, hi;
         key_range(a, it, qi, &lo, &hi);
@@ -351,13 +379,14 @@ static void attend_tile(const Args *a, const Item *it, Scratch *s, int64_t k0, i
         hi = min64(hi, k0 + n) - k0;
         if (lo >= hi) continue;
         const vmask live = vrange(lo, hi);
-        for (int64_t r = qi * group; r < (qi + 1) * group; ++r) {
-            float p[W];
-            const float c = softmax_step(a, row_scores(a, s, r, k_bf16, k_rows), live, &s->m[r], &s->l[r], p);
+        float *acc = s->acc + qi * group * d;
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = qi * group + g;
+            const float c = softmax_step(a, row_scores(a, s, r, k_bf16, k_rows), live, &s->m[r], &s->l[r], s->p + g * W);
             if (c != 1.0f)
-                for (int64_t i = 0; i < d; ++i) s->acc[r * d + i] *= c;
-            pv_f32(s->acc + r * d, p, v_rows, d);
+                for (int64_t i = 0; i < d; ++i) acc[g * d + i] *= c;
         }
+        pv_group(acc, d, s->p, group, v_rows, v_bf16, a->is_bf16);
     }
 }
 
@@ -374,7 +403,7 @@ static inline void tile_offsets(const Args *a, const int32_t *table, int64_t hea
 
 /* Asks for the tile's K and V rows ahead of use: blocks lie anywhere, so no hardware prefetcher
  * follows them, and without this the kernel waits on memory latency, not bandwidth. */
-static inline void prefetch_tile(const Args *a, const int64_t *offsets, int64_t n) {
+__attribute__((always_inline)) static inline void prefetch_tile(const Args *a, const int64_t *offsets, int64_t n) {
     const int64_t esize = a->is_bf16 ? 2 : 4, bytes = a->head_dim * esize;
     for (int64_t j = 0; j < n; ++j) {
         const char *k = (const char *)a->k_cache + offsets[j] * esize, *v = (const char *)a->v_cache + offsets[j] * esize;
@@ -548,7 +577,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
 #pragma omp parallel num_threads(num_threads) if (!failed && num_items > 1)
     {
         Scratch s = {0};
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(3 * rows_cap * d + 2 * rows_cap + 2 * W * d));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * W));
         s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * d));
         const int ok = !failed && buf != NULL && s.q_bf16 != NULL;
         if (!ok) {
@@ -556,7 +585,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
             failed = 1;
         } else {
             s.q = buf, s.acc = buf + rows_cap * d, s.m = s.acc + rows_cap * d, s.l = s.m + rows_cap;
-            s.k_tile = s.l + rows_cap, s.v_tile = s.k_tile + W * d;
+            s.k_tile = s.l + rows_cap, s.p = s.k_tile + W * d;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; ++i) {
