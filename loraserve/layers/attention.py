@@ -4,9 +4,9 @@ backend that serves the step.
 Backends, all with the semantics of `paged_attention_torch.paged_attention`: the C kernel on CPU
 (`paged_attention_cpu`, K/V read in place through the block tables; float32 and bf16), the Triton
 kernel on CUDA when Triton is installed (`paged_attention_triton`), and the torch gather + SDPA twin
-for everything else. On CPU a step whose longest query chunk exceeds CPU_KERNEL_MAX_QUERY_LEN goes to
-the torch path: long prefill chunks are compute-bound, and SDPA's blocked matmuls beat the kernel's
-dot products there (benchmarks/README.md).
+for everything else (fp16 on CPU, other devices, LORASERVE_CPU_ATTENTION_KERNEL=0). The CPU kernel
+takes every step, long prefill chunks included: it beat SDPA at every chunk length measured
+(benchmarks/README.md), and a mixed step on the torch path pads every decode to the longest chunk.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from loraserve.layers.attention_metadata import AttentionMetadata, build_attenti
 __all__ = ["AttentionMetadata", "PagedAttention", "build_attention_metadata", "attend"]
 
 logger = logging.getLogger(__name__)
-
-CPU_KERNEL_MAX_QUERY_LEN = 64  # longest query chunk the CPU kernel takes (see the module docstring)
 
 _triton: ModuleType | None = None
 _triton_checked = False
@@ -58,7 +56,7 @@ def attend(
     that serves it. q [T, H, D] -> [T, H, D]; caches [num_blocks * block_size, KVH, D]."""
     args = (meta.block_tables, meta.context_lens, meta.query_starts, meta.block_size, scale, softcap, window)
     if q.device.type == "cpu":
-        if meta.max_query_len <= CPU_KERNEL_MAX_QUERY_LEN and paged_attention_cpu.applies(q, k_cache, v_cache):
+        if paged_attention_cpu.applies(q, k_cache, v_cache):
             return paged_attention_cpu.paged_attention(q, k_cache, v_cache, *args)
     elif q.is_cuda and triton_available():
         assert _triton is not None

@@ -12,7 +12,8 @@
  *
  * Why a kernel: the torch path copies every sequence's whole context out of the cache in every layer
  * and builds a [B, max_q, max_ctx] mask; here each K/V row is read once from where it lies and shared
- * by the query heads of its group (GQA). Work items are (sequence, query chunk, KV head, key
+ * by the query heads of its group (GQA), and requested two tiles ahead (blocks lie anywhere in the
+ * cache, so no hardware prefetcher follows them). Work items are (sequence, query chunk, KV head, key
  * partition) over OpenMP threads (torch's libgomp: the library is loaded after torch); a long context
  * with too few items for the threads is split into key partitions that a second pass merges.
  * The vector width W is the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
@@ -402,8 +403,10 @@ static inline void tile_offsets(const Args *a, const int32_t *table, int64_t hea
 }
 
 /* Asks for the tile's K and V rows ahead of use: blocks lie anywhere, so no hardware prefetcher
- * follows them, and without this the kernel waits on memory latency, not bandwidth. */
-__attribute__((always_inline)) static inline void prefetch_tile(const Args *a, const int64_t *offsets, int64_t n) {
+ * follows them, and without this the kernel waits on memory latency, not bandwidth. always_inline:
+ * GCC deems a function of prefetches alone free of effects and drops calls to it. */
+__attribute__((always_inline)) static inline void prefetch_tile(const Args *a, const int64_t *offsets,
+                                                                int64_t n) {
     const int64_t esize = a->is_bf16 ? 2 : 4, bytes = a->head_dim * esize;
     for (int64_t j = 0; j < n; ++j) {
         const char *k = (const char *)a->k_cache + offsets[j] * esize, *v = (const char *)a->v_cache + offsets[j] * esize;
@@ -415,7 +418,7 @@ __attribute__((always_inline)) static inline void prefetch_tile(const Args *a, c
 }
 
 #ifndef PREFETCH_TILES
-#define PREFETCH_TILES 2 /* tiles ahead */
+#define PREFETCH_TILES 2 /* tiles ahead (-DPREFETCH_TILES=n to measure others) */
 #endif
 
 /* The item's rows through every tile of W keys they see: s->acc, s->m, s->l hold the unnormalized result. */

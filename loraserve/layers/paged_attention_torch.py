@@ -27,6 +27,7 @@ class GatherIndex:
     key_pos:        [1, 1, max_ctx] the context positions.
     base_mask:      [B, max_q, max_ctx] bool: causal and length-limited (pad rows see key 0 only, so
                     softmax never meets an all-masked row; their output is dropped).
+    pad_rows:       [B, max_q, max_ctx] bool: key 0 of each pad row.
     masks:          the [B, 1, max_q, max_ctx] mask for each window asked for (None: no window).
     """
 

@@ -1,5 +1,5 @@
-"""The attention layer: per-step metadata, the KV write, and the same result on every CPU route
-(C kernel, torch twin via LORASERVE_CPU_ATTENTION_KERNEL=0, long prefill chunks routed to the twin)."""
+"""The attention layer: per-step metadata, the KV write, and the same result on both CPU routes
+(the C kernel, and the torch twin with LORASERVE_CPU_ATTENTION_KERNEL=0)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from support.attention_reference import AttentionCase, AttentionInputs, reference_attention, tolerance
 
-from loraserve.layers.attention import CPU_KERNEL_MAX_QUERY_LEN, PagedAttention, build_attention_metadata
+from loraserve.layers.attention import PagedAttention, build_attention_metadata
 
 BLOCK_SIZE = 4
 
@@ -56,7 +56,7 @@ def _layer_step(
 STEPS = {
     "decode": ((1, 1, 1), (9, 30, 4)),
     "mixed": ((1, 12, 1), (9, 30, 4)),
-    "long_prefill": ((1, CPU_KERNEL_MAX_QUERY_LEN + 9, 1), (9, CPU_KERNEL_MAX_QUERY_LEN + 20, 4)),
+    "long_prefill": ((1, 73, 1), (9, 84, 4)),
 }
 
 
