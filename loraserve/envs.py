@@ -147,5 +147,10 @@ def cpu_fused_ops() -> bool:
     return (get_env("CPU_FUSED_OPS", "1") or "1").strip().lower() not in ("0", "false")
 
 
+def cpu_attention_kernel() -> bool:
+    """Run CPU paged attention through the C kernel (default on; "0" keeps the torch gather + SDPA path)."""
+    return (get_env("CPU_ATTENTION_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
+
+
 def hf_hub_offline() -> bool:
     return _is_true(os.environ.get("HF_HUB_OFFLINE")) or _is_true(os.environ.get("TRANSFORMERS_OFFLINE"))

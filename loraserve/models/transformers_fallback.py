@@ -73,10 +73,10 @@ def _check_call(
             )
     # HF passes `sliding_window` only to windowed layers (Mistral: to every layer, None without a window).
     window = kwargs.get("sliding_window")
-    if window is not None and (window != step.sliding_window or step.attn.sliding_mask is None):
+    if window is not None and (window != step.sliding_window or step.attn.sliding_window != window):
         raise ValueError(
             f"layer sliding_window={window} but the step's attention metadata was built for "
-            f"sliding_window={step.sliding_window} (sliding mask present: {step.attn.sliding_mask is not None})."
+            f"sliding_window={step.attn.sliding_window} (model spec: {step.sliding_window})."
         )
     if not step.checked_mask:
         _check_mask_is_plain(attention_mask)

@@ -3,7 +3,7 @@
 Each model is saved with save_pretrained, resolved and loaded through `create_model_config` +
 `get_model`, then driven like the engine does (two sequences in one flat batch, a chunked prefill,
 then decodes, scattered KV blocks). Every step's logits are compared with the HF model's own forward
-over the whole sequence so far.
+over the whole sequence so far, with the CPU attention kernel and with the torch attention path.
 """
 
 from __future__ import annotations
@@ -102,8 +102,12 @@ def _step(
     return model.compute_logits(hidden[last_rows])
 
 
+@pytest.mark.parametrize("attention_kernel", ["1", "0"], ids=["cpu_kernel", "torch_attention"])
 @pytest.mark.parametrize("name", list(_configs()))
-def test_prefill_and_decode_match_hf_forward(tmp_path: Path, name: str) -> None:
+def test_prefill_and_decode_match_hf_forward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, attention_kernel: str
+) -> None:
+    monkeypatch.setenv("LORASERVE_CPU_ATTENTION_KERNEL", attention_kernel)
     path, hf = _save(tmp_path, name)
     model_impl = "transformers" if "window" in name else "auto"
     model_config = create_model_config(path, dtype="float32", device="cpu", model_impl=model_impl)

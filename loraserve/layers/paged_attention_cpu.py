@@ -1,0 +1,152 @@
+"""The CPU paged-attention kernel (`paged_attention.c`): built on first use, called through ctypes.
+
+Built for this CPU on first use by `loraserve.native.build`. No compiler, a failed build, or
+LORASERVE_CPU_ATTENTION_KERNEL=0 leaves the torch twin (`paged_attention_torch`) in charge; the
+result is the same either way up to float summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from loraserve import envs
+from loraserve.native.build import load_library
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_lock = threading.Lock()
+_kernel: Any = None
+_loaded = False
+
+
+def bind(lib: ctypes.CDLL) -> Any:
+    """The library's `paged_attention` entry point with its C signature (a build of paged_attention.c)."""
+    fn = lib.paged_attention
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
+                   f32, f32, i64, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def _load() -> Any:
+    lib = load_library("loraserve.layers", "paged_attention.c")
+    if lib is None:
+        return None
+    try:
+        return bind(lib)
+    except AttributeError as e:
+        logger.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+        return None
+
+
+def kernel_available() -> bool:
+    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built."""
+    global _kernel, _loaded
+    if not envs.cpu_attention_kernel():
+        return False
+    with _lock:
+        if not _loaded:
+            _kernel = _load()
+            _loaded = True
+    return _kernel is not None
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel can serve these tensors: CPU, one dtype of float32 / bf16, contiguous caches,
+    q's heads packed ([T, H, D] with unit head-dim stride), and a built kernel."""
+    return (
+        q.device.type == "cpu" and k_cache.device.type == "cpu" and v_cache.device.type == "cpu"
+        and q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+        and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and kernel_available()
+    )
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: tuple[torch.Tensor, ...],
+           block_size: int) -> None:
+    block_tables, context_lens, query_starts = index
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 3 or k_cache.shape[2] != head_dim \
+            or k_cache.shape[0] % block_size != 0:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)} "
+                         f"and block_size {block_size}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+    num_seqs = context_lens.shape[0]
+    if any(t.dtype != torch.int32 or not t.is_contiguous() or t.device.type != "cpu" for t in index) \
+            or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or query_starts.shape != (num_seqs + 1,):
+        raise ValueError("block_tables [B, n], context_lens [B] and query_starts [B + 1] must be contiguous "
+                         "int32 CPU tensors")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    block_size: int,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of a flat batch of new tokens over their sequences' paged context, K/V read in place.
+
+    Semantics: those of `paged_attention_torch.paged_attention` (sequence b's tokens
+    query_starts[b]..query_starts[b+1]-1 at positions ending at context_lens[b] - 1, causal, keys
+    k > p - window with a window, GQA, optional softcap), accumulated in float32 with an online
+    softmax; call only when `applies`. Raises ValueError for metadata that points outside the cache
+    (a block id past its end, a query longer than its context) before reading anything.
+
+    Shape: q [T, H, D] (token stride free) -> [T, H, D] contiguous, q's dtype; k_cache, v_cache
+    [num_blocks * block_size, KVH, D] contiguous; block_tables [B, max_blocks], context_lens [B],
+    query_starts [B + 1], all int32."""
+    if not kernel_available():
+        raise RuntimeError("the CPU attention kernel is disabled or could not be built")
+    return run_kernel(_kernel, q, k_cache, v_cache, block_tables, context_lens, query_starts, block_size, scale,
+                      softcap, window)
+
+
+def run_kernel(
+    kernel: Any,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    block_size: int,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` through the given `bind`-ed build (tests run every vector width's build)."""
+    index = (block_tables, context_lens, query_starts)
+    _check(q, k_cache, v_cache, index, block_size)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+    if num_tokens == 0:
+        return out
+    status = kernel(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), query_starts.data_ptr(),
+        context_lens.shape[0], num_tokens, k_cache.shape[0] // block_size, num_heads, k_cache.shape[1],
+        head_dim, block_size, scale, softcap or 0.0, window or 0, int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if status == 2:
+        raise ValueError(f"attention metadata points outside the KV cache ({k_cache.shape[0] // block_size} "
+                         f"blocks) or its lengths do not add up to {num_tokens} tokens")
+    if status != 0:
+        raise MemoryError("CPU attention kernel could not allocate its scratch memory")
+    return out

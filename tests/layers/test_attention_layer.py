@@ -1,0 +1,83 @@
+"""The attention layer: per-step metadata, the KV write, and the same result on both CPU routes
+(the C kernel, and the torch twin with LORASERVE_CPU_ATTENTION_KERNEL=0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.attention_reference import AttentionCase, AttentionInputs, reference_attention, tolerance
+
+from loraserve.layers.attention import PagedAttention, build_attention_metadata
+
+BLOCK_SIZE = 4
+
+
+def test_metadata_maps_tokens_to_their_slots() -> None:
+    tables = [[5, 2, 9], [7], [1, 3, 0, 8, 6]]
+    query_lens, context_lens = [3, 1, 17], [10, 2, 17]
+    meta = build_attention_metadata(query_lens, context_lens, tables, BLOCK_SIZE, "cpu", sliding_window=6)
+    expected_slots = [
+        tables[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for b, (q, ctx) in enumerate(zip(query_lens, context_lens))
+        for p in range(ctx - q, ctx)
+    ]
+    assert meta.slot_mapping.tolist() == expected_slots
+    assert meta.block_tables.dtype == torch.int32
+    assert meta.block_tables.tolist() == [[5, 2, 9, 0, 0], [7, 0, 0, 0, 0], [1, 3, 0, 8, 6]]
+    assert meta.context_lens.tolist() == context_lens
+    assert meta.query_starts.tolist() == [0, 3, 4, 21]
+    assert (meta.num_seqs, meta.max_query_len, meta.max_context_len, meta.sliding_window) == (3, 17, 17, 6)
+
+
+def _layer_step(
+    layer: PagedAttention, case: AttentionCase, tables: list[list[int]], window: int | None, seed: int
+) -> tuple[torch.Tensor, AttentionInputs]:
+    """One step through the layer over caches whose earlier tokens are already written; returns the
+    output and the inputs as the reference reads them (the caches after the write)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = case.num_heads, case.num_kv_heads, case.head_dim
+    num_slots = (max(max(t) for t in tables) + 1) * BLOCK_SIZE
+    caches = (torch.randn(num_slots, kv_heads, dim, generator=g).to(case.dtype),
+              torch.randn(num_slots, kv_heads, dim, generator=g).to(case.dtype))
+    num_tokens = sum(case.query_lens)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=g).to(case.dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    meta = build_attention_metadata(list(case.query_lens), list(case.context_lens), tables, BLOCK_SIZE, "cpu",
+                                    sliding_window=window)
+    out = layer(q, k, v, caches, meta)
+    assert out.shape == (num_tokens, heads * dim) and out.dtype == case.dtype
+    torch.testing.assert_close(caches[0][meta.slot_mapping], k.reshape(num_tokens, kv_heads, dim), rtol=0, atol=0)
+    torch.testing.assert_close(caches[1][meta.slot_mapping], v.reshape(num_tokens, kv_heads, dim), rtol=0, atol=0)
+    inputs = AttentionInputs(q.reshape(num_tokens, heads, dim), caches[0], caches[1], tables, meta.block_tables,
+                             meta.context_lens, meta.query_starts)
+    return out, inputs
+
+
+STEPS = {
+    "decode": ((1, 1, 1), (9, 30, 4)),
+    "mixed": ((1, 12, 1), (9, 30, 4)),
+    "long_prefill": ((1, 73, 1), (9, 84, 4)),
+}
+
+
+@pytest.mark.parametrize("is_sliding", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("step", list(STEPS))
+def test_every_route_gives_the_reference_result(
+    monkeypatch: pytest.MonkeyPatch, step: str, dtype: torch.dtype, is_sliding: bool
+) -> None:
+    query_lens, context_lens = STEPS[step]
+    blocks = [(ctx + BLOCK_SIZE - 1) // BLOCK_SIZE for ctx in context_lens]
+    pool = torch.randperm(sum(blocks) + 3, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [pool[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(blocks))]
+    layer = PagedAttention(6, 2, 64, 64**-0.5, use_sliding_window=is_sliding, softcap=None)
+    case = AttentionCase(query_lens, context_lens, 6, 2, 64, BLOCK_SIZE, dtype, None, 7 if is_sliding else None)
+    outputs = []
+    for kernel_switch in ("1", "0"):
+        monkeypatch.setenv("LORASERVE_CPU_ATTENTION_KERNEL", kernel_switch)
+        # The model's window is 7; only a layer that uses it applies it.
+        out, inputs = _layer_step(layer, case, tables, window=7, seed=1)
+        expected = reference_attention(case, inputs).reshape(out.shape)
+        torch.testing.assert_close(out.double(), expected, **tolerance(dtype))
+        outputs.append(out)
+    torch.testing.assert_close(outputs[0].double(), outputs[1].double(), **tolerance(dtype))
