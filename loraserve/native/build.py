@@ -40,32 +40,34 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def _build(compiler: str, source: bytes, name: str, target: str) -> None:
+def _build(compiler: str, flags: tuple[str, ...], source: bytes, name: str, target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         src = os.path.join(tmp, name)
         with open(src, "wb") as f:
             f.write(source)
         out = os.path.join(tmp, "kernel.so")
-        subprocess.run([compiler, *FLAGS, "-o", out, src, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, "-o", out, src, "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(out, target)  # atomic: concurrent builders never load a half-written library
 
 
-def load_library(package: str, source_name: str) -> ctypes.CDLL | None:
+def load_library(package: str, source_name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled `source_name` (a C file inside `package`), built if this CPU has no build yet;
-    None when there is no compiler or the build fails (logged once per call)."""
+    None when there is no compiler or the build fails (logged once per call). `extra_flags` go after
+    FLAGS: tests build a kernel's other code paths with them (e.g. "-mno-avx512f" for its AVX2 one)."""
+    flags = (*FLAGS, *extra_flags)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.info("no C compiler found: %s runs on its torch twin", source_name)
         return None
     source = resources.files(package).joinpath(source_name).read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), " ".join(sorted(cpu_flags())).encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     stem = source_name.rsplit(".", 1)[0]
     target = os.path.join(envs.cache_root(), "kernels", f"{stem}_{key}.so")
     try:
         if not os.path.exists(target):
-            _build(compiler, source, source_name, target)
+            _build(compiler, flags, source, source_name, target)
         return ctypes.CDLL(target)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
