@@ -3,7 +3,7 @@
 30 layers x 4 LoRA layers (qkv, o, gate_up, down: the 7 projections), rank 16 in all 16 slots; one
 "step" is the LoRA term of every layer, computed by `cpu_ops.run` (the kernel, whatever
 MAX_SEGMENT_LEN says) or `torch_ops.add_lora` (the layout the mapping picks). Best of --repeats.
-Usage: python -m benchmarks.lora_kernel [--dtype bfloat16] [--repeats 9]
+Usage: python -m benchmarks.lora_kernel [--dtype bfloat16] [--repeats 9] [--sweep]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 
 from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.ops import LoRABuffers, cpu_ops, torch_ops
-from loraserve.native.build import cpu_flags
 
 HIDDEN, INTERMEDIATE, KV, LAYERS, RANK, SLOTS = 576, 1536, 192, 30, 16, 16
 # (in_features, slice sizes) of each LoRA layer of one transformer layer.
@@ -28,6 +27,8 @@ MIXES = {  # name: (adapters, tokens per adapter)
     "1 adapter x 32 tokens": (1, 32),
     "16 adapters x 64 tokens (prefill)": (16, 64),
 }
+SWEEP = {f"16 adapters x {n} tokens": (16, n) for n in (8, 16, 24, 32, 40, 48)} | {
+    f"1 adapter x {n} tokens": (1, n) for n in (64, 128)}
 
 
 def build_layers(dtype: torch.dtype) -> list[LoRABuffers]:
@@ -43,6 +44,14 @@ def build_layers(dtype: torch.dtype) -> list[LoRABuffers]:
             buffers.active_mask = (1 << SLOTS) - 1
             layers.append(buffers)
     return layers
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.partition(":")[2].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def best_ms(fn: Callable[[], None], repeats: int) -> float:
@@ -79,16 +88,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--sweep", action="store_true", help="segment lengths around the crossover instead")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if not cpu_ops.kernel_available():
         raise SystemExit("the C kernel is not available here (no compiler, or LORASERVE_CPU_LORA_KERNEL=0)")
-    flags = sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.dtype}, "
-          f"flags {' '.join(flags)}")
+    build = cpu_ops.kernel_build()
+    assert build is not None
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {args.dtype}, "
+          f"kernel code paths: {', '.join(sorted(build.code_paths)) or 'C'}")
     with torch.inference_mode():
         layers = build_layers(dtype)
-        for name, (adapters, per_adapter) in MIXES.items():
+        for name, (adapters, per_adapter) in (SWEEP if args.sweep else MIXES).items():
             torch_ms, kernel_ms = measure(layers, dtype, adapters, per_adapter, args.repeats)
             print(f"    {name:36s} torch {torch_ms:7.1f} ms   kernel {kernel_ms:7.1f} ms")
 
