@@ -133,7 +133,7 @@ def cpu_packed_linear() -> bool:
 
 
 def cpu_lora_kernel() -> bool:
-    """Run float32 CPU LoRA through the fused C kernel (default on; "0" keeps the torch ops)."""
+    """Run float32 and bfloat16 CPU LoRA through the fused C kernel (default on; "0" keeps the torch ops)."""
     return (get_env("CPU_LORA_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
 
 

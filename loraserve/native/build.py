@@ -56,16 +56,20 @@ def _build(compiler: str, flags: tuple[str, ...], source: bytes, name: str, targ
         os.replace(out, target)  # atomic: concurrent builders never load a half-written library
 
 
-def load_library(package: str, source_name: str, arch: str | None = None) -> ctypes.CDLL | None:
+def load_library(
+    package: str, source_name: str, arch: str | None = None, extra_flags: tuple[str, ...] = ()
+) -> ctypes.CDLL | None:
     """The compiled `source_name` (a C file inside `package`), built if this CPU has no build yet;
     None when there is no compiler or the build fails (logged once per call). `arch` is the `-march=`
-    value (default: LORASERVE_CPU_KERNEL_ARCH, else `native`); tests pass another CPU class's."""
+    value (default: LORASERVE_CPU_KERNEL_ARCH, else `native`) and `extra_flags` go last: tests build
+    another CPU class's code paths with them (`arch="haswell"`, or "-mno-avx512f" for an AVX2 path).
+    """
+    flags = (*FLAGS, f"-march={arch or envs.cpu_kernel_arch()}", *extra_flags)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.info("no C compiler found: %s runs on its torch twin", source_name)
         return None
     source = resources.files(package).joinpath(source_name).read_bytes()
-    flags = (*FLAGS, f"-march={arch or envs.cpu_kernel_arch()}")
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     stem = source_name.rsplit(".", 1)[0]

@@ -13,6 +13,7 @@ import torch
 from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.errors import LoRAAdapterError
+from loraserve.lora.ops import cpu_ops
 from loraserve.lora.request import LoRARequest
 
 LLAMA_ADAPTERS: dict[str, dict[str, Any]] = {
@@ -48,8 +49,8 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
                                                                                                  generator=g)]
 
 
-def _peft_reference(base_path: str, adapters: dict[str, str], prompts: list[list[int]]) -> dict[str, Any]:
-    """Greedy tokens and prompt logprobs of every (adapter, prompt) pair from PEFT, one adapter at a time."""
+def _peft_model(base_path: str, adapters: dict[str, str]) -> Any:
+    """The float32 base model under PEFT with every adapter loaded (by its name in `adapters`)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -58,11 +59,29 @@ def _peft_reference(base_path: str, adapters: dict[str, str], prompts: list[list
     model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(adapters[name], adapter_name=name)
+    return model
+
+
+def _peft_reference(base_path: str, adapters: dict[str, str], prompts: list[list[int]]) -> dict[str, Any]:
+    """Greedy tokens and prompt logprobs of every (adapter, prompt) pair from PEFT, one adapter at a time."""
+    model = _peft_model(base_path, adapters)
     ref: dict[str, Any] = {}
-    for name in [None, *names]:
+    for name in [None, *adapters]:
         for i, prompt in enumerate(prompts):
             ref[(name, i)] = _peft_run(model, name, prompt)
     return ref
+
+
+def _peft_logprobs(model: Any, name: str | None, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] next-token logprobs of `ids` under adapter `name` (None: the base model)."""
+    with torch.no_grad():
+        if name is None:
+            with model.disable_adapter():
+                logits = model(torch.tensor([ids])).logits
+        else:
+            model.set_adapter(name)
+            logits = model(torch.tensor([ids])).logits
+    return torch.log_softmax(logits[0].float(), -1)
 
 
 def _peft_run(model: Any, name: str | None, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -109,6 +128,48 @@ def test_mixed_batch_matches_peft(tiny_model: Any, llama_adapters: dict[str, str
     stats = llm.engine.stats()
     if max_cpu_loras is not None:
         assert stats["lora_num_host_evictions"] > 0  # the host cache really cycled and reloaded from disk
+
+
+# bf16 keeps 8 significant bits: logprobs here land within 0.011 of float32 PEFT on either path,
+# while the adapters move them by 0.17 to 0.66, so a LoRA term gone wrong cannot pass.
+BF16_LOGPROB_TOL = 0.03
+
+
+@pytest.mark.parametrize("cpu_kernel", ["1", "0"])
+def test_mixed_batch_in_bf16_matches_peft(tiny_model: Any, llama_adapters: dict[str, str], cpu_kernel: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 serving, through the C kernel's bf16 path or the torch ops, against PEFT in float32 scoring
+    the same tokens: every prompt logprob and the logprob of every generated token within bf16 noise,
+    and each generated token within that noise of PEFT's greedy choice (this tiny random model has
+    near-ties, which bf16 may break the other way, so greedy sequences are not compared exactly)."""
+    monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
+    kernel_dtypes = []
+    run = cpu_ops.run
+    monkeypatch.setattr(cpu_ops, "run", lambda *args: kernel_dtypes.append(args[0].dtype) or run(*args))
+    path = tiny_model("llama")
+    prompts = _prompts(3)
+    # 32-token steps: prefill chunks have segments as short as decode's, so both reach the kernel.
+    llm = LLM(path, dtype="bfloat16", enable_lora=True, max_loras=6, max_lora_rank=16, enable_lora_bias=True,
+              max_num_batched_tokens=32)
+    requests = {name: LoRARequest(name, i + 1, p) for i, (name, p) in enumerate(llama_adapters.items())}
+    cases = [(name, i) for name in [None, *llama_adapters] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": prompts[i]} for _, i in cases], params,
+                           lora_request=[requests[n] if n else None for n, _ in cases], use_tqdm=False)
+    assert set(kernel_dtypes) == ({torch.bfloat16} if cpu_kernel == "1" and cpu_ops.kernel_available() else set())
+    peft = _peft_model(path, llama_adapters)
+    for out, (name, i) in zip(outputs, cases):
+        completion, num_prompt = out.outputs[0], len(prompts[i])
+        ids = prompts[i] + list(completion.token_ids)
+        assert out.prompt_logprobs is not None and completion.logprobs is not None
+        ours = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, num_prompt)]
+        ours += [position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)]
+        reference = _peft_logprobs(peft, name, ids)[:-1]
+        theirs = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        errors = (torch.tensor(ours, dtype=torch.float32) - theirs).abs()
+        assert errors.max().item() <= BF16_LOGPROB_TOL, f"adapter {name}, prompt {i}: {errors.max().item():.4f}"
+        gaps = reference[num_prompt - 1 :].max(-1).values - theirs[num_prompt - 1 :]
+        assert gaps.max().item() <= BF16_LOGPROB_TOL, f"adapter {name}, prompt {i}: a token PEFT ranks far below"
 
 
 def test_gpt2_conv1d_adapter_matches_peft(tiny_model: Any, hf_model: Any, tmp_path: Any) -> None:

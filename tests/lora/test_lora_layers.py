@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from support.lora_reference import assert_within_bf16_ulps
 from torch import nn
 
 from loraserve.config import LoRAConfig
@@ -22,33 +23,35 @@ from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
 IN, MAX_LORAS, MAX_RANK = 24, 4, 8
 
 
-def _linear(output_sizes: list[int], bias: bool = True, seed: int = 0) -> Linear:
+def _linear(output_sizes: list[int], bias: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32) -> Linear:
     g = torch.Generator().manual_seed(seed)
-    layer = Linear(IN, output_sizes, bias=bias, dtype=torch.float32)
+    layer = Linear(IN, output_sizes, bias=bias, dtype=dtype)
     layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g))
     if layer.bias is not None:
         layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=g))
     return layer
 
 
-def _lora(name: str, out: int, rank: int, seed: int, bias: bool = False) -> LoRALayerWeights:
+def _lora(
+    name: str, out: int, rank: int, seed: int, bias: bool = False, dtype: torch.dtype = torch.float32
+) -> LoRALayerWeights:
     g = torch.Generator().manual_seed(seed)
     return LoRALayerWeights(
         name,
         rank,
-        torch.randn(rank, IN, generator=g),
-        torch.randn(out, rank, generator=g),
+        torch.randn(rank, IN, generator=g).to(dtype),
+        torch.randn(out, rank, generator=g).to(dtype),
         scaling=0.5 + seed,
         bias=torch.randn(out, generator=g) if bias else None,
     )
 
 
 def _dense_delta(lora: LoRALayerWeights | PackedLoRALayerWeights, sizes: list[int]) -> torch.Tensor:
-    """[out, in] delta weight the adapter adds to the layer (zero for slices it leaves alone)."""
+    """[out, in] float64 delta weight the adapter adds to the layer (zero for slices it leaves alone)."""
     if isinstance(lora, LoRALayerWeights):
-        return lora.scaling * lora.lora_b @ lora.lora_a
+        return lora.scaling * lora.lora_b.double() @ lora.lora_a.double()
     parts = [
-        torch.zeros(size, IN) if s is None else s.scaling * s.lora_b @ s.lora_a
+        torch.zeros(size, IN, dtype=torch.float64) if s is None else s.scaling * s.lora_b.double() @ s.lora_a.double()
         for s, size in zip(lora.slices, sizes, strict=True)
     ]
     return torch.cat(parts)
@@ -61,9 +64,11 @@ def _batch(slots: list[int], layout: LoRALayout | None = None) -> ForwardBatch:
     return ForwardBatch(attn, LoRABatchMapping.build(slots, "cpu", max_loras=MAX_LORAS, layout=layout))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["kernel", "runs", "grouped", "padded"])
-def test_packed_layer_matches_dense(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every compute path: the fused CPU kernel, and each layout of the torch ops (kernel off)."""
+def test_packed_layer_matches_dense(layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compute path: the fused CPU kernel, and each layout of the torch ops (kernel off), in
+    float32 and in bfloat16 (the layer, its slot buffers and the adapters' weights)."""
     if layout == "kernel" and not cpu_ops.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     calls = {"kernel": 0, "torch": 0}
@@ -80,23 +85,29 @@ def test_packed_layer_matches_dense(layout: str, monkeypatch: pytest.MonkeyPatch
     if layout != "kernel":
         monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", "0")
     sizes = [16, 8, 8]  # q, k, v
-    base = _linear(sizes)
+    base = _linear(sizes, dtype=dtype)
     layer = LinearWithLoRA(base, MAX_LORAS, MAX_RANK)
-    adapters = {
-        0: PackedLoRALayerWeights("qkv", [_lora("q", 16, 4, 1), None, _lora("v", 8, 2, 2)]),  # q and v only
-        2: PackedLoRALayerWeights("qkv", [_lora("q", 16, 8, 3), _lora("k", 8, 3, 4), _lora("v", 8, 5, 5)]),
-        3: _lora("qkv", 32, 6, 6),  # an adapter on the packed module as a whole
+    adapters = {  # q and v only; all three; the packed module as a whole
+        0: PackedLoRALayerWeights("qkv", [_lora("q", 16, 4, 1, dtype=dtype), None, _lora("v", 8, 2, 2, dtype=dtype)]),
+        2: PackedLoRALayerWeights("qkv", [_lora(n, size, r, seed, dtype=dtype)
+                                          for n, size, r, seed in [("q", 16, 8, 3), ("k", 8, 3, 4), ("v", 8, 5, 5)]]),
+        3: _lora("qkv", 32, 6, 6, dtype=dtype),
     }
     for slot, weights in adapters.items():
         layer.set_lora(slot, weights)
     slots = [2, -1, 0, 3, 0, 2, 2, -1, 3]
-    x = torch.randn(len(slots), IN)
+    x = torch.randn(len(slots), IN).to(dtype)
     forced = None if layout == "kernel" else LoRALayout(layout)
     y = layer(x, _batch(slots, forced))
     assert calls == ({"kernel": 1, "torch": 0} if layout == "kernel" else {"kernel": 0, "torch": 1})
     for i, slot in enumerate(slots):
-        weight = base.weight + (_dense_delta(adapters[slot], sizes) if slot >= 0 else 0)
-        torch.testing.assert_close(y[i], weight @ x[i] + base.bias, atol=1e-4, rtol=1e-4)
+        delta = _dense_delta(adapters[slot], sizes) if slot >= 0 else torch.zeros(32, IN, dtype=torch.float64)
+        expected = (base.weight.double() + delta) @ x[i].double() + base.bias.double()
+        if dtype == torch.float32:
+            torch.testing.assert_close(y[i].double(), expected, atol=1e-4, rtol=1e-4)
+        else:  # the base output, the scaled B and the sum each rounded once (0.75 ulps at most)
+            magnitude = (base.weight.double().abs() + delta.abs()) @ x[i].double().abs() + base.bias.double().abs()
+            assert_within_bf16_ulps(y[i], expected, magnitude, ulps=2)
 
 
 def test_slot_reuse_bias_and_reset() -> None:
@@ -107,12 +118,12 @@ def test_slot_reuse_bias_and_reset() -> None:
     layer.set_lora(1, second)  # a smaller adapter in the same slot leaves nothing of the first behind
     x = torch.randn(3, IN)
     y = layer(x, _batch([1, -1, 1]))
-    expected = x @ (base.weight + _dense_delta(second, [20])).t() + base.bias
+    expected = x @ (base.weight + _dense_delta(second, [20]).float()).t() + base.bias
     torch.testing.assert_close(y[[0, 2]], expected[[0, 2]], atol=1e-4, rtol=1e-4)
     layer.set_lora(2, first)
     y = layer(x, _batch([2, 1, -1]))
     torch.testing.assert_close(
-        y[0], (base.weight + _dense_delta(first, [20])) @ x[0] + base.bias + first.bias
+        y[0], (base.weight + _dense_delta(first, [20]).float()) @ x[0] + base.bias + first.bias
     )
     torch.testing.assert_close(y[2], base.weight @ x[2] + base.bias)
     layer.reset_lora(2)
@@ -164,7 +175,7 @@ def test_lora_dtype_differs_from_model_dtype() -> None:
     y = layer(x, _batch([0, -1]))
     assert y.dtype == torch.float32 and layer.lora_a_stacked.dtype == torch.float64
     torch.testing.assert_close(
-        y[0], (base.weight + _dense_delta(lora, [20])) @ x[0] + base.bias, atol=1e-4, rtol=1e-4
+        y[0], (base.weight + _dense_delta(lora, [20]).float()) @ x[0] + base.bias, atol=1e-4, rtol=1e-4
     )
 
 
@@ -203,16 +214,18 @@ def test_wrap_model_in_place() -> None:
     assert wrapped["layers.0.qkv_proj"].lora_b_stacked.shape == (2, 32, 3 * 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cpu_kernel", ["1", "0"])
-def test_slot_rewrite_leaves_no_trace(cpu_kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slot_rewrite_leaves_no_trace(cpu_kernel: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Writing a smaller adapter over a bigger one gives the same buffers as writing it into a fresh
     layer (rows past the new ranks zeroed, off-diagonal blocks untouched); a reset gives zeros."""
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
     sizes = [16, 8, 8]
-    big = PackedLoRALayerWeights("qkv", [_lora("q", 16, 8, 1), _lora("k", 8, 8, 2), _lora("v", 8, 8, 3)])
-    small = PackedLoRALayerWeights("qkv", [_lora("q", 16, 3, 4), None, _lora("v", 8, 5, 5)])
-    whole = _lora("qkv", 32, 2, 6)  # the packed layer targeted as a whole
-    used, fresh = LinearWithLoRA(_linear(sizes), MAX_LORAS, MAX_RANK), LinearWithLoRA(_linear(sizes), MAX_LORAS, MAX_RANK)
+    big = PackedLoRALayerWeights("qkv", [_lora(n, size, 8, seed, dtype=dtype)
+                                         for n, size, seed in [("q", 16, 1), ("k", 8, 2), ("v", 8, 3)]])
+    small = PackedLoRALayerWeights("qkv", [_lora("q", 16, 3, 4, dtype=dtype), None, _lora("v", 8, 5, 5, dtype=dtype)])
+    whole = _lora("qkv", 32, 2, 6, dtype=dtype)  # the packed layer targeted as a whole
+    used, fresh = (LinearWithLoRA(_linear(sizes, dtype=dtype), MAX_LORAS, MAX_RANK) for _ in range(2))
     for later in (small, whole):
         used.set_lora(1, big)
         used.set_lora(1, later)

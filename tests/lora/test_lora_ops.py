@@ -14,7 +14,9 @@ from support.lora_reference import (
     OUT,
     L,
     R,
+    assert_within_bf16_ulps,
     build_mapping,
+    lora_magnitude,
     make_buffers,
     naive_lora,
     run_cpu_kernel,
@@ -82,20 +84,29 @@ def test_torch_ops_match_naive(mix: str, layout: str | None, dtype: torch.dtype)
         assert torch.equal(y_fused[none_rows], y0[none_rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", ["1", "0"])
-def test_contiguous_weights_and_dispatch_match(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ops.add_lora` (whichever backend it picks) against shrink then expand on contiguous weights."""
+def test_contiguous_weights_and_dispatch_match(kernel: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ops.add_lora` (the C kernel when on and built, else the torch ops) against shrink then expand."""
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", kernel)
+    kernel_calls = []
+    run = cpu_ops.run
+    monkeypatch.setattr(cpu_ops, "run", lambda *args: kernel_calls.append(1) or run(*args))
     slots = MIXES["zipf"]
-    x = torch.randn(len(slots), IN)
-    a, b = _weights(torch.float32)
+    x = torch.randn(len(slots), IN).to(dtype)
+    a, b = _weights(dtype)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=L)
-    y1 = torch.zeros(len(slots), OUT)
-    ops.add_lora(y1, x, make_buffers(a, b.transpose(1, 2), [0, OUT], torch.full((L, 1), R, dtype=torch.int32)), mapping)
+    y1 = torch.zeros(len(slots), OUT, dtype=dtype)
+    buffers = make_buffers(a, b.transpose(1, 2).contiguous(), [0, OUT], torch.full((L, 1), R, dtype=torch.int32))
+    ops.add_lora(y1, x, buffers, mapping)
+    assert len(kernel_calls) == (kernel == "1" and cpu_ops.kernel_available())
     y2 = ops.lora_expand(
-        torch.zeros(len(slots), OUT), ops.lora_shrink(x, a.contiguous(), mapping), b.contiguous(), mapping
+        torch.zeros(len(slots), OUT, dtype=dtype), ops.lora_shrink(x, a.contiguous(), mapping), b.contiguous(), mapping
     )
-    torch.testing.assert_close(y1, y2, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y1, y2, atol=1e-5, rtol=1e-5)
+    else:  # each within ~1 ulp of the exact sum, so within 3 of each other
+        assert_within_bf16_ulps(y1, y2.double(), lora_magnitude(x, a, b, slots), ulps=3)
 
 
 def test_mapping_indices() -> None:
@@ -165,7 +176,9 @@ def test_triton_matches_torch(mix: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(y_fused[:, 4 : 4 + OUT].double().cpu(), fused_ref, **tol)
 
 
-def _sliced_weights(sizes: list[int], ranks: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sliced_weights(
+    sizes: list[int], ranks: torch.Tensor, seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-diagonal A [L, n*R, IN] and Bt [L, n*R, out] as LinearWithLoRA stores them: slice q of
     slot s uses rows [q*R, q*R + ranks[s, q]) and its own output columns; everything else is zero."""
     g = torch.Generator().manual_seed(seed)
@@ -177,7 +190,7 @@ def _sliced_weights(sizes: list[int], ranks: torch.Tensor, seed: int) -> tuple[t
             r = int(ranks[s, q])
             a[s, q * R : q * R + r] = torch.randn(r, IN, generator=g)
             bt[s, q * R : q * R + r, offsets[q] : offsets[q + 1]] = torch.randn(r, sizes[q], generator=g)
-    return a, bt
+    return a.to(dtype), bt.to(dtype)
 
 
 # Slice layouts: plain, qkv-like (uneven), gate_up-like, and widths that are not multiples of the
@@ -185,9 +198,13 @@ def _sliced_weights(sizes: list[int], ranks: torch.Tensor, seed: int) -> tuple[t
 SLICES = {"plain": [56], "qkv": [40, 8, 8], "gate_up": [300, 300], "odd": [37, 5]}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sizes", list(SLICES.values()), ids=list(SLICES))
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_cpu_kernel_matches_naive(mix: str, sizes: list[int]) -> None:
+def test_cpu_kernel_matches_naive(mix: str, sizes: list[int], dtype: torch.dtype) -> None:
+    """Against the float64 reference of the same (bf16-rounded) inputs and the torch twin. In bf16 the
+    kernel rounds each output once, to nearest (half an ulp of the magnitude it sums, plus float32
+    noise), and the twin rounds t, the product and the sum (at most 1.5 ulps)."""
     if not cpu_ops.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots = MIXES[mix]
@@ -195,20 +212,25 @@ def test_cpu_kernel_matches_naive(mix: str, sizes: list[int]) -> None:
     ranks = torch.randint(0, R + 1, (L, len(sizes)), generator=g, dtype=torch.int32)
     ranks[:, 0] = R  # full rank somewhere, and rank 0 (slice untouched) somewhere else
     ranks[1, -1] = 0
-    a, bt = _sliced_weights(sizes, ranks, seed=5)
+    a, bt = _sliced_weights(sizes, ranks, seed=5, dtype=dtype)
     buffers = make_buffers(a, bt, [0, *torch.tensor(sizes).cumsum(0).tolist()], ranks)
     # x is a column window of a wider tensor: rows have a stride larger than IN.
-    x = torch.randn(len(slots), IN + 7, generator=g)[:, 3 : 3 + IN]
-    y0 = torch.randn(len(slots), sum(sizes), generator=g)
+    x = torch.randn(len(slots), IN + 7, generator=g)[:, 3 : 3 + IN].to(dtype)
+    y0 = torch.randn(len(slots), sum(sizes), generator=g).to(dtype)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=L)
     y = run_cpu_kernel(y0.clone(), x, buffers, mapping)
     _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0)
-    torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
     none_rows = [i for i, s in enumerate(slots) if s < 0]
     assert torch.equal(y[none_rows], y0[none_rows])
     # The torch twin gives the same answer from the same block-diagonal buffers.
     y_torch = torch_ops.add_lora(y0.clone(), x.contiguous(), a, bt.transpose(1, 2), mapping)
-    torch.testing.assert_close(y, y_torch, atol=1e-4, rtol=1e-4)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(y, y_torch, atol=1e-4, rtol=1e-4)
+    else:
+        magnitude = y0.double().abs() + lora_magnitude(x, a, bt.transpose(1, 2), slots)
+        assert_within_bf16_ulps(y, y0.double() + delta, magnitude, ulps=0.6)
+        assert_within_bf16_ulps(y_torch, y0.double() + delta, magnitude, ulps=2)
 
 
 def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
@@ -218,16 +240,24 @@ def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
     mapping = LoRABatchMapping.build([0, 1], "cpu", max_loras=L)
     x, y = torch.randn(2, IN), torch.zeros(2, 56)
     assert not cpu_ops.applies(x.double(), y, mapping) and not cpu_ops.applies(x, y.double(), mapping)
-    long_segment = LoRABatchMapping.build([0] * (cpu_ops.MAX_SEGMENT_LEN + 1), "cpu", max_loras=L)
-    assert not cpu_ops.applies(torch.zeros(33, IN), torch.zeros(33, 56), long_segment)
+    assert not cpu_ops.applies(x.half(), y.half(), mapping) and not cpu_ops.applies(x.bfloat16(), y, mapping)
+    for dtype, max_len in cpu_ops.MAX_SEGMENT_LEN.items():
+        long_segment = LoRABatchMapping.build([0] * (max_len + 1), "cpu", max_loras=L)
+        x_long, y_long = torch.zeros(max_len + 1, IN, dtype=dtype), torch.zeros(max_len + 1, 56, dtype=dtype)
+        assert not cpu_ops.applies(x_long, y_long, long_segment)
+        assert cpu_ops.applies(x_long[1:], y_long[1:], LoRABatchMapping.build([0] * max_len, "cpu", max_loras=L))
     offsets = torch.tensor([0, 56])
     assert make_buffers(a.double(), bt.double(), [0, 56], ranks).cpu_kernel_args is None
+    assert make_buffers(a.half(), bt.half(), [0, 56], ranks).cpu_kernel_args is None
+    assert make_buffers(a.bfloat16(), bt, [0, 56], ranks).cpu_kernel_args is None  # one dtype for both
     assert cpu_ops.layer_args(a.transpose(1, 2), bt, offsets, ranks, R) is None  # not contiguous
     with pytest.raises(ValueError, match="do not cut"):
         cpu_ops.layer_args(a, bt, torch.tensor([0, 4096]), ranks, R)
     if cpu_ops.kernel_available():
         with pytest.raises(ValueError, match="do not fit"):
             run_cpu_kernel(torch.zeros(3, 56), torch.randn(3, IN), buffers, mapping)
+        with pytest.raises(ValueError, match="not of the LoRA buffers' dtype"):
+            run_cpu_kernel(y.bfloat16(), x.bfloat16(), buffers, mapping)
         far = LoRABatchMapping.build([0, 100_000], "cpu")  # no max_loras: the mapping cannot check
         with pytest.raises(ValueError, match="out of range"):
             run_cpu_kernel(y, x, buffers, far)
@@ -244,8 +274,7 @@ def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("LORASERVE_CPU_LORA_KERNEL")
     # A compiler that fails: the kernel is reported unavailable (with the reason), nothing raises.
     monkeypatch.setattr(cpu_ops, "_loaded", False)
-    monkeypatch.setattr(cpu_ops, "_kernel", None)
-    monkeypatch.setattr(cpu_ops, "_write_kernel", None)
+    monkeypatch.setattr(cpu_ops, "_build", None)
     monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     assert not cpu_ops.kernel_available() and not cpu_ops.write_kernel_available()

@@ -33,7 +33,7 @@ def make_buffers(a: torch.Tensor, bt: torch.Tensor, offsets: list[int], ranks: t
 def run_cpu_kernel(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> torch.Tensor:
     """The C kernel alone; ValueError when it cannot serve these tensors or this step."""
     if buffers.cpu_kernel_args is None or not cpu_ops.applies(x, y, mapping):
-        raise ValueError("the CPU LoRA kernel serves float32 CPU tensors with short segments only")
+        raise ValueError("the CPU LoRA kernel serves float32 / bfloat16 CPU tensors with short segments only")
     return cpu_ops.run(x, y, buffers.cpu_kernel_args, mapping)
 
 
@@ -52,3 +52,24 @@ def naive_lora(
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.5, "rtol": 0.05}
+
+
+def lora_magnitude(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """Per element of delta = B[s] A[s] x: sum_k |t_k B[s][:, k]| with t = A[s] x exact (float64), the
+    size of what a bf16 LoRA sum rounds (t, its products with B, delta). [T, out]."""
+    mag = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
+    for i, s in enumerate(slots):
+        if s >= 0:
+            mag[i] = b[s].double().abs() @ (a[s].double() @ x[i].double()).abs()
+    return mag
+
+
+def assert_within_bf16_ulps(y: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, ulps: float) -> None:
+    """|y - expected| <= ulps bf16 units in the last place of `magnitude`, elementwise. bf16 keeps 8
+    significant bits, so one ulp of v is at most 2^-7 |v|; rounding to nearest errs by half that."""
+    bound = ulps * 2.0**-7 * magnitude
+    error = (y.double() - expected).abs()
+    worst = int(torch.argmax(error - bound))
+    assert bool((error <= bound).all()), (
+        f"error {error.flatten()[worst].item():.4g} > {ulps} bf16 ulps ({bound.flatten()[worst].item():.4g}) "
+        f"at flat index {worst}")

@@ -1,5 +1,5 @@
-"""The LoRA ops, and the one place that picks their backend: the fused C kernel (float32 CPU, short
-segments), Triton kernels (CUDA with Triton installed) or torch (everywhere else).
+"""The LoRA ops, and the one place that picks their backend: the fused C kernel (float32 or bfloat16 CPU,
+short segments), Triton kernels (CUDA with Triton installed) or torch (everywhere else).
 
 `add_lora(y, x, buffers, mapping)` is what a LoRA layer runs. The tensor-level ops share the
 semantics documented in `torch_ops`:

@@ -4,7 +4,8 @@ Activating an adapter copies A and the transposed, scaled B of every LoRA module
 buffers, and zeroes what the slot's previous adapter left beyond the new ranks. As torch ops that is
 ~3 small ops per module (~600 for an all-7-projection adapter of a 30-layer model, ~20 ms on a small
 CPU); the writer records them as (pointer, strides, shape) rows and runs them in one call of the C
-kernel (`lora_write_blocks`), or falls back to the same torch ops for other dtypes and devices.
+kernel (`lora_write_blocks`, float32 or bfloat16 with the scale applied in float32), or falls back to
+the same torch ops for other dtypes and devices.
 """
 
 from __future__ import annotations
@@ -38,25 +39,27 @@ class BlockWriter:
         if num_rows <= 0 or hi <= lo:
             return
         layout = self._dst_layout(dst) if self._use_kernel else None
-        if layout is None or not (src is None or (src.dtype == torch.float32 and src.is_cpu and src.dim() == 2)):
+        if layout is None or not (src is None or (src.dtype == dst.dtype and src.is_cpu and src.dim() == 2)):
             self._write_now(dst[slot, row : row + num_rows, lo:hi], src, scale, transposed)
             return
         base, num_rows_per_slot, width = layout
-        dst_ptr = base + 4 * ((slot * num_rows_per_slot + row) * width + lo)
+        dst_ptr = base + dst.element_size() * ((slot * num_rows_per_slot + row) * width + lo)
+        elem = cpu_ops.ELEM_TYPES[dst.dtype]
         if src is None:
-            self._records.extend((dst_ptr, width, 0, 0, 0, num_rows, hi - lo))
+            self._records.extend((dst_ptr, width, 0, 0, 0, num_rows, hi - lo, elem))
         else:
             row_stride, col_stride = (src.stride(1), src.stride(0)) if transposed else src.stride()
-            self._records.extend((dst_ptr, width, src.data_ptr(), row_stride, col_stride, num_rows, hi - lo))
+            self._records.extend((dst_ptr, width, src.data_ptr(), row_stride, col_stride, num_rows, hi - lo, elem))
             self._sources.append(src)
         self._scales.append(scale)
 
     def _dst_layout(self, dst: torch.Tensor) -> tuple[int, int, int] | None:
-        """(data pointer, rows per slot, width) of a float32 contiguous CPU [slots, rows, width]
-        buffer, else None; cached per buffer because one activation writes each buffer many times."""
+        """(data pointer, rows per slot, width) of a contiguous CPU [slots, rows, width] buffer of a
+        dtype the kernel writes, else None; cached per buffer because one activation writes each
+        buffer many times."""
         key = id(dst)
         if key not in self._layouts:
-            ok = dst.dtype == torch.float32 and dst.is_cpu and dst.dim() == 3 and dst.is_contiguous()
+            ok = dst.dtype in cpu_ops.ELEM_TYPES and dst.is_cpu and dst.dim() == 3 and dst.is_contiguous()
             self._layouts[key] = (dst.data_ptr(), dst.shape[1], dst.shape[2]) if ok else None
             self._buffers.append(dst)  # keeps id(dst) from being reused while cached
         return self._layouts[key]

@@ -42,7 +42,7 @@ class LoRABuffers:
     max_rank: int
     active_mask: int = 0
     bias_mask: int = 0
-    cpu_kernel_args: tuple[int, ...] | None = field(init=False, default=None)
+    cpu_kernel_args: cpu_ops.LayerArgs | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.cpu_kernel_args = cpu_ops.layer_args(
