@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import time
 from collections.abc import Callable
@@ -30,14 +31,20 @@ def bench_root() -> str:
     return os.path.join(envs.cache_root(), "bench-smollm135m")
 
 
-def build_model(vocab_size: int = 49152) -> str:
-    """The random SmolLM-135M-shaped Llama (built once, cached)."""
-    path = os.path.join(bench_root(), "model")
+def build_model(vocab_size: int = 49152, max_position_embeddings: int | None = None) -> str:
+    """The random SmolLM-135M-shaped Llama (built once, cached); a longer `max_position_embeddings`
+    than SmolLM's 2048 gives a variant in its own folder (same seed, so the same weights)."""
+    shape = dict(SMOLLM_SHAPE)
+    name = "model"
+    if max_position_embeddings is not None and max_position_embeddings != shape["max_position_embeddings"]:
+        shape["max_position_embeddings"] = max_position_embeddings
+        name = f"model-pos{max_position_embeddings}"
+    path = os.path.join(bench_root(), name)
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         build_tokenizer(tmp, vocab_size=512)
-        save_random_model(tmp, llama_config(vocab_size, **SMOLLM_SHAPE), seed=0)
+        save_random_model(tmp, llama_config(vocab_size, **shape), seed=0)
         os.replace(tmp, path)
     return path
 
@@ -55,6 +62,24 @@ def build_adapters(model_path: str, count: int, rank: int = 16) -> list[str]:
             save_peft_adapter(base, paths[i], seed=1000 + i, base_name=model_path, r=rank, lora_alpha=2 * rank,
                               target_modules=ALL_TARGETS)
     return paths
+
+
+def cpu_name() -> str:
+    """The CPU's model name, with its native bf16 features (what decides the dtype and the speed)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    extra = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+    return f"{name} ({', '.join(extra)})" if extra else name
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
