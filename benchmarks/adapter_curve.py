@@ -14,7 +14,14 @@ import argparse
 
 import torch
 
-from benchmarks.common import build_adapters, build_model, cpu_name, random_prompts, save_results
+from benchmarks.common import (
+    build_adapters,
+    build_model,
+    cpu_name,
+    limit_threads,
+    random_prompts,
+    save_results,
+)
 from benchmarks.lora_throughput import generate_tok_per_s, run_peft_mixed
 from loraserve import LLM, LoRARequest
 from loraserve.config import resolve_device, resolve_dtype
@@ -85,7 +92,9 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--peft-gen-len", type=int, default=16)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="compute threads (1 on cores shared with other jobs)")
     args = parser.parse_args()
+    limit_threads(args.threads)
     dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
     dtype_name = str(dtype).replace("torch.", "")
     print(f"{cpu_name()}, {dtype_name}, {args.num_requests} requests at once x ({args.prompt_len} prompt + "

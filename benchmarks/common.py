@@ -64,6 +64,16 @@ def build_adapters(model_path: str, count: int, rank: int = 16) -> list[str]:
     return paths
 
 
+def limit_threads(num_threads: int | None) -> None:
+    """Use `num_threads` compute threads here and in child processes (torch's pool and the OpenMP of
+    the C kernels); None keeps the defaults. On cores shared with other jobs, 1 avoids the threads
+    waiting at every op's barrier for a sibling that is descheduled (steps 10-30x slower)."""
+    if num_threads is None:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)
+
+
 def cpu_name() -> str:
     """The CPU's model name, with its native bf16 features (what decides the dtype and the speed)."""
     name, flags = platform.processor() or platform.machine(), set()

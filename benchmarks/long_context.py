@@ -1,8 +1,9 @@
 """Decode step time at long contexts: loraserve vs transformers, B sequences at each context length.
 
-loraserve: B requests with random prompts a little shorter than `ctx` go through the engine; once every
-prefill is done, `steps` further engine steps (pure decode of all B, each token attending to a few
-tokens less than `ctx` cached ones) are timed one by one.
+loraserve: B random prompts a little shorter than `ctx` are prefilled (one-token requests, so their
+KV lands in the prefix cache), then B requests with those prompts go through the engine; once all of
+them decode, `steps` further engine steps (pure decode of all B, each token attending to a few tokens
+less than `ctx` cached ones) are timed one by one.
 transformers: the model's own decode step, a [B, 1] forward with a `DynamicCache` already holding
 `ctx - 1` random keys and values per layer (no prefill to pay for), plus the greedy pick; the cache is
 cropped back after each step so every step sees the same context.
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import build_model, cpu_name, random_prompts, save_results
+from benchmarks.common import build_model, cpu_name, limit_threads, random_prompts, save_results
 from loraserve import LLM, SamplingParams
 from loraserve.config import resolve_device, resolve_dtype
 
@@ -36,7 +37,7 @@ def model_for(contexts: list[int]) -> str:
     return build_model(max_position_embeddings=1 << math.ceil(math.log2(longest)))
 
 
-def loraserve_step_ms(llm: LLM, ctx: int, batch: int, steps: int, tag: str) -> float:
+def loraserve_step_ms(llm: LLM, ctx: int, batch: int, steps: int, tag: str, seed: int = 0) -> float:
     """Median milliseconds of one engine step decoding `batch` sequences at context ~`ctx`."""
     engine = llm.engine
     # Chunked prefill lets the first sequences decode while the last ones still prefill: leave them
@@ -46,15 +47,23 @@ def loraserve_step_ms(llm: LLM, ctx: int, batch: int, steps: int, tag: str) -> f
     if ctx <= 2 * max_tokens:
         raise ValueError(f"context {ctx} is too short for {steps} timed steps of {batch} sequences")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    # A fresh seed per context: no prefix-cache hit shortens any prefill or shares any KV block.
+    # Fresh prompts per run: no prefix-cache hit shortens any prefill or shares any KV block.
+    prompts = random_prompts(batch, ctx - max_tokens, VOCAB_SIZE, seed=(seed << 20) + ctx)
+    # The prompts' KV first, as pure prefills: one-token requests end at their first token, leaving
+    # their blocks in the prefix cache for the batch below. (Prefilling the batch itself would mix
+    # prefill chunks with the first sequences' decodes, and those steps pad every decode row to the
+    # chunk length in attention: the setup would cost many times the measurement.)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False)
+    hits_before = engine.block_manager.num_prefix_hits
     request_ids = [f"{tag}-{ctx}-{i}" for i in range(batch)]
-    for request_id, prompt in zip(request_ids, random_prompts(batch, ctx - max_tokens, VOCAB_SIZE, seed=ctx)):
+    for request_id, prompt in zip(request_ids, prompts):
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
     started: set[str] = set()
     while len(started) < batch:
         for output in engine.step():
             if output.outputs and output.outputs[0].token_ids:
                 started.add(output.request_id)
+    assert engine.block_manager.num_prefix_hits - hits_before == batch, "the prompts' KV was not reused"
     times = []
     for _ in range(steps):
         begin = time.perf_counter()
@@ -66,11 +75,12 @@ def loraserve_step_ms(llm: LLM, ctx: int, batch: int, steps: int, tag: str) -> f
 
 
 def make_llm(path: str, dtype: str, contexts: list[int], batch: int) -> LLM:
-    """An engine whose KV cache holds `batch` sequences of the longest context (plus slack)."""
+    """An engine whose KV cache holds `batch` sequences of the longest context, cached prompt
+    blocks plus a few blocks each for the decoded tokens."""
     block_size = 16
-    blocks_per_seq = math.ceil(max(contexts) / block_size) + 1
+    blocks_per_seq = math.ceil(max(contexts) / block_size) + 4
     return LLM(path, dtype=dtype, max_num_seqs=batch, block_size=block_size,
-               num_kv_blocks=batch * blocks_per_seq + batch, max_model_len=max(contexts))
+               num_kv_blocks=batch * blocks_per_seq, max_model_len=max(contexts))
 
 
 def filled_cache(model: Any, batch: int, length: int, dtype: torch.dtype) -> Any:
@@ -114,17 +124,19 @@ def run_long_context(path: str, dtype: torch.dtype, contexts: list[int], batch: 
     """{ctx: {"loraserve_ms": .., "transformers_ms": ..}}: median decode step of `batch` sequences."""
     from transformers import AutoModelForCausalLM
 
+    contexts = sorted(contexts)
     results: dict[int, dict[str, float]] = {ctx: {} for ctx in contexts}
     dtype_name = str(dtype).replace("torch.", "")
     llm = make_llm(path, dtype_name, contexts, batch)
-    # Warm-up: the first steps build kernels and settle the allocator.
-    llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, 16, VOCAB_SIZE, seed=1)],
-                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    # Warm-up at the shortest context, same batch: the first steps of a shape build its kernels
+    # (oneDNN primitives, C kernels) and settle the allocator; both systems get one.
+    loraserve_step_ms(llm, contexts[0], batch, 2, "warm-up", seed=1)
     for ctx in contexts:
         results[ctx]["loraserve_ms"] = loraserve_step_ms(llm, ctx, batch, steps, "long")
         print(f"  loraserve ctx={ctx}: {results[ctx]['loraserve_ms']:.1f} ms/step", flush=True)
     del llm
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    transformers_step_ms(model, contexts[0], batch, 2, dtype)  # warm-up, as above
     for ctx in contexts:
         results[ctx]["transformers_ms"] = transformers_step_ms(model, ctx, batch, steps, dtype)
         print(f"  transformers ctx={ctx}: {results[ctx]['transformers_ms']:.1f} ms/step", flush=True)
@@ -144,7 +156,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences decoded together")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per context (median)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="compute threads (1 on cores shared with other jobs)")
     args = parser.parse_args()
+    limit_threads(args.threads)
     contexts = sorted(int(x) for x in args.contexts.split(","))
     dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
     dtype_name = str(dtype).replace("torch.", "")

@@ -57,7 +57,8 @@ def _context_panel(ax: Any, long_context: dict[Any, dict[str, float]]) -> None:
 def make_plot(results: dict[str, Any], out_path: str) -> str:
     """Write the two-panel PNG for `results`:
     {"adapters": {"loraserve": {n: tok_s}, "peft": {n: tok_s}},
-     "long_context": {ctx: {"loraserve_ms": .., "transformers_ms": ..}}, "cpu": "...", "dtype": "..."}.
+     "long_context": {ctx: {"loraserve_ms": .., "transformers_ms": ..}}, "cpu": "...", "dtype": "..."}
+    and optionally "threads" (shown in the title).
     Either panel's data may be missing (an empty panel). Returns `out_path`."""
     import matplotlib
 
@@ -67,7 +68,8 @@ def make_plot(results: dict[str, Any], out_path: str) -> str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     _adapter_panel(left, results.get("adapters", {}))
     _context_panel(right, results.get("long_context", {}))
-    fig.suptitle(f"loraserve on {results.get('cpu', 'CPU')}, {results.get('dtype', '')} "
+    threads = f", {results['threads']} thread(s)" if results.get("threads") else ""
+    fig.suptitle(f"loraserve on {results.get('cpu', 'CPU')}{threads}, {results.get('dtype', '')} "
                  "(SmolLM-135M-shaped model)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -87,6 +89,7 @@ def load_saved_results(results_dir: str = RESULTS_DIR) -> dict[str, Any]:
             results[key] = saved[field]
             results.setdefault("cpu", saved.get("cpu", "CPU"))
             results.setdefault("dtype", saved.get("dtype", ""))
+            results.setdefault("threads", saved.get("args", {}).get("threads"))
     return results
 
 

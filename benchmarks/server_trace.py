@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import bench_root, build_model, cpu_name, save_results
+from benchmarks.common import bench_root, build_model, cpu_name, limit_threads, save_results
 from benchmarks.server_process import running_server
 from benchmarks.synthetic_adapters import adapter_name, write_adapters
 from loraserve.config import resolve_device, resolve_dtype
@@ -222,10 +222,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--reference-adapters", type=int, default=REFERENCE_ADAPTERS, help="0: no reference run")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="compute threads (1 on cores shared with other jobs)")
     parser.add_argument("--log-dir", default=None, help="where the servers' logs go (default: the temp folder)")
     parser.add_argument("--serve-only", action="store_true", help="start the server, run no trace (for guidellm)")
     parser.add_argument("--port", type=int, default=8000, help="with --serve-only")
     args = parser.parse_args()
+    limit_threads(args.threads)
     dtype_name = str(resolve_dtype(args.dtype, resolve_device("cpu"))).replace("torch.", "")
     shape = TraceShape(args.num_requests, args.num_adapters, args.zipf_s, args.concurrency, args.prompt_len,
                        args.max_tokens)
