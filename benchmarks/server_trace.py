@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
+import torch
 
 from benchmarks.common import bench_root, build_model, cpu_name, limit_threads, save_results
 from benchmarks.server_process import running_server
@@ -163,10 +164,11 @@ def run_trace(model: str, dtype: str, shape: TraceShape, log_path: str) -> dict[
     return {"num_adapters": shape.num_adapters, "num_requests": shape.num_requests, **result}
 
 
-def run_server_trace(model: str, dtype: str, shape: TraceShape, reference_adapters: int = REFERENCE_ADAPTERS,
-                     log_dir: str | None = None) -> dict[str, Any]:
+def run_server_trace(model: str, dtype: str | torch.dtype, shape: TraceShape,
+                     reference_adapters: int = REFERENCE_ADAPTERS, log_dir: str | None = None) -> dict[str, Any]:
     """The trace over `shape.num_adapters` adapters and (unless `reference_adapters` is 0) the same
     trace over `reference_adapters`, with the ratios many / reference."""
+    dtype = str(dtype).replace("torch.", "")  # the server's --dtype
     log_dir = log_dir or tempfile.gettempdir()
     many = run_trace(model, dtype, shape, os.path.join(log_dir, "loraserve-trace-many.log"))
     if not reference_adapters:
