@@ -30,14 +30,20 @@ def bench_root() -> str:
     return os.path.join(envs.cache_root(), "bench-smollm135m")
 
 
-def build_model(vocab_size: int = 49152) -> str:
-    """The random SmolLM-135M-shaped Llama (built once, cached)."""
-    path = os.path.join(bench_root(), "model")
+def build_model(vocab_size: int = 49152, max_position_embeddings: int | None = None) -> str:
+    """The random SmolLM-135M-shaped Llama (built once, cached); a longer `max_position_embeddings`
+    than SmolLM's 2048 gives a variant in its own folder (same seed, so the same weights)."""
+    shape = dict(SMOLLM_SHAPE)
+    name = "model"
+    if max_position_embeddings is not None and max_position_embeddings != shape["max_position_embeddings"]:
+        shape["max_position_embeddings"] = max_position_embeddings
+        name = f"model-pos{max_position_embeddings}"
+    path = os.path.join(bench_root(), name)
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         build_tokenizer(tmp, vocab_size=512)
-        save_random_model(tmp, llama_config(vocab_size, **SMOLLM_SHAPE), seed=0)
+        save_random_model(tmp, llama_config(vocab_size, **shape), seed=0)
         os.replace(tmp, path)
     return path
 
@@ -55,6 +61,16 @@ def build_adapters(model_path: str, count: int, rank: int = 16) -> list[str]:
             save_peft_adapter(base, paths[i], seed=1000 + i, base_name=model_path, r=rank, lora_alpha=2 * rank,
                               target_modules=ALL_TARGETS)
     return paths
+
+
+def limit_threads(num_threads: int | None) -> None:
+    """Use `num_threads` compute threads here and in child processes (torch's pool and the OpenMP of
+    the C kernels); None keeps the defaults. On cores shared with other jobs, 1 avoids the threads
+    waiting at every op's barrier for a sibling that is descheduled (steps 10-30x slower)."""
+    if num_threads is None:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)
 
 
 def cpu_class() -> str:

@@ -9,12 +9,12 @@ Usage: python -m benchmarks.lora_kernel [--dtype bfloat16] [--repeats 9] [--swee
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.common import cpu_class
 from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.ops import LoRABuffers, cpu_ops, torch_ops
 
@@ -44,14 +44,6 @@ def build_layers(dtype: torch.dtype) -> list[LoRABuffers]:
             buffers.active_mask = (1 << SLOTS) - 1
             layers.append(buffers)
     return layers
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.partition(":")[2].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def best_ms(fn: Callable[[], None], repeats: int) -> float:
@@ -95,7 +87,7 @@ def main() -> None:
         raise SystemExit("the C kernel is not available here (no compiler, or LORASERVE_CPU_LORA_KERNEL=0)")
     build = cpu_ops.kernel_build()
     assert build is not None
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {args.dtype}, "
+    print(f"{cpu_class()}, {args.dtype}, "
           f"kernel code paths: {', '.join(sorted(build.code_paths)) or 'C'}")
     with torch.inference_mode():
         layers = build_layers(dtype)

@@ -37,7 +37,9 @@ def run_peft_mixed(path: str, adapters: list[str], prompts: list[list[int]], gen
     return len(prompts) * gen_len / seconds
 
 
-def _generate(llm: LLM, prompts: list[list[int]], gen_len: int, loras: list[LoRARequest | None]) -> float:
+def generate_tok_per_s(llm: LLM, prompts: list[list[int]], gen_len: int,
+                       loras: list[LoRARequest | None]) -> float:
+    """Generated tokens per second of one `generate` call over all `prompts` (greedy, fixed length)."""
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     seconds, outs = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                lora_request=loras, use_tqdm=False))
@@ -49,16 +51,16 @@ def run_loraserve(path: str, adapters: list[str], prompts: list[list[int]], gen_
                   num_mixed: int) -> dict[str, float]:
     n = len(prompts)
     base = LLM(path, dtype=dtype, max_num_seqs=n)
-    _generate(base, prompts[:2], 4, [None, None])  # warm-up
-    results = {"loraserve base": _generate(base, prompts, gen_len, [None] * n)}
+    generate_tok_per_s(base, prompts[:2], 4, [None, None])  # warm-up
+    results = {"loraserve base": generate_tok_per_s(base, prompts, gen_len, [None] * n)}
     del base
     llm = LLM(path, dtype=dtype, max_num_seqs=n, enable_lora=True, max_loras=16, max_lora_rank=16,
               max_cpu_loras=max(16, num_mixed))
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters[:num_mixed])]
     # Warm-up: every adapter loaded and in a slot before timing, as PEFT has them before its run.
-    _generate(llm, [prompts[i % n] for i in range(num_mixed)], 4, reqs)
-    results["loraserve 1 adapter"] = _generate(llm, prompts, gen_len, [reqs[0]] * n)
-    results[f"loraserve {num_mixed} mixed"] = _generate(llm, prompts, gen_len,
+    generate_tok_per_s(llm, [prompts[i % n] for i in range(num_mixed)], 4, reqs)
+    results["loraserve 1 adapter"] = generate_tok_per_s(llm, prompts, gen_len, [reqs[0]] * n)
+    results[f"loraserve {num_mixed} mixed"] = generate_tok_per_s(llm, prompts, gen_len,
                                                         [reqs[i % num_mixed] for i in range(n)])
     return results
 
@@ -71,7 +73,7 @@ def run_swapping(path: str, adapters: list[str], prompts: list[list[int]], gen_l
     for r in reqs:
         llm.add_lora(r)
     total_prompts = [prompts[i % len(prompts)] for i in range(len(adapters))]
-    return _generate(llm, total_prompts, gen_len, reqs)
+    return generate_tok_per_s(llm, total_prompts, gen_len, reqs)
 
 
 def first_token_latency(path: str, adapters: list[str], dtype: str, repeats: int = 5) -> tuple[float, float]:

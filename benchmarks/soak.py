@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import platform
-import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
-import httpx
-
 from benchmarks.common import save_results
+from benchmarks.server_process import start_server, stop_server, wait_healthy
 from benchmarks.soak_traffic import SoakPlan, run_soak_traffic
 
 RSS_INTERVAL_S = 2.0
@@ -37,27 +33,9 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def start_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
-    command = [
-        sys.executable, "-m", "loraserve.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", args.dtype, "--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras),
-    ]
-    env = {**os.environ, "LORASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1", "LORASERVE_LOGGING_LEVEL": "WARNING"}
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(args.log, "w"))  # noqa: SIM115
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see its log")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not come up")
+def start_soak_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
+    flags = ["--dtype", args.dtype, "--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras)]
+    return start_server(port, flags, args.log, {"LORASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"})
 
 
 async def sample_rss(pid: int, samples: list[tuple[float, int]], stop: asyncio.Event) -> None:
@@ -111,7 +89,7 @@ def main() -> None:
 
     setup = demo_setup()
     url = f"http://127.0.0.1:{args.port}"
-    process = start_server(args.port, args)
+    process = start_soak_server(args.port, args)
     try:
         wait_healthy(url, process)
         mix = tuple(float(share) for share in args.mix.split(","))
@@ -122,8 +100,7 @@ def main() -> None:
         tally, samples = asyncio.run(soak(plan, process.pid))
         elapsed = time.monotonic() - started
     finally:
-        process.send_signal(signal.SIGTERM)
-        exit_status = process.wait(120)
+        exit_status = stop_server(process)
     warmup = args.warmup if args.warmup is not None else 0.2 * args.duration
     result = {
         "cpu": platform.processor() or platform.machine(),
