@@ -42,4 +42,5 @@ def live_serve(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
     finally:
         servers[0].should_exit = True
         thread.join(60)
+        servers.clear()  # the patched build_server outlives the block until teardown: drop the engine now
     assert status == [0], status
