@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 import sys
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI
@@ -157,10 +158,16 @@ def one_line(exc: BaseException) -> str:
 def serve_main(args: argparse.Namespace, prog: str) -> int:
     """Run the server for parsed flags; a startup failure or a dead engine is one line on stderr and
     exit status 1."""
+    return run_main(run_server, args, prog)
+
+
+def run_main(server: Callable[[argparse.Namespace], Coroutine[Any, Any, None]], args: argparse.Namespace, prog: str) -> int:
+    """Run `server(args)` to its end as a command does: logging set up, Ctrl-C is status 130, a
+    failure one line on stderr and status 1 (the traceback only at DEBUG)."""
     configure_logging()
     try:
         apply_log_config(getattr(args, "log_config_file", None))
-        asyncio.run(run_server(args))
+        asyncio.run(server(args))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

@@ -12,10 +12,8 @@ on the way out the app is deleted from a joined cluster, and a local Ray is shut
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,16 +27,14 @@ from loraserve.engine.arg_utils import EngineArgs
 from loraserve.entrypoints.openai.api_server import build_app
 from loraserve.entrypoints.openai.frontend import (
     FrontendOptions,
-    apply_log_config,
     bind_unix_socket,
     uvicorn_options,
 )
 from loraserve.entrypoints.openai.http_server import serve_app
 from loraserve.entrypoints.openai.launcher import (
     bind_socket,
-    configure_logging,
     log_startup,
-    one_line,
+    run_main,
     server_options,
     use_demo_model,
 )
@@ -200,15 +196,4 @@ def stop_ray(is_local: bool) -> None:
 
 
 def serve_replicas_main(args: argparse.Namespace, prog: str) -> int:
-    configure_logging()
-    try:
-        apply_log_config(getattr(args, "log_config_file", None))
-        asyncio.run(run_replicated_server(args))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.exception("Server failed")
-        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main(run_replicated_server, args, prog)
