@@ -24,10 +24,16 @@ from loraserve.engine.sequence import CacheSalt, Sequence
 
 
 def salt_key(salt: CacheSalt | None) -> str | None:
-    """The salt's text ("" for the base model), or None while the adapter's digest is unknown."""
+    """The salt's text ("" for the base model), or None while the adapter's digest is unknown (or
+    could not be computed: its blocks then never enter the cache, and nothing else fails)."""
     if salt is None:
         return ""
-    return salt.result() if salt.done() else None
+    if not salt.done():
+        return None
+    try:
+        return salt.result()
+    except Exception:  # noqa: BLE001 - a failed hash only costs this adapter its prefix caching
+        return None
 
 
 def block_hash(parent: bytes | None, token_ids: Seq[int], salt: str | None) -> bytes:

@@ -244,3 +244,19 @@ def test_demand_ordering_never_holds_a_sequence_past_the_reorder_bound() -> None
     assert lone.is_finished
     assert num_steps >= 2  # it was passed over at first: the ordering did act
     assert num_steps <= MAX_LORA_REORDER_STEPS + 2
+
+
+def test_a_digest_that_failed_only_costs_its_prefix_caching() -> None:
+    class Failed(Salt):
+        def result(self) -> str:
+            raise OSError("the hashing thread could not read the file")
+
+    blocks = BlockManager(32, 4)
+    seq = _seq(13, salt=Failed("x"))
+    assert blocks.reuse_cached_prefix(seq, Failed("x")) == []
+    seq.block_ids = blocks.allocate(seq, 13) or []
+    seq.num_computed_tokens = 13
+    blocks.commit_computed(seq, Failed("x"))  # no exception: the blocks just stay out of the cache
+    blocks.free(seq)
+    probe = _seq(13, salt=Salt("x"))
+    assert blocks.reuse_cached_prefix(probe, Salt("x")) == []
