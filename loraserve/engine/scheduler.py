@@ -15,7 +15,8 @@ sequence held back by the adapter limit lets others with already-active adapters
 bounded number of steps, so it never starves. When more adapters wait than slots are free, the free
 slots go first to the adapters with the most waiting requests (one slot then serves many sequences,
 so fewer swaps serve the same traffic), except that a sequence waiting for MAX_LORA_REORDER_STEPS
-steps keeps its arrival-order place.
+steps keeps its arrival-order place; with the bypass above, a sequence held back by adapters waits at
+most about MAX_LORA_REORDER_STEPS + MAX_LORA_BYPASS_STEPS steps for its turn at a slot.
 """
 
 from __future__ import annotations
@@ -208,7 +209,9 @@ class Scheduler:
         assert self.max_loras is not None
         running = self._active_loras()
         places = [i for i, seq in enumerate(order) if seq.lora_id and seq.lora_id not in running]
-        if len(running) + len({order[i].lora_id for i in places}) <= self.max_loras:
+        wanted = running | {order[i].lora_id for i in places}
+        fits = self.can_activate(wanted) if self.can_activate is not None else len(wanted) <= self.max_loras
+        if fits:  # pinned adapters hold their slots: can_activate counts them
             return order
         demand = Counter(lora_id for lora_id, _ in {(order[i].lora_id, order[i].request.turn_key) for i in places})
         first_place: dict[int, int] = {}

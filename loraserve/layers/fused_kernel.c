@@ -211,11 +211,14 @@ void rms_norm(const void *x, int64_t x_ld, void *residual, int64_t res_ld, void 
  *     x[i]       = x[i] * c - x[i + D/2] * s
  *     x[i + D/2] = x[i + D/2] * c + x[i] * s          (old values on the right, each product rounded)
  * Shape: x [rows, >= num_heads * head_dim] (row stride x_ld); positions [rows] int64;
- * cos/sin [max_positions, head_dim] float32 (the second half repeats the first). */
-void rotary_inplace(void *x, int64_t x_ld, const int64_t *positions, const float *cos_table,
-                    const float *sin_table, int64_t rows, int64_t num_heads, int64_t head_dim, int dtype,
-                    int num_threads) {
+ * cos/sin [num_positions, head_dim] float32 (the second half repeats the first).
+ * Returns 0, or 1 (nothing written) when a position is outside the tables. */
+int rotary_inplace(void *x, int64_t x_ld, const int64_t *positions, const float *cos_table,
+                   const float *sin_table, int64_t num_positions, int64_t rows, int64_t num_heads,
+                   int64_t head_dim, int dtype, int num_threads) {
     const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < rows; ++t)
+        if (positions[t] < 0 || positions[t] >= num_positions) return 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * num_heads * head_dim >= MIN_PARALLEL_ELEMS)
     for (int64_t t = 0; t < rows; ++t) {
         const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
@@ -232,4 +235,5 @@ void rotary_inplace(void *x, int64_t x_ld, const int64_t *positions, const float
             }
         }
     }
+    return 0;
 }

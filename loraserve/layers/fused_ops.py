@@ -31,9 +31,13 @@ def _load() -> Any:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i32]
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i32, i32]
-    lib.rotary_inplace.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i32]
-    for fn in (lib.silu_and_mul, lib.rms_norm, lib.rotary_inplace):
-        fn.restype = None
+    try:
+        lib.rotary_inplace.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
+        lib.rotary_inplace.restype = ctypes.c_int
+        for fn in (lib.silu_and_mul, lib.rms_norm):
+            fn.restype = None
+    except AttributeError:  # a library without these symbols: the twins run
+        return None
     return lib
 
 
@@ -67,8 +71,8 @@ def rms_norm(
     """Semantics: with a residual, residual = x + residual (in place, rounded to the dtype) and the
     norm reads it; out = weight * (h * rsqrt(mean(h^2) + eps)).to(dtype) with h the row in float32.
     Returns (out, residual). Shape: x, residual [T, D]; weight [D] -> out [T, D]."""
-    if not (_served(x) and (residual is None or _served(x, residual)) and weight.dtype == x.dtype
-            and weight.is_contiguous() and x.shape[-1] == weight.shape[0]):
+    if not (_served(x) and (residual is None or (_served(x, residual) and residual.shape == x.shape))
+            and weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == (x.shape[-1],)):
         return rms_norm_twin(x, weight, eps, residual)
     out = torch.empty_like(x)
     res_ptr, res_ld = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
@@ -91,7 +95,7 @@ def rms_norm_twin(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Semantics: silu(gate) * up with gate, up = x.split(half). Shape: x [T, 2I] -> [T, I]."""
     width = x.shape[-1] // 2
-    if not _served(x):
+    if not _served(x) or x.shape[-1] % 2:
         return silu_and_mul_twin(x)
     out = x.new_empty(x.shape[0], width)
     _lib.silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], width,
@@ -111,14 +115,19 @@ def rotary_(
     """Semantics: rope (half-split layout) on the first num_heads heads of each row of x, in place:
     x_h = x_h * cos[pos] + rotate_half(x_h) * sin[pos], the float32 tables cast to x's dtype first.
     Shape: x [T, >= num_heads * head_dim] (row stride free); positions [T] int64; tables [P, head_dim]."""
+    tables = (cos_table, sin_table)
     if not (_served(x) and positions.dtype == torch.int64 and positions.is_contiguous()
-            and cos_table.dtype == torch.float32 and cos_table.is_contiguous() and sin_table.is_contiguous()
-            and x.shape[1] >= num_heads * head_dim):
+            and positions.shape == (x.shape[0],) and head_dim % 2 == 0 and x.shape[1] >= num_heads * head_dim
+            and all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == head_dim
+                    and t.device.type == "cpu" for t in tables)
+            and sin_table.shape == cos_table.shape):
         rotary_twin_(x, positions, cos_table, sin_table, num_heads, head_dim)
         return
-    _lib.rotary_inplace(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_table.data_ptr(),
-                        sin_table.data_ptr(), x.shape[0], num_heads, head_dim, _DTYPE_CODES[x.dtype],
-                        torch.get_num_threads())
+    status = _lib.rotary_inplace(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_table.data_ptr(),
+                                 sin_table.data_ptr(), cos_table.shape[0], x.shape[0], num_heads, head_dim,
+                                 _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    if status != 0:
+        raise IndexError(f"a position is outside the rotary tables ({cos_table.shape[0]} positions)")
 
 
 def rotary_twin_(

@@ -18,7 +18,8 @@ class HashPart:
     """sha256 of the buffers `chunks()` yields, computed on its own thread, after `read()` if given."""
 
     def __init__(self, chunks: Callable[[], Iterable[Any]], read: Callable[[], None] | None = None) -> None:
-        self._chunks, self._read = chunks, read
+        self._chunks: Callable[[], Iterable[Any]] | None = chunks
+        self._read = read
         self._loaded = threading.Event()
         self._error: BaseException | None = None
         self._digest: bytes | None = None
@@ -37,11 +38,20 @@ class HashPart:
             return
         try:
             h = hashlib.sha256()
+            assert self._chunks is not None
             for chunk in self._chunks():
                 h.update(chunk)
             self._digest = h.digest()
         except BaseException as e:  # noqa: BLE001 - re-raised in the waiting thread
             self._error = e
+        finally:
+            # The registry keeps the digest as long as the adapter is registered: holding the
+            # adapter's bytes here would keep every evicted adapter in memory.
+            self._chunks = self._read = None
+
+    def _raise_error(self) -> None:
+        if self._error is not None:  # a stored error is raised again and again: keep its traceback short
+            raise self._error.with_traceback(None)
 
     def done(self) -> bool:
         """Whether the hash is finished (or failed): `digest()` would not wait."""
@@ -50,13 +60,11 @@ class HashPart:
     def wait_loaded(self) -> None:
         """Wait until the bytes are in place (the read is done); raises the read's error."""
         self._loaded.wait()
-        if self._error is not None:
-            raise self._error
+        self._raise_error()
 
     def digest(self) -> bytes:
         self._thread.join()
-        if self._error is not None:
-            raise self._error
+        self._raise_error()
         assert self._digest is not None
         return self._digest
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
+import weakref
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,16 @@ def test_digest_errors_reach_the_caller(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="disk on fire"):
         pending.result()
     assert len(adapter.start_digest("{}").result()) == 64
+
+
+def test_a_finished_digest_keeps_no_bytes_alive(tmp_path: Path) -> None:
+    """The registry keeps an adapter's digest while it is registered: the digest must not keep the
+    adapter's file buffer (and so every evicted adapter) in memory."""
+    adapter = read_adapter_file(_save(tmp_path / "a", _tensors(3)), "a")
+    assert adapter.raw is not None
+    pending = adapter.start_digest("{}")
+    digest = pending.result()
+    raw = weakref.ref(adapter.raw)
+    del adapter
+    gc.collect()
+    assert raw() is None and pending.result() == digest

@@ -190,7 +190,7 @@ def test_registered_adapter_changed_on_disk_never_serves_the_new_weights(
     manager = _manager()
     folder = write_stand_in_adapter(tmp_path / "c", 1)
     original = (folder / "adapter_model.safetensors").read_bytes()
-    digest = manager.register(LoRARequest("c", 1, str(folder)))
+    digest = manager.register(LoRARequest("c", 1, str(folder))).result()
     manager.register(LoRARequest("d", 2, str(write_stand_in_adapter(tmp_path / "d", 2))))  # evicts "c"
     safetensors.torch.save_file(stand_in_tensors(7), str(folder / "adapter_model.safetensors"))
 
@@ -210,7 +210,7 @@ def test_registered_adapter_changed_on_disk_never_serves_the_new_weights(
     # Serving the new weights takes an unload and a load: a new content identity (prefix-cache salt).
     safetensors.torch.save_file(stand_in_tensors(7), str(folder / "adapter_model.safetensors"))
     assert manager.remove(1, in_use=False)
-    assert manager.register(LoRARequest("c", 1, str(folder)), explicit=True) != digest
+    assert manager.register(LoRARequest("c", 1, str(folder)), explicit=True).result() != digest
 
 
 def test_failed_loads_under_a_home_path_are_retried_once_fixed(tmp_path, monkeypatch) -> None:

@@ -138,3 +138,10 @@ def test_the_other_cpu_paths_match_too(arch: str, tmp_path: object) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def test_rotary_positions_outside_the_tables_are_refused(ops: Ops) -> None:
+    x = wide_rows(3, 2 * 8, torch.float32)
+    table = torch.zeros(16, 8)
+    with pytest.raises(IndexError):
+        ops.rotary_(x, torch.tensor([0, 5, 16]), table, table, 2, 8)

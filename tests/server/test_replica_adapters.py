@@ -27,7 +27,8 @@ class FolderResolver(LoRAResolver):
 
 
 @pytest.fixture
-def resolver(tmp_path: Path) -> Iterator[FolderResolver]:
+def resolver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FolderResolver]:
+    monkeypatch.setenv("LORASERVE_ALLOW_RUNTIME_LORA_UPDATING", "true")
     found = FolderResolver(tmp_path / "replica-cache")
     (tmp_path / "replica-cache" / "sql").mkdir(parents=True)
     LoRAResolverRegistry.register_resolver("test_replica_folder", found)
@@ -54,3 +55,12 @@ def test_a_folder_present_here_or_a_repo_id_is_left_alone(resolver: FolderResolv
 def test_a_name_no_resolver_finds_goes_on_unchanged(resolver: FolderResolver, tmp_path: Path) -> None:
     sent = LoRARequest("gone", 3, str(tmp_path / "ingress-cache" / "gone"))
     assert asyncio.run(local_adapter(sent, "base-model")) is sent  # the engine names the missing files
+
+
+def test_resolvers_are_not_asked_when_runtime_loading_is_off(
+    resolver: FolderResolver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORASERVE_ALLOW_RUNTIME_LORA_UPDATING", "false")
+    sent = LoRARequest("sql", 7, str(tmp_path / "ingress-cache" / "sql"))
+    assert asyncio.run(local_adapter(sent, "base-model")) is sent
+    assert resolver.asked == []

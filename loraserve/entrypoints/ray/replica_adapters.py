@@ -4,7 +4,10 @@ The ingress resolves an adapter name (its resolvers download into the ingress ma
 sends the replica a `LoRARequest` whose path is a folder on the ingress machine. A replica on another
 node has no such folder: it asks its own resolvers for the same name, so a shared store (S3) is read
 once per replica into that replica's cache, and nothing but the store is shared. Paths that are not
-absolute (a Hugging Face repo id, `~`) are left to the engine, which resolves them itself.
+absolute (a Hugging Face repo id, `~`) are left to the engine, which resolves them itself. As at the
+ingress, resolvers are asked only when runtime loading is on. The name is what is resolved: an
+adapter loaded through the API from a folder only the ingress machine has is served from the
+store's adapter of that name, if the store has one.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import dataclasses
 import logging
 import os
 
+from loraserve import envs
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolverRegistry
 
@@ -23,8 +27,9 @@ async def local_adapter(lora_request: LoRARequest, base_model_name: str) -> LoRA
     """`lora_request` with a path that exists here: itself when its folder is here (one machine, or
     a shared folder), else the folder this replica's resolvers fetch for its name. When no resolver
     finds it the request goes on unchanged and the engine reports the missing files by name."""
-    if not os.path.isabs(lora_request.lora_path) or os.path.isdir(lora_request.lora_path):
-        return lora_request
+    if not envs.allow_runtime_lora_updating() or not os.path.isabs(lora_request.lora_path) \
+            or os.path.isdir(lora_request.lora_path):
+        return lora_request  # resolvers are consulted only where runtime loading is on, as at the ingress
     for resolver_name in LoRAResolverRegistry.get_supported_resolvers():
         resolver = LoRAResolverRegistry.get_resolver(resolver_name)
         try:
