@@ -76,7 +76,8 @@ def cluster(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     saved_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = python_path
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20)
+    # log_to_driver off: replica logs streamed into this process would land in other tests' captured stderr
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
     env = {
         "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
         "PYTHONPATH": python_path,
