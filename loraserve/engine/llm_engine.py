@@ -10,7 +10,6 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from loraserve.config import EngineConfig
 from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.engine_stats import engine_stats, residency_levels
 from loraserve.engine.model_runner import ModelRunner, StepResult, kv_cache_block_bytes
 from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -374,35 +374,8 @@ class LLMEngine:
     def lora_residency(self) -> dict[str, str]:
         """Adapter name -> its highest residency level, "slot" or "host", for every adapter in memory
         (any thread; what a replica reports to the adapter-affinity router)."""
-        if self.lora is None:
-            return {}
-        levels = self.lora.resident_adapters()
-        return {**{name: "host" for name in levels["host"]}, **{name: "slot" for name in levels["slot"]}}
+        return residency_levels(self.lora.resident_adapters()) if self.lora is not None else {}
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot for metrics (any thread; `/metrics` and each replica's aggregation read it).
-
-        Numbers (gauges; monotonic counters such as `num_step_failures`, `lora_num_loads`,
-        `lora_num_load_failures`), `{adapter name: count}` maps (`running_by_adapter`,
-        `waiting_by_adapter`; "" is the base model), and lists of new observations (`lora_load_seconds`,
-        drained by each call). With LoRA: `max_lora` (the number of compute slots) and
-        `lora_adapters_loaded` = {"slot": [names], "host": [names]} (`LoRAManager.resident_adapters`)."""
-        running, waiting = self.scheduler.running, self.scheduler.waiting
-        stats: dict[str, Any] = {
-            "num_running": len(running),
-            "num_waiting": len(waiting),
-            "running_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in running)),
-            "waiting_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in waiting)),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_step_failures": self.step_failures.total,
-            "prefix_cache_queries": self.block_manager.num_prefix_queries,
-            "prefix_cache_hits": self.block_manager.num_prefix_hits,
-            "kv_blocks_free": self.block_manager.num_free_blocks,
-            "kv_blocks_total": self.block_manager.num_blocks,
-        }
-        if self.lora is not None:
-            stats.update(self.lora.stats())  # its lists are observations new since the last call
-            stats["max_lora"] = self.lora.lora_config.max_loras
-            stats["lora_adapters_loaded"] = self.lora.resident_adapters()
-        return stats
-
+        """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
+        return engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)

@@ -1,0 +1,45 @@
+"""The engine's metrics snapshot: what `/metrics`, each replica's report and the router read."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from loraserve.lora.manager import LoRAManager
+
+
+def engine_stats(
+    scheduler: Scheduler, block_manager: BlockManager, num_step_failures: int, lora: LoRAManager | None
+) -> dict[str, Any]:
+    """Numbers (gauges; monotonic counters such as `num_step_failures`, `lora_num_loads`,
+    `lora_num_load_failures`), `{adapter name: count}` maps (`running_by_adapter`,
+    `waiting_by_adapter`; "" is the base model), and lists of new observations (`lora_load_seconds`,
+    drained by each call). With LoRA: `max_lora` (the number of compute slots) and
+    `lora_adapters_loaded` = {"slot": [names], "host": [names]} (`LoRAManager.resident_adapters`)."""
+    running, waiting = scheduler.running, scheduler.waiting
+    stats: dict[str, Any] = {
+        "num_running": len(running),
+        "num_waiting": len(waiting),
+        "running_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in running)),
+        "waiting_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in waiting)),
+        "num_preemptions": scheduler.num_preemptions,
+        "num_step_failures": num_step_failures,
+        "prefix_cache_queries": block_manager.num_prefix_queries,
+        "prefix_cache_hits": block_manager.num_prefix_hits,
+        "kv_blocks_free": block_manager.num_free_blocks,
+        "kv_blocks_total": block_manager.num_blocks,
+    }
+    if lora is not None:
+        stats.update(lora.stats())  # its lists are observations new since the last call
+        stats["max_lora"] = lora.lora_config.max_loras
+        stats["lora_adapters_loaded"] = lora.resident_adapters()
+    return stats
+
+
+def residency_levels(resident: dict[str, list[str]]) -> dict[str, str]:
+    """{"slot": names, "host": names} -> name -> its highest level ("slot" over "host")."""
+    return {**{name: "host" for name in resident["host"]}, **{name: "slot" for name in resident["slot"]}}
