@@ -38,6 +38,8 @@ MIXES = {
     "some_without": [-1, 2, 2, -1, 0, 4, 2, -1, 0, 0, 3],
     "one_long_run": [1] * 32,
     "single_tokens": [4, 3, -1, 1, 0, 2],
+    # 11 and 5 tokens: expand groups and token blocks that do not divide them (partial blocks of 3 and 1)
+    "uneven_runs": [1] * 11 + [-1] + [3] * 5,
 }
 
 

@@ -17,12 +17,15 @@
  * loaded after torch, so it shares torch's libgomp and its thread pool.
  *
  * Built with -march=native (loraserve/native/build.py), so the feature macros pick the code:
- * float32 runs AVX2 + FMA or scalar code; bfloat16 runs AVX-512 (vdpbf16ps dot products where the
+ * float32 runs AVX-512, AVX2 + FMA or scalar code; bfloat16 runs AVX-512 (vdpbf16ps dot products where the
  * CPU has AVX512-BF16, else bf16 -> fp32 widening and fp32 FMAs), AVX2, or scalar code.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -34,60 +37,10 @@
 #define LORA_AVX512 1 /* bf16: 32 values per vector, tails through masked loads and stores */
 #endif
 
-#define CHUNK 256 /* expand columns per work item: a [rank, CHUNK] block of Bt stays in L1 */
+#define CHUNK 256 /* expand columns per work item, at most: a [rank, CHUNK] block of Bt stays in L1 */
 
 enum { LORA_F32 = 0, LORA_BF16 = 1 }; /* element type of x, y, A and Bt (and of a write record) */
 typedef uint16_t bf16;
-
-/* *out0 = a . x0 and, when x1 is not NULL, *out1 = a . x1: the row of A is read once for both. */
-static void dot2(const float *a, const float *x0, const float *x1, int64_t n, float *out0, float *out1) {
-    int64_t j = 0;
-    float r0 = 0.0f, r1 = 0.0f;
-#ifdef LORA_AVX2
-    __m256 s0[4], s1[4];
-    for (int u = 0; u < 4; ++u) s0[u] = s1[u] = _mm256_setzero_ps();
-    for (; j + 32 <= n; j += 32) {
-        for (int u = 0; u < 4; ++u) {
-            const __m256 av = _mm256_loadu_ps(a + j + 8 * u);
-            s0[u] = _mm256_fmadd_ps(av, _mm256_loadu_ps(x0 + j + 8 * u), s0[u]);
-            if (x1) s1[u] = _mm256_fmadd_ps(av, _mm256_loadu_ps(x1 + j + 8 * u), s1[u]);
-        }
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(s0[0], s0[1]), _mm256_add_ps(s0[2], s0[3])));
-    for (int u = 0; u < 8; ++u) r0 += lanes[u];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(s1[0], s1[1]), _mm256_add_ps(s1[2], s1[3])));
-    for (int u = 0; u < 8; ++u) r1 += lanes[u];
-#endif
-    for (; j < n; ++j) {
-        r0 += a[j] * x0[j];
-        if (x1) r1 += a[j] * x1[j];
-    }
-    *out0 = r0;
-    if (x1) *out1 = r1;
-}
-
-/* y[j] += sum_k t[k] * b[k * ld + j] for j < width: the block of b is read once per token. */
-static void axpy_block(float *y, const float *t, const float *b, int64_t ld, int64_t rank, int64_t width) {
-    int64_t j = 0;
-#ifdef LORA_AVX2
-    for (; j + 32 <= width; j += 32) {
-        __m256 c[4];
-        for (int u = 0; u < 4; ++u) c[u] = _mm256_loadu_ps(y + j + 8 * u);
-        for (int64_t k = 0; k < rank; ++k) {
-            const __m256 coef = _mm256_broadcast_ss(t + k);
-            const float *row = b + k * ld + j;
-            for (int u = 0; u < 4; ++u) c[u] = _mm256_fmadd_ps(coef, _mm256_loadu_ps(row + 8 * u), c[u]);
-        }
-        for (int u = 0; u < 4; ++u) _mm256_storeu_ps(y + j + 8 * u, c[u]);
-    }
-#endif
-    for (; j < width; ++j) {
-        float acc = y[j];
-        for (int64_t k = 0; k < rank; ++k) acc += t[k] * b[k * ld + j];
-        y[j] = acc;
-    }
-}
 
 static inline float bf16_to_f32(bf16 v) {
     const uint32_t u = (uint32_t)v << 16;
@@ -161,119 +114,356 @@ static inline float sum8(__m256 v) {
 }
 #endif
 
-/* dot2 for bf16 rows: float32 sums. */
-static void dot2_bf16(const bf16 *a, const bf16 *x0, const bf16 *x1, int64_t n, float *out0, float *out1) {
+/* Register blocking: a shrink work item is ROW_BLOCK rows of A against TOKEN_BLOCK tokens at a time,
+ * so every vector of A or x loaded feeds several dot products (one row against one token re-read x
+ * for every row and spent its time in horizontal sums); an expand pass widens each vector of Bt once
+ * for TOKEN_BLOCK tokens. AVX2 has 16 vector registers, AVX-512 32: hence the smaller token block. */
+#define ROW_BLOCK 4
+#ifdef LORA_AVX512
+#define TOKEN_BLOCK 4
+#else
+#define TOKEN_BLOCK 2
+#endif
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* out[tk * ld + r] = a[r * n : (r + 1) * n] . xs[tk][0 : n] for r < R, tk < T (float32 sums).
+ * Inlined with constant R and T, the R * T sums live in registers. */
+ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16 *const *xs, int T,
+                                     float *out, int64_t ld) {
+    if (R > ROW_BLOCK || T > TOKEN_BLOCK) __builtin_unreachable();
     int64_t j = 0;
-    float r0 = 0.0f, r1 = 0.0f;
 #if defined(LORA_AVX512)
-    __m512 s0[4], s1[4]; /* 4 sums per token: the dot products' latency, not their count, bounds a row */
-    for (int u = 0; u < 4; ++u) s0[u] = s1[u] = _mm512_setzero_ps();
-    for (; j + 128 <= n; j += 128) {
-        for (int u = 0; u < 4; ++u) {
-            const __m512i av = _mm512_loadu_si512(a + j + 32 * u);
-            s0[u] = dot_pairs(s0[u], av, _mm512_loadu_si512(x0 + j + 32 * u));
-            if (x1) s1[u] = dot_pairs(s1[u], av, _mm512_loadu_si512(x1 + j + 32 * u));
-        }
-    }
+    __m512 acc[ROW_BLOCK][TOKEN_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) acc[r][tk] = _mm512_setzero_ps();
     for (; j < n; j += 32) {
         const __mmask32 m = tail_mask(n - j);
-        const __m512i av = _mm512_maskz_loadu_epi16(m, a + j);
-        s0[0] = dot_pairs(s0[0], av, _mm512_maskz_loadu_epi16(m, x0 + j));
-        if (x1) s1[0] = dot_pairs(s1[0], av, _mm512_maskz_loadu_epi16(m, x1 + j));
+        __m512i av[ROW_BLOCK];
+        for (int r = 0; r < R; ++r) av[r] = _mm512_maskz_loadu_epi16(m, a + r * n + j);
+        for (int tk = 0; tk < T; ++tk) {
+            const __m512i xv = _mm512_maskz_loadu_epi16(m, xs[tk] + j);
+            for (int r = 0; r < R; ++r) acc[r][tk] = dot_pairs(acc[r][tk], av[r], xv);
+        }
     }
-    r0 = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0[0], s0[1]), _mm512_add_ps(s0[2], s0[3])));
-    r1 = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s1[0], s1[1]), _mm512_add_ps(s1[2], s1[3])));
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = _mm512_reduce_add_ps(acc[r][tk]);
+    return;
 #elif defined(LORA_AVX2)
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    __m256 acc[ROW_BLOCK][TOKEN_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) acc[r][tk] = _mm256_setzero_ps();
     for (; j + 16 <= n; j += 16) {
-        const __m256i av = _mm256_loadu_si256((const __m256i *)(a + j));
-        s0 = dot_pairs(s0, av, _mm256_loadu_si256((const __m256i *)(x0 + j)));
-        if (x1) s1 = dot_pairs(s1, av, _mm256_loadu_si256((const __m256i *)(x1 + j)));
+        __m256i av[ROW_BLOCK];
+        for (int r = 0; r < R; ++r) av[r] = _mm256_loadu_si256((const __m256i *)(a + r * n + j));
+        for (int tk = 0; tk < T; ++tk) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[tk] + j));
+            for (int r = 0; r < R; ++r) acc[r][tk] = dot_pairs(acc[r][tk], av[r], xv);
+        }
     }
-    r0 = sum8(s0);
-    r1 = sum8(s1);
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = sum8(acc[r][tk]);
+#else
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = 0.0f;
 #endif
-    for (; j < n; ++j) {
-        const float av = bf16_to_f32(a[j]);
-        r0 += av * bf16_to_f32(x0[j]);
-        if (x1) r1 += av * bf16_to_f32(x1[j]);
-    }
-    *out0 = r0;
-    if (x1) *out1 = r1;
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) {
+            float sum = out[tk * ld + r];
+            for (int64_t i = j; i < n; ++i) sum += bf16_to_f32(a[r * n + i]) * bf16_to_f32(xs[tk][i]);
+            out[tk * ld + r] = sum;
+        }
 }
 
-/* axpy_block for bf16 y and b: y is widened once, summed over the rank in float32, rounded once. */
-static void axpy_block_bf16(bf16 *y, const float *t, const bf16 *b, int64_t ld, int64_t rank, int64_t width) {
+ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const float *const *xs, int T,
+                                    float *out, int64_t ld) {
+    if (R > ROW_BLOCK || T > TOKEN_BLOCK) __builtin_unreachable();
     int64_t j = 0;
 #if defined(LORA_AVX512)
-    for (; j < width; j += 128) { /* 8 sums of 16 lanes: enough independent FMAs to fill the pipes */
-        __mmask32 m[4];
-        __m512 c[8];
-        for (int u = 0; u < 4; ++u) {
-            m[u] = tail_mask(width - j - 32 * u);
-            const __m512i yv = _mm512_maskz_loadu_epi16(m[u], y + j + 32 * u);
-            c[2 * u] = widen_even(yv);
-            c[2 * u + 1] = widen_odd(yv);
+    __m512 acc[ROW_BLOCK][TOKEN_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) acc[r][tk] = _mm512_setzero_ps();
+    for (; j < n; j += 16) {
+        const __mmask16 m = (__mmask16)tail_mask(n - j);
+        __m512 av[ROW_BLOCK];
+        for (int r = 0; r < R; ++r) av[r] = _mm512_maskz_loadu_ps(m, a + r * n + j);
+        for (int tk = 0; tk < T; ++tk) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, xs[tk] + j);
+            for (int r = 0; r < R; ++r) acc[r][tk] = _mm512_fmadd_ps(av[r], xv, acc[r][tk]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = _mm512_reduce_add_ps(acc[r][tk]);
+    return;
+#elif defined(LORA_AVX2)
+    __m256 acc[ROW_BLOCK][TOKEN_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) acc[r][tk] = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        __m256 av[ROW_BLOCK];
+        for (int r = 0; r < R; ++r) av[r] = _mm256_loadu_ps(a + r * n + j);
+        for (int tk = 0; tk < T; ++tk) {
+            const __m256 xv = _mm256_loadu_ps(xs[tk] + j);
+            for (int r = 0; r < R; ++r) acc[r][tk] = _mm256_fmadd_ps(av[r], xv, acc[r][tk]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = sum8(acc[r][tk]);
+#else
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = 0.0f;
+#endif
+    for (int r = 0; r < R; ++r)
+        for (int tk = 0; tk < T; ++tk) {
+            float sum = out[tk * ld + r];
+            for (int64_t i = j; i < n; ++i) sum += a[r * n + i] * xs[tk][i];
+            out[tk * ld + r] = sum;
+        }
+}
+
+/* ys[tk][j] += sum_{k < rank} ts[tk][k] * b[k * ld + j] for j < width, tk < T: each vector of b is
+ * loaded (and widened) once for the T tokens; y is widened once and rounded once. */
+ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const float *const *ts, int T, const bf16 *b, int64_t ld,
+                                     int64_t rank, int64_t width) {
+    if (T > TOKEN_BLOCK) __builtin_unreachable();
+    int64_t j = 0;
+#if defined(LORA_AVX512)
+    for (; j < width; j += 64) {
+        const __mmask32 m0 = tail_mask(width - j), m1 = tail_mask(width - j - 32);
+        __m512 c[TOKEN_BLOCK][4];
+        for (int tk = 0; tk < T; ++tk) {
+            const __m512i y0 = _mm512_maskz_loadu_epi16(m0, ys[tk] + j), y1 = _mm512_maskz_loadu_epi16(m1, ys[tk] + j + 32);
+            c[tk][0] = widen_even(y0), c[tk][1] = widen_odd(y0), c[tk][2] = widen_even(y1), c[tk][3] = widen_odd(y1);
         }
         for (int64_t k = 0; k < rank; ++k) {
-            const __m512 coef = _mm512_set1_ps(t[k]);
-            for (int u = 0; u < 4; ++u) {
-                const __m512i bv = _mm512_maskz_loadu_epi16(m[u], b + k * ld + j + 32 * u);
-                c[2 * u] = _mm512_fmadd_ps(coef, widen_even(bv), c[2 * u]);
-                c[2 * u + 1] = _mm512_fmadd_ps(coef, widen_odd(bv), c[2 * u + 1]);
+            const __m512i b0 = _mm512_maskz_loadu_epi16(m0, b + k * ld + j);
+            const __m512i b1 = _mm512_maskz_loadu_epi16(m1, b + k * ld + j + 32);
+            const __m512 w[4] = {widen_even(b0), widen_odd(b0), widen_even(b1), widen_odd(b1)};
+            for (int tk = 0; tk < T; ++tk) {
+                const __m512 coef = _mm512_set1_ps(ts[tk][k]);
+                for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_fmadd_ps(coef, w[u], c[tk][u]);
             }
         }
-        for (int u = 0; u < 4; ++u) _mm512_mask_storeu_epi16(y + j + 32 * u, m[u], narrow(c[2 * u], c[2 * u + 1]));
+        for (int tk = 0; tk < T; ++tk) {
+            _mm512_mask_storeu_epi16(ys[tk] + j, m0, narrow(c[tk][0], c[tk][1]));
+            _mm512_mask_storeu_epi16(ys[tk] + j + 32, m1, narrow(c[tk][2], c[tk][3]));
+        }
     }
 #elif defined(LORA_AVX2)
     for (; j + 32 <= width; j += 32) {
-        const __m256i y0 = _mm256_loadu_si256((const __m256i *)(y + j));
-        const __m256i y1 = _mm256_loadu_si256((const __m256i *)(y + j + 16));
-        __m256 c[4] = {widen_even(y0), widen_odd(y0), widen_even(y1), widen_odd(y1)};
+        __m256 c[TOKEN_BLOCK][4];
+        for (int tk = 0; tk < T; ++tk) {
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(ys[tk] + j));
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(ys[tk] + j + 16));
+            c[tk][0] = widen_even(y0), c[tk][1] = widen_odd(y0), c[tk][2] = widen_even(y1), c[tk][3] = widen_odd(y1);
+        }
         for (int64_t k = 0; k < rank; ++k) {
-            const __m256 coef = _mm256_broadcast_ss(t + k);
             const __m256i b0 = _mm256_loadu_si256((const __m256i *)(b + k * ld + j));
             const __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + k * ld + j + 16));
-            c[0] = _mm256_fmadd_ps(coef, widen_even(b0), c[0]);
-            c[1] = _mm256_fmadd_ps(coef, widen_odd(b0), c[1]);
-            c[2] = _mm256_fmadd_ps(coef, widen_even(b1), c[2]);
-            c[3] = _mm256_fmadd_ps(coef, widen_odd(b1), c[3]);
+            const __m256 w[4] = {widen_even(b0), widen_odd(b0), widen_even(b1), widen_odd(b1)};
+            for (int tk = 0; tk < T; ++tk) {
+                const __m256 coef = _mm256_broadcast_ss(ts[tk] + k);
+                for (int u = 0; u < 4; ++u) c[tk][u] = _mm256_fmadd_ps(coef, w[u], c[tk][u]);
+            }
         }
-        _mm256_storeu_si256((__m256i *)(y + j), narrow(c[0], c[1]));
-        _mm256_storeu_si256((__m256i *)(y + j + 16), narrow(c[2], c[3]));
+        for (int tk = 0; tk < T; ++tk) {
+            _mm256_storeu_si256((__m256i *)(ys[tk] + j), narrow(c[tk][0], c[tk][1]));
+            _mm256_storeu_si256((__m256i *)(ys[tk] + j + 16), narrow(c[tk][2], c[tk][3]));
+        }
     }
 #endif
-    for (; j < width; ++j) {
-        float acc = bf16_to_f32(y[j]);
-        for (int64_t k = 0; k < rank; ++k) acc += t[k] * bf16_to_f32(b[k * ld + j]);
-        y[j] = f32_to_bf16(acc);
-    }
+    for (int tk = 0; tk < T; ++tk)
+        for (int64_t i = j; i < width; ++i) {
+            float acc = bf16_to_f32(ys[tk][i]);
+            for (int64_t k = 0; k < rank; ++k) acc += ts[tk][k] * bf16_to_f32(b[k * ld + i]);
+            ys[tk][i] = f32_to_bf16(acc);
+        }
 }
 
+ALWAYS_INLINE void expand_block_f32(float *const *ys, const float *const *ts, int T, const float *b, int64_t ld,
+                                    int64_t rank, int64_t width) {
+    if (T > TOKEN_BLOCK) __builtin_unreachable();
+    int64_t j = 0;
+#if defined(LORA_AVX512)
+    for (; j < width; j += 64) {
+        __mmask16 m[4];
+        __m512 c[TOKEN_BLOCK][4];
+        for (int u = 0; u < 4; ++u) m[u] = (__mmask16)tail_mask(width - j - 16 * u);
+        for (int tk = 0; tk < T; ++tk)
+            for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_maskz_loadu_ps(m[u], ys[tk] + j + 16 * u);
+        for (int64_t k = 0; k < rank; ++k) {
+            __m512 w[4];
+            for (int u = 0; u < 4; ++u) w[u] = _mm512_maskz_loadu_ps(m[u], b + k * ld + j + 16 * u);
+            for (int tk = 0; tk < T; ++tk) {
+                const __m512 coef = _mm512_set1_ps(ts[tk][k]);
+                for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_fmadd_ps(coef, w[u], c[tk][u]);
+            }
+        }
+        for (int tk = 0; tk < T; ++tk)
+            for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(ys[tk] + j + 16 * u, m[u], c[tk][u]);
+    }
+#elif defined(LORA_AVX2)
+    for (; j + 32 <= width; j += 32) {
+        __m256 c[TOKEN_BLOCK][4];
+        for (int tk = 0; tk < T; ++tk)
+            for (int u = 0; u < 4; ++u) c[tk][u] = _mm256_loadu_ps(ys[tk] + j + 8 * u);
+        for (int64_t k = 0; k < rank; ++k) {
+            __m256 w[4];
+            for (int u = 0; u < 4; ++u) w[u] = _mm256_loadu_ps(b + k * ld + j + 8 * u);
+            for (int tk = 0; tk < T; ++tk) {
+                const __m256 coef = _mm256_broadcast_ss(ts[tk] + k);
+                for (int u = 0; u < 4; ++u) c[tk][u] = _mm256_fmadd_ps(coef, w[u], c[tk][u]);
+            }
+        }
+        for (int tk = 0; tk < T; ++tk)
+            for (int u = 0; u < 4; ++u) _mm256_storeu_ps(ys[tk] + j + 8 * u, c[tk][u]);
+    }
+#endif
+    for (int tk = 0; tk < T; ++tk)
+        for (int64_t i = j; i < width; ++i) {
+            float acc = ys[tk][i];
+            for (int64_t k = 0; k < rank; ++k) acc += ts[tk][k] * b[k * ld + i];
+            ys[tk][i] = acc;
+        }
+}
 /* A slot's rank for one slice, clamped to [0, max_rank] so no value can index past the buffers. */
 static inline int64_t slice_rank(const int32_t *ranks, int64_t index, int64_t max_rank) {
     const int64_t rank = ranks[index];
     return rank < 0 ? 0 : (rank > max_rank ? max_rank : rank);
 }
 
-/* t[p * ld] = a_row . x[token p] for the tokens p of one segment, two per pass (a_row read once). */
-static void shrink_row(int elem, const void *a_row, const void *x, int64_t x_stride, int64_t in_features,
-                       const int64_t *token_ids, int64_t start, int64_t len, float *t, int64_t ld) {
-    for (int64_t m = 0; m < len; m += 2) {
-        const int64_t p = start + m, x0 = token_ids[p] * x_stride;
-        const int64_t x1 = m + 1 < len ? token_ids[p + 1] * x_stride : -1;
-        float *t0 = t + p * ld, *t1 = x1 >= 0 ? t0 + ld : NULL;
-        if (elem == LORA_BF16) {
-            const bf16 *xs = (const bf16 *)x;
-            dot2_bf16((const bf16 *)a_row, xs + x0, x1 >= 0 ? xs + x1 : NULL, in_features, t0, t1);
-        } else {
-            const float *xs = (const float *)x;
-            dot2((const float *)a_row, xs + x0, x1 >= 0 ? xs + x1 : NULL, in_features, t0, t1);
+/* One work item of the expand phase: columns [col, col + width) of slice q, for the tokens of one
+ * group (of EXPAND_GROUP) of one segment. */
+#define EXPAND_GROUP 8 /* tokens per expand item: a long segment splits, so threads share one adapter */
+#define PREFETCH_AHEAD 4 /* items: the blocks of A and Bt a thread needs next are fetched while it computes */
+
+typedef struct {
+    int64_t q, col, width;
+} SliceChunk;
+
+/* Cut each slice into chunks of at most max_width columns, as equal as multiples of 64 allow (an
+ * uneven last chunk would leave a thread idle when one adapter's few items are shared). Returns the count. */
+static int64_t slice_chunks(const int64_t *offsets, int64_t num_slices, int64_t max_width, SliceChunk *out) {
+    int64_t count = 0;
+    for (int64_t q = 0; q < num_slices; ++q) {
+        const int64_t width = offsets[q + 1] - offsets[q], pieces = (width + max_width - 1) / max_width;
+        const int64_t step = ((width + pieces - 1) / pieces + 63) / 64 * 64;
+        for (int64_t col = 0; col < width; col += step) {
+            if (out) out[count] = (SliceChunk){q, offsets[q] + col, width - col < step ? width - col : step};
+            ++count;
         }
+    }
+    return count;
+}
+
+static inline void prefetch_rows(const char *p, int64_t row_bytes, int64_t ld_bytes, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + r * ld_bytes + off, 0, 0);
+}
+
+static inline void thread_range(int64_t n, int64_t *lo, int64_t *hi) {
+#ifdef _OPENMP
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+    const int64_t tid = 0, nth = 1;
+#endif
+    *lo = n * tid / nth;
+    *hi = n * (tid + 1) / nth;
+}
+
+#define SHRINK_CALL(fn, type, R_, T_) fn((const type *)a_rows, in, R_, (const type *const *)xs, T_, out, ld)
+#define SHRINK_BY_SIZE(fn, type)                                                                  \
+    do {                                                                                          \
+        if (R == ROW_BLOCK && T == TOKEN_BLOCK) SHRINK_CALL(fn, type, ROW_BLOCK, TOKEN_BLOCK);   \
+        else if (R == ROW_BLOCK && T == 1) SHRINK_CALL(fn, type, ROW_BLOCK, 1);                   \
+        else if (R == ROW_BLOCK && T == 2) SHRINK_CALL(fn, type, ROW_BLOCK, 2);                   \
+        else SHRINK_CALL(fn, type, R, T);                                                         \
+    } while (0)
+
+/* t[p * ld + row] for the R rows of A at a_rows and the tokens p of one segment. */
+static void shrink_item(int elem, const char *a_rows, int64_t in, int R, const void *x, int64_t x_stride,
+                        const int64_t *token_ids, int64_t start, int64_t len, float *t, int64_t ld) {
+    const int64_t size = elem == LORA_BF16 ? 2 : 4;
+    for (int64_t m = 0; m < len; m += TOKEN_BLOCK) {
+        const int T = len - m < TOKEN_BLOCK ? (int)(len - m) : TOKEN_BLOCK;
+        const void *xs[TOKEN_BLOCK];
+        for (int tk = 0; tk < T; ++tk) xs[tk] = (const char *)x + size * token_ids[start + m + tk] * x_stride;
+        float *out = t + (start + m) * ld;
+        if (elem == LORA_BF16) SHRINK_BY_SIZE(shrink_block_bf16, bf16);
+        else SHRINK_BY_SIZE(shrink_block_f32, float);
     }
 }
 
-/* Returns 0 on success, 1 when the scratch buffer cannot be allocated (nothing written then).
+#define EXPAND_CALL(fn, type, T_) fn((type *const *)ys, ts, T_, (const type *)b, ld, rank, width)
+#define EXPAND_BY_SIZE(fn, type)                                        \
+    do {                                                                \
+        if (T == TOKEN_BLOCK) EXPAND_CALL(fn, type, TOKEN_BLOCK);       \
+        else if (T == 1) EXPAND_CALL(fn, type, 1);                      \
+        else if (T == 2) EXPAND_CALL(fn, type, 2);                      \
+        else EXPAND_CALL(fn, type, T);                                  \
+    } while (0)
+
+/* y[token p, col : col + width] += t[p * t_ld : + rank] @ b (rank rows of ld elements) for the tokens
+ * p in [first, last) of token_ids. */
+static void expand_item(int elem, void *y, int64_t y_stride, const char *b, int64_t ld, int64_t rank,
+                        int64_t col, int64_t width, const float *t, int64_t t_ld, const int64_t *token_ids,
+                        int64_t first, int64_t last) {
+    const int64_t size = elem == LORA_BF16 ? 2 : 4;
+    for (int64_t p = first; p < last; p += TOKEN_BLOCK) {
+        const int T = last - p < TOKEN_BLOCK ? (int)(last - p) : TOKEN_BLOCK;
+        void *ys[TOKEN_BLOCK];
+        const float *ts[TOKEN_BLOCK];
+        for (int tk = 0; tk < T; ++tk) {
+            ys[tk] = (char *)y + size * (token_ids[p + tk] * y_stride + col);
+            ts[tk] = t + (p + tk) * t_ld;
+        }
+        if (elem == LORA_BF16) EXPAND_BY_SIZE(expand_block_bf16, bf16);
+        else EXPAND_BY_SIZE(expand_block_f32, float);
+    }
+}
+
+/* The layer's buffers and the step's segments, as lora_fused receives them. */
+typedef struct {
+    int elem;
+    int64_t size, in, out, max_rank, num_slices, stacked_rank, row_blocks, num_chunks;
+    const char *a, *bt;
+    const int32_t *ranks;
+    const int64_t *token_ids, *seg_slots, *seg_starts, *seg_lens, *expand_first;
+    const SliceChunk *chunks;
+} Step;
+
+/* Shrink item `item` = (segment, slice, block of ROW_BLOCK rows); with t NULL, only prefetch its rows. */
+static void shrink_at(const Step *s, int64_t item, const void *x, int64_t x_stride, float *t) {
+    const int64_t per_seg = s->num_slices * s->row_blocks, seg = item / per_seg;
+    const int64_t q = item % per_seg / s->row_blocks, row0 = item % s->row_blocks * ROW_BLOCK;
+    const int64_t slot = s->seg_slots[seg], rank = slice_rank(s->ranks, slot * s->num_slices + q, s->max_rank);
+    if (row0 >= rank) return;
+    const int R = rank - row0 < ROW_BLOCK ? (int)(rank - row0) : ROW_BLOCK;
+    const int64_t row = q * s->max_rank + row0;
+    const char *a_rows = s->a + s->size * (slot * s->stacked_rank + row) * s->in;
+    if (t == NULL) prefetch_rows(a_rows, s->size * s->in * R, 0, 1);
+    else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, s->seg_starts[seg], s->seg_lens[seg],
+                     t + row, s->stacked_rank);
+}
+
+/* Expand item `item` of segment *seg (advanced as items pass it); with y NULL, only prefetch its block. */
+static void expand_at(const Step *s, int64_t item, int64_t *seg, void *y, int64_t y_stride, const float *t) {
+    while (item >= s->expand_first[*seg + 1]) ++*seg;
+    const int64_t local = item - s->expand_first[*seg], slot = s->seg_slots[*seg];
+    const SliceChunk c = s->chunks[local % s->num_chunks];
+    const int64_t rank = slice_rank(s->ranks, slot * s->num_slices + c.q, s->max_rank);
+    if (rank == 0) return;
+    const char *b = s->bt + s->size * ((slot * s->stacked_rank + c.q * s->max_rank) * s->out + c.col);
+    if (y == NULL) {
+        prefetch_rows(b, s->size * c.width, s->size * s->out, rank);
+        return;
+    }
+    const int64_t first = s->seg_starts[*seg] + local / s->num_chunks * EXPAND_GROUP;
+    const int64_t end = s->seg_starts[*seg] + s->seg_lens[*seg], last = first + EXPAND_GROUP < end ? first + EXPAND_GROUP : end;
+    expand_item(s->elem, y, y_stride, b, s->out, rank, c.col, c.width, t + c.q * s->max_rank, s->stacked_rank,
+                s->token_ids, first, last);
+}
+
+/* Returns 0 on success, 1 when the scratch buffers cannot be allocated (nothing written then).
  * `elem` is LORA_F32 or LORA_BF16, the type of x, y, a and bt. The caller guarantees: token_ids <
  * rows of x and y, seg_slots < L, slice offsets increasing from 0 to out_features (cpu_ops.py
  * checks all three). */
@@ -282,51 +472,42 @@ int lora_fused(int elem, const void *x, int64_t x_stride, void *y, int64_t y_str
                const int64_t *slice_offsets, const int32_t *ranks, const int64_t *token_ids,
                const int64_t *seg_slots, const int64_t *seg_starts, const int64_t *seg_lens, int64_t num_segs,
                int64_t num_active, int num_threads) {
-    const int64_t stacked_rank = num_slices * max_rank, size = elem == LORA_BF16 ? 2 : 4;
-    float *t = (float *)malloc(sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * stacked_rank);
-    if (t == NULL) return 1;
-    int64_t chunks_per_seg = 0;
-    for (int64_t q = 0; q < num_slices; ++q)
-        chunks_per_seg += (slice_offsets[q + 1] - slice_offsets[q] + CHUNK - 1) / CHUNK;
-    const int64_t shrink_items = num_segs * stacked_rank, expand_items = num_segs * chunks_per_seg;
+    const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, CHUNK, NULL);
+    float *t = (float *)malloc(sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * num_slices * max_rank);
+    SliceChunk *chunks = (SliceChunk *)malloc(sizeof(SliceChunk) * (size_t)(num_chunks > 0 ? num_chunks : 1));
+    int64_t *expand_first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_segs + 2));
+    if (t == NULL || chunks == NULL || expand_first == NULL) {
+        free(t), free(chunks), free(expand_first);
+        return 1;
+    }
+    slice_chunks(slice_offsets, num_slices, CHUNK, chunks);
+    expand_first[0] = 0;
+    for (int64_t g = 0; g < num_segs; ++g)
+        expand_first[g + 1] = expand_first[g] + (seg_lens[g] + EXPAND_GROUP - 1) / EXPAND_GROUP * num_chunks;
+    expand_first[num_segs + 1] = INT64_MAX; /* a sentinel for expand_at's walk */
+    const Step s = {elem, elem == LORA_BF16 ? 2 : 4, in_features, out_features, max_rank, num_slices,
+                    num_slices * max_rank, (max_rank + ROW_BLOCK - 1) / ROW_BLOCK, num_chunks, (const char *)a,
+                    (const char *)bt, ranks, token_ids, seg_slots, seg_starts, seg_lens, expand_first, chunks};
+    const int64_t shrink_items = num_segs * num_slices * s.row_blocks, expand_items = expand_first[num_segs];
 
+    /* Each thread takes a contiguous range of items, so it can prefetch the ones it does next. */
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Shrink: an item is one row of A (segment, slice, k) against the segment's tokens. */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < shrink_items; ++item) {
-            const int64_t seg = item / stacked_rank, row = item % stacked_rank, slot = seg_slots[seg];
-            if (row % max_rank >= slice_rank(ranks, slot * num_slices + row / max_rank, max_rank)) continue;
-            const char *a_row = (const char *)a + size * (slot * stacked_rank + row) * in_features;
-            shrink_row(elem, a_row, x, x_stride, in_features, token_ids, seg_starts[seg], seg_lens[seg],
-                       t + row, stacked_rank);
+        int64_t lo, hi;
+        thread_range(shrink_items, &lo, &hi);
+        for (int64_t item = lo; item < hi; ++item) {
+            if (item + PREFETCH_AHEAD < hi) shrink_at(&s, item + PREFETCH_AHEAD, NULL, 0, NULL);
+            shrink_at(&s, item, x, x_stride, t);
         }
-        /* Expand: an item is one column chunk of one slice, for one segment's tokens. */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < expand_items; ++item) {
-            const int64_t seg = item / chunks_per_seg, slot = seg_slots[seg];
-            int64_t chunk = item % chunks_per_seg, q = 0;
-            for (;; ++q) {
-                const int64_t n = (slice_offsets[q + 1] - slice_offsets[q] + CHUNK - 1) / CHUNK;
-                if (chunk < n) break;
-                chunk -= n;
-            }
-            const int64_t rank = slice_rank(ranks, slot * num_slices + q, max_rank);
-            if (rank == 0) continue;
-            const int64_t col = slice_offsets[q] + chunk * CHUNK;
-            const int64_t width = slice_offsets[q + 1] - col < CHUNK ? slice_offsets[q + 1] - col : CHUNK;
-            const int64_t block = (slot * stacked_rank + q * max_rank) * out_features + col;
-            for (int64_t p = seg_starts[seg]; p < seg_starts[seg] + seg_lens[seg]; ++p) {
-                const int64_t y_at = token_ids[p] * y_stride + col;
-                const float *tp = t + p * stacked_rank + q * max_rank;
-                if (elem == LORA_BF16)
-                    axpy_block_bf16((bf16 *)y + y_at, tp, (const bf16 *)bt + block, out_features, rank, width);
-                else
-                    axpy_block((float *)y + y_at, tp, (const float *)bt + block, out_features, rank, width);
-            }
+#pragma omp barrier
+        thread_range(expand_items, &lo, &hi);
+        int64_t seg = 0, ahead = 0;
+        for (int64_t item = lo; item < hi; ++item) {
+            if (item + PREFETCH_AHEAD < hi) expand_at(&s, item + PREFETCH_AHEAD, &ahead, NULL, 0, NULL);
+            expand_at(&s, item, &seg, y, y_stride, t);
         }
     }
-    free(t);
+    free(t), free(chunks), free(expand_first);
     return 0;
 }
 
