@@ -50,7 +50,7 @@ class OutputProcessor:
         return reports
 
     def _report(
-        self, seq: Sequence, token_id: int, logprob: float, top: dict[int, Logprob] | None
+        self, seq: Sequence, token_id: int, logprob: float | None, top: dict[int, Logprob] | None
     ) -> SampledToken:
         top_logprobs = (self.with_text(top) or {}) if seq.params.logprobs is not None else None
         delta_len = len(seq.detokenizer.append(token_id)) if seq.detokenizer is not None else 0

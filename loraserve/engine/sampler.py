@@ -36,7 +36,8 @@ class SamplingRow:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # raw (un-penalised, un-tempered) logprob of each sampled token
+    # raw (un-penalised, un-tempered) logprob of each sampled token; None where params.logprobs is None
+    logprobs: list[float | None]
     top_logprobs: list[dict[int, Logprob] | None]  # None for rows whose params.logprobs is None
 
 
@@ -56,8 +57,11 @@ class Sampler:
                 f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}."
             )
         raw = logits.float()
-        # log_softmax is ~3x faster than logsumexp on CPU here, and the logprob rows reuse it.
-        raw_logprobs = torch.log_softmax(raw, dim=-1)
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        # Only the rows that asked for logprobs pay for a log_softmax over the vocabulary (the
+        # sampled token's logprob feeds nothing else); taken before sampling edits `raw` in place.
+        index = torch.tensor(logprob_rows, dtype=torch.long, device=logits.device) if logprob_rows else None
+        raw_logprobs = torch.log_softmax(raw[index], dim=-1) if index is not None else None
         if any(_needs_logit_edits(row) for row in rows):
             # One copy: penalties and masks below work in place, the caller's tensor stays intact.
             logits = raw.clone()
@@ -66,19 +70,17 @@ class Sampler:
         else:
             logits = raw
         sampled = _sample(logits, rows)
-        sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
 
+        sampled_logprobs: list[float | None] = [None] * len(rows)
         top_logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
-        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        if logprob_rows:
-            index = torch.tensor(logprob_rows, device=logits.device)
-            dicts = _position_logprobs(
-                raw_logprobs[index], sampled[index], [rows[i].params.logprobs or 0 for i in logprob_rows]
-            )
-            for i, entry in zip(logprob_rows, dicts, strict=True):
-                top_logprobs[i] = entry
+        if index is not None and raw_logprobs is not None:
+            picked = sampled[index]
+            values = raw_logprobs.gather(1, picked.unsqueeze(1)).squeeze(1).tolist()
+            dicts = _position_logprobs(raw_logprobs, picked, [rows[i].params.logprobs or 0 for i in logprob_rows])
+            for i, value, entry in zip(logprob_rows, values, dicts, strict=True):
+                sampled_logprobs[i], top_logprobs[i] = value, entry
         return SamplerOutput(
-            token_ids=sampled.tolist(), logprobs=sampled_logprobs.tolist(), top_logprobs=top_logprobs
+            token_ids=sampled.tolist(), logprobs=sampled_logprobs, top_logprobs=top_logprobs
         )
 
 

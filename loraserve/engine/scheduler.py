@@ -47,7 +47,7 @@ class SampledToken:
 
     seq: Sequence
     token_id: int
-    logprob: float
+    logprob: float | None  # None unless the request asked for logprobs
     top_logprobs: PositionLogprobs | None  # None unless the request asked for logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -288,7 +288,8 @@ class Scheduler:
 def _append(token: SampledToken) -> None:
     seq = token.seq
     seq.token_ids.append(token.token_id)
-    seq.cumulative_logprob += token.logprob
+    if token.logprob is not None:
+        seq.cumulative_logprob += token.logprob
     if token.top_logprobs is not None:
         if seq.logprobs is None:
             seq.logprobs = []

@@ -270,11 +270,11 @@ def test_logprobs_are_raw_with_ranks_and_top_k() -> None:
     raw = torch.log_softmax(logits.double(), dim=-1)
     for i, row in enumerate(rows):
         token = out.token_ids[i]
-        assert out.logprobs[i] == pytest.approx(raw[i, token].item(), abs=1e-5)
         entry = out.top_logprobs[i]
         if row.params.logprobs is None:
-            assert entry is None
+            assert entry is None and out.logprobs[i] is None  # not asked for, not computed
             continue
+        assert out.logprobs[i] == pytest.approx(raw[i, token].item(), abs=1e-5)
         assert entry is not None
         assert next(iter(entry)) == token  # the sampled token comes first
         expected_ids = {token} | set(torch.topk(logits[i], row.params.logprobs).indices.tolist())
