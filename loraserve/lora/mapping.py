@@ -9,6 +9,7 @@ pointers into `segments`, computed here once per step instead of once per layer)
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import operator
 from dataclasses import dataclass
@@ -63,8 +64,9 @@ class LoRABatchMapping:
     token_slots:  [T] int64, slot per token, -1 for none (the bias lookup reads it).
     active_slots: distinct slots used, ascending; active_mask has bit s set for each (layers test it
                   against the slots they hold an adapter in).
-    cpu_kernel_args: on CPU, (token_ids, slots, starts, lens, num_segments, num_active_tokens) of
-                  `segments` as raw pointers and counts; the tensors are fields here, so they stay alive.
+    cpu_kernel_args: on CPU, the C kernel's `step` array: (token_ids, slots, starts, lens, num_segments,
+                  num_active_tokens) of `segments` as raw pointers and counts; the tensors are fields
+                  here, so they stay alive.
     """
 
     token_slots: torch.Tensor
@@ -74,7 +76,7 @@ class LoRABatchMapping:
     active_mask: int
     segments: SlotSegments
     torch_plan: TorchPlan
-    cpu_kernel_args: tuple[int, ...] | None = None
+    cpu_kernel_args: ctypes.Array[ctypes.c_int64] | None = None
 
     @property
     def has_lora(self) -> bool:
@@ -115,8 +117,9 @@ class LoRABatchMapping:
         segments = SlotSegments(views[2], views[1], views[3], views[4], max(counts, default=0))
         cpu_kernel_args = None
         if views[0].device.type == "cpu":
-            cpu_kernel_args = (segments.token_ids.data_ptr(), segments.slots.data_ptr(),
-                               segments.starts.data_ptr(), segments.lens.data_ptr(), len(active), sum(counts))
+            cpu_kernel_args = (ctypes.c_int64 * 6)(segments.token_ids.data_ptr(), segments.slots.data_ptr(),
+                                                   segments.starts.data_ptr(), segments.lens.data_ptr(), len(active),
+                                                   sum(counts))
         return cls(
             token_slots=views[0],
             num_tokens=len(slots),

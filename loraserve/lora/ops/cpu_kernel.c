@@ -464,14 +464,23 @@ static void expand_at(const Step *s, int64_t item, int64_t *seg, void *y, int64_
 }
 
 /* Returns 0 on success, 1 when the scratch buffers cannot be allocated (nothing written then).
- * `elem` is LORA_F32 or LORA_BF16, the type of x, y, a and bt. The caller guarantees: token_ids <
- * rows of x and y, seg_slots < L, slice offsets increasing from 0 to out_features (cpu_ops.py
- * checks all three). */
-int lora_fused(int elem, const void *x, int64_t x_stride, void *y, int64_t y_stride, int64_t in_features,
-               int64_t out_features, const void *a, const void *bt, int64_t max_rank, int64_t num_slices,
-               const int64_t *slice_offsets, const int32_t *ranks, const int64_t *token_ids,
-               const int64_t *seg_slots, const int64_t *seg_starts, const int64_t *seg_lens, int64_t num_segs,
-               int64_t num_active, int num_threads) {
+ * layer: {elem, in_features, out_features, a, bt, max_rank, num_slices, slice_offsets, ranks}, with
+ * elem LORA_F32 or LORA_BF16 (the type of x, y, a and bt) and the last two pointers to int64 [n + 1]
+ * and int32 [L, n]; step: {token_ids, seg_slots, seg_starts, seg_lens, num_segs, num_active}, the
+ * first four pointers to int64 arrays. Two arrays built once (per layer, per step) instead of 20
+ * arguments per call: ctypes converts every argument of every call. The caller guarantees:
+ * token_ids < rows of x and y, seg_slots < L, slice offsets increasing from 0 to out_features
+ * (cpu_ops.py checks all three). */
+int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t x_stride, void *y,
+               int64_t y_stride, int num_threads) {
+    const int elem = (int)layer[0];
+    const int64_t in_features = layer[1], out_features = layer[2], max_rank = layer[5], num_slices = layer[6];
+    const void *a = (const void *)(intptr_t)layer[3], *bt = (const void *)(intptr_t)layer[4];
+    const int64_t *slice_offsets = (const int64_t *)(intptr_t)layer[7];
+    const int32_t *ranks = (const int32_t *)(intptr_t)layer[8];
+    const int64_t *token_ids = (const int64_t *)(intptr_t)step[0], *seg_slots = (const int64_t *)(intptr_t)step[1];
+    const int64_t *seg_starts = (const int64_t *)(intptr_t)step[2], *seg_lens = (const int64_t *)(intptr_t)step[3];
+    const int64_t num_segs = step[4], num_active = step[5];
     const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, CHUNK, NULL);
     float *t = (float *)malloc(sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * num_slices * max_rank);
     SliceChunk *chunks = (SliceChunk *)malloc(sizeof(SliceChunk) * (size_t)(num_chunks > 0 ? num_chunks : 1));

@@ -49,7 +49,7 @@ class LayerArgs:
     in_features: int
     out_features: int
     num_slots: int
-    c_args: tuple[int, ...]  # (in, out, a, b_t, max_rank, num_slices, slice_offsets, ranks)
+    c_layer: ctypes.Array[ctypes.c_int64]  # the kernel's `layer` array (see lora_fused in cpu_kernel.c)
 
 
 _lock = threading.Lock()
@@ -70,8 +70,7 @@ def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fused.restype = ctypes.c_int
-    fused.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                      i64, i64, ctypes.c_int]
+    fused.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ctypes.c_int]
     write.restype = None
     write.argtypes = [i64, ptr, ptr, ctypes.c_int]
     paths.restype, paths.argtypes = ctypes.c_int, []
@@ -136,9 +135,9 @@ def layer_args(
     if not kernel_available():
         return None
     in_features, out_features = a.shape[2], b_t.shape[2]
-    return LayerArgs(a.dtype, in_features, out_features, a.shape[0],
-                     (in_features, out_features, a.data_ptr(), b_t.data_ptr(), max_rank, num_slices,
-                      slice_offsets.data_ptr(), ranks.data_ptr()))
+    c_layer = (ctypes.c_int64 * 9)(ELEM_TYPES[a.dtype], in_features, out_features, a.data_ptr(), b_t.data_ptr(),
+                                   max_rank, num_slices, slice_offsets.data_ptr(), ranks.data_ptr())
+    return LayerArgs(a.dtype, in_features, out_features, a.shape[0], c_layer)
 
 
 def applies(x: torch.Tensor, y: torch.Tensor, mapping: LoRABatchMapping) -> bool:
@@ -169,8 +168,8 @@ def run(x: torch.Tensor, y: torch.Tensor, args: LayerArgs, mapping: LoRABatchMap
         raise ValueError(f"x ({x.dtype}) and y ({y.dtype}) are not of the LoRA buffers' dtype {args.dtype}")
     if mapping.active_slots and mapping.active_slots[-1] >= args.num_slots:
         raise ValueError(f"slot {mapping.active_slots[-1]} is out of range for a layer of {args.num_slots} slots")
-    status = _build.fused(ELEM_TYPES[args.dtype], x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *args.c_args,
-                     *mapping.cpu_kernel_args, torch.get_num_threads())
+    status = _build.fused(args.c_layer, mapping.cpu_kernel_args, x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
+                          torch.get_num_threads())
     if status != 0:
         raise MemoryError("CPU LoRA kernel could not allocate its scratch buffer")
     return y
