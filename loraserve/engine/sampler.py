@@ -13,6 +13,7 @@ from itertools import chain
 
 import torch
 
+from loraserve.engine.argmax import argmax_rows
 from loraserve.outputs import Logprob
 from loraserve.sampling_params import SamplingParams
 
@@ -210,7 +211,7 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Greedy rows take the argmax; the others draw from their filtered, tempered distribution."""
-    sampled = logits.argmax(dim=-1)
+    sampled = argmax_rows(logits)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if not random_rows:
         return sampled
@@ -226,7 +227,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     sub = _apply_min_p(sub, [row.params.min_p for row in sub_rows])
     probs = torch.softmax(sub, dim=-1)
     noise = _exponential_noise(probs, sub_rows)
-    sampled[index] = (probs / noise).argmax(dim=-1)
+    sampled[index] = argmax_rows(probs / noise)
     return sampled
 
 
