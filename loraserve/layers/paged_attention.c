@@ -8,14 +8,18 @@
  * at positions k <= p (and k > p - window when window > 0); key k lives in cache slot
  * block_tables[b][k / block_size] * block_size + k % block_size. Scores are q.k * scale, then
  * softcap * tanh(s / softcap) when softcap > 0; softmax and accumulation are in float32 (online softmax
- * over tiles of W keys), and the output is rounded to the input dtype.
+ * over blocks of KEY_BLOCK keys), and the output is rounded to the input dtype.
  *
  * Why a kernel: the torch path copies every sequence's whole context out of the cache in every layer
  * and builds a [B, max_q, max_ctx] mask; here each K/V row is read once from where it lies and shared
- * by the query heads of its group (GQA), and requested two tiles ahead (blocks lie anywhere in the
- * cache, so no hardware prefetcher follows them). Work items are (sequence, query chunk, KV head, key
- * partition) over OpenMP threads (torch's libgomp: the library is loaded after torch); a long context
- * with too few items for the threads is split into key partitions that a second pass merges.
+ * by the query heads of its group (GQA), and requested one block ahead (blocks lie anywhere in the
+ * cache, so no hardware prefetcher follows them). A block's keys are all scored first, so each row pays
+ * one max, one rescale and one exp pass per block rather than per tile, and the values are summed with
+ * each 2W-column slice of a row's accumulator held in registers across the block's keys. Work items are
+ * (sequence, query chunk, KV head, key partition) over OpenMP threads (torch's libgomp: the library is
+ * loaded after torch), claimed one ahead so the next item's keys are requested while the current one
+ * finishes; a long context with too few items for the threads is split into key partitions that a
+ * second pass merges.
  * The vector width W is the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
  * 8 (AVX2 + FMA) or 1 (portable C); -march=native makes that the runtime dispatch.
  */
@@ -30,7 +34,10 @@
 typedef __m512 vf;
 typedef __mmask16 vmask;
 /* Lanes a <= j < b. */
-static inline vmask vrange(int64_t a, int64_t b) { return (vmask)(((1u << b) - 1u) & ~((1u << a) - 1u)); }
+static inline vmask vrange(int64_t a, int64_t b) {
+    a = a < 0 ? 0 : (a > W ? W : a), b = b < 0 ? 0 : (b > W ? W : b);
+    return (vmask)(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
 static inline vf vload(const float *p, int64_t n) {
     return n >= W ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(vrange(0, n), p);
 }
@@ -72,6 +79,19 @@ static inline vf vsum_keys(const vf *a) {
 #if defined(__AVX512BF16__)
 #define NATIVE_BF16_DOT 1
 #endif
+/* 2W bf16 values (n real) as float32 without widening shuffles: even elements in *a, odd in *b. */
+static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
+    const __m512i x = n >= 2 * W ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1u), p);
+    *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* (even elements, odd elements) back to (first W, next W). */
+static inline void vinterleave(vf *a, vf *b) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const vf x = _mm512_permutex2var_ps(*a, lo, *b), y = _mm512_permutex2var_ps(*a, hi, *b);
+    *a = x, *b = y;
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -130,6 +150,17 @@ static inline vf vsum_keys(const vf *a) {
         c[i] = vadd(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
     return vadd(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
 }
+static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
+    uint16_t tail[2 * W] = {0};
+    if (n < 2 * W) memcpy(tail, p, (size_t)n * sizeof(uint16_t));
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(n >= 2 * W ? p : tail));
+    *a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void vinterleave(vf *a, vf *b) {
+    const vf lo = _mm256_unpacklo_ps(*a, *b), hi = _mm256_unpackhi_ps(*a, *b);
+    *a = _mm256_permute2f128_ps(lo, hi, 0x20), *b = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
 
 #else /* portable C: one key per tile */
 #define W 1
@@ -161,6 +192,10 @@ static inline vmask vless(vf a, vf b) { return a < b; }
 static inline vf vround(vf x) { return nearbyintf(x); }
 static inline vf vpow2(vf y, vf n) { return ldexpf(y, (int)n); }
 static inline vf vsum_keys(const vf *a) { return a[0]; }
+static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
+    *a = vload_bf16(p, n), *b = vload_bf16(p + 1, n - 1);
+}
+static inline void vinterleave(vf *a, vf *b) { (void)a, (void)b; }
 #endif
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -168,6 +203,8 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #define MAX_ROWS 32   /* query rows (queries x heads of a group) per work item: their accumulators stay in L1 */
 #define MIN_PART 256  /* shortest key partition worth a merge */
+#define SCORE_PREFETCH ((W + 1) / 2) /* next block's keys requested per tile scored (the rest while the values are summed) */
+#define KEY_BLOCK 128 /* keys scored before their softmax and values: one max, one rescale per row and block */
 
 /* e^x in float32 (Cephes' polynomial, ~1 ulp), inputs clamped to the normal range. */
 static inline vf vexp(vf x) {
@@ -233,47 +270,6 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
 }
 #endif
 
-/* Rows r < nr of acc (d floats apart) += sum_j p[r * W + j] * v[j]: each slice of V is loaded (and
- * widened from bf16) once for all the rows, and each slice of acc stays in a register across the tile.
- * Callers pass a constant nr so the unused accumulators vanish. */
-static inline void pv_rows(float *acc, int64_t d, const float *p, int nr, const float *const *v,
-                           const uint16_t *const *v_bf16, int is_bf16) {
-    for (int64_t i = 0; i < d; i += W) {
-        const int64_t n = d - i;
-        vf a0 = vload(acc + i, n), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        if (nr > 1) a1 = vload(acc + d + i, n);
-        if (nr > 2) a2 = vload(acc + 2 * d + i, n);
-        if (nr > 3) a3 = vload(acc + 3 * d + i, n);
-#pragma GCC unroll 16
-        for (int j = 0; j < W; ++j) {
-            const vf x = is_bf16 ? vload_bf16(v_bf16[j] + i, n) : vload(v[j] + i, n);
-            a0 = vfma(vset1(p[j]), x, a0);
-            if (nr > 1) a1 = vfma(vset1(p[W + j]), x, a1);
-            if (nr > 2) a2 = vfma(vset1(p[2 * W + j]), x, a2);
-            if (nr > 3) a3 = vfma(vset1(p[3 * W + j]), x, a3);
-        }
-        vstore(acc + i, a0, n);
-        if (nr > 1) vstore(acc + d + i, a1, n);
-        if (nr > 2) vstore(acc + 2 * d + i, a2, n);
-        if (nr > 3) vstore(acc + 3 * d + i, a3, n);
-    }
-}
-
-/* pv_rows over `rows` rows, four at a time. */
-static void pv_group(float *acc, int64_t d, const float *p, int64_t rows, const float *const *v,
-                     const uint16_t *const *v_bf16, int is_bf16) {
-    for (int64_t r = 0; r < rows; r += 4) {
-        float *a = acc + r * d;
-        const float *pr = p + r * W;
-        switch (min64(4, rows - r)) {
-        case 4: pv_rows(a, d, pr, 4, v, v_bf16, is_bf16); break;
-        case 3: pv_rows(a, d, pr, 3, v, v_bf16, is_bf16); break;
-        case 2: pv_rows(a, d, pr, 2, v, v_bf16, is_bf16); break;
-        default: pv_rows(a, d, pr, 1, v, v_bf16, is_bf16); break;
-        }
-    }
-}
-
 /* dst row j (d floats) = bf16 row src[j], for the W rows of a tile. */
 static inline void rows_to_f32(float *dst, const uint16_t *const *src, const float **rows, int64_t d) {
     for (int j = 0; j < W; ++j) {
@@ -298,8 +294,36 @@ typedef struct {
     int64_t num_parts; /* on the first partition of a split (sequence, chunk, head): how many follow */
 } Item;
 
+/* Asks for the K and V rows of keys [j0, j1) ahead of use: blocks lie anywhere, so no hardware
+ * prefetcher follows them, and without this the kernel waits on memory latency, not bandwidth.
+ * always_inline: GCC deems a function of prefetches alone free of effects and drops calls to it. */
+__attribute__((always_inline)) static inline void prefetch_keys(const Args *a, const int64_t *offsets, int64_t j0,
+                                                                int64_t j1) {
+    const int64_t esize = a->is_bf16 ? 2 : 4, bytes = a->head_dim * esize;
+    for (int64_t j = j0; j < j1; ++j) {
+        const char *k = (const char *)a->k_cache + offsets[j] * esize, *v = (const char *)a->v_cache + offsets[j] * esize;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(k + b, 0, 3);
+            __builtin_prefetch(v + b, 0, 3);
+        }
+    }
+}
+
+/* The next block's keys, requested a few at a time all through the current block: a core has only so
+ * many misses in flight, so a steady trickle keeps memory busy where a burst would stall. */
 typedef struct {
-    float *q, *acc, *m, *l, *k_tile, *p; /* p: one query's group of probability rows, [group, W] */
+    const int64_t *offsets;
+    int64_t n, done;
+} Ahead;
+
+__attribute__((always_inline)) static inline void prefetch_ahead(const Args *a, Ahead *ahead, int64_t count) {
+    const int64_t j1 = min64(ahead->done + count, ahead->n);
+    prefetch_keys(a, ahead->offsets, ahead->done, j1);
+    ahead->done = j1;
+}
+
+typedef struct {
+    float *q, *acc, *m, *l, *k_tile, *p; /* p: [rows_cap, KEY_BLOCK] scores, then probabilities */
     uint16_t *q_bf16;
 } Scratch;
 
@@ -329,21 +353,6 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
     }
 }
 
-/* Online softmax for one row over one tile (scores s, lanes `live` visible): s becomes the tile's
- * probabilities in p; returns the factor the row's accumulator must be rescaled by. */
-static inline float softmax_step(const Args *a, vf s, vmask live, float *m, float *l, float *p) {
-    s = vmul(s, vset1(a->scale));
-    if (a->softcap > 0.0f) s = vmul(vset1(a->softcap), vtanh(vmul(s, vset1(1.0f / a->softcap))));
-    s = vselect(live, s, vset1(-INFINITY));
-    const float tile_max = vhmax(s), m_new = tile_max > *m ? tile_max : *m;
-    const float correction = m_new > *m ? expf(*m - m_new) : 1.0f;
-    const vf probs = vselect(live, vexp(vsub(s, vset1(m_new))), vzero());
-    *l = *l * correction + vhsum(probs);
-    *m = m_new;
-    vstore(p, probs, W);
-    return correction;
-}
-
 /* Lane j = the scores of row r against the tile's keys (bf16 keys read in place where the CPU has
  * bf16 dot products, else from their float32 copy). */
 static inline vf row_scores(const Args *a, const Scratch *s, int64_t r, const uint16_t *const *k_bf16,
@@ -356,90 +365,195 @@ static inline vf row_scores(const Args *a, const Scratch *s, int64_t r, const ui
     return qk_f32(s->q + r * a->head_dim, k_rows, a->head_dim);
 }
 
-/* Rows of the item against the W keys from k0 (n of them real) at the given cache element offsets. */
-static void attend_tile(const Args *a, const Item *it, Scratch *s, int64_t k0, int64_t n, const int64_t *offsets) {
+/* Scores of the item's rows against the block's keys [0, nk) (cache element offsets `offsets`) into
+ * s->p, -inf where a row does not see a key (query qi sees [lo[qi], hi[qi])); tiles a row does not see
+ * at all cost it no dot products. */
+static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, const int64_t *offsets,
+                        const int64_t *lo, const int64_t *hi, Ahead *ahead) {
     const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
-    const float *k_rows[W] = {0}, *v_rows[W] = {0};
-    const uint16_t *k_bf16[W] = {0}, *v_bf16[W] = {0};
-    for (int j = 0; j < W; ++j) {
-        if (a->is_bf16) {
-            k_bf16[j] = (const uint16_t *)a->k_cache + offsets[j];
-            v_bf16[j] = (const uint16_t *)a->v_cache + offsets[j];
-        } else {
-            k_rows[j] = (const float *)a->k_cache + offsets[j];
-            v_rows[j] = (const float *)a->v_cache + offsets[j];
+    for (int64_t t0 = 0; t0 < nk; t0 += W) {
+        prefetch_ahead(a, ahead, SCORE_PREFETCH);
+        const float *k_rows[W] = {0};
+        const uint16_t *k_bf16[W] = {0};
+        for (int j = 0; j < W; ++j) {
+            const int64_t off = offsets[t0 + j < nk ? t0 + j : t0]; /* past the last key: a real, finite row */
+            if (a->is_bf16) k_bf16[j] = (const uint16_t *)a->k_cache + off;
+            else k_rows[j] = (const float *)a->k_cache + off;
         }
-    }
+        int converted = 0;
+        for (int64_t qi = 0; qi < it->num_queries; ++qi) {
+            float *p = s->p + qi * group * KEY_BLOCK + t0;
+            if (lo[qi] >= min64(hi[qi], t0 + W) || hi[qi] <= t0) {
+                for (int64_t g = 0; g < group; ++g) vstore(p + g * KEY_BLOCK, vset1(-INFINITY), W);
+                continue;
+            }
 #ifndef NATIVE_BF16_DOT
-    if (a->is_bf16) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile, for every row of the item */
+            if (a->is_bf16 && !converted) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile for all rows */
 #endif
-    for (int64_t qi = 0; qi < it->num_queries; ++qi) {
-        int64_t lo, hi;
-        key_range(a, it, qi, &lo, &hi);
-        lo = max64(lo, k0) - k0;
-        hi = min64(hi, k0 + n) - k0;
-        if (lo >= hi) continue;
-        const vmask live = vrange(lo, hi);
-        float *acc = s->acc + qi * group * d;
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = qi * group + g;
-            const float c = softmax_step(a, row_scores(a, s, r, k_bf16, k_rows), live, &s->m[r], &s->l[r], s->p + g * W);
-            if (c != 1.0f)
-                for (int64_t i = 0; i < d; ++i) acc[g * d + i] *= c;
+            converted = 1;
+            const vmask live = vrange(lo[qi] - t0, min64(hi[qi], nk) - t0);
+            for (int64_t g = 0; g < group; ++g) {
+                vf x = vmul(row_scores(a, s, qi * group + g, k_bf16, k_rows), vset1(a->scale));
+                if (a->softcap > 0.0f) x = vmul(vset1(a->softcap), vtanh(vmul(x, vset1(1.0f / a->softcap))));
+                vstore(p + g * KEY_BLOCK, vselect(live, x, vset1(-INFINITY)), W);
+            }
         }
-        pv_group(acc, d, s->p, group, v_rows, v_bf16, a->is_bf16);
+        (void)converted;
+        (void)d;
     }
 }
 
-/* Cache element offsets of the W keys from k0 (n of them real) for one KV head; lanes past the last
- * key repeat the first one (finite values whose probability is 0). */
-static inline void tile_offsets(const Args *a, const int32_t *table, int64_t head_offset, int64_t k0, int64_t n,
-                                int64_t *offsets) {
-    const int64_t bs = a->block_size, slot_stride = a->num_kv_heads * a->head_dim;
-    for (int64_t j = 0, block = k0 / bs, at = k0 % bs; j < W; ++j) {
-        offsets[j] = j < n ? ((int64_t)table[block] * bs + at) * slot_stride + head_offset : offsets[0];
+/* Rows r < nr of acc (d floats apart) += sum over keys j0 <= j < j1 of p[r * KEY_BLOCK + j] * v[j]:
+ * 2W columns at a time, held in registers across all the keys, so each V row is loaded (and widened,
+ * even and odd bf16 elements apart with one instruction each) once per nr rows. Callers pass constants
+ * for nr and is_bf16 so the unused accumulators and the other dtype's loads vanish. */
+__attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d, const float *p, int nr,
+                                                          const void *v_cache, const int64_t *offsets,
+                                                          int64_t j0, int64_t j1, int is_bf16) {
+    for (int64_t i = 0; i < d; i += 2 * W) {
+        const int64_t n = d - i;
+        vf a0 = vzero(), b0 = vzero(), a1 = vzero(), b1 = vzero(), a2 = vzero(), b2 = vzero(), a3 = vzero(), b3 = vzero();
+        for (int64_t j = j0; j < j1; ++j) {
+            vf x, y;
+            if (is_bf16) {
+                vload_pair_bf16((const uint16_t *)v_cache + offsets[j] + i, n, &x, &y);
+            } else {
+                const float *v = (const float *)v_cache + offsets[j] + i;
+                x = vload(v, n), y = vload(v + W, n - W);
+            }
+            const float *pj = p + j;
+            a0 = vfma(vset1(pj[0]), x, a0), b0 = vfma(vset1(pj[0]), y, b0);
+            if (nr > 1) a1 = vfma(vset1(pj[KEY_BLOCK]), x, a1), b1 = vfma(vset1(pj[KEY_BLOCK]), y, b1);
+            if (nr > 2) a2 = vfma(vset1(pj[2 * KEY_BLOCK]), x, a2), b2 = vfma(vset1(pj[2 * KEY_BLOCK]), y, b2);
+            if (nr > 3) a3 = vfma(vset1(pj[3 * KEY_BLOCK]), x, a3), b3 = vfma(vset1(pj[3 * KEY_BLOCK]), y, b3);
+        }
+        vf *const sums[4][2] = {{&a0, &b0}, {&a1, &b1}, {&a2, &b2}, {&a3, &b3}};
+        for (int r = 0; r < nr; ++r) {
+            if (is_bf16) vinterleave(sums[r][0], sums[r][1]);
+            float *row = acc + r * d + i;
+            vstore(row, vadd(vload(row, n), *sums[r][0]), n);
+            vstore(row + W, vadd(vload(row + W, n - W), *sums[r][1]), n - W);
+        }
+    }
+}
+
+#define PV_KEYS 32 /* keys per slice of a block's values: between slices, the next block is requested */
+
+/* pv_rows over `rows` rows (probabilities p, KEY_BLOCK apart), four at a time and PV_KEYS keys at a
+ * time; each pass reads only the keys its rows see ([lo, hi) per row). */
+static void pv_block(const Args *a, float *acc, const float *p, int64_t rows, const int64_t *lo, const int64_t *hi,
+                     int64_t nk, const int64_t *offsets, Ahead *ahead) {
+    const int64_t d = a->head_dim, slices = (nk + PV_KEYS - 1) / PV_KEYS;
+    for (int64_t k0 = 0; k0 < nk; k0 += PV_KEYS) {
+        prefetch_ahead(a, ahead, (ahead->n - ahead->done + slices - 1) / slices);
+        for (int64_t r = 0; r < rows; r += 4) {
+            const int nr = (int)min64(4, rows - r);
+            int64_t j0 = lo[r], j1 = hi[r];
+            for (int k = 1; k < nr; ++k) j0 = min64(j0, lo[r + k]), j1 = max64(j1, hi[r + k]);
+            j0 = max64(j0, k0), j1 = min64(j1, k0 + PV_KEYS);
+            if (j0 >= j1) continue;
+            float *ar = acc + r * d;
+            const float *pr = p + r * KEY_BLOCK;
+#define PV_CASE(NR) \
+            if (a->is_bf16) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 1); \
+            else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 0); \
+            break;
+            switch (nr) {
+            case 4: PV_CASE(4)
+            case 3: PV_CASE(3)
+            case 2: PV_CASE(2)
+            default: PV_CASE(1)
+            }
+#undef PV_CASE
+        }
+    }
+}
+
+/* Online softmax for one row over a block of n scores (a multiple of W): the scores become
+ * probabilities (0 where -inf), the row's max and sum move on, and its accumulator is rescaled. */
+static void softmax_block(float *p, int64_t n, float *m, float *l, float *acc, int64_t d) {
+    vf mx = vset1(-INFINITY);
+    for (int64_t j = 0; j < n; j += W) mx = vmax(mx, vload(p + j, W));
+    const float block_max = vhmax(mx);
+    if (block_max == -INFINITY) { /* the row sees none of the block's keys */
+        for (int64_t j = 0; j < n; j += W) vstore(p + j, vzero(), W);
+        return;
+    }
+    const float m_new = block_max > *m ? block_max : *m;
+    if (m_new > *m && *l > 0.0f) {
+        const vf c = vset1(expf(*m - m_new));
+        for (int64_t i = 0; i < d; i += W) vstore(acc + i, vmul(vload(acc + i, d - i), c), d - i);
+        *l *= expf(*m - m_new);
+    }
+    vf sum = vzero();
+    const vf neg_inf = vset1(-INFINITY), shift = vset1(m_new);
+    for (int64_t j = 0; j < n; j += W) {
+        const vf x = vload(p + j, W);
+        const vf e = vselect(vless(neg_inf, x), vexp(vsub(x, shift)), vzero());
+        sum = vadd(sum, e);
+        vstore(p + j, e, W);
+    }
+    *l += vhsum(sum);
+    *m = m_new;
+}
+
+/* The item's rows against the block of keys [k0, k0 + nk) at `offsets`. */
+static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, int64_t nk, const int64_t *offsets,
+                         Ahead *ahead) {
+    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    int64_t lo[MAX_ROWS], hi[MAX_ROWS], row_lo[MAX_ROWS], row_hi[MAX_ROWS];
+    for (int64_t qi = 0; qi < it->num_queries; ++qi) {
+        key_range(a, it, qi, &lo[qi], &hi[qi]);
+        lo[qi] = max64(lo[qi], k0) - k0, hi[qi] = min64(hi[qi], k0 + nk) - k0;
+        for (int64_t g = 0; g < group; ++g) row_lo[qi * group + g] = lo[qi], row_hi[qi * group + g] = hi[qi];
+    }
+    score_block(a, it, s, nk, offsets, lo, hi, ahead);
+    const int64_t rows = it->num_queries * group, n = (nk + W - 1) / W * W;
+    for (int64_t r = 0; r < rows; ++r)
+        softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
+    pv_block(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, ahead);
+    prefetch_ahead(a, ahead, ahead->n);
+}
+
+/* Cache element offsets of the keys [k0, k0 + n) of the item's sequence and KV head. */
+static inline void block_offsets(const Args *a, const Item *it, int64_t k0, int64_t n, int64_t *offsets) {
+    const int64_t bs = a->block_size, slot_stride = a->num_kv_heads * a->head_dim, head_offset = it->kv_head * a->head_dim;
+    const int32_t *table = a->block_tables + it->seq * a->max_blocks;
+    for (int64_t j = 0, block = k0 / bs, at = k0 % bs; j < n; ++j) {
+        offsets[j] = ((int64_t)table[block] * bs + at) * slot_stride + head_offset;
         if (++at == bs) at = 0, ++block;
     }
 }
 
-/* Asks for the tile's K and V rows ahead of use: blocks lie anywhere, so no hardware prefetcher
- * follows them, and without this the kernel waits on memory latency, not bandwidth. always_inline:
- * GCC deems a function of prefetches alone free of effects and drops calls to it. */
-__attribute__((always_inline)) static inline void prefetch_tile(const Args *a, const int64_t *offsets,
-                                                                int64_t n) {
-    const int64_t esize = a->is_bf16 ? 2 : 4, bytes = a->head_dim * esize;
-    for (int64_t j = 0; j < n; ++j) {
-        const char *k = (const char *)a->k_cache + offsets[j] * esize, *v = (const char *)a->v_cache + offsets[j] * esize;
-        for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch(k + b, 0, 3);
-            __builtin_prefetch(v + b, 0, 3);
-        }
-    }
+/* Keys [begin, end) that some row of the item sees. */
+static inline void item_keys(const Args *a, const Item *it, int64_t *begin, int64_t *end) {
+    int64_t unused;
+    key_range(a, it, 0, begin, &unused);
+    key_range(a, it, it->num_queries - 1, &unused, end);
 }
 
-#ifndef PREFETCH_TILES
-#define PREFETCH_TILES 2 /* tiles ahead (-DPREFETCH_TILES=n to measure others) */
-#endif
-
-/* The item's rows through every tile of W keys they see: s->acc, s->m, s->l hold the unnormalized result. */
-static void attend(const Args *a, const Item *it, Scratch *s) {
-    const int64_t head_offset = it->kv_head * a->head_dim;
-    const int32_t *table = a->block_tables + it->seq * a->max_blocks;
-    int64_t begin, end, unused, offsets[W];
-    key_range(a, it, 0, &begin, &unused);
-    key_range(a, it, it->num_queries - 1, &unused, &end);
-    for (int64_t k0 = begin; k0 < end && k0 < begin + PREFETCH_TILES * W; k0 += W) {
-        tile_offsets(a, table, head_offset, k0, min64(W, end - k0), offsets);
-        prefetch_tile(a, offsets, min64(W, end - k0));
-    }
-    for (int64_t k0 = begin; k0 < end; k0 += W) {
-        const int64_t ahead = k0 + PREFETCH_TILES * W;
-        if (ahead < end) {
-            tile_offsets(a, table, head_offset, ahead, min64(W, end - ahead), offsets);
-            prefetch_tile(a, offsets, min64(W, end - ahead));
+/* The item's rows through every block of keys they see: s->acc, s->m, s->l hold the unnormalized
+ * result. While a block is scored the next one's K/V rows are requested: the item's next block, or
+ * after its last the first block of `next`, the item this thread runs next (NULL: none). */
+static void attend(const Args *a, const Item *it, const Item *next, Scratch *s) {
+    int64_t begin, end, buf[2][KEY_BLOCK];
+    item_keys(a, it, &begin, &end);
+    int64_t *cur = buf[0], *next_offsets = buf[1];
+    if (begin < end) block_offsets(a, it, begin, min64(KEY_BLOCK, end - begin), cur);
+    for (int64_t k0 = begin; k0 < end; k0 += KEY_BLOCK) {
+        Ahead ahead = {next_offsets, 0, 0};
+        if (k0 + KEY_BLOCK < end) {
+            ahead.n = min64(KEY_BLOCK, end - k0 - KEY_BLOCK);
+            block_offsets(a, it, k0 + KEY_BLOCK, ahead.n, next_offsets);
+        } else if (next != NULL) {
+            int64_t next_begin, next_end;
+            item_keys(a, next, &next_begin, &next_end);
+            ahead.n = max64(0, min64(KEY_BLOCK, next_end - next_begin));
+            if (ahead.n > 0) block_offsets(a, next, next_begin, ahead.n, next_offsets);
         }
-        tile_offsets(a, table, head_offset, k0, min64(W, end - k0), offsets);
-        attend_tile(a, it, s, k0, min64(W, end - k0), offsets);
+        attend_block(a, it, s, k0, min64(KEY_BLOCK, end - k0), cur, &ahead);
+        int64_t *t = cur;
+        cur = next_offsets, next_offsets = t;
     }
 }
 
@@ -577,10 +691,11 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
     if (items != NULL) plan_items(&a, num_seqs, part_len, items, &num_partials);
     if (num_partials > 0) partials = (float *)malloc(sizeof(float) * (size_t)(num_partials * rows_cap * (d + 2)));
     int failed = items == NULL || (num_partials > 0 && partials == NULL);
+    int64_t next_item = 0;
 #pragma omp parallel num_threads(num_threads) if (!failed && num_items > 1)
     {
         Scratch s = {0};
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * W));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * KEY_BLOCK));
         s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * d));
         const int ok = !failed && buf != NULL && s.q_bf16 != NULL;
         if (!ok) {
@@ -590,13 +705,16 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
             s.q = buf, s.acc = buf + rows_cap * d, s.m = s.acc + rows_cap * d, s.l = s.m + rows_cap;
             s.k_tile = s.l + rows_cap, s.p = s.k_tile + W * d;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; ++i) {
-            if (!ok) continue;
+        /* Dynamic schedule, one item claimed ahead: the thread knows the item it runs next and requests
+         * that item's first keys while it finishes the current one. */
+        for (int64_t i = ok ? __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED) : num_items; i < num_items;) {
+            const int64_t next = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
             load_queries(&a, &items[i], &s);
-            attend(&a, &items[i], &s);
+            attend(&a, &items[i], next < num_items ? &items[next] : NULL, &s);
             finish_item(&a, &items[i], &s, partials, rows_cap);
+            i = next;
         }
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; ++i)
             if (ok && items[i].num_parts > 0) merge_parts(&a, &items[i], items[i].num_parts, partials, rows_cap, s.acc);
