@@ -48,6 +48,15 @@ static inline vf vload_bf16(const uint16_t *p, int64_t n) {
 static inline void vstore(float *p, vf x, int64_t n) {
     if (n >= W) _mm512_storeu_ps(p, x); else _mm512_mask_storeu_ps(p, vrange(0, n), x);
 }
+/* The n first lanes rounded to bf16 (nearest even, NaN kept quiet) at p. */
+static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    if (n >= W) _mm256_storeu_si256((__m256i *)p, h); else _mm256_mask_storeu_epi16(p, (__mmask16)vrange(0, n), h);
+}
 #define vset1 _mm512_set1_ps
 #define vzero _mm512_setzero_ps
 #define vadd _mm512_add_ps
@@ -114,6 +123,18 @@ static inline vf vload_bf16(const uint16_t *p, int64_t n) {
 }
 static inline void vstore(float *p, vf x, int64_t n) {
     if (n >= W) _mm256_storeu_ps(p, x); else _mm256_maskstore_ps(p, vrange(0, n), x);
+}
+static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i bits = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan), 16);
+    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    if (n >= W) { _mm_storeu_si128((__m128i *)p, h); return; }
+    uint16_t tail[W];
+    _mm_storeu_si128((__m128i *)tail, h);
+    memcpy(p, tail, (size_t)n * sizeof(uint16_t));
 }
 #define vset1 _mm256_set1_ps
 #define vzero _mm256_setzero_ps
@@ -203,6 +224,7 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #define MAX_ROWS 32   /* query rows (queries x heads of a group) per work item: their accumulators stay in L1 */
 #define MIN_PART 256  /* shortest key partition worth a merge */
+#define TRANSPOSE_ROWS 8 /* rows from which a tile's keys are transposed once rather than summed per row */
 #define SCORE_PREFETCH ((W + 1) / 2) /* next block's keys requested per tile scored (the rest while the values are summed) */
 #define KEY_BLOCK 128 /* keys scored before their softmax and values: one max, one rescale per row and block */
 
@@ -242,6 +264,9 @@ static inline uint16_t to_bf16(float x) { /* round to nearest even, NaN stays Na
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+#if W == 1
+static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) { if (n > 0) *p = to_bf16(x); }
+#endif
 
 /* Lane j = q . k[j] over d float32 values, for the W keys of a tile. */
 static inline vf qk_f32(const float *q, const float *const *k, int64_t d) {
@@ -267,6 +292,57 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
         for (int j = 0; j < W; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k[j] + i));
     }
     return vsum_keys(acc);
+}
+
+/* r[p] = column p of the 16 x 16 dword matrix with rows r[0..16): unpacks build 4 x 4 blocks within
+ * each 128-bit lane, two rounds of 128-bit lane shuffles move the blocks. */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i)
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88), v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+        r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88), r[4 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD), r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* kt[p * W + j] = elements 2p and 2p + 1 of key j (0 past d), p < ceil(d / 2): the tile's keys
+ * across the lanes, so that a row's scores need no horizontal sums. */
+static void transpose_keys(const uint16_t *const *k, int64_t d, uint32_t *kt) {
+    const int64_t pairs = (d + 1) / 2;
+    for (int64_t c = 0; c < pairs; c += 16) {
+        const int64_t n = d - 2 * c;
+        const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_epi16(m, k[j] + 2 * c);
+        transpose16(r);
+        for (int64_t p = 0; p < min64(16, pairs - c); ++p) _mm512_storeu_si512(kt + (c + p) * 16, r[p]);
+    }
+}
+
+/* out[r] lane j = row r's q . key j for the nr rows of q (bf16, q_stride apart, zero-padded to an even
+ * length) against the transposed tile; nr is a constant at each call site. */
+__attribute__((always_inline)) static inline void qk_transposed(const uint32_t *kt, int64_t pairs, const uint16_t *q,
+                                                                int64_t q_stride, int nr, vf *out) {
+    vf acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = vzero();
+    for (int64_t p = 0; p < pairs; ++p) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + p * 16);
+        for (int r = 0; r < nr; ++r) {
+            uint32_t qp;
+            memcpy(&qp, q + r * q_stride + 2 * p, sizeof qp);
+            acc[r] = _mm512_dpbf16_ps(acc[r], kv, (__m512bh)_mm512_set1_epi32((int)qp));
+        }
+    }
+    for (int r = 0; r < nr; ++r) out[r] = acc[r];
 }
 #endif
 
@@ -324,8 +400,12 @@ __attribute__((always_inline)) static inline void prefetch_ahead(const Args *a, 
 
 typedef struct {
     float *q, *acc, *m, *l, *k_tile, *p; /* p: [rows_cap, KEY_BLOCK] scores, then probabilities */
-    uint16_t *q_bf16;
+    uint16_t *q_bf16;                    /* rows q_stride_bf16(d) apart */
+    uint32_t *kt;                        /* a transposed tile of bf16 keys, [ceil(d / 2), W] */
 } Scratch;
+
+/* bf16 query rows are padded to an even length: the transposed scores read them in pairs. */
+static inline int64_t q_stride_bf16(int64_t d) { return d + (d & 1); }
 
 /* Keys [lo, hi) that query qi of the item sees, within the item's partition. */
 static inline void key_range(const Args *a, const Item *it, int64_t qi, int64_t *lo, int64_t *hi) {
@@ -336,14 +416,17 @@ static inline void key_range(const Args *a, const Item *it, int64_t qi, int64_t 
 }
 
 static void load_queries(const Args *a, const Item *it, Scratch *s) {
-    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, qs = q_stride_bf16(d);
     const int64_t token0 = a->query_starts[it->seq] + it->first;
     for (int64_t r = 0; r < it->num_queries * group; ++r) {
         const int64_t offset = (token0 + r / group) * a->q_stride + (it->kv_head * group + r % group) * d;
         if (a->is_bf16) {
             const uint16_t *src = (const uint16_t *)a->q + offset;
-            memcpy(s->q_bf16 + r * d, src, (size_t)d * sizeof(uint16_t));
+            memcpy(s->q_bf16 + r * qs, src, (size_t)d * sizeof(uint16_t));
+            if (qs > d) s->q_bf16[r * qs + d] = 0;
+#ifndef NATIVE_BF16_DOT /* else the bf16 copy is all the scores read */
             for (int64_t i = 0; i < d; i += W) vstore(s->q + r * d + i, vload_bf16(src + i, d - i), d - i);
+#endif
         } else {
             memcpy(s->q + r * d, (const float *)a->q + offset, (size_t)d * sizeof(float));
         }
@@ -358,12 +441,44 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
 static inline vf row_scores(const Args *a, const Scratch *s, int64_t r, const uint16_t *const *k_bf16,
                             const float *const *k_rows) {
 #ifdef NATIVE_BF16_DOT
-    if (a->is_bf16) return qk_bf16(s->q_bf16 + r * a->head_dim, k_bf16, a->head_dim);
+    if (a->is_bf16) return qk_bf16(s->q_bf16 + r * q_stride_bf16(a->head_dim), k_bf16, a->head_dim);
 #else
     (void)k_bf16;
 #endif
     return qk_f32(s->q + r * a->head_dim, k_rows, a->head_dim);
 }
+
+/* Row scores x against the tile's keys: scale, softcap, -inf outside the lanes [lo, hi) the row sees. */
+static inline void store_scores(const Args *a, vf x, int64_t lo, int64_t hi, float *p) {
+    x = vmul(x, vset1(a->scale));
+    if (a->softcap > 0.0f) x = vmul(vset1(a->softcap), vtanh(vmul(x, vset1(1.0f / a->softcap))));
+    vstore(p, vselect(vrange(lo, hi), x, vset1(-INFINITY)), W);
+}
+
+#ifdef NATIVE_BF16_DOT
+/* score_block's tile t0 for many rows: the keys are transposed once, then each row's scores are dot
+ * products of broadcast query pairs with the key columns, eight rows at a time. */
+static void score_tile_transposed(const Args *a, const Item *it, Scratch *s, int64_t t0, int64_t nk,
+                                  const uint16_t *const *k, const int64_t *lo, const int64_t *hi) {
+    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, rows = it->num_queries * group;
+    const int64_t pairs = (d + 1) / 2, qs = q_stride_bf16(d);
+    transpose_keys(k, d, s->kt);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        vf x[8];
+        const uint16_t *q = s->q_bf16 + r0 * qs;
+        const int nr = (int)min64(8, rows - r0);
+#define QK_CASE(NR) case NR: qk_transposed(s->kt, pairs, q, qs, NR, x); break;
+        switch (nr) {
+        QK_CASE(8) QK_CASE(7) QK_CASE(6) QK_CASE(5) QK_CASE(4) QK_CASE(3) QK_CASE(2) default: qk_transposed(s->kt, pairs, q, qs, 1, x);
+        }
+#undef QK_CASE
+        for (int r = 0; r < nr; ++r) {
+            const int64_t qi = (r0 + r) / group;
+            store_scores(a, x[r], lo[qi] - t0, min64(hi[qi], nk) - t0, s->p + (r0 + r) * KEY_BLOCK + t0);
+        }
+    }
+}
+#endif
 
 /* Scores of the item's rows against the block's keys [0, nk) (cache element offsets `offsets`) into
  * s->p, -inf where a row does not see a key (query qi sees [lo[qi], hi[qi])); tiles a row does not see
@@ -380,6 +495,14 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
             if (a->is_bf16) k_bf16[j] = (const uint16_t *)a->k_cache + off;
             else k_rows[j] = (const float *)a->k_cache + off;
         }
+        int visible = 0;
+        for (int64_t qi = 0; qi < it->num_queries; ++qi) visible |= lo[qi] < min64(hi[qi], t0 + W) && hi[qi] > t0;
+#ifdef NATIVE_BF16_DOT
+        if (visible && a->is_bf16 && it->num_queries * group >= TRANSPOSE_ROWS) {
+            score_tile_transposed(a, it, s, t0, nk, k_bf16, lo, hi);
+            continue;
+        }
+#endif
         int converted = 0;
         for (int64_t qi = 0; qi < it->num_queries; ++qi) {
             float *p = s->p + qi * group * KEY_BLOCK + t0;
@@ -391,15 +514,11 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
             if (a->is_bf16 && !converted) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile for all rows */
 #endif
             converted = 1;
-            const vmask live = vrange(lo[qi] - t0, min64(hi[qi], nk) - t0);
-            for (int64_t g = 0; g < group; ++g) {
-                vf x = vmul(row_scores(a, s, qi * group + g, k_bf16, k_rows), vset1(a->scale));
-                if (a->softcap > 0.0f) x = vmul(vset1(a->softcap), vtanh(vmul(x, vset1(1.0f / a->softcap))));
-                vstore(p + g * KEY_BLOCK, vselect(live, x, vset1(-INFINITY)), W);
-            }
+            for (int64_t g = 0; g < group; ++g)
+                store_scores(a, row_scores(a, s, qi * group + g, k_bf16, k_rows), lo[qi] - t0, min64(hi[qi], nk) - t0,
+                             p + g * KEY_BLOCK);
         }
-        (void)converted;
-        (void)d;
+        (void)converted, (void)visible, (void)d;
     }
 }
 
@@ -560,12 +679,10 @@ static void attend(const Args *a, const Item *it, const Item *next, Scratch *s) 
 /* out[token, head, :] = row * inv, rounded to the output dtype. */
 static void store_row(const Args *a, int64_t token, int64_t head, const float *row, float inv) {
     const int64_t d = a->head_dim, offset = (token * a->num_heads + head) * d;
-    if (a->is_bf16) {
-        uint16_t *dst = (uint16_t *)a->out + offset;
-        for (int64_t i = 0; i < d; ++i) dst[i] = to_bf16(row[i] * inv);
-    } else {
-        float *dst = (float *)a->out + offset;
-        for (int64_t i = 0; i < d; ++i) dst[i] = row[i] * inv;
+    for (int64_t i = 0; i < d; i += W) {
+        const vf x = vmul(vload(row + i, d - i), vset1(inv));
+        if (a->is_bf16) vstore_bf16((uint16_t *)a->out + offset + i, x, d - i);
+        else vstore((float *)a->out + offset + i, x, d - i);
     }
 }
 
@@ -695,8 +812,9 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
 #pragma omp parallel num_threads(num_threads) if (!failed && num_items > 1)
     {
         Scratch s = {0};
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * KEY_BLOCK));
-        s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * d));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * KEY_BLOCK +
+                                                              (d + 1) / 2 * W));
+        s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * q_stride_bf16(d)));
         const int ok = !failed && buf != NULL && s.q_bf16 != NULL;
         if (!ok) {
 #pragma omp atomic write
@@ -704,6 +822,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         } else {
             s.q = buf, s.acc = buf + rows_cap * d, s.m = s.acc + rows_cap * d, s.l = s.m + rows_cap;
             s.k_tile = s.l + rows_cap, s.p = s.k_tile + W * d;
+            s.kt = (uint32_t *)(s.p + rows_cap * KEY_BLOCK);
         }
         /* Dynamic schedule, one item claimed ahead: the thread knows the item it runs next and requests
          * that item's first keys while it finishes the current one. */
