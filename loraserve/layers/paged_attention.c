@@ -90,7 +90,8 @@ static inline vf vsum_keys(const vf *a) {
 #endif
 /* 2W bf16 values (n real) as float32 without widening shuffles: even elements in *a, odd in *b. */
 static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
-    const __m512i x = n >= 2 * W ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1u), p);
+    const __mmask32 m = n >= 2 * W ? 0xffffffffu : (__mmask32)((1ull << (n > 0 ? n : 0)) - 1u);
+    const __m512i x = _mm512_maskz_loadu_epi16(m, p);
     *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
 }
@@ -173,7 +174,7 @@ static inline vf vsum_keys(const vf *a) {
 }
 static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
     uint16_t tail[2 * W] = {0};
-    if (n < 2 * W) memcpy(tail, p, (size_t)n * sizeof(uint16_t));
+    if (n < 2 * W && n > 0) memcpy(tail, p, (size_t)n * sizeof(uint16_t));
     const __m256i x = _mm256_loadu_si256((const __m256i *)(n >= 2 * W ? p : tail));
     *a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
     *b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
@@ -226,6 +227,9 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 #define MIN_PART 256  /* shortest key partition worth a merge */
 #define TRANSPOSE_ROWS 8 /* rows from which a tile's keys are transposed once rather than summed per row */
 #define SCORE_PREFETCH ((W + 1) / 2) /* next block's keys requested per tile scored (the rest while the values are summed) */
+#ifndef PV_COLS /* columns of a row's accumulator held in registers while the values are summed */
+#define PV_COLS (W == 16 ? 4 * W : 2 * W)
+#endif
 #define KEY_BLOCK 128 /* keys scored before their softmax and values: one max, one rescale per row and block */
 
 /* e^x in float32 (Cephes' polynomial, ~1 ulp), inputs clamped to the normal range. */
@@ -415,6 +419,18 @@ static inline void key_range(const Args *a, const Item *it, int64_t qi, int64_t 
     *hi = min64(it->key_end, pos + 1);
 }
 
+/* dst[0..n) = src[0..n): a libc call per short row costs as much as the copy. */
+static inline void copy_bf16(uint16_t *dst, const uint16_t *src, int64_t n) {
+#if W == 16
+    for (int64_t i = 0; i < n; i += 32) {
+        const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1ull << (n - i)) - 1u);
+        _mm512_mask_storeu_epi16(dst + i, m, _mm512_maskz_loadu_epi16(m, src + i));
+    }
+#else
+    memcpy(dst, src, (size_t)n * sizeof(uint16_t));
+#endif
+}
+
 static void load_queries(const Args *a, const Item *it, Scratch *s) {
     const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, qs = q_stride_bf16(d);
     const int64_t token0 = a->query_starts[it->seq] + it->first;
@@ -422,7 +438,7 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
         const int64_t offset = (token0 + r / group) * a->q_stride + (it->kv_head * group + r % group) * d;
         if (a->is_bf16) {
             const uint16_t *src = (const uint16_t *)a->q + offset;
-            memcpy(s->q_bf16 + r * qs, src, (size_t)d * sizeof(uint16_t));
+            copy_bf16(s->q_bf16 + r * qs, src, d);
             if (qs > d) s->q_bf16[r * qs + d] = 0;
 #ifndef NATIVE_BF16_DOT /* else the bf16 copy is all the scores read */
             for (int64_t i = 0; i < d; i += W) vstore(s->q + r * d + i, vload_bf16(src + i, d - i), d - i);
@@ -529,30 +545,41 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
 __attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d, const float *p, int nr,
                                                           const void *v_cache, const int64_t *offsets,
                                                           int64_t j0, int64_t j1, int is_bf16) {
-    for (int64_t i = 0; i < d; i += 2 * W) {
+    for (int64_t i = 0; i < d; i += PV_COLS) {
         const int64_t n = d - i;
-        vf a0 = vzero(), b0 = vzero(), a1 = vzero(), b1 = vzero(), a2 = vzero(), b2 = vzero(), a3 = vzero(), b3 = vzero();
+        vf sum[4][PV_COLS / W];
+#pragma GCC unroll 16
+        for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; ++c) sum[r][c] = vzero();
         for (int64_t j = j0; j < j1; ++j) {
-            vf x, y;
-            if (is_bf16) {
-                vload_pair_bf16((const uint16_t *)v_cache + offsets[j] + i, n, &x, &y);
-            } else {
-                const float *v = (const float *)v_cache + offsets[j] + i;
-                x = vload(v, n), y = vload(v + W, n - W);
+            vf x[PV_COLS / W];
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; c += 2) {
+                if (is_bf16) {
+                    vload_pair_bf16((const uint16_t *)v_cache + offsets[j] + i + c * W, n - c * W, &x[c], &x[c + 1]);
+                } else {
+                    const float *v = (const float *)v_cache + offsets[j] + i + c * W;
+                    x[c] = vload(v, n - c * W);
+                    x[c + 1] = vload(v + W, n - (c + 1) * W);
+                }
             }
-            const float *pj = p + j;
-            a0 = vfma(vset1(pj[0]), x, a0), b0 = vfma(vset1(pj[0]), y, b0);
-            if (nr > 1) a1 = vfma(vset1(pj[KEY_BLOCK]), x, a1), b1 = vfma(vset1(pj[KEY_BLOCK]), y, b1);
-            if (nr > 2) a2 = vfma(vset1(pj[2 * KEY_BLOCK]), x, a2), b2 = vfma(vset1(pj[2 * KEY_BLOCK]), y, b2);
-            if (nr > 3) a3 = vfma(vset1(pj[3 * KEY_BLOCK]), x, a3), b3 = vfma(vset1(pj[3 * KEY_BLOCK]), y, b3);
+#pragma GCC unroll 16
+            for (int r = 0; r < nr; ++r) {
+                const vf pr = vset1(p[r * KEY_BLOCK + j]);
+#pragma GCC unroll 16
+                for (int c = 0; c < PV_COLS / W; ++c) sum[r][c] = vfma(pr, x[c], sum[r][c]);
+            }
         }
-        vf *const sums[4][2] = {{&a0, &b0}, {&a1, &b1}, {&a2, &b2}, {&a3, &b3}};
-        for (int r = 0; r < nr; ++r) {
-            if (is_bf16) vinterleave(sums[r][0], sums[r][1]);
-            float *row = acc + r * d + i;
-            vstore(row, vadd(vload(row, n), *sums[r][0]), n);
-            vstore(row + W, vadd(vload(row + W, n - W), *sums[r][1]), n - W);
-        }
+#pragma GCC unroll 16
+        for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; c += 2) {
+                if (is_bf16) vinterleave(&sum[r][c], &sum[r][c + 1]);
+                float *row = acc + r * d + i + c * W;
+                vstore(row, vadd(vload(row, n - c * W), sum[r][c]), n - c * W);
+                vstore(row + W, vadd(vload(row + W, n - (c + 1) * W), sum[r][c + 1]), n - (c + 1) * W);
+            }
     }
 }
 
