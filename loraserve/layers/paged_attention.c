@@ -751,6 +751,17 @@ static void merge_parts(const Args *a, const Item *items, int64_t num_parts, con
     }
 }
 
+/* Cache row slot_mapping[t] of each KV cache = new row t (all KV heads). */
+static void write_kv(const Args *a, int64_t num_tokens, const void *k_new, int64_t k_stride, const void *v_new,
+                     int64_t v_stride, const int64_t *slot_mapping) {
+    const int64_t esize = a->is_bf16 ? 2 : 4, row = a->num_kv_heads * a->head_dim;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t] * row * esize;
+        memcpy((char *)a->k_cache + slot, (const char *)k_new + t * k_stride * esize, (size_t)(row * esize));
+        memcpy((char *)a->v_cache + slot, (const char *)v_new + t * v_stride * esize, (size_t)(row * esize));
+    }
+}
+
 /* 0 when the step's metadata only points inside the buffers, else 2 (nothing is read then). */
 static int check_metadata(const Args *a, int64_t num_seqs, int64_t num_tokens, int64_t num_blocks) {
     if (a->query_starts[0] != 0 || a->query_starts[num_seqs] != num_tokens) return 2;
@@ -817,15 +828,25 @@ static int64_t partition_len(const Args *a, int64_t num_seqs, int num_threads) {
  * the buffers (block ids >= num_blocks, lengths that do not add up): the output is then incomplete.
  * q: [T, H, D] rows q_stride elements apart; k_cache, v_cache: [num_blocks * block_size, KVH, D];
  * out: [T, H, D] contiguous; block_tables [B, max_blocks], context_lens [B], query_starts [B + 1]
- * int32; q, caches and out share the dtype (float32, or bf16 when is_bf16). */
+ * int32; q, caches and out share the dtype (float32, or bf16 when is_bf16). With slot_mapping (int64
+ * [T]) the step's new K/V rows (k_new, v_new: [T, KVH * D], rows k_stride / v_stride elements apart)
+ * are first written to their cache slots, as the layer's index_copy_ would: one call instead of three
+ * per layer and step. Slots past the cache are refused (2) before anything is written. */
 int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
                     const int32_t *query_starts, int64_t num_seqs, int64_t num_tokens, int64_t num_blocks,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                    float scale, float softcap, int64_t window, int is_bf16, int num_threads) {
+                    float scale, float softcap, int64_t window, int is_bf16, int num_threads,
+                    const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                    const int64_t *slot_mapping) {
     const Args a = {q, k_cache, v_cache, out, block_tables, context_lens, query_starts, q_stride, max_blocks,
                     num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, is_bf16};
     if (check_metadata(&a, num_seqs, num_tokens, num_blocks)) return 2;
+    if (slot_mapping != NULL) {
+        for (int64_t t = 0; t < num_tokens; ++t)
+            if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return 2;
+        write_kv(&a, num_tokens, k_new, k_stride, v_new, v_stride, slot_mapping);
+    }
     const int64_t part_len = partition_len(&a, num_seqs, num_threads), d = head_dim;
     const int64_t rows_cap = max64(1, MAX_ROWS / (num_heads / num_kv_heads)) * (num_heads / num_kv_heads);
     int64_t num_partials = 0;
