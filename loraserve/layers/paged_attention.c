@@ -665,9 +665,10 @@ static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, 
 static inline void block_offsets(const Args *a, const Item *it, int64_t k0, int64_t n, int64_t *offsets) {
     const int64_t bs = a->block_size, slot_stride = a->num_kv_heads * a->head_dim, head_offset = it->kv_head * a->head_dim;
     const int32_t *table = a->block_tables + it->seq * a->max_blocks;
-    for (int64_t j = 0, block = k0 / bs, at = k0 % bs; j < n; ++j) {
-        offsets[j] = ((int64_t)table[block] * bs + at) * slot_stride + head_offset;
-        if (++at == bs) at = 0, ++block;
+    for (int64_t j = 0, block = k0 / bs, at = k0 % bs; j < n; ++block, at = 0) { /* a run of slots per cache block */
+        const int64_t run = min64(bs - at, n - j), base = ((int64_t)table[block] * bs + at) * slot_stride + head_offset;
+        for (int64_t i = 0; i < run; ++i) offsets[j + i] = base + i * slot_stride;
+        j += run;
     }
 }
 
