@@ -8,7 +8,9 @@
  * at positions k <= p (and k > p - window when window > 0); key k lives in cache slot
  * block_tables[b][k / block_size] * block_size + k % block_size. Scores are q.k * scale, then
  * softcap * tanh(s / softcap) when softcap > 0; softmax and accumulation are in float32 (online softmax
- * over blocks of KEY_BLOCK keys), and the output is rounded to the input dtype.
+ * over blocks of KEY_BLOCK keys), and the output is rounded to the input dtype. For bf16 on CPUs with
+ * bf16 dot products the probabilities are rounded to bf16 before the value products, as the twin's
+ * probs.to(v.dtype) are (the normalizer stays the float32 sum).
  *
  * Why a kernel: the torch path copies every sequence's whole context out of the cache in every layer
  * and builds a [B, max_q, max_ctx] mask; here each K/V row is read once from where it lies and shared
@@ -406,6 +408,7 @@ typedef struct {
     float *q, *acc, *m, *l, *k_tile, *p; /* p: [rows_cap, KEY_BLOCK] scores, then probabilities */
     uint16_t *q_bf16;                    /* rows q_stride_bf16(d) apart */
     uint32_t *kt;                        /* a transposed tile of bf16 keys, [ceil(d / 2), W] */
+    uint32_t *pb;                        /* p rounded to bf16 in key pairs, [rows_cap, KEY_BLOCK / 2] */
 } Scratch;
 
 /* bf16 query rows are padded to an even length: the transposed scores read them in pairs. */
@@ -583,13 +586,80 @@ __attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d,
     }
 }
 
+#ifdef NATIVE_BF16_DOT
+/* The bf16 route of pv_rows: the probabilities rounded to bf16 (as the twin's probs.to(v.dtype) are),
+ * paired by key (pb dword j / 2 = keys j, j + 1; rows KEY_BLOCK / 2 apart), the V rows of two keys
+ * interleaved by 16-bit unpacks, and one pair dot product per 16 lanes: no widening, half the
+ * multiply-adds. Keys from j0 rounded down to even to j1 (a key past nk reads key j's row, with
+ * probability 0). The unpacks leave each 32-column chunk as columns 8k..8k+3 then 8k+4..8k+7 per
+ * 128-bit lane; two permutes per chunk and row put them back. */
+__attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_t d, const uint32_t *pb, int nr,
+                                                              const uint16_t *v_cache, const int64_t *offsets,
+                                                              int64_t nk, int64_t j0, int64_t j1) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t i = 0; i < d; i += 64) {
+        const int64_t n = d - i;
+        vf sum[4][4];
+#pragma GCC unroll 16
+        for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) sum[r][c] = vzero();
+        for (int64_t j = j0 & ~(int64_t)1; j < j1; j += 2) {
+            const uint16_t *va = v_cache + offsets[j] + i, *vb = v_cache + offsets[j + 1 < nk ? j + 1 : j] + i;
+            __m512bh x[4];
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; ++c) {
+                const int64_t left = n - 32 * c;
+                const __mmask32 m = left >= 32 ? 0xffffffffu : (__mmask32)((1ull << (left > 0 ? left : 0)) - 1u);
+                const __m512i ka = _mm512_maskz_loadu_epi16(m, va + 32 * c), kb = _mm512_maskz_loadu_epi16(m, vb + 32 * c);
+                x[2 * c] = (__m512bh)_mm512_unpacklo_epi16(ka, kb), x[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(ka, kb);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; ++r) {
+                const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pb[r * (KEY_BLOCK / 2) + j / 2]);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], x[c], pr);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; ++c) {
+                float *row = acc + r * d + i + 32 * c;
+                const int64_t left = n - 32 * c;
+                const vf lo = _mm512_permutex2var_ps(sum[r][2 * c], first, sum[r][2 * c + 1]);
+                const vf hi = _mm512_permutex2var_ps(sum[r][2 * c], second, sum[r][2 * c + 1]);
+                vstore(row, vadd(vload(row, left), lo), left);
+                vstore(row + W, vadd(vload(row + W, left - W), hi), left - W);
+            }
+    }
+}
+
+/* pb row r = row r of p (n lanes, a multiple of W) rounded to bf16, in key pairs. */
+static void pair_probabilities(const float *p, int64_t rows, int64_t n, uint32_t *pb) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n; j += 2 * W) {
+            const float *pr = p + r * KEY_BLOCK + j;
+            uint32_t *dst = pb + r * (KEY_BLOCK / 2) + j / 2;
+            if (n - j >= 2 * W) _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(vload(pr + W, W), vload(pr, W)));
+            else _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(vload(pr, W)));
+        }
+}
+#endif
+
 #define PV_KEYS 32 /* keys per slice of a block's values: between slices, the next block is requested */
 
 /* pv_rows over `rows` rows (probabilities p, KEY_BLOCK apart), four at a time and PV_KEYS keys at a
  * time; each pass reads only the keys its rows see ([lo, hi) per row). */
 static void pv_block(const Args *a, float *acc, const float *p, int64_t rows, const int64_t *lo, const int64_t *hi,
-                     int64_t nk, const int64_t *offsets, Ahead *ahead) {
+                     int64_t nk, const int64_t *offsets, Ahead *ahead, uint32_t *pb) {
     const int64_t d = a->head_dim, slices = (nk + PV_KEYS - 1) / PV_KEYS;
+#ifdef NATIVE_BF16_DOT
+    if (a->is_bf16) pair_probabilities(p, rows, (nk + W - 1) / W * W, pb);
+#else
+    (void)pb;
+#endif
     for (int64_t k0 = 0; k0 < nk; k0 += PV_KEYS) {
         prefetch_ahead(a, ahead, (ahead->n - ahead->done + slices - 1) / slices);
         for (int64_t r = 0; r < rows; r += 4) {
@@ -600,8 +670,13 @@ static void pv_block(const Args *a, float *acc, const float *p, int64_t rows, co
             if (j0 >= j1) continue;
             float *ar = acc + r * d;
             const float *pr = p + r * KEY_BLOCK;
+#ifdef NATIVE_BF16_DOT
+#define PV_BF16(NR) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, (const uint16_t *)a->v_cache, offsets, nk, j0, j1)
+#else
+#define PV_BF16(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 1)
+#endif
 #define PV_CASE(NR) \
-            if (a->is_bf16) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 1); \
+            if (a->is_bf16) PV_BF16(NR); \
             else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 0); \
             break;
             switch (nr) {
@@ -611,6 +686,7 @@ static void pv_block(const Args *a, float *acc, const float *p, int64_t rows, co
             default: PV_CASE(1)
             }
 #undef PV_CASE
+#undef PV_BF16
         }
     }
 }
@@ -657,7 +733,7 @@ static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, 
     const int64_t rows = it->num_queries * group, n = (nk + W - 1) / W * W;
     for (int64_t r = 0; r < rows; ++r)
         softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
-    pv_block(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, ahead);
+    pv_block(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, ahead, s->pb);
     prefetch_ahead(a, ahead, ahead->n);
 }
 
@@ -862,7 +938,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
     {
         Scratch s = {0};
         float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * KEY_BLOCK +
-                                                              (d + 1) / 2 * W));
+                                                              (d + 1) / 2 * W + rows_cap * KEY_BLOCK / 2));
         s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * q_stride_bf16(d)));
         const int ok = !failed && buf != NULL && s.q_bf16 != NULL;
         if (!ok) {
@@ -872,6 +948,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
             s.q = buf, s.acc = buf + rows_cap * d, s.m = s.acc + rows_cap * d, s.l = s.m + rows_cap;
             s.k_tile = s.l + rows_cap, s.p = s.k_tile + W * d;
             s.kt = (uint32_t *)(s.p + rows_cap * KEY_BLOCK);
+            s.pb = s.kt + (d + 1) / 2 * W;
         }
         /* Dynamic schedule, one item claimed ahead: the thread knows the item it runs next and requests
          * that item's first keys while it finishes the current one. */
