@@ -74,22 +74,6 @@ typedef __m512 vfloat;
 #define VLDEXP(y, n) _mm512_scalef_ps(y, n)
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
-/* bf16 <-> float32 lanes: widen by a 16-bit shift; narrow with round-to-nearest-even (NaN kept). */
-static inline vfloat vload_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline __m512i vround_bits(vfloat v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-}
-static inline vfloat vround_bf16(vfloat v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(vround_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
-}
-static inline void vstore_bf16(uint16_t *p, vfloat v) {
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(vround_bits(v), 16)));
-}
 /* 2 * LANES bf16 values as float32 lanes with no cross-lane widening: even elements in *a, odd in
  * *b; vstore_bf16x2 puts them back. Elementwise ops do not care about the order. */
 static inline void vload_bf16x2(const uint16_t *p, vfloat *a, vfloat *b) {
@@ -129,23 +113,6 @@ typedef __m256 vfloat;
 #define VLDEXP(y, n) _mm256_mul_ps(y, VPOW2(n))
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
-static inline vfloat vload_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline __m256i vround_bits(vfloat v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-}
-static inline vfloat vround_bf16(vfloat v) {
-    return _mm256_castsi256_ps(_mm256_and_si256(vround_bits(v), _mm256_set1_epi32((int)0xffff0000u)));
-}
-static inline void vstore_bf16(uint16_t *p, vfloat v) {
-    const __m256i bits = _mm256_srli_epi32(vround_bits(v), 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
-}
 static inline void vload_bf16x2(const uint16_t *p, vfloat *a, vfloat *b) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)p);
     *a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
