@@ -333,9 +333,12 @@ int rotary_inplace(void *x, int64_t x_ld, const int64_t *positions, const float 
         if (positions[t] < 0 || positions[t] >= num_positions) return 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * num_heads * head_dim >= MIN_PARALLEL_ELEMS)
     for (int64_t t = 0; t < rows; ++t) {
-        float c[MAX_ROTARY_HALF], s[MAX_ROTARY_HALF]; /* the row's tables, rounded once for all its heads */
-        row_table(c, cos_table + positions[t] * head_dim, half, dtype);
-        row_table(s, sin_table + positions[t] * head_dim, half, dtype);
+        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        float c_row[MAX_ROTARY_HALF], s_row[MAX_ROTARY_HALF]; /* bf16: the row's tables rounded once for all its heads */
+        if (dtype) {
+            row_table(c_row, c, half, dtype), row_table(s_row, s, half, dtype);
+            c = c_row, s = s_row;
+        }
         for (int64_t h = 0; h < num_heads; ++h) {
             void *head = (char *)x + (t * x_ld + h * head_dim) * (dtype ? 2 : 4);
             if (dtype) rotary_head(head, c, s, half, 1);
