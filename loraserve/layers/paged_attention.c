@@ -334,21 +334,25 @@ static void transpose_keys(const uint16_t *const *k, int64_t d, uint32_t *kt) {
     }
 }
 
-/* out[r] lane j = row r's q . key j for the nr rows of q (bf16, q_stride apart, zero-padded to an even
- * length) against the transposed tile; nr is a constant at each call site. */
+/* out[r * 2 + t] lane j = row r's q . key j of tile t for the nr rows of q (bf16, q_stride apart,
+ * zero-padded to an even length) against the transposed tiles (tile t at kt + t * pairs * W); each
+ * query pair is broadcast once for both tiles. nr and tiles are constants at each call site. */
 __attribute__((always_inline)) static inline void qk_transposed(const uint32_t *kt, int64_t pairs, const uint16_t *q,
-                                                                int64_t q_stride, int nr, vf *out) {
-    vf acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = vzero();
+                                                                int64_t q_stride, int nr, int tiles, vf *out) {
+    vf acc[8][2];
+    for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = vzero();
     for (int64_t p = 0; p < pairs; ++p) {
-        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + p * 16);
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * 16);
+        const __m512bh k1 = tiles > 1 ? (__m512bh)_mm512_loadu_si512(kt + (pairs + p) * 16) : k0;
         for (int r = 0; r < nr; ++r) {
             uint32_t qp;
             memcpy(&qp, q + r * q_stride + 2 * p, sizeof qp);
-            acc[r] = _mm512_dpbf16_ps(acc[r], kv, (__m512bh)_mm512_set1_epi32((int)qp));
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qp);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qv);
+            if (tiles > 1) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qv);
         }
     }
-    for (int r = 0; r < nr; ++r) out[r] = acc[r];
+    for (int r = 0; r < nr; ++r) out[2 * r] = acc[r][0], out[2 * r + 1] = acc[r][1];
 }
 #endif
 
@@ -407,7 +411,7 @@ __attribute__((always_inline)) static inline void prefetch_ahead(const Args *a, 
 typedef struct {
     float *q, *acc, *m, *l, *k_tile, *p; /* p: [rows_cap, KEY_BLOCK] scores, then probabilities */
     uint16_t *q_bf16;                    /* rows q_stride_bf16(d) apart */
-    uint32_t *kt;                        /* a transposed tile of bf16 keys, [ceil(d / 2), W] */
+    uint32_t *kt;                        /* two transposed tiles of bf16 keys, [2, ceil(d / 2), W] */
     uint32_t *pb;                        /* p rounded to bf16 in key pairs, [rows_cap, KEY_BLOCK / 2] */
 } Scratch;
 
@@ -475,25 +479,35 @@ static inline void store_scores(const Args *a, vf x, int64_t lo, int64_t hi, flo
 }
 
 #ifdef NATIVE_BF16_DOT
-/* score_block's tile t0 for many rows: the keys are transposed once, then each row's scores are dot
- * products of broadcast query pairs with the key columns, eight rows at a time. */
-static void score_tile_transposed(const Args *a, const Item *it, Scratch *s, int64_t t0, int64_t nk,
-                                  const uint16_t *const *k, const int64_t *lo, const int64_t *hi) {
+/* score_block's tiles t0 (and t0 + W when k1 is not NULL) for many rows: the keys are transposed once,
+ * then each row's scores are dot products of broadcast query pairs with the key columns, eight rows
+ * at a time. */
+static void score_tiles_transposed(const Args *a, const Item *it, Scratch *s, int64_t t0, int64_t nk,
+                                   const uint16_t *const *k0, const uint16_t *const *k1, const int64_t *lo,
+                                   const int64_t *hi) {
     const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, rows = it->num_queries * group;
-    const int64_t pairs = (d + 1) / 2, qs = q_stride_bf16(d);
-    transpose_keys(k, d, s->kt);
+    const int64_t pairs = (d + 1) / 2, qs = q_stride_bf16(d), tiles = k1 != NULL ? 2 : 1;
+    transpose_keys(k0, d, s->kt);
+    if (k1 != NULL) transpose_keys(k1, d, s->kt + pairs * W);
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-        vf x[8];
+        vf x[16];
         const uint16_t *q = s->q_bf16 + r0 * qs;
         const int nr = (int)min64(8, rows - r0);
-#define QK_CASE(NR) case NR: qk_transposed(s->kt, pairs, q, qs, NR, x); break;
+#define QK_CASE(NR) \
+        case NR: \
+            if (tiles > 1) qk_transposed(s->kt, pairs, q, qs, NR, 2, x); \
+            else qk_transposed(s->kt, pairs, q, qs, NR, 1, x); \
+            break;
         switch (nr) {
-        QK_CASE(8) QK_CASE(7) QK_CASE(6) QK_CASE(5) QK_CASE(4) QK_CASE(3) QK_CASE(2) default: qk_transposed(s->kt, pairs, q, qs, 1, x);
+        QK_CASE(8) QK_CASE(7) QK_CASE(6) QK_CASE(5) QK_CASE(4) QK_CASE(3) QK_CASE(2) QK_CASE(1)
         }
 #undef QK_CASE
         for (int r = 0; r < nr; ++r) {
             const int64_t qi = (r0 + r) / group;
-            store_scores(a, x[r], lo[qi] - t0, min64(hi[qi], nk) - t0, s->p + (r0 + r) * KEY_BLOCK + t0);
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t base = t0 + t * W;
+                store_scores(a, x[2 * r + t], lo[qi] - base, min64(hi[qi], nk) - base, s->p + (r0 + r) * KEY_BLOCK + base);
+            }
         }
     }
 }
@@ -518,7 +532,15 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
         for (int64_t qi = 0; qi < it->num_queries; ++qi) visible |= lo[qi] < min64(hi[qi], t0 + W) && hi[qi] > t0;
 #ifdef NATIVE_BF16_DOT
         if (visible && a->is_bf16 && it->num_queries * group >= TRANSPOSE_ROWS) {
-            score_tile_transposed(a, it, s, t0, nk, k_bf16, lo, hi);
+            const uint16_t *k_next[W]; /* the next tile too, when there is one: scored in the same pass */
+            const int pair = t0 + W < nk;
+            for (int j = 0; pair && j < W; ++j)
+                k_next[j] = (const uint16_t *)a->k_cache + offsets[t0 + W + j < nk ? t0 + W + j : t0 + W];
+            score_tiles_transposed(a, it, s, t0, nk, k_bf16, pair ? k_next : NULL, lo, hi);
+            if (pair) {
+                t0 += W;
+                prefetch_ahead(a, ahead, SCORE_PREFETCH);
+            }
             continue;
         }
 #endif
@@ -938,7 +960,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
     {
         Scratch s = {0};
         float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * KEY_BLOCK +
-                                                              (d + 1) / 2 * W + rows_cap * KEY_BLOCK / 2));
+                                                              2 * ((d + 1) / 2 * W) + rows_cap * KEY_BLOCK / 2));
         s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * q_stride_bf16(d)));
         const int ok = !failed && buf != NULL && s.q_bf16 != NULL;
         if (!ok) {
@@ -948,7 +970,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
             s.q = buf, s.acc = buf + rows_cap * d, s.m = s.acc + rows_cap * d, s.l = s.m + rows_cap;
             s.k_tile = s.l + rows_cap, s.p = s.k_tile + W * d;
             s.kt = (uint32_t *)(s.p + rows_cap * KEY_BLOCK);
-            s.pb = s.kt + (d + 1) / 2 * W;
+            s.pb = s.kt + 2 * ((d + 1) / 2 * W);
         }
         /* Dynamic schedule, one item claimed ahead: the thread knows the item it runs next and requests
          * that item's first keys while it finishes the current one. */
