@@ -2,10 +2,11 @@
 
 One step = the step's metadata (built once, as the model runner does) plus, per layer, the KV write and
 attention through `PagedAttention`: a decode step of --batch sequences for each of --contexts, and a
-single sequence's prefill chunk (query = context) for each of --prefill; blocks are shuffled over the
-cache. The two paths are switched with LORASERVE_CPU_ATTENTION_KERNEL and timed alternately; each
+prefill step of --prefill-seqs sequences (query = context) for each of --prefill; blocks are shuffled
+over the cache. The two paths are switched with LORASERVE_CPU_ATTENTION_KERNEL and timed alternately; each
 number is the best of --reps steps.
 Usage: python -m benchmarks.attention [--contexts 128,1024,2048] [--prefill 512] [--dtypes bfloat16,float32]
+The engine's 32-sequence shapes: --batch 32 --contexts 128 --prefill 64 --prefill-seqs 32
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--contexts", default="128,1024,2048", help="decode steps at these context lengths")
-    parser.add_argument("--prefill", default="", help="single-sequence prefill chunks of these lengths")
+    parser.add_argument("--prefill", default="", help="prefill chunks of these lengths")
+    parser.add_argument("--prefill-seqs", type=int, default=1, help="sequences per prefill step")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=5)
@@ -77,14 +79,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"{platform.processor() or platform.machine()}, {args.threads} threads; B={args.batch} H={args.heads} "
           f"KVH={args.kv_heads} D={args.head_dim}, {args.layers} layers, block size {args.block_size}")
-    print(f"{'dtype':>9} {'step':>8} {'context':>8} {'torch gather ms':>16} {'kernel ms':>10} {'speedup':>8}")
+    print(f"{'dtype':>9} {'step':>8} {'seqs':>5} {'context':>8} {'torch gather ms':>16} {'kernel ms':>10} {'speedup':>8}")
     shapes = [("decode", args.batch, 1, int(c)) for c in args.contexts.split(",") if c]
-    shapes += [("prefill", 1, int(n), int(n)) for n in args.prefill.split(",") if n]
+    shapes += [("prefill", args.prefill_seqs, int(n), int(n)) for n in args.prefill.split(",") if n]
     for dtype_name in args.dtypes.split(","):
         for kind, b, query_len, context_len in shapes:
             step = make_step(args, b, query_len, context_len, getattr(torch, dtype_name))
             best = best_of({"torch": step, "kernel": step}, args.reps)
-            print(f"{dtype_name:>9} {kind:>8} {context_len:>8} {best['torch']:>16.1f} {best['kernel']:>10.1f} "
+            print(f"{dtype_name:>9} {kind:>8} {b:>5} {context_len:>8} {best['torch']:>16.1f} {best['kernel']:>10.1f} "
                   f"{best['torch'] / best['kernel']:>7.1f}x")
 
 

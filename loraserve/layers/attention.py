@@ -95,9 +95,14 @@ class PagedAttention(nn.Module):
         """q: [T, H*D], k/v: [T, KVH*D] -> [T, H*D]."""
         num_tokens = q.shape[0]
         k_cache, v_cache = kv_cache
+        window = meta.sliding_window if self.use_sliding_window else None
+        q_heads = q.view(num_tokens, self.num_heads, self.head_dim)
+        if q.device.type == "cpu":  # the C kernel writes the new rows itself: one call per layer
+            out = paged_attention_cpu.write_and_attend(q_heads, k, v, k_cache, v_cache, meta, self.scale,
+                                                       self.softcap, window)
+            if out is not None:
+                return out.view(num_tokens, self.num_heads * self.head_dim)
         k_cache.index_copy_(0, meta.slot_mapping, k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v_cache.index_copy_(0, meta.slot_mapping, v.view(num_tokens, self.num_kv_heads, self.head_dim))
-        window = meta.sliding_window if self.use_sliding_window else None
-        out = attend(q.view(num_tokens, self.num_heads, self.head_dim), k_cache, v_cache, meta, self.scale,
-                     self.softcap, window)
+        out = attend(q_heads, k_cache, v_cache, meta, self.scale, self.softcap, window)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -41,6 +41,7 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     _gather: GatherIndex | None = None
+    cpu_checked: object = None  # what the CPU kernel's checks of this step's tensors last passed for
 
     def gather_index(self) -> GatherIndex:
         """The torch path's gather indices for this step, built on first use."""

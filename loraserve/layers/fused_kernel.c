@@ -58,72 +58,81 @@ static inline float exp_approx(float x) {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define SILU_LANES 16
+#define LANES 16
 typedef __m512 vfloat;
 #define VSET(v) _mm512_set1_ps(v)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VDIV(a, b) _mm512_div_ps(a, b)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
 #define VMIN(a, b) _mm512_min_ps(a, b)
 #define VMAX(a, b) _mm512_max_ps(a, b)
 #define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VPOW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), \
                                                                          _mm512_set1_epi32(127)), 23))
+#define VLDEXP(y, n) _mm512_scalef_ps(y, n)
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
-/* bf16 <-> float32 lanes: widen by a 16-bit shift; narrow with round-to-nearest-even (NaN kept). */
-static inline vfloat vload_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+/* 2 * LANES bf16 values as float32 lanes with no cross-lane widening: even elements in *a, odd in
+ * *b; vstore_bf16x2 puts them back. Elementwise ops do not care about the order. */
+static inline void vload_bf16x2(const uint16_t *p, vfloat *a, vfloat *b) {
+    const __m512i x = _mm512_loadu_si512(p);
+    *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
 }
-static inline __m512i vround_bits(vfloat v) {
+/* Round to nearest even for lanes whose NaNs have zero low 16 bits: NaNs read from bf16 or made by
+ * arithmetic on them (x86's default NaN is 0xffc00000) keep their high half, so no NaN fix is needed. */
+static inline __m512i vround_bits_arith(vfloat v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
 }
-static inline vfloat vround_bf16(vfloat v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(vround_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
+static inline vfloat vround_bf16_arith(vfloat v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(vround_bits_arith(v), _mm512_set1_epi32((int)0xffff0000u)));
 }
-static inline void vstore_bf16(uint16_t *p, vfloat v) {
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(vround_bits(v), 16)));
+static inline void vstore_bf16x2(uint16_t *p, vfloat a, vfloat b) {
+    const __m512i hi = _mm512_and_si512(vround_bits_arith(b), _mm512_set1_epi32((int)0xffff0000u));
+    _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(vround_bits_arith(a), 16), hi));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define SILU_LANES 8
+#define LANES 8
 typedef __m256 vfloat;
 #define VSET(v) _mm256_set1_ps(v)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VADD(a, b) _mm256_add_ps(a, b)
 #define VDIV(a, b) _mm256_div_ps(a, b)
+#define VSUB(a, b) _mm256_sub_ps(a, b)
 #define VMIN(a, b) _mm256_min_ps(a, b)
 #define VMAX(a, b) _mm256_max_ps(a, b)
 #define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VPOW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), \
                                                                          _mm256_set1_epi32(127)), 23))
+#define VLDEXP(y, n) _mm256_mul_ps(y, VPOW2(n))
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
-static inline vfloat vload_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+static inline void vload_bf16x2(const uint16_t *p, vfloat *a, vfloat *b) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    *a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
 }
-static inline __m256i vround_bits(vfloat v) {
+static inline __m256i vround_bits_arith(vfloat v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
 }
-static inline vfloat vround_bf16(vfloat v) {
-    return _mm256_castsi256_ps(_mm256_and_si256(vround_bits(v), _mm256_set1_epi32((int)0xffff0000u)));
+static inline vfloat vround_bf16_arith(vfloat v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(vround_bits_arith(v), _mm256_set1_epi32((int)0xffff0000u)));
 }
-static inline void vstore_bf16(uint16_t *p, vfloat v) {
-    const __m256i bits = _mm256_srli_epi32(vround_bits(v), 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+static inline void vstore_bf16x2(uint16_t *p, vfloat a, vfloat b) {
+    const __m256i hi = _mm256_and_si256(vround_bits_arith(b), _mm256_set1_epi32((int)0xffff0000u));
+    _mm256_storeu_si256((__m256i *)p, _mm256_or_si256(_mm256_srli_epi32(vround_bits_arith(a), 16), hi));
 }
 #endif
 
-#ifdef SILU_LANES
+#ifdef LANES
 /* exp_approx on every lane (the same polynomial, so lanes and the scalar tail agree). */
 static inline vfloat vexp(vfloat x) {
     x = VMAX(VMIN(x, VSET(88.0f)), VSET(-87.0f));
@@ -137,10 +146,34 @@ static inline vfloat vexp(vfloat x) {
     p = VFMA(p, r, VSET(1.6666665459e-1f));
     p = VFMA(p, r, VSET(5.0000001201e-1f));
     p = VFMA(VMUL(p, r), r, VADD(r, VSET(1.0f)));
-    return VMUL(p, VPOW2(n));
+    return VLDEXP(p, n);
 }
 
 static inline vfloat vsilu(vfloat g) { return VDIV(g, VADD(VSET(1.0f), vexp(VMUL(g, VSET(-1.0f))))); }
+
+/* 2 * LANES elements from p + i as two vectors: consecutive halves for float32, even and odd
+ * elements for bf16 (ops that pair them with other rows of the same dtype see the same order). */
+static inline void vload2(const void *p, int64_t i, int dtype, vfloat *a, vfloat *b) {
+    if (dtype) {
+        vload_bf16x2((const uint16_t *)p + i, a, b);
+    } else {
+        *a = VLOAD((const float *)p + i), *b = VLOAD((const float *)p + i + LANES);
+    }
+}
+static inline void vstore2(void *p, int64_t i, int dtype, vfloat a, vfloat b) {
+    if (dtype) {
+        vstore_bf16x2((uint16_t *)p + i, a, b);
+    } else {
+        VSTORE((float *)p + i, a), VSTORE((float *)p + i + LANES, b);
+    }
+}
+static inline vfloat vround_as(vfloat v, int dtype) { return dtype ? vround_bf16_arith(v) : v; }
+static inline float vsum(vfloat v) {
+    float lanes[LANES], total = 0.0f;
+    VSTORE(lanes, v);
+    for (int i = 0; i < LANES; ++i) total += lanes[i];
+    return total;
+}
 #endif
 
 /* Semantics: out[t, j] = silu(x[t, j]) * x[t, width + j] for j < width (x holds gate then up).
@@ -153,16 +186,20 @@ void silu_and_mul(const void *x, int64_t x_ld, void *out, int64_t out_ld, int64_
         if (dtype == 0) {
             const float *g = (const float *)x + t * x_ld, *u = g + width;
             float *o = (float *)out + t * out_ld;
-#ifdef SILU_LANES
-            for (; j + SILU_LANES <= width; j += SILU_LANES) VSTORE(o + j, VMUL(vsilu(VLOAD(g + j)), VLOAD(u + j)));
+#ifdef LANES
+            for (; j + LANES <= width; j += LANES) VSTORE(o + j, VMUL(vsilu(VLOAD(g + j)), VLOAD(u + j)));
 #endif
             for (; j < width; ++j) o[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
         } else {
             const uint16_t *g = (const uint16_t *)x + t * x_ld, *u = g + width;
             uint16_t *o = (uint16_t *)out + t * out_ld;
-#ifdef SILU_LANES
-            for (; j + SILU_LANES <= width; j += SILU_LANES)
-                vstore_bf16(o + j, VMUL(vround_bf16(vsilu(vload_bf16(g + j))), vload_bf16(u + j)));
+#ifdef LANES
+            for (; j + 2 * LANES <= width; j += 2 * LANES) {
+                vfloat g0, g1, u0, u1;
+                vload_bf16x2(g + j, &g0, &g1);
+                vload_bf16x2(u + j, &u0, &u1);
+                vstore_bf16x2(o + j, VMUL(vround_bf16_arith(vsilu(g0)), u0), VMUL(vround_bf16_arith(vsilu(g1)), u1));
+            }
 #endif
             for (; j < width; ++j) {
                 const float gv = bf16_load(g[j]);
@@ -171,6 +208,54 @@ void silu_and_mul(const void *x, int64_t x_ld, void *out, int64_t out_ld, int64_
             }
         }
     }
+}
+
+/* One row of rms_norm (see below); dtype is a constant at each call site, so each dtype gets its own
+ * vector loops. The vector loops take 2 * LANES columns at a time, the scalar ones the rest. */
+__attribute__((always_inline)) static inline void rms_norm_row(const void *x, void *residual, void *out,
+                                                               const void *weight, int64_t width, float eps,
+                                                               int dtype) {
+    const void *src = residual != NULL ? residual : x;
+    float sum = 0.0f;
+    int64_t j = 0;
+#ifdef LANES
+    vfloat acc0 = VSET(0.0f), acc1 = VSET(0.0f);
+    for (; j + 2 * LANES <= width; j += 2 * LANES) {
+        vfloat a, b;
+        vload2(x, j, dtype, &a, &b);
+        if (residual != NULL) {
+            vfloat ra, rb;
+            vload2(residual, j, dtype, &ra, &rb);
+            a = vround_as(VADD(a, ra), dtype), b = vround_as(VADD(b, rb), dtype);
+            vstore2(residual, j, dtype, a, b);
+        }
+        acc0 = VFMA(a, a, acc0), acc1 = VFMA(b, b, acc1);
+    }
+    sum = vsum(VADD(acc0, acc1));
+#endif
+    for (; j < width; ++j) {
+        float v = load(x, j, dtype);
+        if (residual != NULL) {
+            v = round_as(v + load(residual, j, dtype), dtype);
+            store(residual, j, v, dtype);
+        }
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)width + eps);
+    j = 0;
+#ifdef LANES
+    for (; j + 2 * LANES <= width; j += 2 * LANES) {
+        vfloat a, b, wa, wb;
+        vload2(src, j, dtype, &a, &b);
+        vload2(weight, j, dtype, &wa, &wb);
+        vstore2(out, j, dtype, VMUL(wa, vround_as(VMUL(a, VSET(inv)), dtype)), VMUL(wb, vround_as(VMUL(b, VSET(inv)), dtype)));
+    }
+#endif
+    for (; j < width; ++j) store(out, j, load(weight, j, dtype) * round_as(load(src, j, dtype) * inv, dtype), dtype);
+}
+
+static inline const void *row_at(const void *p, int64_t row, int64_t ld, int dtype) {
+    return (const char *)p + row * ld * (dtype ? 2 : 4);
 }
 
 /* Semantics: when residual is not NULL, residual[t] = x[t] + residual[t] first (rounded to dtype)
@@ -182,28 +267,54 @@ void rms_norm(const void *x, int64_t x_ld, void *residual, int64_t res_ld, void 
               const void *weight, int64_t rows, int64_t width, float eps, int dtype, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * width >= MIN_PARALLEL_ELEMS)
     for (int64_t t = 0; t < rows; ++t) {
-        const void *src = x;
-        int64_t src_off = t * x_ld;
-        if (residual != NULL) {
-            for (int64_t j = 0; j < width; ++j)
-                store(residual, t * res_ld + j, load(x, t * x_ld + j, dtype) + load(residual, t * res_ld + j, dtype),
-                      dtype);
-            src = residual;
-            src_off = t * res_ld;
-        }
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < width; ++j) {
-            const float v = load(src, src_off + j, dtype);
-            sum += v * v;
-        }
-        const float inv = 1.0f / sqrtf(sum / (float)width + eps);
-        for (int64_t j = 0; j < width; ++j) {
-            const float h = round_as(load(src, src_off + j, dtype) * inv, dtype);
-            store(out, t * out_ld + j, load(weight, j, dtype) * h, dtype);
-        }
+        const void *xt = row_at(x, t, x_ld, dtype);
+        void *rt = residual != NULL ? (void *)row_at(residual, t, res_ld, dtype) : NULL;
+        void *ot = (void *)row_at(out, t, out_ld, dtype);
+        if (dtype) rms_norm_row(xt, rt, ot, weight, width, eps, 1);
+        else rms_norm_row(xt, rt, ot, weight, width, eps, 0);
     }
 }
+
+/* One head of rotary_inplace (see below) with the row's tables rounded to dtype and, for bf16, each
+ * full 2 * LANES chunk of them in vload2's even/odd order. */
+__attribute__((always_inline)) static inline void rotary_head(void *x, const float *c, const float *s, int64_t half,
+                                                              int dtype) {
+    int64_t i = 0;
+#ifdef LANES
+    for (; i + 2 * LANES <= half; i += 2 * LANES) {
+        vfloat a0, a1, b0, b1;
+        vload2(x, i, dtype, &a0, &a1);
+        vload2(x, half + i, dtype, &b0, &b1);
+        const vfloat c0 = VLOAD(c + i), c1 = VLOAD(c + i + LANES), s0 = VLOAD(s + i), s1 = VLOAD(s + i + LANES);
+        vstore2(x, i, dtype, VSUB(vround_as(VMUL(a0, c0), dtype), vround_as(VMUL(b0, s0), dtype)),
+                VSUB(vround_as(VMUL(a1, c1), dtype), vround_as(VMUL(b1, s1), dtype)));
+        vstore2(x, half + i, dtype, VADD(vround_as(VMUL(b0, c0), dtype), vround_as(VMUL(a0, s0), dtype)),
+                VADD(vround_as(VMUL(b1, c1), dtype), vround_as(VMUL(a1, s1), dtype)));
+    }
+#endif
+    for (; i < half; ++i) {
+        const float a = load(x, i, dtype), b = load(x, half + i, dtype);
+        store(x, i, round_as(a * c[i], dtype) + round_as(-b * s[i], dtype), dtype);
+        store(x, half + i, round_as(b * c[i], dtype) + round_as(a * s[i], dtype), dtype);
+    }
+}
+
+/* dst[i] = src[i] rounded to dtype for i < n; for bf16 each full 2 * LANES chunk goes in vload2's
+ * order (its even elements, then its odd ones). */
+static inline void row_table(float *dst, const float *src, int64_t n, int dtype) {
+    int64_t i = 0;
+#ifdef LANES
+    if (dtype)
+        for (; i + 2 * LANES <= n; i += 2 * LANES)
+            for (int64_t m = 0; m < LANES; ++m) {
+                dst[i + m] = round_as(src[i + 2 * m], 1);
+                dst[i + LANES + m] = round_as(src[i + 2 * m + 1], 1);
+            }
+#endif
+    for (; i < n; ++i) dst[i] = round_as(src[i], dtype);
+}
+
+#define MAX_ROTARY_HALF 512 /* head_dim / 2 that the per-row table copy holds; wider heads round in place */
 
 /* Semantics: rope with the half-split layout on the first num_heads heads of every row, in place:
  * for i < D/2, with c = cos[pos][i], s = sin[pos][i] (the tables are float32 and are rounded to
@@ -217,22 +328,21 @@ int rotary_inplace(void *x, int64_t x_ld, const int64_t *positions, const float 
                    const float *sin_table, int64_t num_positions, int64_t rows, int64_t num_heads,
                    int64_t head_dim, int dtype, int num_threads) {
     const int64_t half = head_dim / 2;
+    if (half > MAX_ROTARY_HALF) return 2;
     for (int64_t t = 0; t < rows; ++t)
         if (positions[t] < 0 || positions[t] >= num_positions) return 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * num_heads * head_dim >= MIN_PARALLEL_ELEMS)
     for (int64_t t = 0; t < rows; ++t) {
         const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        float c_row[MAX_ROTARY_HALF], s_row[MAX_ROTARY_HALF]; /* bf16: the row's tables rounded once for all its heads */
+        if (dtype) {
+            row_table(c_row, c, half, dtype), row_table(s_row, s, half, dtype);
+            c = c_row, s = s_row;
+        }
         for (int64_t h = 0; h < num_heads; ++h) {
-            const int64_t base = t * x_ld + h * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float ci = round_as(c[i], dtype), si = round_as(s[i], dtype);
-                const float a = load(x, base + i, dtype), b = load(x, base + half + i, dtype);
-                const float new_a = round_as(a * ci, dtype) + round_as(-b * si, dtype);
-                const float new_b = round_as(b * ci, dtype) + round_as(a * si, dtype);
-                store(x, base + i, new_a, dtype);
-                store(x, base + half + i, new_b, dtype);
-            }
+            void *head = (char *)x + (t * x_ld + h * head_dim) * (dtype ? 2 : 4);
+            if (dtype) rotary_head(head, c, s, half, 1);
+            else rotary_head(head, c, s, half, 0);
         }
     }
     return 0;

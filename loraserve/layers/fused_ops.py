@@ -19,6 +19,7 @@ from loraserve import envs
 from loraserve.native.build import load_library
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_MAX_ROTARY_HEAD_DIM = 1024  # fused_kernel.c's MAX_ROTARY_HALF * 2: the kernel's per-row table copy
 _lock = threading.Lock()
 _lib: Any = None
 _loaded = False
@@ -117,7 +118,8 @@ def rotary_(
     Shape: x [T, >= num_heads * head_dim] (row stride free); positions [T] int64; tables [P, head_dim]."""
     tables = (cos_table, sin_table)
     if not (_served(x) and positions.dtype == torch.int64 and positions.is_contiguous()
-            and positions.shape == (x.shape[0],) and head_dim % 2 == 0 and x.shape[1] >= num_heads * head_dim
+            and positions.shape == (x.shape[0],) and head_dim % 2 == 0 and head_dim <= _MAX_ROTARY_HEAD_DIM
+            and x.shape[1] >= num_heads * head_dim
             and all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == head_dim
                     and t.device.type == "cpu" for t in tables)
             and sin_table.shape == cos_table.shape):

@@ -8,14 +8,20 @@
  * at positions k <= p (and k > p - window when window > 0); key k lives in cache slot
  * block_tables[b][k / block_size] * block_size + k % block_size. Scores are q.k * scale, then
  * softcap * tanh(s / softcap) when softcap > 0; softmax and accumulation are in float32 (online softmax
- * over tiles of W keys), and the output is rounded to the input dtype.
+ * over blocks of KEY_BLOCK keys), and the output is rounded to the input dtype. For bf16 on CPUs with
+ * bf16 dot products the probabilities are rounded to bf16 before the value products, as the twin's
+ * probs.to(v.dtype) are (the normalizer stays the float32 sum).
  *
  * Why a kernel: the torch path copies every sequence's whole context out of the cache in every layer
  * and builds a [B, max_q, max_ctx] mask; here each K/V row is read once from where it lies and shared
- * by the query heads of its group (GQA), and requested two tiles ahead (blocks lie anywhere in the
- * cache, so no hardware prefetcher follows them). Work items are (sequence, query chunk, KV head, key
- * partition) over OpenMP threads (torch's libgomp: the library is loaded after torch); a long context
- * with too few items for the threads is split into key partitions that a second pass merges.
+ * by the query heads of its group (GQA), and requested one block ahead (blocks lie anywhere in the
+ * cache, so no hardware prefetcher follows them). A block's keys are all scored first, so each row pays
+ * one max, one rescale and one exp pass per block rather than per tile, and the values are summed with
+ * each 2W-column slice of a row's accumulator held in registers across the block's keys. Work items are
+ * (sequence, query chunk, KV head, key partition) over OpenMP threads (torch's libgomp: the library is
+ * loaded after torch), claimed one ahead so the next item's keys are requested while the current one
+ * finishes; a long context with too few items for the threads is split into key partitions that a
+ * second pass merges.
  * The vector width W is the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
  * 8 (AVX2 + FMA) or 1 (portable C); -march=native makes that the runtime dispatch.
  */
@@ -30,7 +36,10 @@
 typedef __m512 vf;
 typedef __mmask16 vmask;
 /* Lanes a <= j < b. */
-static inline vmask vrange(int64_t a, int64_t b) { return (vmask)(((1u << b) - 1u) & ~((1u << a) - 1u)); }
+static inline vmask vrange(int64_t a, int64_t b) {
+    a = a < 0 ? 0 : (a > W ? W : a), b = b < 0 ? 0 : (b > W ? W : b);
+    return (vmask)(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
 static inline vf vload(const float *p, int64_t n) {
     return n >= W ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(vrange(0, n), p);
 }
@@ -40,6 +49,15 @@ static inline vf vload_bf16(const uint16_t *p, int64_t n) {
 }
 static inline void vstore(float *p, vf x, int64_t n) {
     if (n >= W) _mm512_storeu_ps(p, x); else _mm512_mask_storeu_ps(p, vrange(0, n), x);
+}
+/* The n first lanes rounded to bf16 (nearest even, NaN kept quiet) at p. */
+static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    if (n >= W) _mm256_storeu_si256((__m256i *)p, h); else _mm256_mask_storeu_epi16(p, (__mmask16)vrange(0, n), h);
 }
 #define vset1 _mm512_set1_ps
 #define vzero _mm512_setzero_ps
@@ -72,6 +90,20 @@ static inline vf vsum_keys(const vf *a) {
 #if defined(__AVX512BF16__)
 #define NATIVE_BF16_DOT 1
 #endif
+/* 2W bf16 values (n real) as float32 without widening shuffles: even elements in *a, odd in *b. */
+static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
+    const __mmask32 m = n >= 2 * W ? 0xffffffffu : (__mmask32)((1ull << (n > 0 ? n : 0)) - 1u);
+    const __m512i x = _mm512_maskz_loadu_epi16(m, p);
+    *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* (even elements, odd elements) back to (first W, next W). */
+static inline void vinterleave(vf *a, vf *b) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const vf x = _mm512_permutex2var_ps(*a, lo, *b), y = _mm512_permutex2var_ps(*a, hi, *b);
+    *a = x, *b = y;
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -94,6 +126,18 @@ static inline vf vload_bf16(const uint16_t *p, int64_t n) {
 }
 static inline void vstore(float *p, vf x, int64_t n) {
     if (n >= W) _mm256_storeu_ps(p, x); else _mm256_maskstore_ps(p, vrange(0, n), x);
+}
+static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i bits = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan), 16);
+    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    if (n >= W) { _mm_storeu_si128((__m128i *)p, h); return; }
+    uint16_t tail[W];
+    _mm_storeu_si128((__m128i *)tail, h);
+    memcpy(p, tail, (size_t)n * sizeof(uint16_t));
 }
 #define vset1 _mm256_set1_ps
 #define vzero _mm256_setzero_ps
@@ -130,6 +174,17 @@ static inline vf vsum_keys(const vf *a) {
         c[i] = vadd(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
     return vadd(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
 }
+static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
+    uint16_t tail[2 * W] = {0};
+    if (n < 2 * W && n > 0) memcpy(tail, p, (size_t)n * sizeof(uint16_t));
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(n >= 2 * W ? p : tail));
+    *a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void vinterleave(vf *a, vf *b) {
+    const vf lo = _mm256_unpacklo_ps(*a, *b), hi = _mm256_unpackhi_ps(*a, *b);
+    *a = _mm256_permute2f128_ps(lo, hi, 0x20), *b = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
 
 #else /* portable C: one key per tile */
 #define W 1
@@ -161,6 +216,10 @@ static inline vmask vless(vf a, vf b) { return a < b; }
 static inline vf vround(vf x) { return nearbyintf(x); }
 static inline vf vpow2(vf y, vf n) { return ldexpf(y, (int)n); }
 static inline vf vsum_keys(const vf *a) { return a[0]; }
+static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
+    *a = vload_bf16(p, n), *b = vload_bf16(p + 1, n - 1);
+}
+static inline void vinterleave(vf *a, vf *b) { (void)a, (void)b; }
 #endif
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -168,6 +227,12 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #define MAX_ROWS 32   /* query rows (queries x heads of a group) per work item: their accumulators stay in L1 */
 #define MIN_PART 256  /* shortest key partition worth a merge */
+#define TRANSPOSE_ROWS 8 /* rows from which a tile's keys are transposed once rather than summed per row */
+#define SCORE_PREFETCH ((W + 1) / 2) /* next block's keys requested per tile scored (the rest while the values are summed) */
+#ifndef PV_COLS /* columns of a row's accumulator held in registers while the values are summed */
+#define PV_COLS (W == 16 ? 4 * W : 2 * W)
+#endif
+#define KEY_BLOCK 128 /* keys scored before their softmax and values: one max, one rescale per row and block */
 
 /* e^x in float32 (Cephes' polynomial, ~1 ulp), inputs clamped to the normal range. */
 static inline vf vexp(vf x) {
@@ -205,6 +270,9 @@ static inline uint16_t to_bf16(float x) { /* round to nearest even, NaN stays Na
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+#if W == 1
+static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) { if (n > 0) *p = to_bf16(x); }
+#endif
 
 /* Lane j = q . k[j] over d float32 values, for the W keys of a tile. */
 static inline vf qk_f32(const float *q, const float *const *k, int64_t d) {
@@ -231,48 +299,62 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
     }
     return vsum_keys(acc);
 }
+
+/* r[p] = column p of the 16 x 16 dword matrix with rows r[0..16): unpacks build 4 x 4 blocks within
+ * each 128-bit lane, two rounds of 128-bit lane shuffles move the blocks. */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i)
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88), v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+        r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88), r[4 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD), r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* kt[p * W + j] = elements 2p and 2p + 1 of key j (0 past d), p < ceil(d / 2): the tile's keys
+ * across the lanes, so that a row's scores need no horizontal sums. */
+static void transpose_keys(const uint16_t *const *k, int64_t d, uint32_t *kt) {
+    const int64_t pairs = (d + 1) / 2;
+    for (int64_t c = 0; c < pairs; c += 16) {
+        const int64_t n = d - 2 * c;
+        const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_epi16(m, k[j] + 2 * c);
+        transpose16(r);
+        for (int64_t p = 0; p < min64(16, pairs - c); ++p) _mm512_storeu_si512(kt + (c + p) * 16, r[p]);
+    }
+}
+
+/* out[r * 2 + t] lane j = row r's q . key j of tile t for the nr rows of q (bf16, q_stride apart,
+ * zero-padded to an even length) against the transposed tiles (tile t at kt + t * pairs * W); each
+ * query pair is broadcast once for both tiles. nr and tiles are constants at each call site. */
+__attribute__((always_inline)) static inline void qk_transposed(const uint32_t *kt, int64_t pairs, const uint16_t *q,
+                                                                int64_t q_stride, int nr, int tiles, vf *out) {
+    vf acc[8][2];
+    for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = vzero();
+    for (int64_t p = 0; p < pairs; ++p) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * 16);
+        const __m512bh k1 = tiles > 1 ? (__m512bh)_mm512_loadu_si512(kt + (pairs + p) * 16) : k0;
+        for (int r = 0; r < nr; ++r) {
+            uint32_t qp;
+            memcpy(&qp, q + r * q_stride + 2 * p, sizeof qp);
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qp);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qv);
+            if (tiles > 1) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qv);
+        }
+    }
+    for (int r = 0; r < nr; ++r) out[2 * r] = acc[r][0], out[2 * r + 1] = acc[r][1];
+}
 #endif
-
-/* Rows r < nr of acc (d floats apart) += sum_j p[r * W + j] * v[j]: each slice of V is loaded (and
- * widened from bf16) once for all the rows, and each slice of acc stays in a register across the tile.
- * Callers pass a constant nr so the unused accumulators vanish. */
-static inline void pv_rows(float *acc, int64_t d, const float *p, int nr, const float *const *v,
-                           const uint16_t *const *v_bf16, int is_bf16) {
-    for (int64_t i = 0; i < d; i += W) {
-        const int64_t n = d - i;
-        vf a0 = vload(acc + i, n), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        if (nr > 1) a1 = vload(acc + d + i, n);
-        if (nr > 2) a2 = vload(acc + 2 * d + i, n);
-        if (nr > 3) a3 = vload(acc + 3 * d + i, n);
-#pragma GCC unroll 16
-        for (int j = 0; j < W; ++j) {
-            const vf x = is_bf16 ? vload_bf16(v_bf16[j] + i, n) : vload(v[j] + i, n);
-            a0 = vfma(vset1(p[j]), x, a0);
-            if (nr > 1) a1 = vfma(vset1(p[W + j]), x, a1);
-            if (nr > 2) a2 = vfma(vset1(p[2 * W + j]), x, a2);
-            if (nr > 3) a3 = vfma(vset1(p[3 * W + j]), x, a3);
-        }
-        vstore(acc + i, a0, n);
-        if (nr > 1) vstore(acc + d + i, a1, n);
-        if (nr > 2) vstore(acc + 2 * d + i, a2, n);
-        if (nr > 3) vstore(acc + 3 * d + i, a3, n);
-    }
-}
-
-/* pv_rows over `rows` rows, four at a time. */
-static void pv_group(float *acc, int64_t d, const float *p, int64_t rows, const float *const *v,
-                     const uint16_t *const *v_bf16, int is_bf16) {
-    for (int64_t r = 0; r < rows; r += 4) {
-        float *a = acc + r * d;
-        const float *pr = p + r * W;
-        switch (min64(4, rows - r)) {
-        case 4: pv_rows(a, d, pr, 4, v, v_bf16, is_bf16); break;
-        case 3: pv_rows(a, d, pr, 3, v, v_bf16, is_bf16); break;
-        case 2: pv_rows(a, d, pr, 2, v, v_bf16, is_bf16); break;
-        default: pv_rows(a, d, pr, 1, v, v_bf16, is_bf16); break;
-        }
-    }
-}
 
 /* dst row j (d floats) = bf16 row src[j], for the W rows of a tile. */
 static inline void rows_to_f32(float *dst, const uint16_t *const *src, const float **rows, int64_t d) {
@@ -298,10 +380,43 @@ typedef struct {
     int64_t num_parts; /* on the first partition of a split (sequence, chunk, head): how many follow */
 } Item;
 
+/* Asks for the K and V rows of keys [j0, j1) ahead of use: blocks lie anywhere, so no hardware
+ * prefetcher follows them, and without this the kernel waits on memory latency, not bandwidth.
+ * always_inline: GCC deems a function of prefetches alone free of effects and drops calls to it. */
+__attribute__((always_inline)) static inline void prefetch_keys(const Args *a, const int64_t *offsets, int64_t j0,
+                                                                int64_t j1) {
+    const int64_t esize = a->is_bf16 ? 2 : 4, bytes = a->head_dim * esize;
+    for (int64_t j = j0; j < j1; ++j) {
+        const char *k = (const char *)a->k_cache + offsets[j] * esize, *v = (const char *)a->v_cache + offsets[j] * esize;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(k + b, 0, 3);
+            __builtin_prefetch(v + b, 0, 3);
+        }
+    }
+}
+
+/* The next block's keys, requested a few at a time all through the current block: a core has only so
+ * many misses in flight, so a steady trickle keeps memory busy where a burst would stall. */
 typedef struct {
-    float *q, *acc, *m, *l, *k_tile, *p; /* p: one query's group of probability rows, [group, W] */
-    uint16_t *q_bf16;
+    const int64_t *offsets;
+    int64_t n, done;
+} Ahead;
+
+__attribute__((always_inline)) static inline void prefetch_ahead(const Args *a, Ahead *ahead, int64_t count) {
+    const int64_t j1 = min64(ahead->done + count, ahead->n);
+    prefetch_keys(a, ahead->offsets, ahead->done, j1);
+    ahead->done = j1;
+}
+
+typedef struct {
+    float *q, *acc, *m, *l, *k_tile, *p; /* p: [rows_cap, KEY_BLOCK] scores, then probabilities */
+    uint16_t *q_bf16;                    /* rows q_stride_bf16(d) apart */
+    uint32_t *kt;                        /* two transposed tiles of bf16 keys, [2, ceil(d / 2), W] */
+    uint32_t *pb;                        /* p rounded to bf16 in key pairs, [rows_cap, KEY_BLOCK / 2] */
 } Scratch;
+
+/* bf16 query rows are padded to an even length: the transposed scores read them in pairs. */
+static inline int64_t q_stride_bf16(int64_t d) { return d + (d & 1); }
 
 /* Keys [lo, hi) that query qi of the item sees, within the item's partition. */
 static inline void key_range(const Args *a, const Item *it, int64_t qi, int64_t *lo, int64_t *hi) {
@@ -311,15 +426,30 @@ static inline void key_range(const Args *a, const Item *it, int64_t qi, int64_t 
     *hi = min64(it->key_end, pos + 1);
 }
 
+/* dst[0..n) = src[0..n): a libc call per short row costs as much as the copy. */
+static inline void copy_bf16(uint16_t *dst, const uint16_t *src, int64_t n) {
+#if W == 16
+    for (int64_t i = 0; i < n; i += 32) {
+        const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1ull << (n - i)) - 1u);
+        _mm512_mask_storeu_epi16(dst + i, m, _mm512_maskz_loadu_epi16(m, src + i));
+    }
+#else
+    memcpy(dst, src, (size_t)n * sizeof(uint16_t));
+#endif
+}
+
 static void load_queries(const Args *a, const Item *it, Scratch *s) {
-    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, qs = q_stride_bf16(d);
     const int64_t token0 = a->query_starts[it->seq] + it->first;
     for (int64_t r = 0; r < it->num_queries * group; ++r) {
         const int64_t offset = (token0 + r / group) * a->q_stride + (it->kv_head * group + r % group) * d;
         if (a->is_bf16) {
             const uint16_t *src = (const uint16_t *)a->q + offset;
-            memcpy(s->q_bf16 + r * d, src, (size_t)d * sizeof(uint16_t));
+            copy_bf16(s->q_bf16 + r * qs, src, d);
+            if (qs > d) s->q_bf16[r * qs + d] = 0;
+#ifndef NATIVE_BF16_DOT /* else the bf16 copy is all the scores read */
             for (int64_t i = 0; i < d; i += W) vstore(s->q + r * d + i, vload_bf16(src + i, d - i), d - i);
+#endif
         } else {
             memcpy(s->q + r * d, (const float *)a->q + offset, (size_t)d * sizeof(float));
         }
@@ -329,129 +459,356 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
     }
 }
 
-/* Online softmax for one row over one tile (scores s, lanes `live` visible): s becomes the tile's
- * probabilities in p; returns the factor the row's accumulator must be rescaled by. */
-static inline float softmax_step(const Args *a, vf s, vmask live, float *m, float *l, float *p) {
-    s = vmul(s, vset1(a->scale));
-    if (a->softcap > 0.0f) s = vmul(vset1(a->softcap), vtanh(vmul(s, vset1(1.0f / a->softcap))));
-    s = vselect(live, s, vset1(-INFINITY));
-    const float tile_max = vhmax(s), m_new = tile_max > *m ? tile_max : *m;
-    const float correction = m_new > *m ? expf(*m - m_new) : 1.0f;
-    const vf probs = vselect(live, vexp(vsub(s, vset1(m_new))), vzero());
-    *l = *l * correction + vhsum(probs);
-    *m = m_new;
-    vstore(p, probs, W);
-    return correction;
-}
-
 /* Lane j = the scores of row r against the tile's keys (bf16 keys read in place where the CPU has
  * bf16 dot products, else from their float32 copy). */
 static inline vf row_scores(const Args *a, const Scratch *s, int64_t r, const uint16_t *const *k_bf16,
                             const float *const *k_rows) {
 #ifdef NATIVE_BF16_DOT
-    if (a->is_bf16) return qk_bf16(s->q_bf16 + r * a->head_dim, k_bf16, a->head_dim);
+    if (a->is_bf16) return qk_bf16(s->q_bf16 + r * q_stride_bf16(a->head_dim), k_bf16, a->head_dim);
 #else
     (void)k_bf16;
 #endif
     return qk_f32(s->q + r * a->head_dim, k_rows, a->head_dim);
 }
 
-/* Rows of the item against the W keys from k0 (n of them real) at the given cache element offsets. */
-static void attend_tile(const Args *a, const Item *it, Scratch *s, int64_t k0, int64_t n, const int64_t *offsets) {
+/* Row scores x against the tile's keys: scale, softcap, -inf outside the lanes [lo, hi) the row sees. */
+static inline void store_scores(const Args *a, vf x, int64_t lo, int64_t hi, float *p) {
+    x = vmul(x, vset1(a->scale));
+    if (a->softcap > 0.0f) x = vmul(vset1(a->softcap), vtanh(vmul(x, vset1(1.0f / a->softcap))));
+    vstore(p, vselect(vrange(lo, hi), x, vset1(-INFINITY)), W);
+}
+
+#ifdef NATIVE_BF16_DOT
+/* score_block's tiles t0 (and t0 + W when k1 is not NULL) for many rows: the keys are transposed once,
+ * then each row's scores are dot products of broadcast query pairs with the key columns, eight rows
+ * at a time. */
+static void score_tiles_transposed(const Args *a, const Item *it, Scratch *s, int64_t t0, int64_t nk,
+                                   const uint16_t *const *k0, const uint16_t *const *k1, const int64_t *lo,
+                                   const int64_t *hi) {
+    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, rows = it->num_queries * group;
+    const int64_t pairs = (d + 1) / 2, qs = q_stride_bf16(d), tiles = k1 != NULL ? 2 : 1;
+    transpose_keys(k0, d, s->kt);
+    if (k1 != NULL) transpose_keys(k1, d, s->kt + pairs * W);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        vf x[16];
+        const uint16_t *q = s->q_bf16 + r0 * qs;
+        const int nr = (int)min64(8, rows - r0);
+#define QK_CASE(NR) \
+        case NR: \
+            if (tiles > 1) qk_transposed(s->kt, pairs, q, qs, NR, 2, x); \
+            else qk_transposed(s->kt, pairs, q, qs, NR, 1, x); \
+            break;
+        switch (nr) {
+        QK_CASE(8) QK_CASE(7) QK_CASE(6) QK_CASE(5) QK_CASE(4) QK_CASE(3) QK_CASE(2) QK_CASE(1)
+        }
+#undef QK_CASE
+        for (int r = 0; r < nr; ++r) {
+            const int64_t qi = (r0 + r) / group;
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t base = t0 + t * W;
+                store_scores(a, x[2 * r + t], lo[qi] - base, min64(hi[qi], nk) - base, s->p + (r0 + r) * KEY_BLOCK + base);
+            }
+        }
+    }
+}
+#endif
+
+/* Scores of the item's rows against the block's keys [0, nk) (cache element offsets `offsets`) into
+ * s->p, -inf where a row does not see a key (query qi sees [lo[qi], hi[qi])); tiles a row does not see
+ * at all cost it no dot products. */
+static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, const int64_t *offsets,
+                        const int64_t *lo, const int64_t *hi, Ahead *ahead) {
     const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
-    const float *k_rows[W] = {0}, *v_rows[W] = {0};
-    const uint16_t *k_bf16[W] = {0}, *v_bf16[W] = {0};
-    for (int j = 0; j < W; ++j) {
-        if (a->is_bf16) {
-            k_bf16[j] = (const uint16_t *)a->k_cache + offsets[j];
-            v_bf16[j] = (const uint16_t *)a->v_cache + offsets[j];
-        } else {
-            k_rows[j] = (const float *)a->k_cache + offsets[j];
-            v_rows[j] = (const float *)a->v_cache + offsets[j];
+    for (int64_t t0 = 0; t0 < nk; t0 += W) {
+        prefetch_ahead(a, ahead, SCORE_PREFETCH);
+        const float *k_rows[W] = {0};
+        const uint16_t *k_bf16[W] = {0};
+        for (int j = 0; j < W; ++j) {
+            const int64_t off = offsets[t0 + j < nk ? t0 + j : t0]; /* past the last key: a real, finite row */
+            if (a->is_bf16) k_bf16[j] = (const uint16_t *)a->k_cache + off;
+            else k_rows[j] = (const float *)a->k_cache + off;
         }
-    }
+        int visible = 0;
+        for (int64_t qi = 0; qi < it->num_queries; ++qi) visible |= lo[qi] < min64(hi[qi], t0 + W) && hi[qi] > t0;
+#ifdef NATIVE_BF16_DOT
+        if (visible && a->is_bf16 && it->num_queries * group >= TRANSPOSE_ROWS) {
+            const uint16_t *k_next[W]; /* the next tile too, when there is one: scored in the same pass */
+            const int pair = t0 + W < nk;
+            for (int j = 0; pair && j < W; ++j)
+                k_next[j] = (const uint16_t *)a->k_cache + offsets[t0 + W + j < nk ? t0 + W + j : t0 + W];
+            score_tiles_transposed(a, it, s, t0, nk, k_bf16, pair ? k_next : NULL, lo, hi);
+            if (pair) {
+                t0 += W;
+                prefetch_ahead(a, ahead, SCORE_PREFETCH);
+            }
+            continue;
+        }
+#endif
+        int converted = 0;
+        for (int64_t qi = 0; qi < it->num_queries; ++qi) {
+            float *p = s->p + qi * group * KEY_BLOCK + t0;
+            if (lo[qi] >= min64(hi[qi], t0 + W) || hi[qi] <= t0) {
+                for (int64_t g = 0; g < group; ++g) vstore(p + g * KEY_BLOCK, vset1(-INFINITY), W);
+                continue;
+            }
 #ifndef NATIVE_BF16_DOT
-    if (a->is_bf16) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile, for every row of the item */
+            if (a->is_bf16 && !converted) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile for all rows */
 #endif
+            converted = 1;
+            for (int64_t g = 0; g < group; ++g)
+                store_scores(a, row_scores(a, s, qi * group + g, k_bf16, k_rows), lo[qi] - t0, min64(hi[qi], nk) - t0,
+                             p + g * KEY_BLOCK);
+        }
+        (void)converted, (void)visible, (void)d;
+    }
+}
+
+/* Rows r < nr of acc (d floats apart) += sum over keys j0 <= j < j1 of p[r * KEY_BLOCK + j] * v[j]:
+ * 2W columns at a time, held in registers across all the keys, so each V row is loaded (and widened,
+ * even and odd bf16 elements apart with one instruction each) once per nr rows. Callers pass constants
+ * for nr and is_bf16 so the unused accumulators and the other dtype's loads vanish. */
+__attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d, const float *p, int nr,
+                                                          const void *v_cache, const int64_t *offsets,
+                                                          int64_t j0, int64_t j1, int is_bf16) {
+    for (int64_t i = 0; i < d; i += PV_COLS) {
+        const int64_t n = d - i;
+        vf sum[4][PV_COLS / W];
+#pragma GCC unroll 16
+        for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; ++c) sum[r][c] = vzero();
+        for (int64_t j = j0; j < j1; ++j) {
+            vf x[PV_COLS / W];
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; c += 2) {
+                if (is_bf16) {
+                    vload_pair_bf16((const uint16_t *)v_cache + offsets[j] + i + c * W, n - c * W, &x[c], &x[c + 1]);
+                } else {
+                    const float *v = (const float *)v_cache + offsets[j] + i + c * W;
+                    x[c] = vload(v, n - c * W);
+                    x[c + 1] = vload(v + W, n - (c + 1) * W);
+                }
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < nr; ++r) {
+                const vf pr = vset1(p[r * KEY_BLOCK + j]);
+#pragma GCC unroll 16
+                for (int c = 0; c < PV_COLS / W; ++c) sum[r][c] = vfma(pr, x[c], sum[r][c]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; c += 2) {
+                if (is_bf16) vinterleave(&sum[r][c], &sum[r][c + 1]);
+                float *row = acc + r * d + i + c * W;
+                vstore(row, vadd(vload(row, n - c * W), sum[r][c]), n - c * W);
+                vstore(row + W, vadd(vload(row + W, n - (c + 1) * W), sum[r][c + 1]), n - (c + 1) * W);
+            }
+    }
+}
+
+#ifdef NATIVE_BF16_DOT
+/* The bf16 route of pv_rows: the probabilities rounded to bf16 (as the twin's probs.to(v.dtype) are),
+ * paired by key (pb dword j / 2 = keys j, j + 1; rows KEY_BLOCK / 2 apart), the V rows of two keys
+ * interleaved by 16-bit unpacks, and one pair dot product per 16 lanes: no widening, half the
+ * multiply-adds. Keys from j0 rounded down to even to j1 (a key past nk reads key j's row, with
+ * probability 0). The unpacks leave each 32-column chunk as columns 8k..8k+3 then 8k+4..8k+7 per
+ * 128-bit lane; two permutes per chunk and row put them back. */
+__attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_t d, const uint32_t *pb, int nr,
+                                                              const uint16_t *v_cache, const int64_t *offsets,
+                                                              int64_t nk, int64_t j0, int64_t j1) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t i = 0; i < d; i += 64) {
+        const int64_t n = d - i;
+        vf sum[4][4];
+#pragma GCC unroll 16
+        for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) sum[r][c] = vzero();
+        for (int64_t j = j0 & ~(int64_t)1; j < j1; j += 2) {
+            const uint16_t *va = v_cache + offsets[j] + i, *vb = v_cache + offsets[j + 1 < nk ? j + 1 : j] + i;
+            __m512bh x[4];
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; ++c) {
+                const int64_t left = n - 32 * c;
+                const __mmask32 m = left >= 32 ? 0xffffffffu : (__mmask32)((1ull << (left > 0 ? left : 0)) - 1u);
+                const __m512i ka = _mm512_maskz_loadu_epi16(m, va + 32 * c), kb = _mm512_maskz_loadu_epi16(m, vb + 32 * c);
+                x[2 * c] = (__m512bh)_mm512_unpacklo_epi16(ka, kb), x[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(ka, kb);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; ++r) {
+                const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pb[r * (KEY_BLOCK / 2) + j / 2]);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], x[c], pr);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; ++c) {
+                float *row = acc + r * d + i + 32 * c;
+                const int64_t left = n - 32 * c;
+                const vf lo = _mm512_permutex2var_ps(sum[r][2 * c], first, sum[r][2 * c + 1]);
+                const vf hi = _mm512_permutex2var_ps(sum[r][2 * c], second, sum[r][2 * c + 1]);
+                vstore(row, vadd(vload(row, left), lo), left);
+                vstore(row + W, vadd(vload(row + W, left - W), hi), left - W);
+            }
+    }
+}
+
+/* pb row r = row r of p (n lanes, a multiple of W) rounded to bf16, in key pairs. */
+static void pair_probabilities(const float *p, int64_t rows, int64_t n, uint32_t *pb) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n; j += 2 * W) {
+            const float *pr = p + r * KEY_BLOCK + j;
+            uint32_t *dst = pb + r * (KEY_BLOCK / 2) + j / 2;
+            if (n - j >= 2 * W) _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(vload(pr + W, W), vload(pr, W)));
+            else _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(vload(pr, W)));
+        }
+}
+#endif
+
+#define PV_KEYS 32 /* keys per slice of a block's values: between slices, the next block is requested */
+
+/* pv_rows over `rows` rows (probabilities p, KEY_BLOCK apart), four at a time and PV_KEYS keys at a
+ * time; each pass reads only the keys its rows see ([lo, hi) per row). */
+static void pv_block(const Args *a, float *acc, const float *p, int64_t rows, const int64_t *lo, const int64_t *hi,
+                     int64_t nk, const int64_t *offsets, Ahead *ahead, uint32_t *pb) {
+    const int64_t d = a->head_dim, slices = (nk + PV_KEYS - 1) / PV_KEYS;
+#ifdef NATIVE_BF16_DOT
+    if (a->is_bf16) pair_probabilities(p, rows, (nk + W - 1) / W * W, pb);
+#else
+    (void)pb;
+#endif
+    for (int64_t k0 = 0; k0 < nk; k0 += PV_KEYS) {
+        prefetch_ahead(a, ahead, (ahead->n - ahead->done + slices - 1) / slices);
+        for (int64_t r = 0; r < rows; r += 4) {
+            const int nr = (int)min64(4, rows - r);
+            int64_t j0 = lo[r], j1 = hi[r];
+            for (int k = 1; k < nr; ++k) j0 = min64(j0, lo[r + k]), j1 = max64(j1, hi[r + k]);
+            j0 = max64(j0, k0), j1 = min64(j1, k0 + PV_KEYS);
+            if (j0 >= j1) continue;
+            float *ar = acc + r * d;
+            const float *pr = p + r * KEY_BLOCK;
+#ifdef NATIVE_BF16_DOT
+#define PV_BF16(NR) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, (const uint16_t *)a->v_cache, offsets, nk, j0, j1)
+#else
+#define PV_BF16(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 1)
+#endif
+#define PV_CASE(NR) \
+            if (a->is_bf16) PV_BF16(NR); \
+            else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 0); \
+            break;
+            switch (nr) {
+            case 4: PV_CASE(4)
+            case 3: PV_CASE(3)
+            case 2: PV_CASE(2)
+            default: PV_CASE(1)
+            }
+#undef PV_CASE
+#undef PV_BF16
+        }
+    }
+}
+
+/* Online softmax for one row over a block of n scores (a multiple of W): the scores become
+ * probabilities (0 where -inf), the row's max and sum move on, and its accumulator is rescaled. */
+static void softmax_block(float *p, int64_t n, float *m, float *l, float *acc, int64_t d) {
+    vf mx = vset1(-INFINITY);
+    for (int64_t j = 0; j < n; j += W) mx = vmax(mx, vload(p + j, W));
+    const float block_max = vhmax(mx);
+    if (block_max == -INFINITY) { /* the row sees none of the block's keys */
+        for (int64_t j = 0; j < n; j += W) vstore(p + j, vzero(), W);
+        return;
+    }
+    const float m_new = block_max > *m ? block_max : *m;
+    if (m_new > *m && *l > 0.0f) {
+        const vf c = vset1(expf(*m - m_new));
+        for (int64_t i = 0; i < d; i += W) vstore(acc + i, vmul(vload(acc + i, d - i), c), d - i);
+        *l *= expf(*m - m_new);
+    }
+    vf sum = vzero();
+    const vf neg_inf = vset1(-INFINITY), shift = vset1(m_new);
+    for (int64_t j = 0; j < n; j += W) {
+        const vf x = vload(p + j, W);
+        const vf e = vselect(vless(neg_inf, x), vexp(vsub(x, shift)), vzero());
+        sum = vadd(sum, e);
+        vstore(p + j, e, W);
+    }
+    *l += vhsum(sum);
+    *m = m_new;
+}
+
+/* The item's rows against the block of keys [k0, k0 + nk) at `offsets`. */
+static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, int64_t nk, const int64_t *offsets,
+                         Ahead *ahead) {
+    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    int64_t lo[MAX_ROWS], hi[MAX_ROWS], row_lo[MAX_ROWS], row_hi[MAX_ROWS];
     for (int64_t qi = 0; qi < it->num_queries; ++qi) {
-        int64_t lo, hi;
-        key_range(a, it, qi, &lo, &hi);
-        lo = max64(lo, k0) - k0;
-        hi = min64(hi, k0 + n) - k0;
-        if (lo >= hi) continue;
-        const vmask live = vrange(lo, hi);
-        float *acc = s->acc + qi * group * d;
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = qi * group + g;
-            const float c = softmax_step(a, row_scores(a, s, r, k_bf16, k_rows), live, &s->m[r], &s->l[r], s->p + g * W);
-            if (c != 1.0f)
-                for (int64_t i = 0; i < d; ++i) acc[g * d + i] *= c;
-        }
-        pv_group(acc, d, s->p, group, v_rows, v_bf16, a->is_bf16);
+        key_range(a, it, qi, &lo[qi], &hi[qi]);
+        lo[qi] = max64(lo[qi], k0) - k0, hi[qi] = min64(hi[qi], k0 + nk) - k0;
+        for (int64_t g = 0; g < group; ++g) row_lo[qi * group + g] = lo[qi], row_hi[qi * group + g] = hi[qi];
     }
+    score_block(a, it, s, nk, offsets, lo, hi, ahead);
+    const int64_t rows = it->num_queries * group, n = (nk + W - 1) / W * W;
+    for (int64_t r = 0; r < rows; ++r)
+        softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
+    pv_block(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, ahead, s->pb);
+    prefetch_ahead(a, ahead, ahead->n);
 }
 
-/* Cache element offsets of the W keys from k0 (n of them real) for one KV head; lanes past the last
- * key repeat the first one (finite values whose probability is 0). */
-static inline void tile_offsets(const Args *a, const int32_t *table, int64_t head_offset, int64_t k0, int64_t n,
-                                int64_t *offsets) {
-    const int64_t bs = a->block_size, slot_stride = a->num_kv_heads * a->head_dim;
-    for (int64_t j = 0, block = k0 / bs, at = k0 % bs; j < W; ++j) {
-        offsets[j] = j < n ? ((int64_t)table[block] * bs + at) * slot_stride + head_offset : offsets[0];
-        if (++at == bs) at = 0, ++block;
-    }
-}
-
-/* Asks for the tile's K and V rows ahead of use: blocks lie anywhere, so no hardware prefetcher
- * follows them, and without this the kernel waits on memory latency, not bandwidth. always_inline:
- * GCC deems a function of prefetches alone free of effects and drops calls to it. */
-__attribute__((always_inline)) static inline void prefetch_tile(const Args *a, const int64_t *offsets,
-                                                                int64_t n) {
-    const int64_t esize = a->is_bf16 ? 2 : 4, bytes = a->head_dim * esize;
-    for (int64_t j = 0; j < n; ++j) {
-        const char *k = (const char *)a->k_cache + offsets[j] * esize, *v = (const char *)a->v_cache + offsets[j] * esize;
-        for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch(k + b, 0, 3);
-            __builtin_prefetch(v + b, 0, 3);
-        }
-    }
-}
-
-#ifndef PREFETCH_TILES
-#define PREFETCH_TILES 2 /* tiles ahead (-DPREFETCH_TILES=n to measure others) */
-#endif
-
-/* The item's rows through every tile of W keys they see: s->acc, s->m, s->l hold the unnormalized result. */
-static void attend(const Args *a, const Item *it, Scratch *s) {
-    const int64_t head_offset = it->kv_head * a->head_dim;
+/* Cache element offsets of the keys [k0, k0 + n) of the item's sequence and KV head. */
+static inline void block_offsets(const Args *a, const Item *it, int64_t k0, int64_t n, int64_t *offsets) {
+    const int64_t bs = a->block_size, slot_stride = a->num_kv_heads * a->head_dim, head_offset = it->kv_head * a->head_dim;
     const int32_t *table = a->block_tables + it->seq * a->max_blocks;
-    int64_t begin, end, unused, offsets[W];
-    key_range(a, it, 0, &begin, &unused);
-    key_range(a, it, it->num_queries - 1, &unused, &end);
-    for (int64_t k0 = begin; k0 < end && k0 < begin + PREFETCH_TILES * W; k0 += W) {
-        tile_offsets(a, table, head_offset, k0, min64(W, end - k0), offsets);
-        prefetch_tile(a, offsets, min64(W, end - k0));
+    for (int64_t j = 0, block = k0 / bs, at = k0 % bs; j < n; ++block, at = 0) { /* a run of slots per cache block */
+        const int64_t run = min64(bs - at, n - j), base = ((int64_t)table[block] * bs + at) * slot_stride + head_offset;
+        for (int64_t i = 0; i < run; ++i) offsets[j + i] = base + i * slot_stride;
+        j += run;
     }
-    for (int64_t k0 = begin; k0 < end; k0 += W) {
-        const int64_t ahead = k0 + PREFETCH_TILES * W;
-        if (ahead < end) {
-            tile_offsets(a, table, head_offset, ahead, min64(W, end - ahead), offsets);
-            prefetch_tile(a, offsets, min64(W, end - ahead));
+}
+
+/* Keys [begin, end) that some row of the item sees. */
+static inline void item_keys(const Args *a, const Item *it, int64_t *begin, int64_t *end) {
+    int64_t unused;
+    key_range(a, it, 0, begin, &unused);
+    key_range(a, it, it->num_queries - 1, &unused, end);
+}
+
+/* The item's rows through every block of keys they see: s->acc, s->m, s->l hold the unnormalized
+ * result. While a block is scored the next one's K/V rows are requested: the item's next block, or
+ * after its last the first block of `next`, the item this thread runs next (NULL: none). */
+static void attend(const Args *a, const Item *it, const Item *next, Scratch *s) {
+    int64_t begin, end, buf[2][KEY_BLOCK];
+    item_keys(a, it, &begin, &end);
+    int64_t *cur = buf[0], *next_offsets = buf[1];
+    if (begin < end) block_offsets(a, it, begin, min64(KEY_BLOCK, end - begin), cur);
+    for (int64_t k0 = begin; k0 < end; k0 += KEY_BLOCK) {
+        Ahead ahead = {next_offsets, 0, 0};
+        if (k0 + KEY_BLOCK < end) {
+            ahead.n = min64(KEY_BLOCK, end - k0 - KEY_BLOCK);
+            block_offsets(a, it, k0 + KEY_BLOCK, ahead.n, next_offsets);
+        } else if (next != NULL) {
+            int64_t next_begin, next_end;
+            item_keys(a, next, &next_begin, &next_end);
+            ahead.n = max64(0, min64(KEY_BLOCK, next_end - next_begin));
+            if (ahead.n > 0) block_offsets(a, next, next_begin, ahead.n, next_offsets);
         }
-        tile_offsets(a, table, head_offset, k0, min64(W, end - k0), offsets);
-        attend_tile(a, it, s, k0, min64(W, end - k0), offsets);
+        attend_block(a, it, s, k0, min64(KEY_BLOCK, end - k0), cur, &ahead);
+        int64_t *t = cur;
+        cur = next_offsets, next_offsets = t;
     }
 }
 
 /* out[token, head, :] = row * inv, rounded to the output dtype. */
 static void store_row(const Args *a, int64_t token, int64_t head, const float *row, float inv) {
     const int64_t d = a->head_dim, offset = (token * a->num_heads + head) * d;
-    if (a->is_bf16) {
-        uint16_t *dst = (uint16_t *)a->out + offset;
-        for (int64_t i = 0; i < d; ++i) dst[i] = to_bf16(row[i] * inv);
-    } else {
-        float *dst = (float *)a->out + offset;
-        for (int64_t i = 0; i < d; ++i) dst[i] = row[i] * inv;
+    for (int64_t i = 0; i < d; i += W) {
+        const vf x = vmul(vload(row + i, d - i), vset1(inv));
+        if (a->is_bf16) vstore_bf16((uint16_t *)a->out + offset + i, x, d - i);
+        else vstore((float *)a->out + offset + i, x, d - i);
     }
 }
 
@@ -490,6 +847,17 @@ static void merge_parts(const Args *a, const Item *items, int64_t num_parts, con
             for (int64_t i = 0; i < d; ++i) row[i] += acc[i] * weight;
         }
         store_row(a, token0 + r / group, items[0].kv_head * group + r % group, row, 1.0f / l);
+    }
+}
+
+/* Cache row slot_mapping[t] of each KV cache = new row t (all KV heads). */
+static void write_kv(const Args *a, int64_t num_tokens, const void *k_new, int64_t k_stride, const void *v_new,
+                     int64_t v_stride, const int64_t *slot_mapping) {
+    const int64_t esize = a->is_bf16 ? 2 : 4, row = a->num_kv_heads * a->head_dim;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t] * row * esize;
+        memcpy((char *)a->k_cache + slot, (const char *)k_new + t * k_stride * esize, (size_t)(row * esize));
+        memcpy((char *)a->v_cache + slot, (const char *)v_new + t * v_stride * esize, (size_t)(row * esize));
     }
 }
 
@@ -559,15 +927,25 @@ static int64_t partition_len(const Args *a, int64_t num_seqs, int num_threads) {
  * the buffers (block ids >= num_blocks, lengths that do not add up): the output is then incomplete.
  * q: [T, H, D] rows q_stride elements apart; k_cache, v_cache: [num_blocks * block_size, KVH, D];
  * out: [T, H, D] contiguous; block_tables [B, max_blocks], context_lens [B], query_starts [B + 1]
- * int32; q, caches and out share the dtype (float32, or bf16 when is_bf16). */
+ * int32; q, caches and out share the dtype (float32, or bf16 when is_bf16). With slot_mapping (int64
+ * [T]) the step's new K/V rows (k_new, v_new: [T, KVH * D], rows k_stride / v_stride elements apart)
+ * are first written to their cache slots, as the layer's index_copy_ would: one call instead of three
+ * per layer and step. Slots past the cache are refused (2) before anything is written. */
 int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
                     const int32_t *query_starts, int64_t num_seqs, int64_t num_tokens, int64_t num_blocks,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                    float scale, float softcap, int64_t window, int is_bf16, int num_threads) {
+                    float scale, float softcap, int64_t window, int is_bf16, int num_threads,
+                    const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
+                    const int64_t *slot_mapping) {
     const Args a = {q, k_cache, v_cache, out, block_tables, context_lens, query_starts, q_stride, max_blocks,
                     num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, is_bf16};
     if (check_metadata(&a, num_seqs, num_tokens, num_blocks)) return 2;
+    if (slot_mapping != NULL) {
+        for (int64_t t = 0; t < num_tokens; ++t)
+            if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return 2;
+        write_kv(&a, num_tokens, k_new, k_stride, v_new, v_stride, slot_mapping);
+    }
     const int64_t part_len = partition_len(&a, num_seqs, num_threads), d = head_dim;
     const int64_t rows_cap = max64(1, MAX_ROWS / (num_heads / num_kv_heads)) * (num_heads / num_kv_heads);
     int64_t num_partials = 0;
@@ -577,11 +955,13 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
     if (items != NULL) plan_items(&a, num_seqs, part_len, items, &num_partials);
     if (num_partials > 0) partials = (float *)malloc(sizeof(float) * (size_t)(num_partials * rows_cap * (d + 2)));
     int failed = items == NULL || (num_partials > 0 && partials == NULL);
+    int64_t next_item = 0;
 #pragma omp parallel num_threads(num_threads) if (!failed && num_items > 1)
     {
         Scratch s = {0};
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * W));
-        s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * d));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * KEY_BLOCK +
+                                                              2 * ((d + 1) / 2 * W) + rows_cap * KEY_BLOCK / 2));
+        s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * q_stride_bf16(d)));
         const int ok = !failed && buf != NULL && s.q_bf16 != NULL;
         if (!ok) {
 #pragma omp atomic write
@@ -589,14 +969,19 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         } else {
             s.q = buf, s.acc = buf + rows_cap * d, s.m = s.acc + rows_cap * d, s.l = s.m + rows_cap;
             s.k_tile = s.l + rows_cap, s.p = s.k_tile + W * d;
+            s.kt = (uint32_t *)(s.p + rows_cap * KEY_BLOCK);
+            s.pb = s.kt + 2 * ((d + 1) / 2 * W);
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; ++i) {
-            if (!ok) continue;
+        /* Dynamic schedule, one item claimed ahead: the thread knows the item it runs next and requests
+         * that item's first keys while it finishes the current one. */
+        for (int64_t i = ok ? __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED) : num_items; i < num_items;) {
+            const int64_t next = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
             load_queries(&a, &items[i], &s);
-            attend(&a, &items[i], &s);
+            attend(&a, &items[i], next < num_items ? &items[next] : NULL, &s);
             finish_item(&a, &items[i], &s, partials, rows_cap);
+            i = next;
         }
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; ++i)
             if (ok && items[i].num_parts > 0) merge_parts(&a, &items[i], items[i].num_parts, partials, rows_cap, s.acc);

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from loraserve import envs
+from loraserve.layers.attention_metadata import AttentionMetadata
 from loraserve.native.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def bind(lib: ctypes.CDLL) -> Any:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.restype = ctypes.c_int
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-                   f32, f32, i64, ctypes.c_int, ctypes.c_int]
+                   f32, f32, i64, ctypes.c_int, ctypes.c_int, ptr, i64, ptr, i64, ptr]
     return fn
 
 
@@ -47,14 +48,16 @@ def _load() -> Any:
 
 
 def kernel_available() -> bool:
-    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built."""
+    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built. The
+    switch is read on every call (benchmarks flip it between steps); the lock only until the load."""
     global _kernel, _loaded
     if not envs.cpu_attention_kernel():
         return False
-    with _lock:
-        if not _loaded:
-            _kernel = _load()
-            _loaded = True
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _kernel = _load()
+                _loaded = True
     return _kernel is not None
 
 
@@ -129,10 +132,15 @@ def run_kernel(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    new_kv: tuple[int | None, int, int | None, int, int | None] = (None, 0, None, 0, None),
+    checked: bool = False,
 ) -> torch.Tensor:
-    """`paged_attention` through the given `bind`-ed build (tests run every vector width's build)."""
+    """`paged_attention` through the given `bind`-ed build (tests run every vector width's build).
+    `new_kv` (k ptr, k row stride, v ptr, v row stride, slot_mapping ptr) makes the kernel write the
+    step's K/V rows first; `checked` skips the tensor checks a caller already made this step."""
     index = (block_tables, context_lens, query_starts)
-    _check(q, k_cache, v_cache, index, block_size)
+    if not checked:
+        _check(q, k_cache, v_cache, index, block_size)
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
     if num_tokens == 0:
@@ -142,11 +150,50 @@ def run_kernel(
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), query_starts.data_ptr(),
         context_lens.shape[0], num_tokens, k_cache.shape[0] // block_size, num_heads, k_cache.shape[1],
         head_dim, block_size, scale, softcap or 0.0, window or 0, int(q.dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        torch.get_num_threads(), *new_kv,
     )
+    _raise_for(status, k_cache, block_size, num_tokens)
+    return out
+
+
+def _raise_for(status: int, k_cache: torch.Tensor, block_size: int, num_tokens: int) -> None:
     if status == 2:
         raise ValueError(f"attention metadata points outside the KV cache ({k_cache.shape[0] // block_size} "
                          f"blocks) or its lengths do not add up to {num_tokens} tokens")
     if status != 0:
         raise MemoryError("CPU attention kernel could not allocate its scratch memory")
-    return out
+
+
+def write_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor | None:
+    """The layer's whole step in one kernel call: the new K/V rows into their slots (as
+    `index_copy_(0, meta.slot_mapping, ...)` would), then `paged_attention`. None when the kernel
+    cannot serve these tensors: the caller then writes and attends on another path. The step's index
+    tensors are checked by the first layer only (every layer shares them and the cache shapes).
+
+    Shape: q [T, H, D]; k, v [T, KVH * D] (row stride free); caches [num_slots, KVH, D] -> [T, H, D]."""
+    num_tokens = q.shape[0]
+    row = k_cache.shape[1] * k_cache.shape[2] if k_cache.dim() == 3 else -1
+    slots = meta.slot_mapping
+    if not (applies(q, k_cache, v_cache) and all(
+            t.device.type == "cpu" and t.dtype == q.dtype and t.dim() == 2 and t.shape == (num_tokens, row)
+            and t.stride(1) == 1 for t in (k, v))
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (num_tokens,)
+            and slots.device.type == "cpu"):
+        return None
+    index = (meta.block_tables, meta.context_lens, meta.query_starts)
+    shapes = (tuple(q.shape[1:]), tuple(k_cache.shape), tuple(v_cache.shape), meta.block_size)
+    if meta.cpu_checked != shapes:
+        _check(q, k_cache, v_cache, index, meta.block_size)
+        meta.cpu_checked = shapes
+    new_kv = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
+    return run_kernel(_kernel, q, k_cache, v_cache, *index, meta.block_size, scale, softcap, window, new_kv, True)

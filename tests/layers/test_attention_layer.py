@@ -81,3 +81,20 @@ def test_every_route_gives_the_reference_result(
         torch.testing.assert_close(out.double(), expected, **tolerance(dtype))
         outputs.append(out)
     torch.testing.assert_close(outputs[0].double(), outputs[1].double(), **tolerance(dtype))
+
+
+def test_kernel_refuses_slots_past_the_cache_before_writing() -> None:
+    """The C kernel writes the new K/V rows itself; a slot past the cache must fail the step with
+    nothing written (as index_copy_ would refuse it)."""
+    from loraserve.layers import paged_attention_cpu
+
+    if not paged_attention_cpu.kernel_available():
+        pytest.skip("no C compiler: the CPU attention kernel cannot be built")
+    layer = PagedAttention(4, 2, 8, 8**-0.5)
+    caches = (torch.zeros(2 * BLOCK_SIZE, 2, 8), torch.zeros(2 * BLOCK_SIZE, 2, 8))
+    meta = build_attention_metadata([2], [2], [[1]], BLOCK_SIZE, "cpu")
+    meta.slot_mapping = torch.tensor([BLOCK_SIZE, 2 * BLOCK_SIZE])  # the second is one past the cache
+    q, k, v = torch.randn(2, 32), torch.randn(2, 16), torch.randn(2, 16)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        layer(q, k, v, caches, meta)
+    assert not caches[0].any() and not caches[1].any()
