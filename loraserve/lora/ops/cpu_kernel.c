@@ -334,9 +334,11 @@ static inline int64_t slice_rank(const int32_t *ranks, int64_t index, int64_t ma
     return rank < 0 ? 0 : (rank > max_rank ? max_rank : rank);
 }
 
-/* One work item of the expand phase: columns [col, col + width) of slice q, for the tokens of one
- * group (of EXPAND_GROUP) of one segment. */
-#define EXPAND_GROUP 8 /* tokens per expand item: a long segment splits, so threads share one adapter */
+/* A segment's tokens are cut into groups of TOKEN_GROUP; every work item serves one group, so the
+ * threads share a long segment (one adapter) by its tokens: each writes its own rows of t and y
+ * (splitting by rows of A had both threads writing every cache line of t). A shrink item is a block
+ * of ROW_BLOCK rows of one slice; an expand item a chunk of columns of one slice. */
+#define TOKEN_GROUP 8
 #define PREFETCH_AHEAD 4 /* items: the blocks of A and Bt a thread needs next are fetched while it computes */
 
 typedef struct {
@@ -430,40 +432,57 @@ typedef struct {
     int64_t size, in, out, max_rank, num_slices, stacked_rank, row_blocks, num_chunks;
     const char *a, *bt;
     const int32_t *ranks;
-    const int64_t *token_ids, *seg_slots, *seg_starts, *seg_lens, *expand_first;
+    const int64_t *token_ids, *seg_slots, *seg_starts, *seg_lens, *shrink_first, *expand_first;
     const SliceChunk *chunks;
 } Step;
 
-/* Shrink item `item` = (segment, slice, block of ROW_BLOCK rows); with t NULL, only prefetch its rows. */
-static void shrink_at(const Step *s, int64_t item, const void *x, int64_t x_stride, float *t) {
-    const int64_t per_seg = s->num_slices * s->row_blocks, seg = item / per_seg;
-    const int64_t q = item % per_seg / s->row_blocks, row0 = item % s->row_blocks * ROW_BLOCK;
-    const int64_t slot = s->seg_slots[seg], rank = slice_rank(s->ranks, slot * s->num_slices + q, s->max_rank);
+/* The segment of `item` (walking *seg forward from where the last call left it) and the item's token
+ * group, as [*first, *last) in token_ids; returns the item's index within its group. */
+static int64_t locate(const Step *s, const int64_t *seg_first, int64_t per_group, int64_t item, int64_t *seg,
+                      int64_t *first, int64_t *last) {
+    while (item >= seg_first[*seg + 1]) ++*seg;
+    const int64_t local = item - seg_first[*seg], end = s->seg_starts[*seg] + s->seg_lens[*seg];
+    *first = s->seg_starts[*seg] + local / per_group * TOKEN_GROUP;
+    *last = *first + TOKEN_GROUP < end ? *first + TOKEN_GROUP : end;
+    return local % per_group;
+}
+
+/* Shrink item `item`: ROW_BLOCK rows of one slice against one token group; with t NULL, only prefetch
+ * its rows of A. */
+static void shrink_at(const Step *s, int64_t item, int64_t *seg, const void *x, int64_t x_stride, float *t) {
+    int64_t first, last;
+    const int64_t sub = locate(s, s->shrink_first, s->num_slices * s->row_blocks, item, seg, &first, &last);
+    const int64_t q = sub / s->row_blocks, row0 = sub % s->row_blocks * ROW_BLOCK, slot = s->seg_slots[*seg];
+    const int64_t rank = slice_rank(s->ranks, slot * s->num_slices + q, s->max_rank);
     if (row0 >= rank) return;
     const int R = rank - row0 < ROW_BLOCK ? (int)(rank - row0) : ROW_BLOCK;
     const int64_t row = q * s->max_rank + row0;
     const char *a_rows = s->a + s->size * (slot * s->stacked_rank + row) * s->in;
     if (t == NULL) prefetch_rows(a_rows, s->size * s->in * R, 0, 1);
-    else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, s->seg_starts[seg], s->seg_lens[seg],
-                     t + row, s->stacked_rank);
+    else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, first, last - first, t + row,
+                     s->stacked_rank);
 }
 
-/* Expand item `item` of segment *seg (advanced as items pass it); with y NULL, only prefetch its block. */
+/* Expand item `item`: one column chunk of one slice for one token group; with y NULL, only prefetch
+ * its block of Bt. */
 static void expand_at(const Step *s, int64_t item, int64_t *seg, void *y, int64_t y_stride, const float *t) {
-    while (item >= s->expand_first[*seg + 1]) ++*seg;
-    const int64_t local = item - s->expand_first[*seg], slot = s->seg_slots[*seg];
-    const SliceChunk c = s->chunks[local % s->num_chunks];
-    const int64_t rank = slice_rank(s->ranks, slot * s->num_slices + c.q, s->max_rank);
+    int64_t first, last;
+    const SliceChunk c = s->chunks[locate(s, s->expand_first, s->num_chunks, item, seg, &first, &last)];
+    const int64_t slot = s->seg_slots[*seg], rank = slice_rank(s->ranks, slot * s->num_slices + c.q, s->max_rank);
     if (rank == 0) return;
     const char *b = s->bt + s->size * ((slot * s->stacked_rank + c.q * s->max_rank) * s->out + c.col);
-    if (y == NULL) {
-        prefetch_rows(b, s->size * c.width, s->size * s->out, rank);
-        return;
-    }
-    const int64_t first = s->seg_starts[*seg] + local / s->num_chunks * EXPAND_GROUP;
-    const int64_t end = s->seg_starts[*seg] + s->seg_lens[*seg], last = first + EXPAND_GROUP < end ? first + EXPAND_GROUP : end;
-    expand_item(s->elem, y, y_stride, b, s->out, rank, c.col, c.width, t + c.q * s->max_rank, s->stacked_rank,
-                s->token_ids, first, last);
+    if (y == NULL) prefetch_rows(b, s->size * c.width, s->size * s->out, rank);
+    else expand_item(s->elem, y, y_stride, b, s->out, rank, c.col, c.width, t + c.q * s->max_rank, s->stacked_rank,
+                     s->token_ids, first, last);
+}
+
+/* seg_first[g] = the first item of segment g, each token group of a segment having per_group items;
+ * seg_first[num_segs] is the item count, seg_first[num_segs + 1] a sentinel for locate's walk. */
+static void first_items(const int64_t *seg_lens, int64_t num_segs, int64_t per_group, int64_t *seg_first) {
+    seg_first[0] = 0;
+    for (int64_t g = 0; g < num_segs; ++g)
+        seg_first[g + 1] = seg_first[g] + (seg_lens[g] + TOKEN_GROUP - 1) / TOKEN_GROUP * per_group;
+    seg_first[num_segs + 1] = INT64_MAX;
 }
 
 /* Returns 0 on success, 1 when the scratch buffers cannot be allocated (nothing written then).
@@ -485,41 +504,43 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
     const int64_t *seg_starts = (const int64_t *)(intptr_t)step[2], *seg_lens = (const int64_t *)(intptr_t)step[3];
     const int64_t num_segs = step[4], num_active = step[5];
     const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, CHUNK, NULL);
-    float *t = (float *)malloc(sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * num_slices * max_rank);
+    const int64_t stacked_rank = num_slices * max_rank, row_blocks = (max_rank + ROW_BLOCK - 1) / ROW_BLOCK;
+    /* t's rows on cache lines of their own where the rank allows: the threads write disjoint rows. */
+    const size_t t_bytes = (sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * stacked_rank + 63) / 64 * 64;
+    float *t = (float *)aligned_alloc(64, t_bytes);
     SliceChunk *chunks = (SliceChunk *)malloc(sizeof(SliceChunk) * (size_t)(num_chunks > 0 ? num_chunks : 1));
-    int64_t *expand_first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_segs + 2));
-    if (t == NULL || chunks == NULL || expand_first == NULL) {
-        free(t), free(chunks), free(expand_first);
+    int64_t *seg_first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * (num_segs + 2)));
+    if (t == NULL || chunks == NULL || seg_first == NULL) {
+        free(t), free(chunks), free(seg_first);
         return 1;
     }
     slice_chunks(slice_offsets, num_slices, CHUNK, chunks);
-    expand_first[0] = 0;
-    for (int64_t g = 0; g < num_segs; ++g)
-        expand_first[g + 1] = expand_first[g] + (seg_lens[g] + EXPAND_GROUP - 1) / EXPAND_GROUP * num_chunks;
-    expand_first[num_segs + 1] = INT64_MAX; /* a sentinel for expand_at's walk */
-    const Step s = {elem, elem == LORA_BF16 ? 2 : 4, in_features, out_features, max_rank, num_slices,
-                    num_slices * max_rank, (max_rank + ROW_BLOCK - 1) / ROW_BLOCK, num_chunks, (const char *)a,
-                    (const char *)bt, ranks, token_ids, seg_slots, seg_starts, seg_lens, expand_first, chunks};
-    const int64_t shrink_items = num_segs * num_slices * s.row_blocks, expand_items = expand_first[num_segs];
+    int64_t *shrink_first = seg_first, *expand_first = seg_first + num_segs + 2;
+    first_items(seg_lens, num_segs, num_slices * row_blocks, shrink_first);
+    first_items(seg_lens, num_segs, num_chunks, expand_first);
+    const Step s = {elem, elem == LORA_BF16 ? 2 : 4, in_features, out_features, max_rank, num_slices, stacked_rank,
+                    row_blocks, num_chunks, (const char *)a, (const char *)bt, ranks, token_ids, seg_slots,
+                    seg_starts, seg_lens, shrink_first, expand_first, chunks};
+    const int64_t shrink_items = shrink_first[num_segs], expand_items = expand_first[num_segs];
 
     /* Each thread takes a contiguous range of items, so it can prefetch the ones it does next. */
 #pragma omp parallel num_threads(num_threads)
     {
-        int64_t lo, hi;
+        int64_t lo, hi, seg = 0, ahead = 0;
         thread_range(shrink_items, &lo, &hi);
         for (int64_t item = lo; item < hi; ++item) {
-            if (item + PREFETCH_AHEAD < hi) shrink_at(&s, item + PREFETCH_AHEAD, NULL, 0, NULL);
-            shrink_at(&s, item, x, x_stride, t);
+            if (item + PREFETCH_AHEAD < hi) shrink_at(&s, item + PREFETCH_AHEAD, &ahead, NULL, 0, NULL);
+            shrink_at(&s, item, &seg, x, x_stride, t);
         }
 #pragma omp barrier
         thread_range(expand_items, &lo, &hi);
-        int64_t seg = 0, ahead = 0;
+        seg = ahead = 0;
         for (int64_t item = lo; item < hi; ++item) {
             if (item + PREFETCH_AHEAD < hi) expand_at(&s, item + PREFETCH_AHEAD, &ahead, NULL, 0, NULL);
             expand_at(&s, item, &seg, y, y_stride, t);
         }
     }
-    free(t), free(chunks), free(expand_first);
+    free(t), free(chunks), free(seg_first);
     return 0;
 }
 
