@@ -26,7 +26,7 @@ from loraserve.native.build import load_library
 logger = logging.getLogger(__name__)
 
 # Longest per-slot token segment the kernel beats the torch path on, per dtype (see above).
-MAX_SEGMENT_LEN: dict[torch.dtype, int] = {torch.float32: 32, torch.bfloat16: 32}
+MAX_SEGMENT_LEN: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 32}
 ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's LORA_F32 / LORA_BF16
 RECORD_LEN = 8  # int64 values per `write_blocks` record
 CODE_PATHS = ("avx2", "avx512", "avx512_bf16")  # bits 0, 1, 2 of lora_code_paths()
@@ -146,7 +146,7 @@ def applies(x: torch.Tensor, y: torch.Tensor, mapping: LoRABatchMapping) -> bool
         mapping.cpu_kernel_args is not None
         and x.dtype == y.dtype and x.dtype in MAX_SEGMENT_LEN
         and mapping.segments.max_len <= MAX_SEGMENT_LEN[x.dtype]
-        and x.device.type == "cpu" and y.device.type == "cpu"
+        and x.is_cpu and y.is_cpu
         and x.dim() == 2 and y.dim() == 2 and x.stride(1) == 1 and y.stride(1) == 1
     )
 
