@@ -18,10 +18,13 @@
  * cache, so no hardware prefetcher follows them). A block's keys are all scored first, so each row pays
  * one max, one rescale and one exp pass per block rather than per tile, and the values are summed with
  * each 2W-column slice of a row's accumulator held in registers across the block's keys. Work items are
- * (sequence, query chunk, KV head, key partition) over OpenMP threads (torch's libgomp: the library is
+ * (sequence, query chunk, KV heads, key partition) over OpenMP threads (torch's libgomp: the library is
  * loaded after torch), claimed one ahead so the next item's keys are requested while the current one
  * finishes; a long context with too few items for the threads is split into key partitions that a
- * second pass merges.
+ * second pass merges. A short query's item (decode) takes all the KV heads that fit MAX_ROWS rows,
+ * their turns interleaved every few keys: the cache interleaves a token's heads, so one head's keys
+ * are short pieces a whole row apart, which a core reads at well under its sequential bandwidth, while
+ * all heads of a token are one contiguous run.
  * The vector width W is the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
  * 8 (AVX2 + FMA) or 1 (portable C); -march=native makes that the runtime dispatch.
  */
@@ -373,39 +376,40 @@ typedef struct {
     int is_bf16;
 } Args;
 
-/* Rows [0, num_queries * group) of one item: query qi of the chunk with the group's head g is row qi*group+g. */
+/* Rows [0, num_kv * num_queries * group) of one item: query qi of the chunk with head g of the item's
+ * KV head kv_head + h is row (h * num_queries + qi) * group + g, so each KV head's rows are contiguous. */
 typedef struct {
-    int64_t seq, first, num_queries, kv_head, key_begin, key_end;
+    int64_t seq, first, num_queries, kv_head, num_kv, key_begin, key_end;
     int64_t partial;   /* index of its partial result, or -1: the item writes the output itself */
     int64_t num_parts; /* on the first partition of a split (sequence, chunk, head): how many follow */
 } Item;
 
-/* Asks for the K and V rows of keys [j0, j1) ahead of use: blocks lie anywhere, so no hardware
- * prefetcher follows them, and without this the kernel waits on memory latency, not bandwidth.
+/* The next block's keys, requested a few at a time all through the current block: a core has only so
+ * many misses in flight, so a steady trickle keeps memory busy where a burst would stall. The unit is
+ * one head's piece of a key's K and V rows: pieces u = j * heads + h lie at k / v + offsets[j] + h * D
+ * elements, so an item of several heads requests each token's row front to back. */
+typedef struct {
+    const int64_t *offsets;
+    const char *k, *v;
+    int64_t n, heads, done, piece_bytes, esize; /* n keys of `heads` pieces */
+} Ahead;
+
+/* Asks for the next `count` pieces ahead of use: blocks lie anywhere, so no hardware prefetcher
+ * follows them, and without this the kernel waits on memory latency, not bandwidth.
  * always_inline: GCC deems a function of prefetches alone free of effects and drops calls to it. */
-__attribute__((always_inline)) static inline void prefetch_keys(const Args *a, const int64_t *offsets, int64_t j0,
-                                                                int64_t j1) {
-    const int64_t esize = a->is_bf16 ? 2 : 4, bytes = a->head_dim * esize;
-    for (int64_t j = j0; j < j1; ++j) {
-        const char *k = (const char *)a->k_cache + offsets[j] * esize, *v = (const char *)a->v_cache + offsets[j] * esize;
-        for (int64_t b = 0; b < bytes; b += 64) {
+__attribute__((always_inline)) static inline void prefetch_ahead(Ahead *ahead, int64_t count) {
+    const int64_t u1 = min64(ahead->done + count, ahead->n * ahead->heads), bytes = ahead->piece_bytes;
+    for (int64_t u = ahead->done, j = u / ahead->heads, h = u % ahead->heads; u < u1; ++u) {
+        const int64_t skip = h * bytes + ahead->offsets[j] * ahead->esize;
+        const char *k = ahead->k + skip, *v = ahead->v + skip;
+        if (++h == ahead->heads) h = 0, ++j;
+        const int64_t skew = (int64_t)((uintptr_t)k & 63); /* v's too where the caches align alike (torch's do) */
+        for (int64_t b = -skew; b < bytes; b += 64) {
             __builtin_prefetch(k + b, 0, 3);
             __builtin_prefetch(v + b, 0, 3);
         }
     }
-}
-
-/* The next block's keys, requested a few at a time all through the current block: a core has only so
- * many misses in flight, so a steady trickle keeps memory busy where a burst would stall. */
-typedef struct {
-    const int64_t *offsets;
-    int64_t n, done;
-} Ahead;
-
-__attribute__((always_inline)) static inline void prefetch_ahead(const Args *a, Ahead *ahead, int64_t count) {
-    const int64_t j1 = min64(ahead->done + count, ahead->n);
-    prefetch_keys(a, ahead->offsets, ahead->done, j1);
-    ahead->done = j1;
+    ahead->done = max64(ahead->done, u1);
 }
 
 typedef struct {
@@ -438,11 +442,36 @@ static inline void copy_bf16(uint16_t *dst, const uint16_t *src, int64_t n) {
 #endif
 }
 
+/* The step token and query head of an item's rows, walked in order (see Item) without divisions. */
+typedef struct {
+    int64_t token, head, g, qi, group;
+} RowAt;
+
+static inline RowAt first_row(const Args *a, const Item *it) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const RowAt at = {a->query_starts[it->seq] + it->first, it->kv_head * group, 0, 0, group};
+    return at;
+}
+
+static inline void next_row(const Item *it, RowAt *at) {
+    if (++at->g < at->group) {
+        ++at->head;
+    } else if (at->g = 0, ++at->qi < it->num_queries) {
+        ++at->token, at->head -= at->group - 1;
+    } else { /* the next KV head's first query head */
+        at->qi = 0, at->token -= it->num_queries - 1, ++at->head;
+    }
+}
+
+static inline int64_t item_rows(const Args *a, const Item *it) {
+    return it->num_kv * it->num_queries * (a->num_heads / a->num_kv_heads);
+}
+
 static void load_queries(const Args *a, const Item *it, Scratch *s) {
-    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, qs = q_stride_bf16(d);
-    const int64_t token0 = a->query_starts[it->seq] + it->first;
-    for (int64_t r = 0; r < it->num_queries * group; ++r) {
-        const int64_t offset = (token0 + r / group) * a->q_stride + (it->kv_head * group + r % group) * d;
+    const int64_t d = a->head_dim, qs = q_stride_bf16(d), rows = item_rows(a, it);
+    RowAt at = first_row(a, it);
+    for (int64_t r = 0; r < rows; ++r, next_row(it, &at)) {
+        const int64_t offset = at.token * a->q_stride + at.head * d;
         if (a->is_bf16) {
             const uint16_t *src = (const uint16_t *)a->q + offset;
             copy_bf16(s->q_bf16 + r * qs, src, d);
@@ -513,14 +542,15 @@ static void score_tiles_transposed(const Args *a, const Item *it, Scratch *s, in
 }
 #endif
 
-/* Scores of the item's rows against the block's keys [0, nk) (cache element offsets `offsets`) into
- * s->p, -inf where a row does not see a key (query qi sees [lo[qi], hi[qi])); tiles a row does not see
- * at all cost it no dot products. */
+/* Scores of one KV head's rows of the item against the block's keys [t_begin, t_end) (of nk; cache
+ * element offsets `offsets`; t_begin a multiple of W) into s->p, -inf where a row does not see a key
+ * (query qi sees [lo[qi], hi[qi])); tiles a row does not see at all cost it no dot products. A share
+ * of the next block is requested per tile when `ahead` is not NULL. */
 static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, const int64_t *offsets,
-                        const int64_t *lo, const int64_t *hi, Ahead *ahead) {
+                        const int64_t *lo, const int64_t *hi, int64_t t_begin, int64_t t_end, Ahead *ahead) {
     const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
-    for (int64_t t0 = 0; t0 < nk; t0 += W) {
-        prefetch_ahead(a, ahead, SCORE_PREFETCH);
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += W) {
+        if (ahead != NULL) prefetch_ahead(ahead, SCORE_PREFETCH);
         const float *k_rows[W] = {0};
         const uint16_t *k_bf16[W] = {0};
         for (int j = 0; j < W; ++j) {
@@ -533,13 +563,13 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
 #ifdef NATIVE_BF16_DOT
         if (visible && a->is_bf16 && it->num_queries * group >= TRANSPOSE_ROWS) {
             const uint16_t *k_next[W]; /* the next tile too, when there is one: scored in the same pass */
-            const int pair = t0 + W < nk;
+            const int pair = t0 + W < t_end;
             for (int j = 0; pair && j < W; ++j)
                 k_next[j] = (const uint16_t *)a->k_cache + offsets[t0 + W + j < nk ? t0 + W + j : t0 + W];
             score_tiles_transposed(a, it, s, t0, nk, k_bf16, pair ? k_next : NULL, lo, hi);
             if (pair) {
                 t0 += W;
-                prefetch_ahead(a, ahead, SCORE_PREFETCH);
+                if (ahead != NULL) prefetch_ahead(ahead, SCORE_PREFETCH);
             }
             continue;
         }
@@ -672,44 +702,40 @@ static void pair_probabilities(const float *p, int64_t rows, int64_t n, uint32_t
 
 #define PV_KEYS 32 /* keys per slice of a block's values: between slices, the next block is requested */
 
-/* pv_rows over `rows` rows (probabilities p, KEY_BLOCK apart), four at a time and PV_KEYS keys at a
- * time; each pass reads only the keys its rows see ([lo, hi) per row). */
-static void pv_block(const Args *a, float *acc, const float *p, int64_t rows, const int64_t *lo, const int64_t *hi,
-                     int64_t nk, const int64_t *offsets, Ahead *ahead, uint32_t *pb) {
-    const int64_t d = a->head_dim, slices = (nk + PV_KEYS - 1) / PV_KEYS;
-#ifdef NATIVE_BF16_DOT
-    if (a->is_bf16) pair_probabilities(p, rows, (nk + W - 1) / W * W, pb);
-#else
-    (void)pb;
+/* pv_rows over `rows` rows (probabilities p, KEY_BLOCK apart; with bf16 dot products pb, p paired by
+ * pair_probabilities) for the keys [k0, min(k0 + PV_KEYS, nk)), four rows at a time; each pass reads
+ * only the keys its rows see ([lo, hi) per row). */
+static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, const int64_t *lo, const int64_t *hi,
+                     int64_t nk, const int64_t *offsets, int64_t k0, const uint32_t *pb) {
+    const int64_t d = a->head_dim;
+#ifndef NATIVE_BF16_DOT
+    (void)pb, (void)nk;
 #endif
-    for (int64_t k0 = 0; k0 < nk; k0 += PV_KEYS) {
-        prefetch_ahead(a, ahead, (ahead->n - ahead->done + slices - 1) / slices);
-        for (int64_t r = 0; r < rows; r += 4) {
-            const int nr = (int)min64(4, rows - r);
-            int64_t j0 = lo[r], j1 = hi[r];
-            for (int k = 1; k < nr; ++k) j0 = min64(j0, lo[r + k]), j1 = max64(j1, hi[r + k]);
-            j0 = max64(j0, k0), j1 = min64(j1, k0 + PV_KEYS);
-            if (j0 >= j1) continue;
-            float *ar = acc + r * d;
-            const float *pr = p + r * KEY_BLOCK;
+    for (int64_t r = 0; r < rows; r += 4) {
+        const int nr = (int)min64(4, rows - r);
+        int64_t j0 = lo[r], j1 = hi[r];
+        for (int k = 1; k < nr; ++k) j0 = min64(j0, lo[r + k]), j1 = max64(j1, hi[r + k]);
+        j0 = max64(j0, k0), j1 = min64(j1, k0 + PV_KEYS);
+        if (j0 >= j1) continue;
+        float *ar = acc + r * d;
+        const float *pr = p + r * KEY_BLOCK;
 #ifdef NATIVE_BF16_DOT
 #define PV_BF16(NR) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, (const uint16_t *)a->v_cache, offsets, nk, j0, j1)
 #else
 #define PV_BF16(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 1)
 #endif
 #define PV_CASE(NR) \
-            if (a->is_bf16) PV_BF16(NR); \
-            else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 0); \
-            break;
-            switch (nr) {
-            case 4: PV_CASE(4)
-            case 3: PV_CASE(3)
-            case 2: PV_CASE(2)
-            default: PV_CASE(1)
-            }
+        if (a->is_bf16) PV_BF16(NR); \
+        else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 0); \
+        break;
+        switch (nr) {
+        case 4: PV_CASE(4)
+        case 3: PV_CASE(3)
+        case 2: PV_CASE(2)
+        default: PV_CASE(1)
+        }
 #undef PV_CASE
 #undef PV_BF16
-        }
     }
 }
 
@@ -741,25 +767,83 @@ static void softmax_block(float *p, int64_t n, float *m, float *l, float *acc, i
     *m = m_new;
 }
 
+/* The views of KV head h of the item (rows rows each): its K/V (`offsets` point at the item's first
+ * head) and its rows of the scratch. */
+static inline void head_views(const Args *a, const Scratch *s, int64_t h, int64_t rows, Args *ah, Scratch *sh) {
+    const int64_t d = a->head_dim, esize = a->is_bf16 ? 2 : 4;
+    *ah = *a, *sh = *s;
+    ah->k_cache = (const char *)a->k_cache + h * d * esize, ah->v_cache = (const char *)a->v_cache + h * d * esize;
+    sh->q += h * rows * d, sh->q_bf16 += h * rows * q_stride_bf16(d), sh->acc += h * rows * d;
+    sh->m += h * rows, sh->l += h * rows, sh->p += h * rows * KEY_BLOCK, sh->pb += h * rows * (KEY_BLOCK / 2);
+}
+
+/* attend_block for an item of one KV head: its whole block scored, then its values summed slice by
+ * slice, the next block requested a share per tile and per slice. */
+static void attend_block_head(const Args *a, Scratch *s, const Item *it, int64_t rows, int64_t nk,
+                              const int64_t *offsets, const int64_t *lo, const int64_t *hi, const int64_t *row_lo,
+                              const int64_t *row_hi, Ahead *ahead) {
+    const int64_t d = a->head_dim, n = (nk + W - 1) / W * W, slices = (nk + PV_KEYS - 1) / PV_KEYS;
+    const int64_t units = ahead->n * ahead->heads; /* the next item may be one of several heads */
+    score_block(a, it, s, nk, offsets, lo, hi, 0, nk, ahead);
+    for (int64_t r = 0; r < rows; ++r) softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
+#ifdef NATIVE_BF16_DOT
+    if (a->is_bf16) pair_probabilities(s->p, rows, n, s->pb);
+#endif
+    for (int64_t j = 0; j < nk; j += PV_KEYS) {
+        prefetch_ahead(ahead, (units - ahead->done + slices - 1) / slices);
+        pv_slice(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, j, s->pb);
+    }
+    prefetch_ahead(ahead, units);
+}
+
+/* attend_block for an item of several KV heads: they take turns every two tiles of scores and every
+ * slice of values, so the pieces of a token's K/V row (all the item's heads: one contiguous run of
+ * the cache) are read close together; meanwhile the next block's rows are requested, a share per turn. */
+static void attend_block_heads(const Args *a, Scratch *s, const Item *it, int64_t rows, int64_t nk,
+                               const int64_t *offsets, const int64_t *lo, const int64_t *hi, const int64_t *row_lo,
+                               const int64_t *row_hi, Ahead *ahead) {
+    const int64_t d = a->head_dim, heads = it->num_kv, n = (nk + W - 1) / W * W;
+    Args ah[MAX_ROWS];
+    Scratch sh[MAX_ROWS];
+    for (int64_t h = 0; h < heads; ++h) head_views(a, s, h, rows, &ah[h], &sh[h]);
+    for (int64_t t = 0; t < nk; t += 2 * W) {
+        for (int64_t h = 0; h < heads; ++h) {
+            prefetch_ahead(ahead, 2 * SCORE_PREFETCH);
+            score_block(&ah[h], it, &sh[h], nk, offsets, lo, hi, t, min64(t + 2 * W, nk), NULL);
+        }
+    }
+    for (int64_t r = 0; r < heads * rows; ++r)
+        softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
+#ifdef NATIVE_BF16_DOT
+    if (a->is_bf16) pair_probabilities(s->p, heads * rows, n, s->pb);
+#endif
+    const int64_t slices = (nk + PV_KEYS - 1) / PV_KEYS;
+    for (int64_t j = 0, i = 0; j < nk; j += PV_KEYS, ++i) {
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t calls = (slices - i) * heads - h;
+            prefetch_ahead(ahead, (ahead->n * ahead->heads - ahead->done + calls - 1) / calls);
+            pv_slice(&ah[h], sh[h].acc, sh[h].p, rows, row_lo, row_hi, nk, offsets, j, sh[h].pb);
+        }
+    }
+    prefetch_ahead(ahead, ahead->n * ahead->heads);
+}
+
 /* The item's rows against the block of keys [k0, k0 + nk) at `offsets`. */
 static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, int64_t nk, const int64_t *offsets,
                          Ahead *ahead) {
-    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    const int64_t group = a->num_heads / a->num_kv_heads;
     int64_t lo[MAX_ROWS], hi[MAX_ROWS], row_lo[MAX_ROWS], row_hi[MAX_ROWS];
     for (int64_t qi = 0; qi < it->num_queries; ++qi) {
         key_range(a, it, qi, &lo[qi], &hi[qi]);
         lo[qi] = max64(lo[qi], k0) - k0, hi[qi] = min64(hi[qi], k0 + nk) - k0;
         for (int64_t g = 0; g < group; ++g) row_lo[qi * group + g] = lo[qi], row_hi[qi * group + g] = hi[qi];
     }
-    score_block(a, it, s, nk, offsets, lo, hi, ahead);
-    const int64_t rows = it->num_queries * group, n = (nk + W - 1) / W * W;
-    for (int64_t r = 0; r < rows; ++r)
-        softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
-    pv_block(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, ahead, s->pb);
-    prefetch_ahead(a, ahead, ahead->n);
+    const int64_t rows = it->num_queries * group;
+    if (it->num_kv == 1) attend_block_head(a, s, it, rows, nk, offsets, lo, hi, row_lo, row_hi, ahead);
+    else attend_block_heads(a, s, it, rows, nk, offsets, lo, hi, row_lo, row_hi, ahead);
 }
 
-/* Cache element offsets of the keys [k0, k0 + n) of the item's sequence and KV head. */
+/* Cache element offsets of the keys [k0, k0 + n) of the item's sequence and first KV head. */
 static inline void block_offsets(const Args *a, const Item *it, int64_t k0, int64_t n, int64_t *offsets) {
     const int64_t bs = a->block_size, slot_stride = a->num_kv_heads * a->head_dim, head_offset = it->kv_head * a->head_dim;
     const int32_t *table = a->block_tables + it->seq * a->max_blocks;
@@ -785,8 +869,10 @@ static void attend(const Args *a, const Item *it, const Item *next, Scratch *s) 
     item_keys(a, it, &begin, &end);
     int64_t *cur = buf[0], *next_offsets = buf[1];
     if (begin < end) block_offsets(a, it, begin, min64(KEY_BLOCK, end - begin), cur);
+    const int64_t esize = a->is_bf16 ? 2 : 4;
     for (int64_t k0 = begin; k0 < end; k0 += KEY_BLOCK) {
-        Ahead ahead = {next_offsets, 0, 0};
+        Ahead ahead = {next_offsets, (const char *)a->k_cache, (const char *)a->v_cache, 0, it->num_kv, 0,
+                       a->head_dim * esize, esize};
         if (k0 + KEY_BLOCK < end) {
             ahead.n = min64(KEY_BLOCK, end - k0 - KEY_BLOCK);
             block_offsets(a, it, k0 + KEY_BLOCK, ahead.n, next_offsets);
@@ -794,6 +880,7 @@ static void attend(const Args *a, const Item *it, const Item *next, Scratch *s) 
             int64_t next_begin, next_end;
             item_keys(a, next, &next_begin, &next_end);
             ahead.n = max64(0, min64(KEY_BLOCK, next_end - next_begin));
+            ahead.heads = next->num_kv;
             if (ahead.n > 0) block_offsets(a, next, next_begin, ahead.n, next_offsets);
         }
         attend_block(a, it, s, k0, min64(KEY_BLOCK, end - k0), cur, &ahead);
@@ -813,11 +900,11 @@ static void store_row(const Args *a, int64_t token, int64_t head, const float *r
 }
 
 static void finish_item(const Args *a, const Item *it, const Scratch *s, float *partials, int64_t rows_cap) {
-    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, rows = it->num_queries * group;
+    const int64_t d = a->head_dim, rows = item_rows(a, it);
     if (it->partial < 0) {
-        const int64_t token0 = a->query_starts[it->seq] + it->first;
-        for (int64_t r = 0; r < rows; ++r)
-            store_row(a, token0 + r / group, it->kv_head * group + r % group, s->acc + r * d, 1.0f / s->l[r]);
+        RowAt at = first_row(a, it);
+        for (int64_t r = 0; r < rows; ++r, next_row(it, &at))
+            store_row(a, at.token, at.head, s->acc + r * d, 1.0f / s->l[r]);
         return;
     }
     float *dst = partials + it->partial * rows_cap * (d + 2); /* [rows_cap] m, [rows_cap] l, [rows_cap, d] acc */
@@ -829,10 +916,9 @@ static void finish_item(const Args *a, const Item *it, const Scratch *s, float *
 /* Combines the partitions items[0 .. num_parts) of one (sequence, chunk, head) and writes the output. */
 static void merge_parts(const Args *a, const Item *items, int64_t num_parts, const float *partials,
                         int64_t rows_cap, float *row) {
-    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
-    const int64_t rows = items[0].num_queries * group, part_size = rows_cap * (d + 2);
-    const int64_t token0 = a->query_starts[items[0].seq] + items[0].first;
-    for (int64_t r = 0; r < rows; ++r) {
+    const int64_t d = a->head_dim, rows = item_rows(a, &items[0]), part_size = rows_cap * (d + 2);
+    RowAt at = first_row(a, &items[0]);
+    for (int64_t r = 0; r < rows; ++r, next_row(&items[0], &at)) {
         float m = -INFINITY, l = 0.0f;
         for (int64_t p = 0; p < num_parts; ++p) {
             const float *part = partials + items[p].partial * part_size;
@@ -846,7 +932,7 @@ static void merge_parts(const Args *a, const Item *items, int64_t num_parts, con
             l += part[rows_cap + r] * weight;
             for (int64_t i = 0; i < d; ++i) row[i] += acc[i] * weight;
         }
-        store_row(a, token0 + r / group, items[0].kv_head * group + r % group, row, 1.0f / l);
+        store_row(a, at.token, at.head, row, 1.0f / l);
     }
 }
 
@@ -878,22 +964,37 @@ static int check_metadata(const Args *a, int64_t num_seqs, int64_t num_tokens, i
     return 0;
 }
 
-/* The step's items in order (sequence, query chunk, KV head, key partition); fills `items` when not
+/* Queries per chunk and KV heads per item for a sequence with q_len new tokens: short queries (decode)
+ * take up to max_heads KV heads, as many as MAX_ROWS rows allow, so that an item reads each token's
+ * K/V row in one piece (the cache interleaves the heads of a token: one head's keys are short pieces
+ * a row apart, which one core reads at well under half its sequential bandwidth). */
+static inline void item_shape(const Args *a, int64_t q_len, int64_t max_heads, int64_t *chunk, int64_t *heads) {
+    const int64_t group = a->num_heads / a->num_kv_heads, rows = q_len * group;
+    if (q_len > 0 && rows <= MAX_ROWS) {
+        *chunk = q_len, *heads = max64(1, min64(max_heads, min64(a->num_kv_heads, MAX_ROWS / rows)));
+    } else {
+        *chunk = max64(1, MAX_ROWS / group), *heads = 1;
+    }
+}
+
+/* The step's items in order (sequence, query chunk, KV heads, key partition); fills `items` when not
  * NULL and returns how many there are. A chunk's keys are split every part_len keys. */
-static int64_t plan_items(const Args *a, int64_t num_seqs, int64_t part_len, Item *items, int64_t *num_partials) {
-    const int64_t group = a->num_heads / a->num_kv_heads, chunk = max64(1, MAX_ROWS / group);
+static int64_t plan_items(const Args *a, int64_t num_seqs, int64_t part_len, int64_t max_heads, Item *items,
+                          int64_t *num_partials) {
     int64_t count = 0, partials = 0;
     for (int64_t b = 0; b < num_seqs; ++b) {
         const int64_t q_len = a->query_starts[b + 1] - a->query_starts[b], first_pos = a->context_lens[b] - q_len;
+        int64_t chunk, heads;
+        item_shape(a, q_len, max_heads, &chunk, &heads);
         for (int64_t first = 0; first < q_len; first += chunk) {
             const int64_t num_queries = min64(chunk, q_len - first);
             const int64_t lo = a->window > 0 ? max64(0, first_pos + first - a->window + 1) : 0;
             const int64_t hi = first_pos + first + num_queries, span = hi - lo;
             const int64_t parts = part_len >= span ? 1 : (span + part_len - 1) / part_len;
-            for (int64_t h = 0; h < a->num_kv_heads; ++h) {
+            for (int64_t h = 0; h < a->num_kv_heads; h += heads) {
                 for (int64_t p = 0; p < parts; ++p, ++count) {
                     if (items == NULL) continue;
-                    const Item it = {b, first, num_queries, h, lo + p * part_len,
+                    const Item it = {b, first, num_queries, h, min64(heads, a->num_kv_heads - h), lo + p * part_len,
                                      p + 1 == parts ? hi : lo + (p + 1) * part_len,
                                      parts > 1 ? partials + p : -1, p == 0 && parts > 1 ? parts : 0};
                     items[count] = it;
@@ -907,20 +1008,33 @@ static int64_t plan_items(const Args *a, int64_t num_seqs, int64_t part_len, Ite
 }
 
 /* Key partition length: none (INT64_MAX) when the unsplit items give every thread 4; else an even
- * share of all the step's keys, at least MIN_PART. */
-static int64_t partition_len(const Args *a, int64_t num_seqs, int num_threads) {
-    const int64_t group = a->num_heads / a->num_kv_heads, chunk = max64(1, MAX_ROWS / group);
+ * share of all the items' keys, at least MIN_PART. */
+static int64_t partition_len(const Args *a, int64_t num_seqs, int num_threads, int64_t max_heads) {
     int64_t items = 0, keys = 0;
     for (int64_t b = 0; b < num_seqs; ++b) {
         const int64_t q_len = a->query_starts[b + 1] - a->query_starts[b], ctx = a->context_lens[b];
-        const int64_t chunks = (q_len + chunk - 1) / chunk;
+        int64_t chunk, heads;
+        item_shape(a, q_len, max_heads, &chunk, &heads);
+        const int64_t per_chunk = (q_len + chunk - 1) / chunk * ((a->num_kv_heads + heads - 1) / heads);
         const int64_t span = a->window > 0 ? min64(ctx, a->window + q_len - 1) : ctx;
-        items += chunks * a->num_kv_heads;
-        keys += chunks * a->num_kv_heads * span;
+        items += per_chunk;
+        keys += per_chunk * span;
     }
     const int64_t target = 4 * (int64_t)num_threads;
     if (num_threads <= 1 || items >= target) return INT64_MAX;
     return max64(MIN_PART, (keys / target + W - 1) / W * W);
+}
+
+/* KV heads per item (at most) and the key partition length: items of all the heads of a short query
+ * unless that leaves threads without two items each (a few short contexts), then one head each. */
+static void plan_shape(const Args *a, int64_t num_seqs, int num_threads, int64_t *max_heads, int64_t *part_len) {
+    *max_heads = a->num_kv_heads;
+    *part_len = partition_len(a, num_seqs, num_threads, *max_heads);
+    if (num_threads > 1 && *max_heads > 1
+            && plan_items(a, num_seqs, *part_len, *max_heads, NULL, NULL) < 2 * (int64_t)num_threads) {
+        *max_heads = 1;
+        *part_len = partition_len(a, num_seqs, num_threads, 1);
+    }
 }
 
 /* Returns 0 on success, 1 when scratch memory cannot be allocated, 2 for metadata that points outside
@@ -946,13 +1060,15 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
             if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return 2;
         write_kv(&a, num_tokens, k_new, k_stride, v_new, v_stride, slot_mapping);
     }
-    const int64_t part_len = partition_len(&a, num_seqs, num_threads), d = head_dim;
+    const int64_t d = head_dim;
+    int64_t max_heads, part_len;
+    plan_shape(&a, num_seqs, num_threads, &max_heads, &part_len);
     const int64_t rows_cap = max64(1, MAX_ROWS / (num_heads / num_kv_heads)) * (num_heads / num_kv_heads);
     int64_t num_partials = 0;
-    const int64_t num_items = plan_items(&a, num_seqs, part_len, NULL, NULL);
+    const int64_t num_items = plan_items(&a, num_seqs, part_len, max_heads, NULL, NULL);
     Item *items = (Item *)malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
     float *partials = NULL;
-    if (items != NULL) plan_items(&a, num_seqs, part_len, items, &num_partials);
+    if (items != NULL) plan_items(&a, num_seqs, part_len, max_heads, items, &num_partials);
     if (num_partials > 0) partials = (float *)malloc(sizeof(float) * (size_t)(num_partials * rows_cap * (d + 2)));
     int failed = items == NULL || (num_partials > 0 && partials == NULL);
     int64_t next_item = 0;

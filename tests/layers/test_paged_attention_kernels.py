@@ -1,8 +1,8 @@
 """The paged attention kernels (C on CPU, Triton) against the torch twin and a float64 reference.
 
 Block tables are shuffled and non-contiguous, unused cache slots hold NaN, contexts cross block
-boundaries; decode, single prefill, chunked prefill and mixed steps; GQA groups 1, 3 and 4; head dims
-64, 128 and 33; sliding window and logit softcap; float32 and bf16."""
+boundaries; decode, single prefill, chunked prefill, mixed and short multi-token query steps; GQA
+groups 1, 3 and 4; head dims 64, 128 and 33; sliding window and logit softcap; float32 and bf16."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {  # (query_lens, co
     "prefill": ((37,), (37,)),
     "chunked_prefill": ((7, 20), (30, 20)),
     "mixed": ((1, 9, 1, 33), (50, 9, 16, 40)),
+    "short_queries": ((4, 2, 3), (40, 17, 70)),  # items of all, or of some, of the KV heads (4 x 9 heads)
 }
 GROUPS = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): groups of 1, 3 and 4
 FEATURES: dict[str, tuple[float | None, int | None]] = {  # (softcap, window)
