@@ -65,7 +65,7 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bo
     """Whether the kernel can serve these tensors: CPU, one dtype of float32 / bf16, contiguous caches,
     q's heads packed ([T, H, D] with unit head-dim stride), and a built kernel."""
     return (
-        q.device.type == "cpu" and k_cache.device.type == "cpu" and v_cache.device.type == "cpu"
+        q.is_cpu and k_cache.is_cpu and v_cache.is_cpu
         and q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
         and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
         and k_cache.is_contiguous() and v_cache.is_contiguous()
