@@ -417,6 +417,7 @@ typedef struct {
     uint16_t *q_bf16;                    /* rows q_stride_bf16(d) apart */
     uint32_t *kt;                        /* two transposed tiles of bf16 keys, [2, ceil(d / 2), W] */
     uint32_t *pb;                        /* p rounded to bf16 in key pairs, [rows_cap, KEY_BLOCK / 2] */
+    int64_t *row_range;                  /* [2 * rows_cap]: each row's key range in the current block */
 } Scratch;
 
 /* bf16 query rows are padded to an even length: the transposed scores read them in pairs. */
@@ -831,14 +832,15 @@ static void attend_block_heads(const Args *a, Scratch *s, const Item *it, int64_
 /* The item's rows against the block of keys [k0, k0 + nk) at `offsets`. */
 static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, int64_t nk, const int64_t *offsets,
                          Ahead *ahead) {
-    const int64_t group = a->num_heads / a->num_kv_heads;
-    int64_t lo[MAX_ROWS], hi[MAX_ROWS], row_lo[MAX_ROWS], row_hi[MAX_ROWS];
+    const int64_t group = a->num_heads / a->num_kv_heads, rows = it->num_queries * group;
+    /* Per query at most MAX_ROWS queries; per row in scratch, since a group wider than MAX_ROWS
+     * (multi-query models: 48 or 71 heads on one KV head) makes an item of one query and `group` rows. */
+    int64_t lo[MAX_ROWS], hi[MAX_ROWS], *row_lo = s->row_range, *row_hi = s->row_range + rows;
     for (int64_t qi = 0; qi < it->num_queries; ++qi) {
         key_range(a, it, qi, &lo[qi], &hi[qi]);
         lo[qi] = max64(lo[qi], k0) - k0, hi[qi] = min64(hi[qi], k0 + nk) - k0;
         for (int64_t g = 0; g < group; ++g) row_lo[qi * group + g] = lo[qi], row_hi[qi * group + g] = hi[qi];
     }
-    const int64_t rows = it->num_queries * group;
     if (it->num_kv == 1) attend_block_head(a, s, it, rows, nk, offsets, lo, hi, row_lo, row_hi, ahead);
     else attend_block_heads(a, s, it, rows, nk, offsets, lo, hi, row_lo, row_hi, ahead);
 }
@@ -1078,7 +1080,8 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * d + 2 * rows_cap + W * d + rows_cap * KEY_BLOCK +
                                                               2 * ((d + 1) / 2 * W) + rows_cap * KEY_BLOCK / 2));
         s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * q_stride_bf16(d)));
-        const int ok = !failed && buf != NULL && s.q_bf16 != NULL;
+        s.row_range = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows_cap));
+        const int ok = !failed && buf != NULL && s.q_bf16 != NULL && s.row_range != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1103,6 +1106,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
             if (ok && items[i].num_parts > 0) merge_parts(&a, &items[i], items[i].num_parts, partials, rows_cap, s.acc);
         free(buf);
         free(s.q_bf16);
+        free(s.row_range);
     }
     free(items);
     free(partials);

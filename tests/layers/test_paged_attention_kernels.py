@@ -31,7 +31,7 @@ MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {  # (query_lens, co
     "mixed": ((1, 9, 1, 33), (50, 9, 16, 40)),
     "short_queries": ((4, 2, 3), (40, 17, 70)),  # items of all, or of some, of the KV heads (4 x 9 heads)
 }
-GROUPS = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): groups of 1, 3 and 4
+GROUPS = [(4, 4), (9, 3), (8, 2), (40, 1)]  # (num_heads, num_kv_heads): groups of 1, 3, 4 and 40 (> MAX_ROWS)
 FEATURES: dict[str, tuple[float | None, int | None]] = {  # (softcap, window)
     "plain": (None, None),
     "window": (None, 6),
