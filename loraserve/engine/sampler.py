@@ -62,7 +62,8 @@ class Sampler:
         # Only the rows that asked for logprobs pay for a log_softmax over the vocabulary (the
         # sampled token's logprob feeds nothing else); taken before sampling edits `raw` in place.
         index = torch.tensor(logprob_rows, dtype=torch.long, device=logits.device) if logprob_rows else None
-        raw_logprobs = torch.log_softmax(raw[index], dim=-1) if index is not None else None
+        every = index is not None and len(logprob_rows) == len(rows)
+        raw_logprobs = torch.log_softmax(raw if every else raw[index], dim=-1) if index is not None else None
         if any(_needs_logit_edits(row) for row in rows):
             # One copy: penalties and masks below work in place, the caller's tensor stays intact.
             logits = raw.clone()

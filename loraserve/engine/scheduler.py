@@ -288,7 +288,7 @@ class Scheduler:
 def _append(token: SampledToken) -> None:
     seq = token.seq
     seq.token_ids.append(token.token_id)
-    if token.logprob is not None:
+    if token.logprob is not None:  # None unless logprobs were asked for, the only time it is reported
         seq.cumulative_logprob += token.logprob
     if token.top_logprobs is not None:
         if seq.logprobs is None:

@@ -55,7 +55,7 @@ def attend(
     """Attention of the step's new tokens over the cache (their K/V already written), on the backend
     that serves it. q [T, H, D] -> [T, H, D]; caches [num_blocks * block_size, KVH, D]."""
     args = (meta.block_tables, meta.context_lens, meta.query_starts, meta.block_size, scale, softcap, window)
-    if q.device.type == "cpu":
+    if q.is_cpu:
         if paged_attention_cpu.applies(q, k_cache, v_cache):
             return paged_attention_cpu.paged_attention(q, k_cache, v_cache, *args)
     elif q.is_cuda and triton_available():
@@ -97,7 +97,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         window = meta.sliding_window if self.use_sliding_window else None
         q_heads = q.view(num_tokens, self.num_heads, self.head_dim)
-        if q.device.type == "cpu":  # the C kernel writes the new rows itself: one call per layer
+        if q.is_cpu:  # the C kernel writes the new rows itself: one call per layer
             out = paged_attention_cpu.write_and_attend(q_heads, k, v, k_cache, v_cache, meta, self.scale,
                                                        self.softcap, window)
             if out is not None:

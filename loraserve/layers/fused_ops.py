@@ -129,8 +129,10 @@ def rotary_(
     status = _lib.rotary_inplace(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_table.data_ptr(),
                                  sin_table.data_ptr(), cos_table.shape[0], x.shape[0], num_heads, head_dim,
                                  _DTYPE_CODES[x.dtype], torch.get_num_threads())
-    if status != 0:
+    if status == 1:
         raise IndexError(f"a position is outside the rotary tables ({cos_table.shape[0]} positions)")
+    if status != 0:
+        raise ValueError(f"the rotary kernel refused head_dim={head_dim} (status {status})")
 
 
 def rotary_twin_(

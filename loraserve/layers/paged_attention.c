@@ -9,8 +9,9 @@
  * block_tables[b][k / block_size] * block_size + k % block_size. Scores are q.k * scale, then
  * softcap * tanh(s / softcap) when softcap > 0; softmax and accumulation are in float32 (online softmax
  * over blocks of KEY_BLOCK keys), and the output is rounded to the input dtype. For bf16 on CPUs with
- * bf16 dot products the probabilities are rounded to bf16 before the value products, as the twin's
- * probs.to(v.dtype) are (the normalizer stays the float32 sum).
+ * bf16 dot products the (unnormalized, block-rescaled) probabilities are rounded to bf16 before the
+ * value products, much as the twin's probs.to(v.dtype) rounds its normalized ones; the values differ
+ * by bf16 rounding only, and the normalizer stays the float32 sum.
  *
  * Why a kernel: the torch path copies every sequence's whole context out of the cache in every layer
  * and builds a [B, max_q, max_ctx] mask; here each K/V row is read once from where it lies and shared

@@ -185,13 +185,14 @@ def write_and_attend(
     row = k_cache.shape[1] * k_cache.shape[2] if k_cache.dim() == 3 else -1
     slots = meta.slot_mapping
     if not (applies(q, k_cache, v_cache) and all(
-            t.device.type == "cpu" and t.dtype == q.dtype and t.dim() == 2 and t.shape == (num_tokens, row)
+            t.is_cpu and t.dtype == q.dtype and t.dim() == 2 and t.shape == (num_tokens, row)
             and t.stride(1) == 1 for t in (k, v))
             and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (num_tokens,)
-            and slots.device.type == "cpu"):
+            and slots.is_cpu):
         return None
     index = (meta.block_tables, meta.context_lens, meta.query_starts)
-    shapes = (tuple(q.shape[1:]), tuple(k_cache.shape), tuple(v_cache.shape), meta.block_size)
+    # The index tensors themselves too (by identity): one swapped in after the first layer is checked.
+    shapes = (tuple(q.shape[1:]), tuple(k_cache.shape), tuple(v_cache.shape), meta.block_size, *map(id, index))
     if meta.cpu_checked != shapes:
         _check(q, k_cache, v_cache, index, meta.block_size)
         meta.cpu_checked = shapes

@@ -37,6 +37,17 @@ def test_ties_nans_and_infinities_resolve_as_torch_does(width: int) -> None:
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("width", [49152, 50257])
+def test_rows_inside_a_wider_tensor(width: int) -> None:
+    """Rows of unit stride whose row stride is not the width (a slice of wider logits) take the fast path."""
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(7, width + 40, generator=g)
+    x = wide[:, 3 : 3 + width]
+    x[2, width - 1] = 50.0  # the tail's maximum
+    x[4, 1] = float("nan")
+    assert x.stride(0) != width and torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
 def test_strided_rows_and_other_shapes_fall_back() -> None:
     x = torch.randn(8, 2 * MIN_FAST_LEN)[:, ::2]  # rows without unit stride
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

@@ -335,9 +335,10 @@ static inline int64_t slice_rank(const int32_t *ranks, int64_t index, int64_t ma
 }
 
 /* A segment's tokens are cut into groups of TOKEN_GROUP; every work item serves one group, so the
- * threads share a long segment (one adapter) by its tokens: each writes its own rows of t and y
- * (splitting by rows of A had both threads writing every cache line of t). A shrink item is a block
- * of ROW_BLOCK rows of one slice; an expand item a chunk of columns of one slice. */
+ * threads share a long segment (one adapter) mostly by its tokens: apart from the items at the edge of
+ * a thread's range, each writes its own rows of t and y (splitting by rows of A had both threads
+ * writing every cache line of t). A shrink item is a block of ROW_BLOCK rows of one slice; an expand
+ * item a chunk of columns of one slice. */
 #define TOKEN_GROUP 8
 #define PREFETCH_AHEAD 4 /* items: the blocks of A and Bt a thread needs next are fetched while it computes */
 
@@ -505,8 +506,9 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
     const int64_t num_segs = step[4], num_active = step[5];
     const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, CHUNK, NULL);
     const int64_t stacked_rank = num_slices * max_rank, row_blocks = (max_rank + ROW_BLOCK - 1) / ROW_BLOCK;
-    /* t's rows on cache lines of their own where the rank allows: the threads write disjoint rows. */
-    const size_t t_bytes = (sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * stacked_rank + 63) / 64 * 64;
+    /* Line-aligned t (C11 wants a multiple of the alignment, and never 0): a thread's token groups
+     * start on their own lines whenever a token's row of t is a multiple of 64 bytes (rank 16 is). */
+    const size_t t_bytes = (sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * (size_t)stacked_rank + 127) / 64 * 64;
     float *t = (float *)aligned_alloc(64, t_bytes);
     SliceChunk *chunks = (SliceChunk *)malloc(sizeof(SliceChunk) * (size_t)(num_chunks > 0 ? num_chunks : 1));
     int64_t *seg_first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * (num_segs + 2)));
