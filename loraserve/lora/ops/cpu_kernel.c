@@ -346,15 +346,13 @@ typedef struct {
     int64_t q, col, width;
 } SliceChunk;
 
-/* Cut each slice into chunks of at most max_width columns, as equal as multiples of 64 allow (an
- * uneven last chunk would leave a thread idle when one adapter's few items are shared). Returns the count. */
-static int64_t slice_chunks(const int64_t *offsets, int64_t num_slices, int64_t max_width, SliceChunk *out) {
+/* Cut each slice into chunks of CHUNK columns (the last one narrower); returns the count. */
+static int64_t slice_chunks(const int64_t *offsets, int64_t num_slices, SliceChunk *out) {
     int64_t count = 0;
     for (int64_t q = 0; q < num_slices; ++q) {
-        const int64_t width = offsets[q + 1] - offsets[q], pieces = (width + max_width - 1) / max_width;
-        const int64_t step = ((width + pieces - 1) / pieces + 63) / 64 * 64;
-        for (int64_t col = 0; col < width; col += step) {
-            if (out) out[count] = (SliceChunk){q, offsets[q] + col, width - col < step ? width - col : step};
+        const int64_t width = offsets[q + 1] - offsets[q];
+        for (int64_t col = 0; col < width; col += CHUNK) {
+            if (out) out[count] = (SliceChunk){q, offsets[q] + col, width - col < CHUNK ? width - col : CHUNK};
             ++count;
         }
     }
@@ -504,7 +502,7 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
     const int64_t *token_ids = (const int64_t *)(intptr_t)step[0], *seg_slots = (const int64_t *)(intptr_t)step[1];
     const int64_t *seg_starts = (const int64_t *)(intptr_t)step[2], *seg_lens = (const int64_t *)(intptr_t)step[3];
     const int64_t num_segs = step[4], num_active = step[5];
-    const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, CHUNK, NULL);
+    const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, NULL);
     const int64_t stacked_rank = num_slices * max_rank, row_blocks = (max_rank + ROW_BLOCK - 1) / ROW_BLOCK;
     /* Line-aligned t (C11 wants a multiple of the alignment, and never 0): a thread's token groups
      * start on their own lines whenever a token's row of t is a multiple of 64 bytes (rank 16 is). */
@@ -516,7 +514,7 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
         free(t), free(chunks), free(seg_first);
         return 1;
     }
-    slice_chunks(slice_offsets, num_slices, CHUNK, chunks);
+    slice_chunks(slice_offsets, num_slices, chunks);
     int64_t *shrink_first = seg_first, *expand_first = seg_first + num_segs + 2;
     first_items(seg_lens, num_segs, num_slices * row_blocks, shrink_first);
     first_items(seg_lens, num_segs, num_chunks, expand_first);
