@@ -147,6 +147,12 @@ def cpu_fused_ops() -> bool:
     return (get_env("CPU_FUSED_OPS", "1") or "1").strip().lower() not in ("0", "false")
 
 
+def cpu_gemm_kernel() -> bool:
+    """Run CPU linear layers through the C kernel where it serves their dtype (default on; "0" keeps
+    oneDNN's packed linear)."""
+    return (get_env("CPU_GEMM_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
+
+
 def cpu_attention_kernel() -> bool:
     """Run CPU paged attention through the C kernel (default on; "0" keeps the torch gather + SDPA path)."""
     return (get_env("CPU_ATTENTION_KERNEL", "1") or "1").strip().lower() not in ("0", "false")

@@ -5,10 +5,10 @@ A packed layer holds the weights of several checkpoint tensors stacked along the
 different adapter matrix to each slice. Weights are kept as [out, in] and applied with `F.linear`,
 which is faster on CPU than `x @ W` with W as [in, out].
 
-On CPU, `pack_cpu_linears` reorders each weight once into oneDNN's blocked layout: measured on the
-2-core AVX2 CI machine (fp32, 32 decode rows) a 576->3072 layer takes 2.0 ms instead of 4.4 ms and
-the 576->49152 LM head 29 ms instead of 75 ms. The dense copy is then released (except where the
-tensor is shared, e.g. tied embeddings).
+On CPU, `pack_cpu_linears` reorders each weight once for the kernel that runs it: our own
+(`gemm_cpu`, where it serves the dtype on this CPU: small-M decode products run near the vector
+units' peak) or else oneDNN's blocked layout (faster than `F.linear` on a dense weight). The dense
+copy is then released (except where the tensor is shared, e.g. tied embeddings).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loraserve.layers import gemm_cpu
 
 if TYPE_CHECKING:
     from loraserve.layers.forward_batch import ForwardBatch
@@ -43,6 +45,7 @@ class Linear(nn.Module):
             nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout of `weight` (CPU only)
+        self.kernel_weight: gemm_cpu.PackedWeight | None = None  # the C kernel's layout (CPU only)
 
     def slice_offsets(self) -> list[int]:
         offsets = [0]
@@ -66,6 +69,8 @@ class Linear(nn.Module):
         target.copy_(tensor)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weight is not None:
+            return gemm_cpu.linear(x, self.kernel_weight, self.bias)
         if self.packed_weight is not None:
             return _packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -103,22 +108,25 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
 
 
 def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
-    """Reorder every `Linear` weight of a CPU model into oneDNN's layout; returns how many were packed.
+    """Reorder every `Linear` weight of a CPU model into the C kernel's layout where it serves the
+    dtype, else oneDNN's; returns how many were packed.
 
-    Dense weights whose storage nothing else uses are released. Dtypes oneDNN cannot pack on this CPU
+    Dense weights whose storage nothing else uses are released. Dtypes neither can pack on this CPU
     (bf16 without AVX-512) keep the plain `F.linear` path.
     """
-    if not torch.backends.mkldnn.is_available():
-        return 0
     shared = shared or set()
     num_packed = 0
     for module in model.modules():
         if not isinstance(module, Linear) or module.weight.device.type != "cpu" or module.weight.numel() == 0:
             continue
-        try:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-        except RuntimeError:
-            return num_packed
+        module.kernel_weight = gemm_cpu.pack(module.weight.detach())
+        if module.kernel_weight is None:
+            if not torch.backends.mkldnn.is_available():
+                return num_packed
+            try:
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+            except RuntimeError:
+                return num_packed
         if module.weight.data_ptr() not in shared:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         num_packed += 1

@@ -43,6 +43,7 @@ class LinearWithLoRA(Linear):
         self.weight = base.weight
         self.bias = base.bias
         self.packed_weight = base.packed_weight
+        self.kernel_weight = base.kernel_weight
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.num_slices = len(self.output_sizes)

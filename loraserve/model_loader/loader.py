@@ -84,7 +84,7 @@ def _dummy_weights(model: nn.Module) -> None:
 
 
 def _pack_linears(model: nn.Module) -> None:
-    """oneDNN-packed weights for every Linear; tensors shared with other layers (tied embeddings)
+    """CPU-kernel-packed weights for every Linear; tensors shared with other layers (tied embeddings)
     keep their dense copy."""
     shared = {
         param.data_ptr()
@@ -93,4 +93,4 @@ def _pack_linears(model: nn.Module) -> None:
         for param in module.parameters(recurse=False)
     }
     num_packed = pack_cpu_linears(model, shared)
-    logger.info("Packed %d linear layers into oneDNN's CPU layout", num_packed)
+    logger.info("Packed %d linear layers for the CPU linear kernels", num_packed)

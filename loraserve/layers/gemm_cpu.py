@@ -1,0 +1,123 @@
+"""The CPU linear kernel (`gemm_kernel.c`): weights packed once into its block layout, then y = x W^T + b.
+
+`pack` returns None where this CPU's build does not serve the dtype (bf16 needs AVX512-BF16; float32
+needs AVX-512) or the kernel is switched off (LORASERVE_CPU_GEMM_KERNEL=0); the caller
+then keeps oneDNN's packed linear. The twin is `F.linear` on the dense weight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from loraserve import envs
+from loraserve.native.build import load_library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_lib: Any = None
+_loaded = False
+
+
+def _load(extra_flags: tuple[str, ...] = ()) -> Any:
+    lib = load_library("loraserve.layers", "gemm_kernel.c", extra_flags=extra_flags)
+    if lib is None:
+        return None
+    try:
+        layout, run = lib.gemm_pack_layout, lib.gemm_linear
+    except AttributeError:
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    layout.argtypes, layout.restype = [i32], i32
+    run.argtypes, run.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32], i32
+    return lib
+
+
+def kernel_library() -> Any:
+    """The loaded kernel (built once per process), or None if disabled or it cannot be built."""
+    global _lib, _loaded
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _lib = _load() if envs.cpu_gemm_kernel() else None
+                _loaded = True
+    return _lib
+
+
+def use_library(lib: Any) -> None:
+    """Swap in another build of the kernel (tests run every code path on one CPU this way)."""
+    global _lib, _loaded
+    with _lock:
+        _lib, _loaded = lib, True
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A [out, in] weight in the kernel's layout: [ceil(out / block_cols), in (even in bf16), block_cols]
+    (bf16 interleaves k pairs inside the last two dimensions; see gemm_kernel.c)."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    block_cols: int
+
+
+def block_layout(dtype: torch.dtype) -> int:
+    """The block width the kernel packs this dtype with here; 0 when it does not serve it."""
+    lib = kernel_library()
+    if lib is None or dtype not in _DTYPE_CODES:
+        return 0
+    return int(lib.gemm_pack_layout(_DTYPE_CODES[dtype])) & 0xFFFF
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """The kernel's copy of a CPU weight [out, in], or None where the kernel does not serve it."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    cols = block_layout(weight.dtype)
+    if cols == 0:
+        return None
+    out_features, in_features = weight.shape
+    padded_out = -(-out_features // cols) * cols
+    padded_in = in_features + (in_features % 2 if weight.dtype == torch.bfloat16 else 0)
+    dense = weight.new_zeros(padded_out, padded_in)
+    dense[:out_features, :in_features] = weight
+    blocks = dense.view(padded_out // cols, cols, padded_in)
+    if weight.dtype == torch.bfloat16:  # [blocks, cols, in/2, 2] -> [blocks, in/2, cols, 2]
+        data = blocks.view(padded_out // cols, cols, padded_in // 2, 2).permute(0, 2, 1, 3)
+    else:  # [blocks, cols, in] -> [blocks, in, cols]
+        data = blocks.permute(0, 2, 1)
+    return PackedWeight(data.contiguous(), out_features, in_features, cols)
+
+
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Semantics: F.linear(x, W, bias) with W the packed weight's dense [out, in]: float32 sums, one
+    rounding to x's dtype at the end, the bias added before it. Shape: x [..., in] -> [..., out]."""
+    data = weight.data
+    if x.dtype != data.dtype or not x.is_cpu:
+        raise TypeError(f"linear: x is {x.dtype} on {x.device}, the packed weight {data.dtype} on CPU")
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight takes {weight.in_features}")
+    rows = x.reshape(-1, weight.in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = x.new_empty(rows.shape[0], weight.out_features)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    status = _lib.gemm_linear(
+        rows.data_ptr(), rows.stride(0), data.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), out.stride(0), rows.shape[0], weight.out_features, weight.in_features,
+        _DTYPE_CODES[x.dtype], torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"the CPU linear kernel refused {x.dtype} (status {status})")
+    return out.view(*x.shape[:-1], weight.out_features)
+
+
+def linear_twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
