@@ -34,7 +34,7 @@ def _load(extra_flags: tuple[str, ...] = ()) -> Any:
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     layout.argtypes, layout.restype = [i32], i32
-    run.argtypes, run.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32], i32
+    run.argtypes, run.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i32, i32], i32
     return lib
 
 
@@ -56,15 +56,25 @@ def use_library(lib: Any) -> None:
         _lib, _loaded = lib, True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PackedWeight:
     """A [out, in] weight in the kernel's layout: [ceil(out / block_cols), in (even in bf16), block_cols]
-    (bf16 interleaves k pairs inside the last two dimensions; see gemm_kernel.c)."""
+    (bf16 interleaves k pairs inside the last two dimensions; see gemm_kernel.c). `prefetch_next` is
+    the weight of the linear that usually runs after this one (see `chain_prefetch`)."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
     block_cols: int
+    prefetch_next: PackedWeight | None = None
+
+
+def chain_prefetch(weights: list[PackedWeight]) -> None:
+    """Link each weight to the one after it, the last to the first, in the order a forward pass runs
+    them: while one linear finishes, each thread fetches its first block of the next into L2. A wrong
+    order only wastes that prefetch."""
+    for weight, following in zip(weights, weights[1:] + weights[:1]):
+        weight.prefetch_next = following if following.data.dtype == weight.data.dtype else None
 
 
 def block_layout(dtype: torch.dtype) -> int:
@@ -109,9 +119,12 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
     out = x.new_empty(rows.shape[0], weight.out_features)
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
+    following = weight.prefetch_next
     status = _lib.gemm_linear(
         rows.data_ptr(), rows.stride(0), data.data_ptr(), None if bias is None else bias.data_ptr(),
         out.data_ptr(), out.stride(0), rows.shape[0], weight.out_features, weight.in_features,
+        None if following is None else following.data.data_ptr(),
+        0 if following is None else following.out_features, 0 if following is None else following.in_features,
         _DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )
     if status != 0:

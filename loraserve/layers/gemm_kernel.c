@@ -48,8 +48,21 @@
 #define BF16_NB 48
 #define BF16_MR 8
 
+/* A prefetch stream: `lines` cache lines from `next`, issued `per_step` at a time over a tile's k loop. */
+typedef struct {
+    const char *next;
+    int64_t lines, per_step;
+} prefetch_t;
+
+static inline __attribute__((always_inline)) void prefetch_step(prefetch_t *pf, int64_t step) {
+    for (int64_t j = 0; j < pf->per_step; j++) {
+        int64_t line = step * pf->per_step + j;
+        if (line < pf->lines) _mm_prefetch(pf->next + line * 64, _MM_HINT_T1);
+    }
+}
+
 typedef void (*block_fn)(int mr, const void *x, int64_t ldx, const void *w, int64_t k, const void *bias,
-                         void *y, int64_t ldy, int64_t ncols);
+                         void *y, int64_t ldy, int64_t ncols, prefetch_t pf);
 
 #ifdef GEMM_BF16
 static inline __m512 bf16_bias(const uint16_t *bias, int v, int64_t ncols) {
@@ -63,7 +76,8 @@ static inline __m512 bf16_bias(const uint16_t *bias, int v, int64_t ncols) {
  * accumulators live in registers. */
 static inline __attribute__((always_inline)) void bf16_tile(int mr, const uint16_t *x, int64_t ldx,
                                                             const uint16_t *w, int64_t k, const uint16_t *bias,
-                                                            uint16_t *y, int64_t ldy, int64_t ncols) {
+                                                            uint16_t *y, int64_t ldy, int64_t ncols,
+                                                            prefetch_t pf) {
     __m512 acc[BF16_MR][BF16_NV];
     for (int v = 0; v < BF16_NV; v++) {
         __m512 b = bf16_bias(bias, v, ncols);
@@ -73,6 +87,7 @@ static inline __attribute__((always_inline)) void bf16_tile(int mr, const uint16
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh wv[BF16_NV];
         for (int v = 0; v < BF16_NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(w + (p * BF16_NB + v * 16) * 2);
+        prefetch_step(&pf, p);
         for (int m = 0; m < mr; m++) {
             int32_t both;
             memcpy(&both, x + m * ldx + 2 * p, sizeof both);
@@ -99,18 +114,18 @@ static inline __attribute__((always_inline)) void bf16_tile(int mr, const uint16
 }
 
 static void bf16_block(int mr, const void *x, int64_t ldx, const void *w, int64_t k, const void *bias, void *y,
-                       int64_t ldy, int64_t ncols) {
+                       int64_t ldy, int64_t ncols, prefetch_t pf) {
     const uint16_t *xs = x, *ws = w, *bs = bias;
     uint16_t *ys = y;
     switch (mr) { /* one instantiation per row count keeps every tile's accumulators in registers */
-    case 8: bf16_tile(8, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 7: bf16_tile(7, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 6: bf16_tile(6, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 5: bf16_tile(5, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 4: bf16_tile(4, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 3: bf16_tile(3, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 2: bf16_tile(2, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    default: bf16_tile(1, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
+    case 8: bf16_tile(8, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 7: bf16_tile(7, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 6: bf16_tile(6, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 5: bf16_tile(5, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 4: bf16_tile(4, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 3: bf16_tile(3, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 2: bf16_tile(2, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    default: bf16_tile(1, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
     }
 }
 #endif
@@ -120,7 +135,7 @@ static inline __mmask16 f32_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff
 
 static inline __attribute__((always_inline)) void f32_tile(int mr, const float *x, int64_t ldx, const float *w,
                                                            int64_t k, const float *bias, float *y, int64_t ldy,
-                                                           int64_t ncols) {
+                                                           int64_t ncols, prefetch_t pf) {
     __m512 acc[F32_MR][F32_NV];
     for (int v = 0; v < F32_NV; v++) {
         __m512 b = _mm512_setzero_ps();
@@ -130,6 +145,7 @@ static inline __attribute__((always_inline)) void f32_tile(int mr, const float *
     for (int64_t p = 0; p < k; p++) {
         __m512 wv[F32_NV];
         for (int v = 0; v < F32_NV; v++) wv[v] = _mm512_loadu_ps(w + p * F32_NB + v * 16);
+        prefetch_step(&pf, p);
         for (int m = 0; m < mr; m++) {
             __m512 xb = _mm512_set1_ps(x[m * ldx + p]);
             for (int v = 0; v < F32_NV; v++) acc[m][v] = _mm512_fmadd_ps(xb, wv[v], acc[m][v]);
@@ -141,18 +157,18 @@ static inline __attribute__((always_inline)) void f32_tile(int mr, const float *
 }
 
 static void f32_block(int mr, const void *x, int64_t ldx, const void *w, int64_t k, const void *bias, void *y,
-                      int64_t ldy, int64_t ncols) {
+                      int64_t ldy, int64_t ncols, prefetch_t pf) {
     const float *xs = x, *ws = w, *bs = bias;
     float *ys = y;
     switch (mr) {
-    case 8: f32_tile(8, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 7: f32_tile(7, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 6: f32_tile(6, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 5: f32_tile(5, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 4: f32_tile(4, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 3: f32_tile(3, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    case 2: f32_tile(2, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
-    default: f32_tile(1, xs, ldx, ws, k, bs, ys, ldy, ncols); break;
+    case 8: f32_tile(8, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 7: f32_tile(7, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 6: f32_tile(6, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 5: f32_tile(5, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 4: f32_tile(4, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 3: f32_tile(3, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    case 2: f32_tile(2, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
+    default: f32_tile(1, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
     }
 }
 #endif
@@ -170,35 +186,74 @@ int gemm_pack_layout(int dtype) {
     return 0;
 }
 
-/* y = x W^T + bias over a packed W (see the top of this file). Returns 0, or 1 if this build does not
- * serve the dtype (nothing written). */
+typedef struct {
+    const char *x, *w, *bias;
+    char *y;
+    int64_t ldx, ldy, m, n, k, nb, mr, elem, steps, num_blocks, block_bytes;
+    block_fn block;
+} gemm_t;
+
+/* One work item: rows [m0, m1) of x times column block b, prefetching `next` (a block of
+ * `next_bytes`, or nothing) into L2 spread evenly over the item's tiles. */
+static void run_item(const gemm_t *g, int64_t item, const char *next, int64_t next_bytes) {
+    const int64_t b = item % g->num_blocks, m0 = item / g->num_blocks * ROW_CHUNK;
+    const int64_t m1 = m0 + ROW_CHUNK < g->m ? m0 + ROW_CHUNK : g->m;
+    const int64_t ncols = g->n - b * g->nb < g->nb ? g->n - b * g->nb : g->nb;
+    const char *bias = g->bias == NULL ? NULL : g->bias + b * g->nb * g->elem;
+    const int64_t num_tiles = (m1 - m0 + g->mr - 1) / g->mr, lines = next == NULL ? 0 : next_bytes / 64;
+    const int64_t lines_per_tile = (lines + num_tiles - 1) / num_tiles;
+    for (int64_t r = m0, tile = 0; r < m1; r += g->mr, tile++) {
+        int rows = (int)(m1 - r < g->mr ? m1 - r : g->mr);
+        int64_t first = tile * lines_per_tile, count = lines - first < lines_per_tile ? lines - first : lines_per_tile;
+        prefetch_t pf = {next == NULL ? NULL : next + first * 64, count > 0 ? count : 0,
+                         (lines_per_tile + g->steps - 1) / g->steps};
+        g->block(rows, g->x + r * g->ldx * g->elem, g->ldx, g->w + b * g->block_bytes, g->k, bias,
+                 g->y + (r * g->ldy + b * g->nb) * g->elem, g->ldy, ncols, pf);
+    }
+}
+
+/* y = x W^T + bias over a packed W (see the top of this file). `next_w` (or NULL) is the packed
+ * weight of the linear that runs next, `next_n` x `next_k`: a model's weights stream from memory,
+ * so each thread fetches the block it will start that call with while it finishes this one.
+ * Returns 0, or 1 if this build does not serve the dtype (nothing written). */
 int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int64_t m,
-                int64_t n, int64_t k, int dtype, int num_threads) {
+                int64_t n, int64_t k, const void *next_w, int64_t next_n, int64_t next_k, int dtype,
+                int num_threads) {
     int layout = gemm_pack_layout(dtype);
     if (layout == 0) return 1;
-    const int64_t nb = layout & 0xffff, mr = layout >> 16, elem = dtype == 1 ? 2 : 4;
-    const int64_t k_packed = dtype == 1 ? k + (k & 1) : k;
-    block_fn block = NULL;
+    gemm_t g = {.x = x, .w = w, .bias = bias, .y = y, .ldx = ldx, .ldy = ldy, .m = m, .n = n, .k = k,
+                .nb = layout & 0xffff, .mr = layout >> 16, .elem = dtype == 1 ? 2 : 4, .block = NULL};
 #ifdef GEMM_BF16
-    if (dtype == 1) block = bf16_block;
+    if (dtype == 1) g.block = bf16_block;
 #endif
 #ifdef GEMM_F32
-    if (dtype == 0) block = f32_block;
+    if (dtype == 0) g.block = f32_block;
 #endif
-    const int64_t num_blocks = (n + nb - 1) / nb, num_chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
-    const int64_t num_items = num_blocks * num_chunks;
-    const char *xc = x, *wc = w, *bc = bias;
-    char *yc = y;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t item = 0; item < num_items; item++) {
-        const int64_t b = item % num_blocks, m0 = item / num_blocks * ROW_CHUNK;
-        const int64_t m1 = m0 + ROW_CHUNK < m ? m0 + ROW_CHUNK : m;
-        const int64_t ncols = n - b * nb < nb ? n - b * nb : nb;
-        const char *wb = wc + b * k_packed * nb * elem;
-        const char *bb = bc == NULL ? NULL : bc + b * nb * elem;
-        for (int64_t r = m0; r < m1; r += mr) {
-            int rows = (int)(m1 - r < mr ? m1 - r : mr);
-            block(rows, xc + r * ldx * elem, ldx, wb, k, bb, yc + (r * ldy + b * nb) * elem, ldy, ncols);
+    const int64_t k_packed = dtype == 1 ? k + (k & 1) : k, next_k_packed = dtype == 1 ? next_k + (next_k & 1) : next_k;
+    g.steps = dtype == 1 ? (k / 2 > 0 ? k / 2 : 1) : (k > 0 ? k : 1); /* k steps of a tile's main loop */
+    g.num_blocks = (n + g.nb - 1) / g.nb;
+    g.block_bytes = k_packed * g.nb * g.elem;
+    const int64_t num_chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK, num_items = g.num_blocks * num_chunks;
+    const int64_t next_blocks = (next_n + g.nb - 1) / g.nb, next_bytes = next_k_packed * g.nb * g.elem;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+        /* Contiguous ranges, computed the same way for every call, so a thread knows which block it
+         * starts the next call with (assuming it has as many row chunks as this one). */
+        const int64_t begin = num_items * tid / nth, end = num_items * (tid + 1) / nth;
+        for (int64_t item = begin; item < end; item++) {
+            if (item + 1 < end) {
+                run_item(&g, item, g.w + (item + 1) % g.num_blocks * g.block_bytes, g.block_bytes);
+            } else if (next_w != NULL && next_blocks > 0) {
+                int64_t first = next_blocks * num_chunks * tid / nth % next_blocks;
+                run_item(&g, item, (const char *)next_w + first * next_bytes, next_bytes);
+            } else {
+                run_item(&g, item, NULL, 0);
+            }
         }
     }
     return 0;

@@ -116,18 +116,27 @@ def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
     """
     shared = shared or set()
     num_packed = 0
+    kernel_weights: list[gemm_cpu.PackedWeight] = []
     for module in model.modules():
         if not isinstance(module, Linear) or module.weight.device.type != "cpu" or module.weight.numel() == 0:
             continue
         module.kernel_weight = gemm_cpu.pack(module.weight.detach())
-        if module.kernel_weight is None:
-            if not torch.backends.mkldnn.is_available():
-                return num_packed
-            try:
-                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-            except RuntimeError:
-                return num_packed
+        if module.kernel_weight is not None:
+            kernel_weights.append(module.kernel_weight)
+        elif not _pack_onednn(module):
+            continue
         if module.weight.data_ptr() not in shared:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         num_packed += 1
+    gemm_cpu.chain_prefetch(kernel_weights)  # modules register in the order they run
     return num_packed
+
+
+def _pack_onednn(module: Linear) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+    except RuntimeError:  # a dtype oneDNN cannot pack on this CPU
+        return False
+    return True
