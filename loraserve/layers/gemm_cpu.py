@@ -24,7 +24,8 @@ _lib: Any = None
 _loaded = False
 
 
-def _load(extra_flags: tuple[str, ...] = ()) -> Any:
+def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
+    """A build of gemm_kernel.c (None without a compiler); `extra_flags` select other code paths."""
     lib = load_library("loraserve.layers", "gemm_kernel.c", extra_flags=extra_flags)
     if lib is None:
         return None
@@ -44,7 +45,7 @@ def kernel_library() -> Any:
     if not _loaded:
         with _lock:
             if not _loaded:
-                _lib = _load() if envs.cpu_gemm_kernel() else None
+                _lib = build_kernel() if envs.cpu_gemm_kernel() else None
                 _loaded = True
     return _lib
 

@@ -57,7 +57,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void prefetch_step(prefetch_t *pf, int64_t step) {
     for (int64_t j = 0; j < pf->per_step; j++) {
         int64_t line = step * pf->per_step + j;
-        if (line < pf->lines) _mm_prefetch(pf->next + line * 64, _MM_HINT_T1);
+        if (line < pf->lines) __builtin_prefetch(pf->next + line * 64, 0, 2); /* into L2 */
     }
 }
 

@@ -1,0 +1,173 @@
+"""The CPU linear kernel (gemm_kernel.c) against a float64 reference and its twin (F.linear), on every
+build this machine can run: tiles that do not divide the rows, column blocks that do not divide the
+outputs, odd input widths, a bias, strided rows; and the builds that must serve nothing."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.lora_reference import assert_within_bf16_ulps
+
+from loraserve.layers import gemm_cpu
+from loraserve.layers.linear import Linear, pack_cpu_linears
+from loraserve.native.build import cpu_flags
+
+# name: (flags after -march=native, CPU flags the build needs, dtypes it must serve)
+BUILDS: dict[str, tuple[tuple[str, ...], set[str], set[torch.dtype]]] = {
+    "avx512_bf16": ((), {"avx512f", "avx512bw", "avx512_bf16"}, {torch.float32, torch.bfloat16}),
+    "avx512": (("-mno-avx512bf16",), {"avx512f", "avx512bw"}, {torch.float32}),
+    "avx2": (("-mno-avx512f",), {"avx2", "fma"}, set()),
+    "portable": (("-mno-avx",), set(), set()),
+}
+# (rows, in, out): 8-row tiles with tails, 48-column blocks with tails, odd widths, more rows than
+# one work item's 128-row chunk, and one row of one column.
+SHAPES = [(1, 1, 1), (7, 33, 50), (8, 64, 48), (9, 576, 97), (33, 31, 200), (130, 96, 145), (300, 17, 49)]
+
+
+def _install(flags: tuple[str, ...], needs: set[str]) -> Any:
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
+        pytest.skip(f"this build needs an x86-64 CPU with {sorted(needs)}")
+    lib = gemm_cpu.build_kernel(flags)
+    if lib is None:
+        pytest.skip("no C compiler: the kernel is not built here")
+    return lib
+
+
+@pytest.fixture(params=list(BUILDS))
+def build(request: pytest.FixtureRequest) -> Iterator[tuple[str, set[torch.dtype]]]:
+    """Swaps the named build in for the process's own one, and the process's back afterwards."""
+    flags, needs, dtypes = BUILDS[request.param]
+    own = gemm_cpu.kernel_library()
+    gemm_cpu.use_library(_install(flags, needs))
+    yield request.param, dtypes
+    gemm_cpu.use_library(own)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 product of the (rounded) inputs, and the magnitude sum |x||w| that bounds rounding."""
+    ref = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        ref, magnitude = ref + bias.double(), magnitude + bias.double().abs()
+    return ref, magnitude
+
+
+def _inputs(rows: int, cols_in: int, cols_out: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols_in, generator=g).to(dtype)
+    weight = torch.randn(cols_out, cols_in, generator=g).to(dtype)
+    bias = torch.randn(cols_out, generator=g).to(dtype)
+    return x, weight, bias
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    ref, magnitude = _reference(x, weight, bias)
+    if y.dtype == torch.bfloat16:  # float32 sums, one rounding: half an ulp plus the sums' own error
+        assert_within_bf16_ulps(y, ref, magnitude, ulps=1.0)
+    else:
+        assert bool(((y.double() - ref).abs() <= 1e-6 * magnitude + 1e-30).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_every_build_matches_reference_or_declines(build: tuple[str, set[torch.dtype]], dtype: torch.dtype,
+                                                   with_bias: bool) -> None:
+    name, served = build
+    for i, (rows, cols_in, cols_out) in enumerate(SHAPES):
+        x, weight, bias = _inputs(rows, cols_in, cols_out, dtype, seed=i)
+        packed = gemm_cpu.pack(weight)
+        if dtype not in served:
+            assert packed is None, f"the {name} build must leave {dtype} to oneDNN"
+            return
+        assert packed is not None
+        y = gemm_cpu.linear(x, packed, bias if with_bias else None)
+        assert y.shape == (rows, cols_out) and y.dtype == dtype
+        _check(y, x, weight, bias if with_bias else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_rows_leading_dims_and_twin_agree(dtype: torch.dtype) -> None:
+    x_wide, weight, bias = _inputs(12, 80, 70, dtype, seed=7)
+    packed = gemm_cpu.pack(weight)
+    if packed is None:
+        pytest.skip(f"the kernel does not serve {dtype} on this CPU")
+    x = x_wide[:, 5:69]  # rows 80 apart, 64 features
+    packed = gemm_cpu.pack(weight[:, 5:69].contiguous())
+    assert packed is not None
+    y = gemm_cpu.linear(x, packed, bias)
+    _check(y, x, weight[:, 5:69], bias)
+    twin = gemm_cpu.linear_twin(x, weight[:, 5:69], bias)
+    tol = dict(rtol=2**-7, atol=2**-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, twin, **tol)
+    y3 = gemm_cpu.linear(x.reshape(3, 4, 64), packed, bias)  # leading dims other than tokens stay
+    assert y3.shape == (3, 4, 70) and torch.equal(y3.reshape(12, 70), y)
+
+
+def test_prefetch_chain_changes_nothing() -> None:
+    """Each weight names the next one to prefetch (a ring, of other shapes): outputs are unchanged."""
+    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
+    shapes = [(96, 50), (50, 200), (200, 96)]
+    weights = [_inputs(1, i, o, dtype, seed=s)[1] for s, (i, o) in enumerate(shapes)]
+    packed = [gemm_cpu.pack(w) for w in weights]
+    if any(p is None for p in packed):
+        pytest.skip("the kernel does not serve this CPU")
+    x = _inputs(40, 200, 1, dtype, seed=9)[0]
+    alone = [gemm_cpu.linear(x[:, : w.shape[1]], p, None) for w, p in zip(weights, packed)]  # type: ignore[arg-type]
+    gemm_cpu.chain_prefetch(packed)  # type: ignore[arg-type]
+    assert packed[2].prefetch_next is packed[0]  # type: ignore[union-attr]
+    chained = [gemm_cpu.linear(x[:, : w.shape[1]], p, None) for w, p in zip(weights, packed)]  # type: ignore[arg-type]
+    for a, b in zip(alone, chained):
+        assert torch.equal(a, b)
+
+
+def test_bad_inputs_are_refused() -> None:
+    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
+    packed = gemm_cpu.pack(torch.ones(8, 16, dtype=dtype))
+    if packed is None:
+        pytest.skip("the kernel does not serve this CPU")
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(TypeError, match="packed weight"):
+        gemm_cpu.linear(torch.ones(2, 16, dtype=other), packed, None)
+    with pytest.raises(ValueError, match="16"):
+        gemm_cpu.linear(torch.ones(2, 15, dtype=dtype), packed, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_layers_pack_for_the_kernel_and_release_dense_weights(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Linear(64, [40, 24], bias=True, dtype=dtype), Linear(64, 30, dtype=dtype)])
+    for layer in layers:
+        layer.weight.data.normal_()
+    layers[0].bias.data.normal_()  # type: ignore[union-attr]
+    dense = [layer.weight.detach().clone() for layer in layers]
+    served = gemm_cpu.block_layout(dtype) > 0
+    assert pack_cpu_linears(layers) == (2 if served or torch.backends.mkldnn.is_available() else 0)
+    if not served:
+        pytest.skip(f"the kernel does not serve {dtype} on this CPU")
+    x = torch.randn(5, 64).to(dtype)
+    for layer, weight in zip(layers, dense):
+        assert layer.kernel_weight is not None and layer.packed_weight is None
+        assert layer.weight.numel() == 0
+        _check(layer(x), x, weight, layer.bias)
+        assert F.linear is not None
+
+
+def test_switched_off_kernel_leaves_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    own = gemm_cpu.kernel_library()
+    gemm_cpu.use_library(None)  # what LORASERVE_CPU_GEMM_KERNEL=0 or no compiler leaves
+    try:
+        layer = Linear(32, 16, dtype=torch.float32)
+        layer.weight.data.normal_()
+        weight = layer.weight.detach().clone()
+        assert gemm_cpu.pack(weight) is None
+        pack_cpu_linears(layer)
+        assert layer.kernel_weight is None
+        x = torch.randn(3, 32)
+        torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    finally:
+        gemm_cpu.use_library(own)
