@@ -128,7 +128,8 @@ def cache_root() -> str:
 
 
 def cpu_packed_linear() -> bool:
-    """Reorder linear weights into oneDNN's layout on CPU (default on; "0" turns it off)."""
+    """Reorder linear weights on CPU for the C linear kernel or oneDNN (default on; "0" keeps dense
+    weights and `F.linear`)."""
     return (get_env("CPU_PACKED_LINEAR", "1") or "1").strip().lower() not in ("0", "false")
 
 
