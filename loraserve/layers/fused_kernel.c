@@ -181,7 +181,7 @@ static inline float vsum(vfloat v) {
  * Shape: x [rows, 2*width] (row stride x_ld), out [rows, width] (row stride out_ld). */
 void silu_and_mul(const void *x, int64_t x_ld, void *out, int64_t out_ld, int64_t rows, int64_t width,
                   int dtype, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * width >= MIN_PARALLEL_HEAVY)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1 && rows * width >= MIN_PARALLEL_HEAVY)
     for (int64_t t = 0; t < rows; ++t) {
         int64_t j = 0;
         if (dtype == 0) {
@@ -332,7 +332,7 @@ int rotary_inplace(void *x, int64_t x_ld, const int64_t *positions, const float 
     if (half > MAX_ROTARY_HALF) return 2;
     for (int64_t t = 0; t < rows; ++t)
         if (positions[t] < 0 || positions[t] >= num_positions) return 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * num_heads * head_dim >= MIN_PARALLEL_HEAVY)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1 && rows * num_heads * head_dim >= MIN_PARALLEL_HEAVY)
     for (int64_t t = 0; t < rows; ++t) {
         const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
         float c_row[MAX_ROTARY_HALF], s_row[MAX_ROTARY_HALF]; /* bf16: the row's tables rounded once for all its heads */

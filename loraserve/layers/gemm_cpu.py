@@ -108,30 +108,41 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x, W, bias) with W the packed weight's dense [out, in]: float32 sums, one
-    rounding to x's dtype at the end, the bias added before it. Shape: x [..., in] -> [..., out]."""
+    rounding to x's dtype at the end, the bias added before it; in bf16, denormal inputs and results
+    count as zero (vdpbf16ps). Shape: x [..., in] -> [..., out]; bias [out] or None."""
     data, in_features, out_features = weight.data, weight.in_features, weight.out_features
     if x.dtype != data.dtype or not x.is_cpu:
         raise TypeError(f"linear: x is {x.dtype} on {x.device}, the packed weight {data.dtype} on CPU")
     if x.shape[-1] != in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the weight takes {in_features}")
+    if bias is not None:
+        if bias.shape != (out_features,) or not bias.is_cpu:
+            raise ValueError(f"linear: bias {tuple(bias.shape)} on {bias.device}, the layer has {out_features} "
+                             "outputs on CPU")
+        bias = bias.to(x.dtype).contiguous()  # held until the call returns: the kernel reads it raw
+    lib = _lib if _loaded else kernel_library()
+    if lib is None:
+        raise RuntimeError("linear: the weight was packed for the C linear kernel, which this process "
+                           "has not loaded (LORASERVE_CPU_GEMM_KERNEL=0, or no C compiler)")
     rows = x if x.dim() == 2 else x.reshape(-1, in_features)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     num_rows = rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype)
-    bias_ptr = None if bias is None else bias.to(x.dtype).contiguous().data_ptr()
+    bias_ptr = None if bias is None else bias.data_ptr()
     following = weight.prefetch_next
     if following is None:
         next_ptr, next_out, next_in = None, 0, 0
     else:
         next_ptr, next_out, next_in = following.data.data_ptr(), following.out_features, following.in_features
-    status = _lib.gemm_linear(rows.data_ptr(), rows.stride(0), data.data_ptr(), bias_ptr, out.data_ptr(),
-                              out_features, num_rows, out_features, in_features, next_ptr, next_out, next_in,
-                              _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    status = lib.gemm_linear(rows.data_ptr(), rows.stride(0), data.data_ptr(), bias_ptr, out.data_ptr(),
+                             out_features, num_rows, out_features, in_features, next_ptr, next_out, next_in,
+                             _DTYPE_CODES[x.dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the CPU linear kernel refused {x.dtype} (status {status})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 def linear_twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What `linear` computes, from the dense weight: the test oracle and the path without the kernel."""
     return F.linear(x, weight, bias)

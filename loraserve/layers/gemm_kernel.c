@@ -16,6 +16,8 @@
  * Why a kernel: a decode step multiplies 16-64 rows by every weight of the model. oneDNN's packed
  * linear runs those small-M products at 40-75% of the machine's bf16 peak; a register tile of
  * MR rows x NB columns over a block of W that stays in L2 runs them near peak, and large M as fast.
+ * (K is not blocked: a block is NB x K, 55-150 KB for a 135M model; at K of several thousand it
+ * outgrows L2 and the tiles re-read it from L3.)
  * Work items are (row chunk, column block) pairs split statically over OpenMP threads; the library
  * is loaded after torch, so it shares torch's libgomp.
  *
@@ -33,7 +35,7 @@
 #endif
 
 #define MAX_MR 8
-#define ROW_CHUNK 128 /* rows per work item: x's chunk stays in L2 while the column blocks pass */
+#define ROW_CHUNK 128 /* rows per work item at most: x's chunk stays in L2 while the column blocks pass */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define GEMM_BF16 1
@@ -189,15 +191,15 @@ int gemm_pack_layout(int dtype) {
 typedef struct {
     const char *x, *w, *bias;
     char *y;
-    int64_t ldx, ldy, m, n, k, nb, mr, elem, steps, num_blocks, block_bytes;
+    int64_t ldx, ldy, m, n, k, nb, mr, elem, steps, num_blocks, block_bytes, row_chunk;
     block_fn block;
 } gemm_t;
 
 /* One work item: rows [m0, m1) of x times column block b, prefetching `next` (a block of
  * `next_bytes`, or nothing) into L2 spread evenly over the item's tiles. */
 static void run_item(const gemm_t *g, int64_t item, const char *next, int64_t next_bytes) {
-    const int64_t b = item % g->num_blocks, m0 = item / g->num_blocks * ROW_CHUNK;
-    const int64_t m1 = m0 + ROW_CHUNK < g->m ? m0 + ROW_CHUNK : g->m;
+    const int64_t b = item % g->num_blocks, m0 = item / g->num_blocks * g->row_chunk;
+    const int64_t m1 = m0 + g->row_chunk < g->m ? m0 + g->row_chunk : g->m;
     const int64_t ncols = g->n - b * g->nb < g->nb ? g->n - b * g->nb : g->nb;
     const char *bias = g->bias == NULL ? NULL : g->bias + b * g->nb * g->elem;
     const int64_t num_tiles = (m1 - m0 + g->mr - 1) / g->mr, lines = next == NULL ? 0 : next_bytes / 64;
@@ -233,7 +235,10 @@ int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, voi
     g.steps = dtype == 1 ? (k / 2 > 0 ? k / 2 : 1) : (k > 0 ? k : 1); /* k steps of a tile's main loop */
     g.num_blocks = (n + g.nb - 1) / g.nb;
     g.block_bytes = k_packed * g.nb * g.elem;
-    const int64_t num_chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK, num_items = g.num_blocks * num_chunks;
+    int64_t row_chunk = ROW_CHUNK; /* narrower where too few items would leave threads idle */
+    while (row_chunk > g.mr && g.num_blocks * ((m + row_chunk - 1) / row_chunk) < 2 * num_threads) row_chunk /= 2;
+    g.row_chunk = row_chunk;
+    const int64_t num_chunks = (m + row_chunk - 1) / row_chunk, num_items = g.num_blocks * num_chunks;
     const int64_t next_blocks = (next_n + g.nb - 1) / g.nb, next_bytes = next_k_packed * g.nb * g.elem;
 #pragma omp parallel num_threads(num_threads)
     {

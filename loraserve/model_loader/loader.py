@@ -1,5 +1,5 @@
 """Build the model: resolve its class, construct it on the device in the model dtype, load the weights,
-and on CPU pack the linear weights into oneDNN's layout."""
+and on CPU pack the linear weights for the C linear kernel (or oneDNN where it does not serve)."""
 
 from __future__ import annotations
 

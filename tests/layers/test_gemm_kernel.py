@@ -108,8 +108,9 @@ def test_strided_rows_leading_dims_and_twin_agree(dtype: torch.dtype) -> None:
     assert y3.shape == (3, 4, 70) and torch.equal(y3.reshape(12, 70), y)
 
 
-def test_prefetch_chain_changes_nothing() -> None:
-    """Each weight names the next one to prefetch (a ring, of other shapes): outputs are unchanged."""
+def test_prefetch_chain_links_in_order_and_changes_nothing() -> None:
+    """Each weight names the next one to prefetch (a ring, of other shapes) and outputs are unchanged.
+    (A prefetch neither faults nor changes a value, so a wrong address shows only in speed.)"""
     dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
     shapes = [(96, 50), (50, 200), (200, 96)]
     weights = [_inputs(1, i, o, dtype, seed=s)[1] for s, (i, o) in enumerate(shapes)]
@@ -123,6 +124,28 @@ def test_prefetch_chain_changes_nothing() -> None:
     chained = [gemm_cpu.linear(x[:, : w.shape[1]], p, None) for w, p in zip(weights, packed)]  # type: ignore[arg-type]
     for a, b in zip(alone, chained):
         assert torch.equal(a, b)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    foreign = gemm_cpu.pack(weights[0].to(other))
+    if foreign is not None:  # a weight of another dtype (another layout) is never a prefetch target
+        gemm_cpu.chain_prefetch([packed[0], foreign])  # type: ignore[list-item]
+        assert packed[0].prefetch_next is None and foreign.prefetch_next is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("num_threads", [3, 7])
+def test_more_threads_than_column_blocks(num_threads: int) -> None:
+    """Few column blocks and many threads: rows are split finer so no thread idles, same results."""
+    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
+    x, weight, bias = _inputs(40, 64, 50, dtype, seed=11)
+    packed = gemm_cpu.pack(weight)
+    if packed is None:
+        pytest.skip("the kernel does not serve this CPU")
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        y = gemm_cpu.linear(x, packed, bias)
+    finally:
+        torch.set_num_threads(before)
+    _check(y, x, weight, bias)
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -135,6 +158,33 @@ def test_bad_inputs_are_refused() -> None:
         gemm_cpu.linear(torch.ones(2, 16, dtype=other), packed, None)
     with pytest.raises(ValueError, match="16"):
         gemm_cpu.linear(torch.ones(2, 15, dtype=dtype), packed, None)
+    with pytest.raises(ValueError, match="bias"):  # a short bias would be read past its end
+        gemm_cpu.linear(torch.ones(2, 16, dtype=dtype), packed, torch.ones(1, dtype=dtype))
+
+
+def test_bias_of_another_dtype_is_converted_and_kept_alive() -> None:
+    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
+    x, weight, bias = _inputs(9, 64, 151936, dtype, seed=3)  # a bias buffer the allocator unmaps when freed
+    packed = gemm_cpu.pack(weight)
+    if packed is None:
+        pytest.skip("the kernel does not serve this CPU")
+    other = torch.float64  # converted to x's dtype for the call: the copy must outlive the kernel's read
+    y = gemm_cpu.linear(x, packed, bias.to(other))
+    _check(y, x, weight, bias)
+
+
+def test_a_packed_weight_without_the_kernel_fails_clearly() -> None:
+    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
+    packed = gemm_cpu.pack(torch.ones(8, 16, dtype=dtype))
+    if packed is None:
+        pytest.skip("the kernel does not serve this CPU")
+    own = gemm_cpu.kernel_library()
+    gemm_cpu.use_library(None)
+    try:
+        with pytest.raises(RuntimeError, match="not loaded"):
+            gemm_cpu.linear(torch.ones(2, 16, dtype=dtype), packed, None)
+    finally:
+        gemm_cpu.use_library(own)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -154,7 +204,6 @@ def test_linear_layers_pack_for_the_kernel_and_release_dense_weights(dtype: torc
         assert layer.kernel_weight is not None and layer.packed_weight is None
         assert layer.weight.numel() == 0
         _check(layer(x), x, weight, layer.bias)
-        assert F.linear is not None
 
 
 def test_switched_off_kernel_leaves_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
