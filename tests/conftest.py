@@ -46,6 +46,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         gc.collect()
 
 
+@pytest.fixture(params=["kernel", "onednn"])
+def linear_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """CPU linear layers through the C linear kernel (where this CPU's build serves the dtype), then
+    through oneDNN's packed linear, the kernel unloaded for the test: engines built inside the test
+    pack for whichever is in place."""
+    from loraserve.layers import gemm_cpu
+
+    own = gemm_cpu.kernel_library()
+    if request.param == "onednn":
+        gemm_cpu.use_library(None)
+    yield request.param
+    gemm_cpu.use_library(own)
+
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,

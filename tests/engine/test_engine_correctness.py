@@ -32,7 +32,8 @@ def _hf_greedy(hf: Any, prompt: list[int], num_new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_and_logprobs_match_transformers(arch: str, tiny_model: Any, hf_model: Any) -> None:
+def test_greedy_and_logprobs_match_transformers(arch: str, tiny_model: Any, hf_model: Any,
+                                                linear_backend: str) -> None:
     path = tiny_model(arch)
     hf = hf_model(path)
     llm = LLM(path, dtype="float32", max_num_batched_tokens=64)

@@ -109,9 +109,10 @@ def _check_against_peft(outputs: list[Any], cases: list[tuple[str | None, int]],
 
 @pytest.mark.parametrize("max_loras,max_cpu_loras,cpu_kernel", [(6, None, "1"), (2, 3, "1"), (6, None, "0")])
 def test_mixed_batch_matches_peft(tiny_model: Any, llama_adapters: dict[str, str], max_loras: int,
-                                  max_cpu_loras: int | None, cpu_kernel: str,
+                                  max_cpu_loras: int | None, cpu_kernel: str, linear_backend: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both CPU compute paths (the fused kernel, and the torch ops with it off) against PEFT."""
+    """Both CPU LoRA compute paths (the fused kernel, and the torch ops with it off) over both base
+    linear paths (the C linear kernel and oneDNN) against PEFT."""
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
     path = tiny_model("llama")
     prompts = _prompts(3)
@@ -137,7 +138,7 @@ BF16_LOGPROB_TOL = 0.03
 
 @pytest.mark.parametrize("cpu_kernel", ["1", "0"])
 def test_mixed_batch_in_bf16_matches_peft(tiny_model: Any, llama_adapters: dict[str, str], cpu_kernel: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                          linear_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 serving, through the C kernel's bf16 path or the torch ops, against PEFT in float32 scoring
     the same tokens: every prompt logprob and the logprob of every generated token within bf16 noise,
     and each generated token within that noise of PEFT's greedy choice (this tiny random model has
