@@ -63,6 +63,20 @@ static inline __attribute__((always_inline)) void prefetch_step(prefetch_t *pf, 
     }
 }
 
+/* A tile of `mr` rows (1 to 8): one instantiation per row count keeps every tile's accumulators in
+ * registers (the row loops unroll over a constant). */
+#define TILE_SWITCH(tile, mr, ...)                                                                            \
+    switch (mr) {                                                                                              \
+    case 8: tile(8, __VA_ARGS__); break;                                                                       \
+    case 7: tile(7, __VA_ARGS__); break;                                                                       \
+    case 6: tile(6, __VA_ARGS__); break;                                                                       \
+    case 5: tile(5, __VA_ARGS__); break;                                                                       \
+    case 4: tile(4, __VA_ARGS__); break;                                                                       \
+    case 3: tile(3, __VA_ARGS__); break;                                                                       \
+    case 2: tile(2, __VA_ARGS__); break;                                                                       \
+    default: tile(1, __VA_ARGS__); break;                                                                      \
+    }
+
 typedef void (*block_fn)(int mr, const void *x, int64_t ldx, const void *w, int64_t k, const void *bias,
                          void *y, int64_t ldy, int64_t ncols, prefetch_t pf);
 
@@ -117,18 +131,8 @@ static inline __attribute__((always_inline)) void bf16_tile(int mr, const uint16
 
 static void bf16_block(int mr, const void *x, int64_t ldx, const void *w, int64_t k, const void *bias, void *y,
                        int64_t ldy, int64_t ncols, prefetch_t pf) {
-    const uint16_t *xs = x, *ws = w, *bs = bias;
-    uint16_t *ys = y;
-    switch (mr) { /* one instantiation per row count keeps every tile's accumulators in registers */
-    case 8: bf16_tile(8, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 7: bf16_tile(7, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 6: bf16_tile(6, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 5: bf16_tile(5, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 4: bf16_tile(4, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 3: bf16_tile(3, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 2: bf16_tile(2, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    default: bf16_tile(1, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    }
+    TILE_SWITCH(bf16_tile, mr, (const uint16_t *)x, ldx, (const uint16_t *)w, k, (const uint16_t *)bias,
+                (uint16_t *)y, ldy, ncols, pf);
 }
 #endif
 
@@ -160,18 +164,8 @@ static inline __attribute__((always_inline)) void f32_tile(int mr, const float *
 
 static void f32_block(int mr, const void *x, int64_t ldx, const void *w, int64_t k, const void *bias, void *y,
                       int64_t ldy, int64_t ncols, prefetch_t pf) {
-    const float *xs = x, *ws = w, *bs = bias;
-    float *ys = y;
-    switch (mr) {
-    case 8: f32_tile(8, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 7: f32_tile(7, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 6: f32_tile(6, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 5: f32_tile(5, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 4: f32_tile(4, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 3: f32_tile(3, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    case 2: f32_tile(2, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    default: f32_tile(1, xs, ldx, ws, k, bs, ys, ldy, ncols, pf); break;
-    }
+    TILE_SWITCH(f32_tile, mr, (const float *)x, ldx, (const float *)w, k, (const float *)bias, (float *)y, ldy,
+                ncols, pf);
 }
 #endif
 

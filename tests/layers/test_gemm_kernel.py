@@ -65,6 +65,18 @@ def _inputs(rows: int, cols_in: int, cols_out: int, dtype: torch.dtype, seed: in
     return x, weight, bias
 
 
+def _kernel_dtype() -> torch.dtype:
+    """bf16 where this CPU's build serves it, else float32 (tests that need one served dtype)."""
+    return torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
+
+
+def _packed_or_skip(weight: torch.Tensor) -> gemm_cpu.PackedWeight:
+    packed = gemm_cpu.pack(weight)
+    if packed is None:
+        pytest.skip(f"the kernel does not serve {weight.dtype} on this CPU")
+    return packed
+
+
 def _check(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     ref, magnitude = _reference(x, weight, bias)
     if y.dtype == torch.bfloat16:  # float32 sums, one rounding: half an ulp plus the sums' own error
@@ -111,7 +123,7 @@ def test_strided_rows_leading_dims_and_twin_agree(dtype: torch.dtype) -> None:
 def test_prefetch_chain_links_in_order_and_changes_nothing() -> None:
     """Each weight names the next one to prefetch (a ring, of other shapes) and outputs are unchanged.
     (A prefetch neither faults nor changes a value, so a wrong address shows only in speed.)"""
-    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
+    dtype = _kernel_dtype()
     shapes = [(96, 50), (50, 200), (200, 96)]
     weights = [_inputs(1, i, o, dtype, seed=s)[1] for s, (i, o) in enumerate(shapes)]
     packed = [gemm_cpu.pack(w) for w in weights]
@@ -134,11 +146,8 @@ def test_prefetch_chain_links_in_order_and_changes_nothing() -> None:
 @pytest.mark.parametrize("num_threads", [3, 7])
 def test_more_threads_than_column_blocks(num_threads: int) -> None:
     """Few column blocks and many threads: rows are split finer so no thread idles, same results."""
-    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
-    x, weight, bias = _inputs(40, 64, 50, dtype, seed=11)
-    packed = gemm_cpu.pack(weight)
-    if packed is None:
-        pytest.skip("the kernel does not serve this CPU")
+    x, weight, bias = _inputs(40, 64, 50, _kernel_dtype(), seed=11)
+    packed = _packed_or_skip(weight)
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -149,10 +158,8 @@ def test_more_threads_than_column_blocks(num_threads: int) -> None:
 
 
 def test_bad_inputs_are_refused() -> None:
-    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
-    packed = gemm_cpu.pack(torch.ones(8, 16, dtype=dtype))
-    if packed is None:
-        pytest.skip("the kernel does not serve this CPU")
+    dtype = _kernel_dtype()
+    packed = _packed_or_skip(torch.ones(8, 16, dtype=dtype))
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     with pytest.raises(TypeError, match="packed weight"):
         gemm_cpu.linear(torch.ones(2, 16, dtype=other), packed, None)
@@ -163,21 +170,16 @@ def test_bad_inputs_are_refused() -> None:
 
 
 def test_bias_of_another_dtype_is_converted_and_kept_alive() -> None:
-    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
-    x, weight, bias = _inputs(9, 64, 151936, dtype, seed=3)  # a bias buffer the allocator unmaps when freed
-    packed = gemm_cpu.pack(weight)
-    if packed is None:
-        pytest.skip("the kernel does not serve this CPU")
+    x, weight, bias = _inputs(9, 64, 151936, _kernel_dtype(), seed=3)  # a bias the allocator unmaps when freed
+    packed = _packed_or_skip(weight)
     other = torch.float64  # converted to x's dtype for the call: the copy must outlive the kernel's read
     y = gemm_cpu.linear(x, packed, bias.to(other))
     _check(y, x, weight, bias)
 
 
 def test_a_packed_weight_without_the_kernel_fails_clearly() -> None:
-    dtype = torch.bfloat16 if gemm_cpu.block_layout(torch.bfloat16) else torch.float32
-    packed = gemm_cpu.pack(torch.ones(8, 16, dtype=dtype))
-    if packed is None:
-        pytest.skip("the kernel does not serve this CPU")
+    dtype = _kernel_dtype()
+    packed = _packed_or_skip(torch.ones(8, 16, dtype=dtype))
     own = gemm_cpu.kernel_library()
     gemm_cpu.use_library(None)
     try:
