@@ -177,24 +177,35 @@ def write_and_attend(
 ) -> torch.Tensor | None:
     """The layer's whole step in one kernel call: the new K/V rows into their slots (as
     `index_copy_(0, meta.slot_mapping, ...)` would), then `paged_attention`. None when the kernel
-    cannot serve these tensors: the caller then writes and attends on another path. The step's index
-    tensors are checked by the first layer only (every layer shares them and the cache shapes).
+    cannot serve these tensors: the caller then writes and attends on another path. The checks (and the
+    kernel switch) run in full for the first layer of a step only: every layer shares the step's index
+    tensors and, in a model, the tensor layouts; a layer whose layouts differ is checked in full.
 
     Shape: q [T, H, D]; k, v [T, KVH * D] (row stride free); caches [num_slots, KVH, D] -> [T, H, D]."""
+    slots = meta.slot_mapping
+    index = (meta.block_tables, meta.context_lens, meta.query_starts)
+    # All that the checks depend on: the layouts by value, the step's index tensors by identity (one
+    # swapped in after the first layer is checked too). ~1.5 us where the checks take ~6 per layer.
+    layout = (q.dtype, q.device, q.shape, q.stride(), k.dtype, k.device, k.shape, k.stride(), v.dtype, v.device,
+              v.shape, v.stride(), k_cache.dtype, k_cache.device, k_cache.shape, k_cache.stride(), v_cache.dtype,
+              v_cache.device, v_cache.shape, v_cache.stride(), slots.dtype, slots.device, slots.shape, slots.stride(),
+              meta.block_size, *map(id, index))
+    if meta.cpu_checked != layout:
+        if not _serves(q, k, v, k_cache, v_cache, slots):
+            return None
+        _check(q, k_cache, v_cache, index, meta.block_size)
+        meta.cpu_checked = layout
+    new_kv = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
+    return run_kernel(_kernel, q, k_cache, v_cache, *index, meta.block_size, scale, softcap, window, new_kv, True)
+
+
+def _serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            slots: torch.Tensor) -> bool:
+    """`applies`, and the step's new rows and slots in the layout `write_and_attend` passes on."""
     num_tokens = q.shape[0]
     row = k_cache.shape[1] * k_cache.shape[2] if k_cache.dim() == 3 else -1
-    slots = meta.slot_mapping
-    if not (applies(q, k_cache, v_cache) and all(
+    return (applies(q, k_cache, v_cache) and all(
             t.is_cpu and t.dtype == q.dtype and t.dim() == 2 and t.shape == (num_tokens, row)
             and t.stride(1) == 1 for t in (k, v))
             and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (num_tokens,)
-            and slots.is_cpu):
-        return None
-    index = (meta.block_tables, meta.context_lens, meta.query_starts)
-    # The index tensors themselves too (by identity): one swapped in after the first layer is checked.
-    shapes = (tuple(q.shape[1:]), tuple(k_cache.shape), tuple(v_cache.shape), meta.block_size, *map(id, index))
-    if meta.cpu_checked != shapes:
-        _check(q, k_cache, v_cache, index, meta.block_size)
-        meta.cpu_checked = shapes
-    new_kv = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
-    return run_kernel(_kernel, q, k_cache, v_cache, *index, meta.block_size, scale, softcap, window, new_kv, True)
+            and slots.is_cpu)
