@@ -304,6 +304,55 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
     return vsum_keys(acc);
 }
 
+/* Query pairs for qk_bf16_quads: qt[c * 4 + t] lane 4L + i = pair 16c + 4L + t of q (d bf16 values),
+ * the same for every i: each 128-bit lane broadcasts its own t-th pair. */
+static void quad_queries(const uint16_t *q, int64_t d, __m512i *qt) {
+    for (int64_t c = 0; 32 * c < d; ++c) {
+        const int64_t n = d - 32 * c;
+        const __m512i x = _mm512_maskz_loadu_epi16(n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u), q + 32 * c);
+        qt[4 * c] = _mm512_shuffle_epi32(x, 0x00), qt[4 * c + 1] = _mm512_shuffle_epi32(x, 0x55);
+        qt[4 * c + 2] = _mm512_shuffle_epi32(x, 0xAA), qt[4 * c + 3] = _mm512_shuffle_epi32(x, 0xFF);
+    }
+}
+
+/* out[r] lane j = q_r . k[j] for nr (<= 4, a constant at each call site) rows of quad_queries (qt_stride
+ * vectors apart). Four keys at a time are transposed within each 128-bit lane (8 shuffles per 32 pairs,
+ * shared by the rows), so a row's dot products leave only the four 128-bit lanes to sum: ~45 shuffles
+ * and adds per row and tile become 9, for 16 shuffles per four keys. */
+__attribute__((always_inline)) static inline void qk_bf16_quads(const __m512i *qt, int64_t qt_stride, int nr,
+                                                                const uint16_t *const *k, int64_t d, vf *out) {
+    vf acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) acc[r][g] = vzero();
+    for (int64_t c = 0; 32 * c < d; ++c) {
+        const int64_t n = d - 32 * c;
+        const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+            __m512i x[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) x[i] = _mm512_maskz_loadu_epi16(m, k[4 * g + i] + 32 * c);
+            const __m512i a0 = _mm512_unpacklo_epi32(x[0], x[1]), a1 = _mm512_unpackhi_epi32(x[0], x[1]);
+            const __m512i a2 = _mm512_unpacklo_epi32(x[2], x[3]), a3 = _mm512_unpackhi_epi32(x[2], x[3]);
+            const __m512i t[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2),
+                                  _mm512_unpacklo_epi64(a1, a3), _mm512_unpackhi_epi64(a1, a3)};
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 4
+                for (int e = 0; e < 4; ++e)
+                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)t[e], (__m512bh)qt[r * qt_stride + 4 * c + e]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; ++r) { /* 128-bit lane g of out = the sum of acc[r][g]'s four lanes */
+        const vf d0 = vadd(_mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0x88), _mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0xDD));
+        const vf d1 = vadd(_mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0x88), _mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0xDD));
+        out[r] = vadd(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+    }
+}
+
 /* r[p] = column p of the 16 x 16 dword matrix with rows r[0..16): unpacks build 4 x 4 blocks within
  * each 128-bit lane, two rounds of 128-bit lane shuffles move the blocks. */
 static inline void transpose16(__m512i *r) {
@@ -418,8 +467,12 @@ typedef struct {
     uint16_t *q_bf16;                    /* rows q_stride_bf16(d) apart */
     uint32_t *kt;                        /* two transposed tiles of bf16 keys, [2, ceil(d / 2), W] */
     uint32_t *pb;                        /* p rounded to bf16 in key pairs, [rows_cap, KEY_BLOCK / 2] */
+    void *qt;                            /* quad_queries of each row, quad_stride(d) vectors apart */
     int64_t *row_range;                  /* [2 * rows_cap]: each row's key range in the current block */
 } Scratch;
+
+/* Vectors of quad_queries per row. */
+static inline int64_t quad_stride(int64_t d) { return 4 * ((d + 31) / 32); }
 
 /* bf16 query rows are padded to an even length: the transposed scores read them in pairs. */
 static inline int64_t q_stride_bf16(int64_t d) { return d + (d & 1); }
@@ -478,7 +531,9 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
             const uint16_t *src = (const uint16_t *)a->q + offset;
             copy_bf16(s->q_bf16 + r * qs, src, d);
             if (qs > d) s->q_bf16[r * qs + d] = 0;
-#ifndef NATIVE_BF16_DOT /* else the bf16 copy is all the scores read */
+#ifdef NATIVE_BF16_DOT
+            if (s->qt != NULL) quad_queries(src, d, (__m512i *)s->qt + r * quad_stride(d));
+#else /* else the bf16 copy is all the scores read */
             for (int64_t i = 0; i < d; i += W) vstore(s->q + r * d + i, vload_bf16(src + i, d - i), d - i);
 #endif
         } else {
@@ -587,6 +642,21 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
             if (a->is_bf16 && !converted) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile for all rows */
 #endif
             converted = 1;
+#ifdef NATIVE_BF16_DOT
+            if (a->is_bf16 && s->qt != NULL) { /* a group of at most 4 rows (see paged_attention) */
+                const __m512i *qt = (const __m512i *)s->qt + qi * group * quad_stride(d);
+                vf x[4];
+                switch (group) {
+                case 4: qk_bf16_quads(qt, quad_stride(d), 4, k_bf16, d, x); break;
+                case 3: qk_bf16_quads(qt, quad_stride(d), 3, k_bf16, d, x); break;
+                case 2: qk_bf16_quads(qt, quad_stride(d), 2, k_bf16, d, x); break;
+                default: qk_bf16_quads(qt, quad_stride(d), 1, k_bf16, d, x);
+                }
+                for (int64_t g = 0; g < group; ++g)
+                    store_scores(a, x[g], lo[qi] - t0, min64(hi[qi], nk) - t0, p + g * KEY_BLOCK);
+                continue;
+            }
+#endif
             for (int64_t g = 0; g < group; ++g)
                 store_scores(a, row_scores(a, s, qi * group + g, k_bf16, k_rows), lo[qi] - t0, min64(hi[qi], nk) - t0,
                              p + g * KEY_BLOCK);
@@ -777,6 +847,9 @@ static inline void head_views(const Args *a, const Scratch *s, int64_t h, int64_
     ah->k_cache = (const char *)a->k_cache + h * d * esize, ah->v_cache = (const char *)a->v_cache + h * d * esize;
     sh->q += h * rows * d, sh->q_bf16 += h * rows * q_stride_bf16(d), sh->acc += h * rows * d;
     sh->m += h * rows, sh->l += h * rows, sh->p += h * rows * KEY_BLOCK, sh->pb += h * rows * (KEY_BLOCK / 2);
+#ifdef NATIVE_BF16_DOT
+    if (s->qt != NULL) sh->qt = (__m512i *)s->qt + h * rows * quad_stride(d);
+#endif
 }
 
 /* attend_block for an item of one KV head: its whole block scored, then its values summed slice by
@@ -1082,7 +1155,12 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
                                                               2 * ((d + 1) / 2 * W) + rows_cap * KEY_BLOCK / 2));
         s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * q_stride_bf16(d)));
         s.row_range = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows_cap));
-        const int ok = !failed && buf != NULL && s.q_bf16 != NULL && s.row_range != NULL;
+        int quads_ok = 1;
+#ifdef NATIVE_BF16_DOT
+        if (is_bf16 && num_heads / num_kv_heads <= 4) /* qk_bf16_quads' rows: a small GQA group's */
+            quads_ok = (s.qt = aligned_alloc(64, (size_t)(rows_cap * quad_stride(d)) * sizeof(__m512i))) != NULL;
+#endif
+        const int ok = !failed && buf != NULL && s.q_bf16 != NULL && s.row_range != NULL && quads_ok;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1108,6 +1186,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         free(buf);
         free(s.q_bf16);
         free(s.row_range);
+        free(s.qt);
     }
     free(items);
     free(partials);
