@@ -8,7 +8,7 @@
  * at positions k <= p (and k > p - window when window > 0); key k lives in cache slot
  * block_tables[b][k / block_size] * block_size + k % block_size. Scores are q.k * scale, then
  * softcap * tanh(s / softcap) when softcap > 0; softmax and accumulation are in float32 (online softmax
- * over blocks of KEY_BLOCK keys), and the output is rounded to the input dtype. For bf16 on CPUs with
+ * over blocks of at most KEY_BLOCK keys), and the output is rounded to the input dtype. For bf16 on CPUs with
  * bf16 dot products the (unnormalized, block-rescaled) probabilities are rounded to bf16 before the
  * value products, much as the twin's probs.to(v.dtype) rounds its normalized ones; the values differ
  * by bf16 rounding only, and the normalizer stays the float32 sum.
@@ -937,29 +937,37 @@ static inline void item_keys(const Args *a, const Item *it, int64_t *begin, int6
     key_range(a, it, it->num_queries - 1, &unused, end);
 }
 
+/* Keys per block for the keys [begin, end): equal blocks (a multiple of W, at most KEY_BLOCK), so that
+ * each block's work spreads the next block's requests evenly. From DRAM, 192 keys as 128 + 64 left
+ * memory half idle in the first block and the second twice the rows to request in half the time. */
+static inline int64_t block_len(int64_t begin, int64_t end) {
+    const int64_t n = end - begin, blocks = (n + KEY_BLOCK - 1) / KEY_BLOCK;
+    return n <= 0 ? KEY_BLOCK : min64(KEY_BLOCK, ((n + blocks - 1) / blocks + W - 1) / W * W);
+}
+
 /* The item's rows through every block of keys they see: s->acc, s->m, s->l hold the unnormalized
  * result. While a block is scored the next one's K/V rows are requested: the item's next block, or
  * after its last the first block of `next`, the item this thread runs next (NULL: none). */
 static void attend(const Args *a, const Item *it, const Item *next, Scratch *s) {
     int64_t begin, end, buf[2][KEY_BLOCK];
     item_keys(a, it, &begin, &end);
+    const int64_t len = block_len(begin, end), esize = a->is_bf16 ? 2 : 4;
     int64_t *cur = buf[0], *next_offsets = buf[1];
-    if (begin < end) block_offsets(a, it, begin, min64(KEY_BLOCK, end - begin), cur);
-    const int64_t esize = a->is_bf16 ? 2 : 4;
-    for (int64_t k0 = begin; k0 < end; k0 += KEY_BLOCK) {
+    if (begin < end) block_offsets(a, it, begin, min64(len, end - begin), cur);
+    for (int64_t k0 = begin; k0 < end; k0 += len) {
         Ahead ahead = {next_offsets, (const char *)a->k_cache, (const char *)a->v_cache, 0, it->num_kv, 0,
                        a->head_dim * esize, esize};
-        if (k0 + KEY_BLOCK < end) {
-            ahead.n = min64(KEY_BLOCK, end - k0 - KEY_BLOCK);
-            block_offsets(a, it, k0 + KEY_BLOCK, ahead.n, next_offsets);
+        if (k0 + len < end) {
+            ahead.n = min64(len, end - k0 - len);
+            block_offsets(a, it, k0 + len, ahead.n, next_offsets);
         } else if (next != NULL) {
             int64_t next_begin, next_end;
             item_keys(a, next, &next_begin, &next_end);
-            ahead.n = max64(0, min64(KEY_BLOCK, next_end - next_begin));
+            ahead.n = max64(0, min64(block_len(next_begin, next_end), next_end - next_begin));
             ahead.heads = next->num_kv;
             if (ahead.n > 0) block_offsets(a, next, next_begin, ahead.n, next_offsets);
         }
-        attend_block(a, it, s, k0, min64(KEY_BLOCK, end - k0), cur, &ahead);
+        attend_block(a, it, s, k0, min64(len, end - k0), cur, &ahead);
         int64_t *t = cur;
         cur = next_offsets, next_offsets = t;
     }
