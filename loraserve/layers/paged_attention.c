@@ -8,10 +8,10 @@
  * at positions k <= p (and k > p - window when window > 0); key k lives in cache slot
  * block_tables[b][k / block_size] * block_size + k % block_size. Scores are q.k * scale, then
  * softcap * tanh(s / softcap) when softcap > 0; softmax and accumulation are in float32 (online softmax
- * over blocks of at most KEY_BLOCK keys), and the output is rounded to the input dtype. For bf16 on CPUs with
- * bf16 dot products the (unnormalized, block-rescaled) probabilities are rounded to bf16 before the
- * value products, much as the twin's probs.to(v.dtype) rounds its normalized ones; the values differ
- * by bf16 rounding only, and the normalizer stays the float32 sum.
+ * over blocks of at most KEY_BLOCK keys), and the output is rounded to the input dtype. For bf16 on
+ * CPUs with bf16 dot products the (unnormalized, block-rescaled) probabilities are rounded to bf16
+ * before the value products, much as the twin's probs.to(v.dtype) rounds its normalized ones; the
+ * values differ by bf16 rounding only, and the normalizer stays the float32 sum.
  *
  * Why a kernel: the torch path copies every sequence's whole context out of the cache in every layer
  * and builds a [B, max_q, max_ctx] mask; here each K/V row is read once from where it lies and shared
@@ -25,7 +25,9 @@
  * second pass merges. A short query's item (decode) takes all the KV heads that fit MAX_ROWS rows,
  * their turns interleaved every few keys: the cache interleaves a token's heads, so one head's keys
  * are short pieces a whole row apart, which a core reads at well under its sequential bandwidth, while
- * all heads of a token are one contiguous run.
+ * all heads of a token are one contiguous run. In bf16 a small GQA group (up to 4 rows per KV head and
+ * query) scores keys transposed four at a time within 128-bit lanes, which leaves each row one level
+ * of horizontal sums where vsum_keys takes four: decode is bound by vector instructions.
  * The vector width W is the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
  * 8 (AVX2 + FMA) or 1 (portable C); -march=native makes that the runtime dispatch.
  */
@@ -79,17 +81,22 @@ static inline vmask vless(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_
 #define vabs _mm512_abs_ps
 static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vpow2(vf y, vf n) { return _mm512_scalef_ps(y, n); } /* y * 2^n */
-/* Lane j = the sum of a[j]'s lanes: a transposing tree, ~3 instructions per key instead of ~8. */
-static inline vf vsum_keys(const vf *a) {
-    vf b[8], c[4], d[2];
-    for (int i = 0; i < 8; ++i)
-        b[i] = vadd(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i)
-        c[i] = vadd(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+/* 128-bit lane g = the sum of c[g]'s four 128-bit lanes. */
+static inline vf vsum_quarters(const vf *c) {
+    vf d[2];
     for (int i = 0; i < 2; ++i)
         d[i] = vadd(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
                     _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
     return vadd(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+/* Lane j = the sum of a[j]'s lanes: a transposing tree, ~3 instructions per key instead of ~8. */
+static inline vf vsum_keys(const vf *a) {
+    vf b[8], c[4];
+    for (int i = 0; i < 8; ++i)
+        b[i] = vadd(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        c[i] = vadd(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    return vsum_quarters(c);
 }
 #if defined(__AVX512BF16__)
 #define NATIVE_BF16_DOT 1
@@ -309,7 +316,8 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
 static void quad_queries(const uint16_t *q, int64_t d, __m512i *qt) {
     for (int64_t c = 0; 32 * c < d; ++c) {
         const int64_t n = d - 32 * c;
-        const __m512i x = _mm512_maskz_loadu_epi16(n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u), q + 32 * c);
+        const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+        const __m512i x = _mm512_maskz_loadu_epi16(m, q + 32 * c);
         qt[4 * c] = _mm512_shuffle_epi32(x, 0x00), qt[4 * c + 1] = _mm512_shuffle_epi32(x, 0x55);
         qt[4 * c + 2] = _mm512_shuffle_epi32(x, 0xAA), qt[4 * c + 3] = _mm512_shuffle_epi32(x, 0xFF);
     }
@@ -342,15 +350,12 @@ __attribute__((always_inline)) static inline void qk_bf16_quads(const __m512i *q
             for (int r = 0; r < nr; ++r)
 #pragma GCC unroll 4
                 for (int e = 0; e < 4; ++e)
-                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)t[e], (__m512bh)qt[r * qt_stride + 4 * c + e]);
+                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)t[e],
+                                                 (__m512bh)qt[r * qt_stride + 4 * c + e]);
         }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < nr; ++r) { /* 128-bit lane g of out = the sum of acc[r][g]'s four lanes */
-        const vf d0 = vadd(_mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0x88), _mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0xDD));
-        const vf d1 = vadd(_mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0x88), _mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0xDD));
-        out[r] = vadd(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
-    }
+    for (int r = 0; r < nr; ++r) out[r] = vsum_quarters(acc[r]);
 }
 
 /* r[p] = column p of the 16 x 16 dword matrix with rows r[0..16): unpacks build 4 x 4 blocks within
