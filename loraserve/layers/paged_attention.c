@@ -529,6 +529,8 @@ static inline int64_t item_rows(const Args *a, const Item *it) {
 
 static void load_queries(const Args *a, const Item *it, Scratch *s) {
     const int64_t d = a->head_dim, qs = q_stride_bf16(d), rows = item_rows(a, it);
+    /* Only items that score row by row read the quads (see score_block); larger ones transpose keys. */
+    const int quads = s->qt != NULL && it->num_queries * (a->num_heads / a->num_kv_heads) < TRANSPOSE_ROWS;
     RowAt at = first_row(a, it);
     for (int64_t r = 0; r < rows; ++r, next_row(it, &at)) {
         const int64_t offset = at.token * a->q_stride + at.head * d;
@@ -537,7 +539,7 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
             copy_bf16(s->q_bf16 + r * qs, src, d);
             if (qs > d) s->q_bf16[r * qs + d] = 0;
 #ifdef NATIVE_BF16_DOT
-            if (s->qt != NULL) quad_queries(src, d, (__m512i *)s->qt + r * quad_stride(d));
+            if (quads) quad_queries(src, d, (__m512i *)s->qt + r * quad_stride(d));
 #else /* else the bf16 copy is all the scores read */
             for (int64_t i = 0; i < d; i += W) vstore(s->q + r * d + i, vload_bf16(src + i, d - i), d - i);
 #endif
@@ -1170,7 +1172,9 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         s.row_range = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows_cap));
         int quads_ok = 1;
 #ifdef NATIVE_BF16_DOT
-        if (is_bf16 && num_heads / num_kv_heads <= 4) /* qk_bf16_quads' rows: a small GQA group's */
+        /* qk_bf16_quads' rows: a small GQA group's. Each row's quads take 8 * d bytes; beyond d = 128 an
+         * item's quads crowd its accumulators out of L1 (measured 3-8% slower at d = 256). */
+        if (is_bf16 && num_heads / num_kv_heads <= 4 && d <= 128)
             quads_ok = (s.qt = aligned_alloc(64, (size_t)(rows_cap * quad_stride(d)) * sizeof(__m512i))) != NULL;
 #endif
         const int ok = !failed && buf != NULL && s.q_bf16 != NULL && s.row_range != NULL && quads_ok;
