@@ -42,7 +42,8 @@ def run_loraserve(path: str, prompts: list[list[int]], gen_len: int, dtype: str)
 
 def run_matmul_floor(path: str, num_requests: int, prompt_len: int, gen_len: int, dtype: torch.dtype) -> float:
     """Generated tok/s of a plain loop over only the model's linear layers (no attention, no
-    sampling, no framework), with the same oneDNN-packed weights loraserve uses where the CPU allows:
+    sampling, no framework), with the same packed weights and kernels loraserve uses (the C linear
+    kernel where it serves the dtype, else oneDNN):
     the ceiling for any engine on this machine in this dtype."""
     from transformers import AutoConfig
 

@@ -13,7 +13,8 @@
 #include <string.h>
 
 #define MIN_PARALLEL_ELEMS 65536 /* below this an OpenMP fork costs more than the work */
-#define MIN_PARALLEL_HEAVY 16384 /* silu (an exp and a divide) and rope (two table rows) per element: worth a fork sooner */
+/* silu (an exp and a divide per element) and rope (two table rows): worth a fork sooner */
+#define MIN_PARALLEL_HEAVY 16384
 
 static inline float bf16_load(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;

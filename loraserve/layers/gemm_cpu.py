@@ -59,14 +59,13 @@ def use_library(lib: Any) -> None:
 
 @dataclass(slots=True)
 class PackedWeight:
-    """A [out, in] weight in the kernel's layout: [ceil(out / block_cols), in (even in bf16), block_cols]
-    (bf16 interleaves k pairs inside the last two dimensions; see gemm_kernel.c). `prefetch_next` is
-    the weight of the linear that usually runs after this one (see `chain_prefetch`)."""
+    """A [out, in] weight in the kernel's layout: [ceil(out / NB), in (even in bf16), NB] with NB =
+    `block_layout(dtype)` (bf16 interleaves k pairs inside the last two dimensions; see gemm_kernel.c).
+    `prefetch_next` is the weight of the linear that usually runs after this one (see `chain_prefetch`)."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
-    block_cols: int
     prefetch_next: PackedWeight | None = None
 
 
@@ -103,7 +102,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
         data = blocks.view(padded_out // cols, cols, padded_in // 2, 2).permute(0, 2, 1, 3)
     else:  # [blocks, cols, in] -> [blocks, in, cols]
         data = blocks.permute(0, 2, 1)
-    return PackedWeight(data.contiguous(), out_features, in_features, cols)
+    return PackedWeight(data.contiguous(), out_features, in_features)
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

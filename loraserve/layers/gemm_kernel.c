@@ -34,7 +34,6 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_MR 8
 #define ROW_CHUNK 128 /* rows per work item at most: x's chunk stays in L2 while the column blocks pass */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)

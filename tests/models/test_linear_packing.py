@@ -3,25 +3,15 @@ compute what F.linear computes, and shared weights keep their dense copy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.layers import gemm_cpu
 from loraserve.layers.linear import Linear, pack_cpu_linears, packed_rows
 
-
-@pytest.fixture(autouse=True, params=["kernel", "onednn"])
-def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each test runs with the C linear kernel as built here, and again without it (oneDNN packs)."""
-    own = gemm_cpu.kernel_library()
-    if request.param == "onednn":
-        gemm_cpu.use_library(None)
-    yield request.param
-    gemm_cpu.use_library(own)
+# Each test runs with the C linear kernel as built here, and again without it (oneDNN packs).
+pytestmark = pytest.mark.usefixtures("linear_backend")
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built into torch")
