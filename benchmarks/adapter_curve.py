@@ -39,8 +39,6 @@ def loraserve_curve(path: str, dtype: torch.dtype, counts: tuple[int, ...], num_
     requests = [LoRARequest(f"curve-{i}", i + 1, adapter) for i, adapter in enumerate(adapters[: max(counts)])]
     for request in requests:
         llm.add_lora(request)
-    warm = random_prompts(2, prompt_len, VOCAB_SIZE, seed=99)
-    generate_tok_per_s(llm, warm, 4, [requests[0], requests[-1]])  # kernels built, allocator settled
     curve = {}
     for count in counts:
         total = max(num_requests, count)

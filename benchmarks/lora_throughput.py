@@ -14,7 +14,15 @@ import statistics
 
 import torch
 
-from benchmarks.common import build_adapters, build_model, print_table, random_prompts, save_results, timed
+from benchmarks.common import (
+    build_adapters,
+    build_model,
+    print_table,
+    random_prompts,
+    save_results,
+    steady_timed,
+    timed,
+)
 from benchmarks.throughput import run_transformers
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.config import resolve_device, resolve_dtype
@@ -30,19 +38,24 @@ def run_peft_mixed(path: str, adapters: list[str], prompts: list[list[int]], gen
     for i, adapter in enumerate(adapters[1:], start=1):
         model.load_adapter(adapter, adapter_name=f"a{i}")
     names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
-    batch = torch.tensor(prompts)
     kwargs = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        seconds, _ = timed(lambda: model.generate(input_ids=batch, adapter_names=names, **kwargs))
+        seconds, _ = steady_timed(
+            lambda ids: model.generate(input_ids=torch.tensor(ids), adapter_names=names, **kwargs), prompts
+        )
     return len(prompts) * gen_len / seconds
 
 
 def generate_tok_per_s(llm: LLM, prompts: list[list[int]], gen_len: int,
                        loras: list[LoRARequest | None]) -> float:
-    """Generated tokens per second of one `generate` call over all `prompts` (greedy, fixed length)."""
+    """Generated tokens per second of one `generate` call over all `prompts` (greedy, fixed length),
+    in steady state: the same call on other prompts runs first, untimed (adapters loaded, pages touched)."""
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    seconds, outs = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                               lora_request=loras, use_tqdm=False))
+    seconds, outs = steady_timed(
+        lambda ids: llm.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=loras,
+                                 use_tqdm=False),
+        prompts,
+    )
     assert all(len(o.outputs[0].token_ids) == gen_len for o in outs)
     return len(prompts) * gen_len / seconds
 
@@ -51,14 +64,11 @@ def run_loraserve(path: str, adapters: list[str], prompts: list[list[int]], gen_
                   num_mixed: int) -> dict[str, float]:
     n = len(prompts)
     base = LLM(path, dtype=dtype, max_num_seqs=n)
-    generate_tok_per_s(base, prompts[:2], 4, [None, None])  # warm-up
     results = {"loraserve base": generate_tok_per_s(base, prompts, gen_len, [None] * n)}
     del base
     llm = LLM(path, dtype=dtype, max_num_seqs=n, enable_lora=True, max_loras=16, max_lora_rank=16,
               max_cpu_loras=max(16, num_mixed))
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters[:num_mixed])]
-    # Warm-up: every adapter loaded and in a slot before timing, as PEFT has them before its run.
-    generate_tok_per_s(llm, [prompts[i % n] for i in range(num_mixed)], 4, reqs)
     results["loraserve 1 adapter"] = generate_tok_per_s(llm, prompts, gen_len, [reqs[0]] * n)
     results[f"loraserve {num_mixed} mixed"] = generate_tok_per_s(llm, prompts, gen_len,
                                                         [reqs[i % num_mixed] for i in range(n)])

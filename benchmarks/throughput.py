@@ -11,7 +11,7 @@ import platform
 
 import torch
 
-from benchmarks.common import build_model, print_table, random_prompts, save_results, timed
+from benchmarks.common import build_model, print_table, random_prompts, save_results, steady_timed, timed
 from loraserve import LLM, SamplingParams
 from loraserve.config import resolve_device, resolve_dtype
 
@@ -23,8 +23,7 @@ def run_transformers(path: str, prompts: list[list[int]], gen_len: int, dtype: t
     batch = torch.tensor(prompts)  # equal lengths: no padding needed
     kwargs = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(batch[:2, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
-        seconds, out = timed(lambda: model.generate(batch, **kwargs))
+        seconds, out = steady_timed(lambda ids: model.generate(torch.tensor(ids), **kwargs), prompts)
     assert out.shape[1] == batch.shape[1] + gen_len
     return len(prompts) * gen_len / seconds
 
@@ -32,9 +31,8 @@ def run_transformers(path: str, prompts: list[list[int]], gen_len: int, dtype: t
 def run_loraserve(path: str, prompts: list[list[int]], gen_len: int, dtype: str) -> float:
     llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts))
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p[:8]} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
-    seconds, outs = timed(
-        lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds, outs = steady_timed(
+        lambda ids: llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False), prompts
     )
     assert all(len(o.outputs[0].token_ids) == gen_len for o in outs)
     return len(prompts) * gen_len / seconds
@@ -70,10 +68,14 @@ def run_matmul_floor(path: str, num_requests: int, prompt_len: int, gen_len: int
                 layer.base_forward(inputs[(rows, inp)])
         lm_head.base_forward(inputs[(num_requests, hidden)])
 
+    def run() -> None:
+        step(num_requests * prompt_len)
+        for _ in range(gen_len - 1):
+            step(num_requests)
+
     with torch.inference_mode():
-        step(num_requests)
-        seconds, _ = timed(lambda: [step(num_requests * prompt_len)] + [step(num_requests)
-                                                                       for _ in range(gen_len - 1)])
+        run()  # untimed, as every row is timed in steady state (benchmarks.common.steady_timed)
+        seconds, _ = timed(run)
     return num_requests * gen_len / seconds
 
 
