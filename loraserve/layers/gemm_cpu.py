@@ -30,12 +30,14 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     if lib is None:
         return None
     try:
-        layout, run = lib.gemm_pack_layout, lib.gemm_linear
+        layout, run, run_packed = lib.gemm_pack_layout, lib.gemm_linear, lib.gemm_linear_packed
     except AttributeError:
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     layout.argtypes, layout.restype = [i32], i32
     run.argtypes, run.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i32, i32], i32
+    run_packed.argtypes = [ctypes.POINTER(i64), ptr, i64, ptr, ptr, i64, i32]
+    run_packed.restype = i32
     return lib
 
 
@@ -61,12 +63,26 @@ def use_library(lib: Any) -> None:
 class PackedWeight:
     """A [out, in] weight in the kernel's layout: [ceil(out / NB), in (even in bf16), NB] with NB =
     `block_layout(dtype)` (bf16 interleaves k pairs inside the last two dimensions; see gemm_kernel.c).
-    `prefetch_next` is the weight of the linear that usually runs after this one (see `chain_prefetch`)."""
+    `prefetch_next` is the weight of the linear that usually runs after this one (see `chain_prefetch`,
+    its only writer). Neither it nor `data` changes once the weight has run: the kernel's arguments
+    are bound from them at the first call."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
     prefetch_next: PackedWeight | None = None
+    call_args: Any = None  # ctypes int64[7] for gemm_linear_packed, bound at the first call
+
+
+def _bind(weight: PackedWeight) -> Any:
+    """The weight's fixed kernel arguments {w, n, k, next_w, next_n, next_k, dtype}; the array holds raw
+    pointers, so `weight` (which references both tensors) must outlive its calls."""
+    following = weight.prefetch_next
+    next_args = (0, 0, 0) if following is None else (
+        following.data.data_ptr(), following.out_features, following.in_features)
+    weight.call_args = (ctypes.c_int64 * 7)(weight.data.data_ptr(), weight.out_features, weight.in_features,
+                                            *next_args, _DTYPE_CODES[weight.data.dtype])
+    return weight.call_args
 
 
 def chain_prefetch(weights: list[PackedWeight]) -> None:
@@ -75,6 +91,7 @@ def chain_prefetch(weights: list[PackedWeight]) -> None:
     order only wastes that prefetch."""
     for weight, following in zip(weights, weights[1:] + weights[:1]):
         weight.prefetch_next = following if following.data.dtype == weight.data.dtype else None
+        weight.call_args = None
 
 
 def block_layout(dtype: torch.dtype) -> int:
@@ -128,15 +145,9 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
         rows = rows.contiguous()
     num_rows = rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype)
-    bias_ptr = None if bias is None else bias.data_ptr()
-    following = weight.prefetch_next
-    if following is None:
-        next_ptr, next_out, next_in = None, 0, 0
-    else:
-        next_ptr, next_out, next_in = following.data.data_ptr(), following.out_features, following.in_features
-    status = lib.gemm_linear(rows.data_ptr(), rows.stride(0), data.data_ptr(), bias_ptr, out.data_ptr(),
-                             out_features, num_rows, out_features, in_features, next_ptr, next_out, next_in,
-                             _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    status = lib.gemm_linear_packed(weight.call_args or _bind(weight), rows.data_ptr(), rows.stride(0),
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
+                                    torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the CPU linear kernel refused {x.dtype} (status {status})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)

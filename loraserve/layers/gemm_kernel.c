@@ -256,3 +256,12 @@ int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, voi
     }
     return 0;
 }
+
+/* gemm_linear with the weight's fixed arguments in one array, built once per weight: ctypes converts
+ * every argument of every call, and a decode step makes ~120 of these calls.
+ * weight = {w, n, k, next_w, next_n, next_k, dtype}; y's row stride is n. */
+int gemm_linear_packed(const int64_t *weight, const void *x, int64_t ldx, const void *bias, void *y, int64_t m,
+                       int num_threads) {
+    return gemm_linear(x, ldx, (const void *)(intptr_t)weight[0], bias, y, weight[1], m, weight[1], weight[2],
+                       (const void *)(intptr_t)weight[3], weight[4], weight[5], (int)weight[6], num_threads);
+}
