@@ -159,5 +159,11 @@ def cpu_attention_kernel() -> bool:
     return (get_env("CPU_ATTENTION_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
 
 
+def cpu_decoder_stack() -> bool:
+    """Run a CPU step's Llama-family decoder layers as one C call where every op is a C kernel (default
+    on; "0" keeps the Python loop over the same kernels). Read at every step."""
+    return (get_env("CPU_DECODER_STACK", "1") or "1").strip().lower() not in ("0", "false")
+
+
 def hf_hub_offline() -> bool:
     return _is_true(os.environ.get("HF_HUB_OFFLINE")) or _is_true(os.environ.get("TRANSFORMERS_OFFLINE"))

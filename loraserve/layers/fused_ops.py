@@ -19,7 +19,7 @@ from loraserve import envs
 from loraserve.native.build import load_library
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_MAX_ROTARY_HEAD_DIM = 1024  # fused_kernel.c's MAX_ROTARY_HALF * 2: the kernel's per-row table copy
+MAX_ROTARY_HEAD_DIM = 1024  # fused_kernel.c's MAX_ROTARY_HALF * 2: the kernel's per-row table copy
 _lock = threading.Lock()
 _lib: Any = None
 _loaded = False
@@ -53,6 +53,11 @@ def kernel_available() -> bool:
             _lib = _load() if envs.cpu_fused_ops() else None
             _loaded = True
     return _lib is not None
+
+
+def kernel_library() -> Any:
+    """The loaded kernel library (rms_norm, silu_and_mul, rotary_inplace), or None without it."""
+    return _lib if kernel_available() else None
 
 
 def _served(*tensors: torch.Tensor) -> bool:
@@ -119,7 +124,7 @@ def rotary_(
     Shape: x [T, >= num_heads * head_dim] (row stride free); positions [T] int64; tables [P, head_dim]."""
     tables = (cos_table, sin_table)
     if not (_served(x) and positions.dtype == torch.int64 and positions.is_contiguous()
-            and positions.shape == (x.shape[0],) and head_dim % 2 == 0 and head_dim <= _MAX_ROTARY_HEAD_DIM
+            and positions.shape == (x.shape[0],) and head_dim % 2 == 0 and head_dim <= MAX_ROTARY_HEAD_DIM
             and x.shape[1] >= num_heads * head_dim
             and all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == head_dim
                     and t.device.type == "cpu" for t in tables)

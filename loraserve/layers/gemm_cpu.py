@@ -74,9 +74,12 @@ class PackedWeight:
     call_args: Any = None  # ctypes int64[7] for gemm_linear_packed, bound at the first call
 
 
-def _bind(weight: PackedWeight) -> Any:
-    """The weight's fixed kernel arguments {w, n, k, next_w, next_n, next_k, dtype}; the array holds raw
-    pointers, so `weight` (which references both tensors) must outlive its calls."""
+def call_args(weight: PackedWeight) -> Any:
+    """The weight's fixed arguments of gemm_linear_packed {w, n, k, next_w, next_n, next_k, dtype}, bound
+    at the first call. The array holds raw pointers: `weight` (which references both tensors) must
+    outlive every call that uses it."""
+    if weight.call_args is not None:
+        return weight.call_args
     following = weight.prefetch_next
     next_args = (0, 0, 0) if following is None else (
         following.data.data_ptr(), following.out_features, following.in_features)
@@ -145,7 +148,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
         rows = rows.contiguous()
     num_rows = rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype)
-    status = lib.gemm_linear_packed(weight.call_args or _bind(weight), rows.data_ptr(), rows.stride(0),
+    status = lib.gemm_linear_packed(call_args(weight), rows.data_ptr(), rows.stride(0),
                                     None if bias is None else bias.data_ptr(), out.data_ptr(), num_rows,
                                     torch.get_num_threads())
     if status != 0:

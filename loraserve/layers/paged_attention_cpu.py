@@ -61,6 +61,11 @@ def kernel_available() -> bool:
     return _kernel is not None
 
 
+def kernel_function() -> Any:
+    """The loaded kernel's `paged_attention` (a ctypes function), or None where `kernel_available` is False."""
+    return _kernel if kernel_available() else None
+
+
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the kernel can serve these tensors: CPU, one dtype of float32 / bf16, contiguous caches,
     q's heads packed ([T, H, D] with unit head-dim stride), and a built kernel."""
@@ -73,7 +78,7 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bo
     )
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: tuple[torch.Tensor, ...],
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: tuple[torch.Tensor, ...],
            block_size: int) -> None:
     block_tables, context_lens, query_starts = index
     num_heads, head_dim = q.shape[1:]
@@ -140,7 +145,7 @@ def run_kernel(
     step's K/V rows first; `checked` skips the tensor checks a caller already made this step."""
     index = (block_tables, context_lens, query_starts)
     if not checked:
-        _check(q, k_cache, v_cache, index, block_size)
+        check_inputs(q, k_cache, v_cache, index, block_size)
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
     if num_tokens == 0:
@@ -152,11 +157,11 @@ def run_kernel(
         head_dim, block_size, scale, softcap or 0.0, window or 0, int(q.dtype == torch.bfloat16),
         torch.get_num_threads(), *new_kv,
     )
-    _raise_for(status, k_cache, block_size, num_tokens)
+    raise_for_status(status, k_cache, block_size, num_tokens)
     return out
 
 
-def _raise_for(status: int, k_cache: torch.Tensor, block_size: int, num_tokens: int) -> None:
+def raise_for_status(status: int, k_cache: torch.Tensor, block_size: int, num_tokens: int) -> None:
     if status == 2:
         raise ValueError(f"attention metadata points outside the KV cache ({k_cache.shape[0] // block_size} "
                          f"blocks) or its lengths do not add up to {num_tokens} tokens")
@@ -195,7 +200,7 @@ def write_and_attend(
     if meta.cpu_checked != layout:
         if not _serves(q, k, v, k_cache, v_cache, slots):
             return None
-        _check(q, k_cache, v_cache, index, meta.block_size)
+        check_inputs(q, k_cache, v_cache, index, meta.block_size)
         meta.cpu_checked = layout
     new_kv = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
     return run_kernel(_kernel, q, k_cache, v_cache, *index, meta.block_size, scale, softcap, window, new_kv, True)

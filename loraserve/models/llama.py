@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve import envs
 from loraserve.layers.attention import PagedAttention
 from loraserve.layers.forward_batch import ForwardBatch, KVCacheSpec
 from loraserve.layers.fused_ops import silu_and_mul
@@ -21,6 +22,7 @@ from loraserve.layers.linear import Linear
 from loraserve.layers.norm import RMSNorm
 from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.models.base import NativeCausalLM
+from loraserve.models.llama_stack import DecoderStack
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -182,13 +184,29 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(hf_config, args.head_dim, args.max_positions)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary, i, dtype) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.rotary: RotaryEmbedding = rotary  # the layers' shared one (registered as theirs first)
+        self._stack: DecoderStack | None = None
+        self._stack_checked = False  # built (or found not to serve this model) once, at the first CPU step
 
     def forward(self, input_ids, positions, kv_caches, batch):  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
+        stacked = self._run_stack(x, positions, kv_caches, batch) if x.is_cpu else None
+        if stacked is not None:
+            return self.norm.add_and_norm(*stacked)[0]
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, batch)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+
+    def _run_stack(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoder layers as one C call (`llama_stack`), or None: the loop above then runs them."""
+        if not envs.cpu_decoder_stack():
+            return None
+        if not self._stack_checked or (self._stack is not None and not self._stack.is_current()):
+            self._stack = DecoderStack.build(list(self.layers), self.rotary)
+            self._stack_checked = True
+        return None if self._stack is None else self._stack.run(x, positions, kv_caches, batch)
 
 
 class LlamaForCausalLM(NativeCausalLM):

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from importlib import resources
+from typing import Any
 
 from loraserve import envs
 
@@ -32,6 +33,12 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
+
+
+def function_address(fn: Any) -> int:
+    """The address of a loaded C function (a ctypes function object), for a kernel that calls another
+    kernel through a function pointer; the library must stay loaded (ours stay for the process)."""
+    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
 @functools.cache

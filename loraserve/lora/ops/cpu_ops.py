@@ -92,6 +92,12 @@ def kernel_build() -> KernelBuild | None:
     return _build
 
 
+def fused_function() -> Any:
+    """The loaded kernel's `lora_fused` (a ctypes function), or None without the kernel."""
+    build = kernel_build()
+    return None if build is None else build.fused
+
+
 def kernel_available() -> bool:
     """Whether the fused kernel (and `write_blocks`) run in C: not disabled, and built."""
     return kernel_build() is not None

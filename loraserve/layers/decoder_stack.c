@@ -1,0 +1,113 @@
+/* One step of a Llama-family decoder stack in one call, through the same kernels as the Python path.
+ *
+ * Per layer, with x the previous layer's output and r the residual stream:
+ *   h = rms_norm(x + r) (r updated; layer 0: h = rms_norm(r), r = the embeddings)
+ *   qkv = h Wqkv^T + b (+ LoRA)   rope(q, k)   a = attention(q, K/V cache after writing k, v)
+ *   o = a Wo^T + b (+ LoRA)       h = rms_norm(o + r) (r updated)
+ *   g = h Wgu^T + b (+ LoRA)      s = silu(gate) * up      x = s Wd^T + b (+ LoRA)
+ * Every op is the kernel the Python path (models/llama.py) calls, with the same arguments, in the same
+ * order and into buffers of the same layout, so the result is bit for bit the same: this file only
+ * removes the Python, ctypes and allocations between ~10 kernel calls per layer (about 2 ms of a
+ * 30-layer decode step). The kernels come in as function pointers from their own libraries.
+ *
+ * Returns 0, or an error code: (layer << 8) | (op << 4) | status, op being one of the OP_ values and
+ * status the kernel's own nonzero return (the caller raises the error that kernel's wrapper raises).
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int (*gemm_fn)(const int64_t *, const void *, int64_t, const void *, void *, int64_t, int);
+typedef void (*norm_fn)(const void *, int64_t, void *, int64_t, void *, int64_t, const void *, int64_t, int64_t,
+                        float, int, int);
+typedef void (*silu_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int, int);
+typedef int (*rope_fn)(void *, int64_t, const int64_t *, const float *, const float *, int64_t, int64_t, int64_t,
+                       int64_t, int, int);
+typedef int (*attn_fn)(const void *, int64_t, const void *, const void *, void *, const int32_t *, int64_t,
+                       const int32_t *, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, float, float, int64_t, int, int, const void *, int64_t, const void *, int64_t,
+                       const int64_t *);
+typedef int (*lora_fn)(const int64_t *, const int64_t *, const void *, int64_t, void *, int64_t, int);
+
+enum { OP_GEMM = 1, OP_ROPE = 2, OP_ATTENTION = 3, OP_LORA = 4 };
+
+/* The model's fixed half, built once: kernels, sizes and each layer's weights. */
+enum {
+    M_GEMM, M_NORM, M_SILU, M_ROPE, M_ATTN, M_LORA, /* function pointers */
+    M_LAYERS, M_HIDDEN, M_Q, M_KV, M_INTER, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_DTYPE,
+    M_COS, M_SIN, M_POSITIONS, /* rope tables [M_POSITIONS, head_dim] float32 */
+    M_FIELDS
+};
+/* Per layer: norm weights, each linear's gemm_linear_packed arguments and bias (0: none), caches. */
+enum {
+    L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS, L_O, L_O_BIAS, L_GU, L_GU_BIAS, L_DOWN, L_DOWN_BIAS,
+    L_K_CACHE, L_V_CACHE, L_SLIDING, L_FIELDS
+};
+/* The step's half. Buffers: r [T, hidden] holds the embeddings and is the residual stream; x, h
+ * [T, hidden]; qkv [T, q + 2 kv]; a [T, q]; g [T, 2 inter]; s [T, inter]. */
+enum {
+    S_TOKENS, S_THREADS, S_POSITIONS, S_BLOCK_TABLES, S_MAX_BLOCKS, S_CONTEXT_LENS, S_QUERY_STARTS, S_SEQS,
+    S_NUM_BLOCKS, S_BLOCK_SIZE, S_WINDOW, S_SLOTS, S_LORA_STEP, S_LORA_LAYERS,
+    S_R, S_X, S_H, S_QKV, S_A, S_G, S_S, S_FIELDS
+};
+
+#define PTR(type, v) ((type)(intptr_t)(v))
+#define FAIL(layer, op, status) return (int)(((layer) << 8) | ((op) << 4) | ((status) & 0xF))
+
+/* y = x W^T + b through gemm_linear_packed, then the layer's LoRA term when `lora` is not 0. */
+static int linear(const int64_t *m, const int64_t *s, int64_t weight, int64_t bias, int64_t lora, const void *x,
+                  int64_t ldx, void *y, int64_t ldy) {
+    int status = PTR(gemm_fn, m[M_GEMM])(PTR(const int64_t *, weight), x, ldx, PTR(const void *, bias), y,
+                                         s[S_TOKENS], (int)s[S_THREADS]);
+    if (status != 0) return (OP_GEMM << 4) | (status & 0xF);
+    if (lora != 0) {
+        status = PTR(lora_fn, m[M_LORA])(PTR(const int64_t *, lora), PTR(const int64_t *, s[S_LORA_STEP]), x, ldx,
+                                         y, ldy, (int)s[S_THREADS]);
+        if (status != 0) return (OP_LORA << 4) | (status & 0xF);
+    }
+    return 0;
+}
+
+/* Attention of one layer: q, k, v are column ranges of qkv; the kernel writes k, v into the caches. */
+static int attention(const int64_t *m, const int64_t *s, const int64_t *l, char *qkv, int64_t ld, int64_t elem,
+                     float scale) {
+    const int64_t q = m[M_Q], kv = m[M_KV];
+    return PTR(attn_fn, m[M_ATTN])(
+        qkv, ld, PTR(const void *, l[L_K_CACHE]), PTR(const void *, l[L_V_CACHE]), PTR(void *, s[S_A]),
+        PTR(const int32_t *, s[S_BLOCK_TABLES]), s[S_MAX_BLOCKS], PTR(const int32_t *, s[S_CONTEXT_LENS]),
+        PTR(const int32_t *, s[S_QUERY_STARTS]), s[S_SEQS], s[S_TOKENS], s[S_NUM_BLOCKS], m[M_HEADS],
+        m[M_KV_HEADS], m[M_HEAD_DIM], s[S_BLOCK_SIZE], scale, 0.0f, l[L_SLIDING] ? s[S_WINDOW] : 0,
+        (int)m[M_DTYPE], (int)s[S_THREADS], qkv + q * elem, ld, qkv + (q + kv) * elem, ld,
+        PTR(const int64_t *, s[S_SLOTS]));
+}
+
+int decoder_stack(const int64_t *m, const int64_t *layers, const int64_t *s, float eps, float scale) {
+    const int64_t hidden = m[M_HIDDEN], qkv_ld = m[M_Q] + 2 * m[M_KV], inter = m[M_INTER], rows = s[S_TOKENS];
+    const int dtype = (int)m[M_DTYPE], threads = (int)s[S_THREADS];
+    const int64_t elem = dtype == 1 ? 2 : 4;
+    const norm_fn norm = PTR(norm_fn, m[M_NORM]);
+    char *r = PTR(char *, s[S_R]), *x = PTR(char *, s[S_X]), *h = PTR(char *, s[S_H]), *qkv = PTR(char *, s[S_QKV]);
+    char *a = PTR(char *, s[S_A]), *g = PTR(char *, s[S_G]), *act = PTR(char *, s[S_S]);
+    const int64_t *lora = PTR(const int64_t *, s[S_LORA_LAYERS]); /* 4 per layer (0: no LoRA term), or NULL */
+    for (int64_t i = 0; i < m[M_LAYERS]; ++i) {
+        const int64_t *l = layers + i * L_FIELDS, *li = lora == NULL ? NULL : lora + 4 * i;
+        int status;
+        if (i == 0) norm(r, hidden, NULL, 0, h, hidden, PTR(const void *, l[L_IN_NORM]), rows, hidden, eps, dtype, threads);
+        else norm(x, hidden, r, hidden, h, hidden, PTR(const void *, l[L_IN_NORM]), rows, hidden, eps, dtype, threads);
+        if ((status = linear(m, s, l[L_QKV], l[L_QKV_BIAS], li ? li[0] : 0, h, hidden, qkv, qkv_ld)) != 0)
+            FAIL(i, status >> 4, status);
+        status = PTR(rope_fn, m[M_ROPE])(qkv, qkv_ld, PTR(const int64_t *, s[S_POSITIONS]), PTR(const float *, m[M_COS]),
+                                         PTR(const float *, m[M_SIN]), m[M_POSITIONS], rows, m[M_HEADS] + m[M_KV_HEADS],
+                                         m[M_HEAD_DIM], dtype, threads);
+        if (status != 0) FAIL(i, OP_ROPE, status);
+        if ((status = attention(m, s, l, qkv, qkv_ld, elem, scale)) != 0) FAIL(i, OP_ATTENTION, status);
+        if ((status = linear(m, s, l[L_O], l[L_O_BIAS], li ? li[1] : 0, a, m[M_Q], x, hidden)) != 0)
+            FAIL(i, status >> 4, status);
+        norm(x, hidden, r, hidden, h, hidden, PTR(const void *, l[L_POST_NORM]), rows, hidden, eps, dtype, threads);
+        if ((status = linear(m, s, l[L_GU], l[L_GU_BIAS], li ? li[2] : 0, h, hidden, g, 2 * inter)) != 0)
+            FAIL(i, status >> 4, status);
+        PTR(silu_fn, m[M_SILU])(g, 2 * inter, act, inter, rows, inter, dtype, threads);
+        if ((status = linear(m, s, l[L_DOWN], l[L_DOWN_BIAS], li ? li[3] : 0, act, inter, x, hidden)) != 0)
+            FAIL(i, status >> 4, status);
+    }
+    return 0;
+}

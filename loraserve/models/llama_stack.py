@@ -1,0 +1,255 @@
+"""`DecoderStack`: a Llama-family model's decoder layers for one step in one C call on CPU.
+
+`layers/decoder_stack.c` runs, layer after layer, the very kernels the Python path (`llama.py`) calls:
+the fused RMSNorm, the C linear kernel (plus the LoRA kernel), rope, paged attention and SiLU-and-mul,
+with the same arguments, in the same order, so the hidden states come out bit for bit the same. What
+goes is the Python between them: ~270 wrapper and ctypes calls and ~200 allocations per step, about
+2 ms of a 30-layer decode step. The Python path stays the twin, the oracle of the tests, and the path
+for every step the C call does not serve (`run` returns None):
+- models with per-head q/k norms (Qwen3), another activation than SiLU, softcapping, or a linear
+  that the C linear kernel does not serve (e.g. fp32 and bf16 on AVX2-only CPUs: oneDNN runs those);
+- LoRA steps that the LoRA kernel does not serve (a bias term, long prefill segments, another dtype);
+- LORASERVE_CPU_DECODER_STACK=0, a fused or attention kernel switched off, or no C compiler.
+
+The fixed half of the arguments (weights, caches, tables: raw pointers) is bound once. Like the C
+linear and LoRA kernels' own arguments, it relies on those tensors being allocated once and updated in
+place; the caches are re-bound whenever a step passes another list of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from loraserve import envs
+from loraserve.layers import fused_ops, gemm_cpu, paged_attention_cpu
+from loraserve.layers.forward_batch import ForwardBatch
+from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.lora.ops import cpu_ops
+from loraserve.native.build import function_address, load_library
+
+# decoder_stack.c's field counts, the model fields read back here, and its error ops.
+MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 18, 13, 21
+M_Q, M_KV, M_INTER, M_POSITIONS = 8, 9, 10, 17
+OP_GEMM, OP_ROPE, OP_ATTENTION, OP_LORA = 1, 2, 3, 4
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_lib: Any = None
+_loaded = False
+
+
+def _library() -> Any:
+    global _lib, _loaded
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                lib = load_library("loraserve.layers", "decoder_stack.c")
+                if lib is not None:
+                    i64p = ctypes.POINTER(ctypes.c_int64)
+                    lib.decoder_stack.argtypes = [i64p, i64p, i64p, ctypes.c_float, ctypes.c_float]
+                    lib.decoder_stack.restype = ctypes.c_int
+                _lib = lib
+                _loaded = True
+    return _lib
+
+
+def _kernel_addresses() -> list[int] | None:
+    """gemm_linear_packed, rms_norm, silu_and_mul, rotary_inplace, paged_attention, lora_fused (0 when
+    the LoRA kernel is missing: LoRA steps then take the Python path); None if one of the others is."""
+    gemm, fused = gemm_cpu.kernel_library(), fused_ops.kernel_library()
+    attention = paged_attention_cpu.kernel_function()
+    if gemm is None or fused is None or attention is None:
+        return None
+    lora = cpu_ops.fused_function()
+    return [function_address(fn) for fn in (gemm.gemm_linear_packed, fused.rms_norm, fused.silu_and_mul,
+                                            fused.rotary_inplace, attention)] + [
+        0 if lora is None else function_address(lora)]
+
+
+class DecoderStack:
+    """The fixed arguments of decoder_stack.c for one model; `build` returns None where it cannot serve it."""
+
+    def __init__(self, layers: list[Any], model_args: ctypes.Array[ctypes.c_int64], has_lora_kernel: bool,
+                 eps: float, scale: float, dtype: torch.dtype) -> None:
+        self.layers = layers
+        self.model_args = model_args
+        self.has_lora_kernel = has_lora_kernel
+        self.eps, self.scale, self.dtype = eps, scale, dtype
+        self._cache_list: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._layer_args: ctypes.Array[ctypes.c_int64] | None = None
+        self._gemm_args: list[Any] = []
+        # What the raw pointers were taken from, so `is_current` can tell when a module was replaced
+        # (LoRA wrapping, repacking) and the stack must be built again.
+        self._built_from = [(layer.self_attn._modules, layer.mlp._modules, _linears(layer),
+                             [lin.kernel_weight for lin in _linears(layer)]) for layer in layers]
+
+    def is_current(self) -> bool:
+        """Whether the layers still hold the linears and packed weights the stack was built from."""
+        for attn, mlp, (qkv, o, gate_up, down), weights in self._built_from:
+            if attn["qkv_proj"] is not qkv or attn["o_proj"] is not o or mlp["gate_up_proj"] is not gate_up \
+                    or mlp["down_proj"] is not down or qkv.kernel_weight is not weights[0] \
+                    or o.kernel_weight is not weights[1] or gate_up.kernel_weight is not weights[2] \
+                    or down.kernel_weight is not weights[3]:
+                return False
+        return True
+
+    @classmethod
+    def build(cls, layers: list[Any], rotary: Any) -> DecoderStack | None:
+        """For `layers` (LlamaDecoderLayer) sharing `rotary`; None when some op is not a C kernel here."""
+        if not layers or not envs.cpu_decoder_stack() or not fused_ops.kernel_available() \
+                or not paged_attention_cpu.kernel_available() or _library() is None:
+            return None
+        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        dtype = attn0.qkv_proj.weight.dtype
+        if dtype not in _DTYPE_CODES or not all(_layer_serves(layer, dtype) for layer in layers) \
+                or not _tables_serve(rotary, attn0.head_dim):
+            return None
+        kernels = _kernel_addresses()
+        if kernels is None:
+            return None
+        sizes = [len(layers), attn0.qkv_proj.in_features, attn0.split_sizes[0], attn0.split_sizes[1], mlp0.size,
+                 attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, _DTYPE_CODES[dtype]]
+        tables = [rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(), rotary.cos_table.shape[0]]
+        model_args = (ctypes.c_int64 * MODEL_FIELDS)(*kernels, *sizes, *tables)
+        eps = layers[0].input_layernorm.eps
+        if any(norm.eps != eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return None
+        return cls(layers, model_args, kernels[-1] != 0, eps, attn0.attn.scale, dtype)
+
+    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[ctypes.c_int64]:
+        """Every layer's fixed fields, with these caches (checked like the attention wrapper checks them)."""
+        if self._layer_args is None or kv_caches is not self._cache_list:
+            first = kv_caches[0][0]
+            if len(kv_caches) != len(self.layers) or any(
+                    c.shape != first.shape or c.dtype != self.dtype or not c.is_contiguous() or not c.is_cpu
+                    for pair in kv_caches for c in pair):
+                raise ValueError("the KV caches do not match the model's layers")
+            values: list[int] = []
+            # The linears' argument arrays, held here: the stack's copy of their addresses must stay valid.
+            self._gemm_args = [gemm_cpu.call_args(lin.kernel_weight) for layer in self.layers for lin in _linears(layer)]
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                values += _layer_fields(layer, k_cache, v_cache)
+            self._layer_args = (ctypes.c_int64 * (LAYER_FIELDS * len(self.layers)))(*values)
+            self._cache_list = kv_caches
+        return self._layer_args
+
+    def run(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoder layers over the embeddings `residual` [T, hidden] (which becomes the residual
+        stream, updated in place): returns (last layer's output, residual), as the Python loop does; None
+        when this step needs the Python path."""
+        meta, num_tokens = batch.attn, residual.shape[0]
+        if residual.dtype != self.dtype or not residual.is_cpu or not residual.is_contiguous() or num_tokens == 0 \
+                or positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (num_tokens,):
+            return None
+        lora_layers = None
+        if batch.lora is not None:
+            lora_layers = self._lora_layers(batch.lora, num_tokens)
+            if lora_layers is None:
+                return None
+        layer_args = self._bind_caches(kv_caches)
+        k_cache = kv_caches[0][0]
+        attn0 = self.layers[0].self_attn
+        q_view = torch.empty(0, attn0.num_heads, attn0.head_dim, dtype=self.dtype)  # what _check reads of q
+        index = (meta.block_tables, meta.context_lens, meta.query_starts)
+        paged_attention_cpu.check_inputs(q_view, k_cache, kv_caches[0][1], index, meta.block_size)
+        slots = meta.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (num_tokens,) or not slots.is_cpu:
+            return None
+        return self._call(residual, positions, layer_args, meta, lora_layers, batch.lora, k_cache)
+
+    def _call(self, residual: torch.Tensor, positions: torch.Tensor, layer_args: ctypes.Array[ctypes.c_int64],
+              meta: Any, lora_layers: ctypes.Array[ctypes.c_int64] | None, lora: LoRABatchMapping | None,
+              k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, hidden = residual.shape
+        m = self.model_args
+        q, kv, inter = m[M_Q], m[M_KV], m[M_INTER]
+        new = [torch.empty(num_tokens, width, dtype=self.dtype)
+               for width in (hidden, hidden, q + 2 * kv, q, 2 * inter, inter)]  # x, h, qkv, a, g, s
+        step = (ctypes.c_int64 * STEP_FIELDS)(
+            num_tokens, torch.get_num_threads(), positions.data_ptr(), meta.block_tables.data_ptr(),
+            meta.block_tables.shape[1], meta.context_lens.data_ptr(), meta.query_starts.data_ptr(),
+            meta.context_lens.shape[0], k_cache.shape[0] // meta.block_size, meta.block_size,
+            meta.sliding_window or 0, meta.slot_mapping.data_ptr(),
+            0 if lora is None or lora.cpu_kernel_args is None else ctypes.addressof(lora.cpu_kernel_args),
+            0 if lora_layers is None else ctypes.addressof(lora_layers),
+            residual.data_ptr(), *(t.data_ptr() for t in new))
+        status = _library().decoder_stack(m, layer_args, step, self.eps, self.scale)
+        if status != 0:
+            _raise_for(status, self.dtype, k_cache, meta.block_size, num_tokens, m[M_POSITIONS])
+        return new[0], residual
+
+    def _lora_layers(self, mapping: LoRABatchMapping, num_tokens: int) -> ctypes.Array[ctypes.c_int64] | None:
+        """The LoRA kernel's layer arguments of each linear (0: no term this step), as `ops.add_lora`
+        would pick the kernel for each; None when some layer's term needs another path."""
+        if not self.has_lora_kernel or mapping.cpu_kernel_args is None or mapping.num_tokens != num_tokens \
+                or self.dtype not in cpu_ops.MAX_SEGMENT_LEN \
+                or mapping.segments.max_len > cpu_ops.MAX_SEGMENT_LEN[self.dtype]:
+            return None
+        values: list[int] = []
+        for layer in self.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                buffers = getattr(linear, "lora_buffers", None)
+                if buffers is None or not (buffers.active_mask | buffers.bias_mask) & mapping.active_mask:
+                    values.append(0)
+                    continue
+                args = buffers.cpu_kernel_args
+                if buffers.bias_mask & mapping.active_mask or args is None or args.dtype != self.dtype \
+                        or (args.in_features, args.out_features) != (linear.in_features, linear.out_features) \
+                        or (mapping.active_slots and mapping.active_slots[-1] >= args.num_slots):
+                    return None
+                values.append(ctypes.addressof(args.c_layer))
+        return (ctypes.c_int64 * len(values))(*values)
+
+
+def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _layer_serves(layer: Any, dtype: torch.dtype) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (attn.q_norm is None and attn.k_norm is None and mlp.act is F.silu and attn.attn.softcap is None
+            and all(lin.kernel_weight is not None and lin.kernel_weight.data.dtype == dtype
+                    and (lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous())) for lin in linears)
+            and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
+            and attn.split_sizes[1] == attn.split_sizes[2] == attn.num_kv_heads * attn.head_dim
+            and attn.split_sizes[0] == attn.num_heads * attn.head_dim)
+
+
+def _tables_serve(rotary: Any, head_dim: int) -> bool:
+    tables = (rotary.cos_table, rotary.sin_table)
+    return (head_dim % 2 == 0 and head_dim <= fused_ops.MAX_ROTARY_HEAD_DIM and rotary.head_dim == head_dim
+            and all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu and t.dim() == 2
+                    and t.shape == tables[0].shape and t.shape[1] == head_dim for t in tables))
+
+
+def _layer_fields(layer: Any, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
+    attn, mlp = layer.self_attn, layer.mlp
+    fields = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
+    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        fields += [ctypes.addressof(gemm_cpu.call_args(linear.kernel_weight)),
+                   0 if linear.bias is None else linear.bias.data_ptr()]
+    return fields + [k_cache.data_ptr(), v_cache.data_ptr(), int(attn.attn.use_sliding_window)]
+
+
+def _raise_for(code: int, dtype: torch.dtype, k_cache: torch.Tensor, block_size: int, num_tokens: int,
+               num_positions: int) -> None:
+    """The error the op's own wrapper raises for its status (decoder_stack.c's code: layer, op, status)."""
+    op, status = code >> 4 & 0xF, code & 0xF
+    if op == OP_GEMM:
+        raise RuntimeError(f"the CPU linear kernel refused {dtype} (status {status})")
+    if op == OP_ROPE:
+        if status == 1:
+            raise IndexError(f"a position is outside the rotary tables ({num_positions} positions)")
+        raise ValueError(f"the rotary kernel refused the head size (status {status})")
+    if op == OP_ATTENTION:
+        paged_attention_cpu.raise_for_status(status, k_cache, block_size, num_tokens)
+    if op == OP_LORA:
+        raise MemoryError("CPU LoRA kernel could not allocate its scratch buffer")
+    raise RuntimeError(f"the decoder stack failed in layer {code >> 8} (op {op}, status {status})")

@@ -1,0 +1,188 @@
+"""The decoder stack as one C call (models/llama_stack.py) against the Python loop over the same kernels:
+bit-for-bit the same tokens and logprobs, base and LoRA steps, prefill, decode and mixed; the same
+errors; and the steps it must leave to the loop."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from loraserve import LLM, SamplingParams
+from loraserve.demo.random_model import save_peft_adapter
+from loraserve.layers import fused_ops, gemm_cpu, paged_attention_cpu
+from loraserve.layers.attention import build_attention_metadata
+from loraserve.layers.forward_batch import ForwardBatch
+from loraserve.layers.linear import pack_cpu_linears
+from loraserve.lora.request import LoRARequest
+from loraserve.models.llama import LlamaArgs, LlamaModel
+from loraserve.models.llama_stack import DecoderStack
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _serves(dtype: torch.dtype) -> bool:
+    """Whether every op of a Llama step is a C kernel here (the C linear kernel serves the dtype)."""
+    return gemm_cpu.block_layout(dtype) != 0 and fused_ops.kernel_available() and paged_attention_cpu.kernel_available()
+
+
+@pytest.fixture
+def stack_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool | None]]:
+    """One entry per step that asked the stack: True where it ran the step, False where it declined,
+    None where it raised."""
+    runs: list[bool | None] = []
+    run = DecoderStack.run
+
+    def counted(self: DecoderStack, *args: Any) -> Any:
+        runs.append(None)
+        out = run(self, *args)
+        runs[-1] = out is not None
+        return out
+
+    monkeypatch.setattr(DecoderStack, "run", counted)
+    yield runs
+
+
+def _outputs(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, stack: bool,
+             loras: list[LoRARequest | None] | None = None) -> list[Any]:
+    monkeypatch.setenv("LORASERVE_CPU_DECODER_STACK", "1" if stack else "0")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras, use_tqdm=False)
+    return [(o.outputs[0].token_ids, _logprobs(o.outputs[0].logprobs), _logprobs(o.prompt_logprobs[1:]))
+            for o in outs]
+
+
+def _logprobs(steps: list[Any]) -> list[dict[int, float]]:
+    return [{token: lp.logprob for token, lp in step.items()} for step in steps]
+
+
+def _prompts(count: int, seed: int, max_len: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (int(n),), generator=g).tolist()
+            for n in torch.randint(2, max_len, (count,), generator=g)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "llama3", "llama_tied"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stack_equals_python_loop(tiny_model: Any, arch: str, dtype: torch.dtype,
+                                  monkeypatch: pytest.MonkeyPatch, stack_runs: list[bool | None]) -> None:
+    """Prefill chunks beside decodes (a small token budget splits the prompts), a sliding window
+    shorter than the prompts (mistral), qkv biases (qwen2), scaled rope (llama3): bitwise equal."""
+    if not _serves(dtype):
+        pytest.skip(f"the C linear kernel does not serve {dtype} on this CPU")
+    llm = LLM(tiny_model(arch), dtype=str(dtype).removeprefix("torch."), max_num_batched_tokens=48,
+              max_num_seqs=8, enable_prefix_caching=False)
+    prompts = _prompts(8, seed=len(arch))
+    loop = _outputs(llm, prompts, monkeypatch, stack=False)
+    assert stack_runs == []
+    stacked = _outputs(llm, prompts, monkeypatch, stack=True)
+    assert stack_runs and all(stack_runs)
+    assert stacked == loop
+    assert all(math.isfinite(lp) for tokens, steps, _ in stacked for step in steps for lp in step.values())
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Any, hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    path, root = tiny_model("llama"), tmp_path_factory.mktemp("stack-adapters")
+    targets = [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["v_proj", "down_proj"],
+               ["up_proj"]]
+    paths = []
+    for i, modules in enumerate(targets):
+        paths.append(str(root / f"a{i}"))
+        save_peft_adapter(hf_model(path), paths[-1], seed=70 + i, base_name=path, r=4 + 4 * i, lora_alpha=16,
+                          target_modules=modules)
+    return paths
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stack_equals_python_loop_with_adapters(tiny_model: Any, adapters: list[str], dtype: torch.dtype,
+                                                monkeypatch: pytest.MonkeyPatch, stack_runs: list[bool | None]) -> None:
+    """A batch mixing three adapters (different targets and ranks) and the base model: every step the
+    stack serves equals the loop's, and the steps it leaves (bf16 prefill segments longer than the
+    LoRA kernel takes) run on the loop, so the whole output is still bitwise the same."""
+    if not _serves(dtype):
+        pytest.skip(f"the C linear kernel does not serve {dtype} on this CPU")
+    llm = LLM(tiny_model("llama"), dtype=str(dtype).removeprefix("torch."), enable_lora=True, max_loras=4,
+              max_lora_rank=16, max_num_seqs=8, enable_prefix_caching=False)
+    requests = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
+    prompts = _prompts(8, seed=5, max_len=60)
+    loras = [requests[i % 3] if i % 4 else None for i in range(8)]
+    loop = _outputs(llm, prompts, monkeypatch, stack=False, loras=loras)
+    stacked = _outputs(llm, prompts, monkeypatch, stack=True, loras=loras)
+    assert stacked == loop
+    assert any(stack_runs)  # the decode steps at least
+    if dtype == torch.bfloat16:
+        assert not all(stack_runs)  # prompts past 32 tokens: those prefill steps were the loop's
+
+
+def _model(tiny_model: Any, arch: str, dtype: torch.dtype, qk_norm: bool = False,
+           qkv_bias: bool | None = None) -> LlamaModel:
+    """The decoder of a tiny model with random weights (biases too), packed for the CPU kernels as the
+    loader does."""
+    config = AutoConfig.from_pretrained(tiny_model(arch))
+    model = LlamaModel(LlamaArgs.from_config(config, qkv_bias=qkv_bias, qk_norm=qk_norm), config, dtype)
+    g = torch.Generator().manual_seed(0)
+    for param in model.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=g) * 0.2)
+    pack_cpu_linears(model)
+    return model
+
+
+def _caches(model: LlamaModel, dtype: torch.dtype, num_blocks: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    attn = model.layers[0].self_attn
+    shape = (num_blocks * 16, attn.num_kv_heads, attn.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stack_equals_python_loop_with_biases(tiny_model: Any, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
+                                              stack_runs: list[bool | None]) -> None:
+    """Random (nonzero) qkv biases, a two-sequence prefill, then a decode step: the same hidden states.
+    (The tiny checkpoints' biases are zeros, so the engine test above cannot see them.)"""
+    if not _serves(dtype):
+        pytest.skip(f"the C linear kernel does not serve {dtype} on this CPU")
+    model = _model(tiny_model, "qwen2", dtype, qkv_bias=True)
+    steps = [([5, 9, 11, 3, 8], [0, 1, 2, 0, 1], build_attention_metadata([3, 2], [3, 2], [[0], [1]], 16, "cpu")),
+             ([4, 6], [3, 2], build_attention_metadata([1, 1], [4, 3], [[0], [1]], 16, "cpu"))]
+    hidden = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("LORASERVE_CPU_DECODER_STACK", flag)
+        caches = _caches(model, dtype)
+        with torch.inference_mode():
+            hidden[flag] = [model(torch.tensor(ids), torch.tensor(pos), caches, ForwardBatch(attn=meta, lora=None))
+                            for ids, pos, meta in steps]
+    assert stack_runs == [True, True]
+    for loop, stacked in zip(hidden["0"], hidden["1"]):
+        assert torch.equal(loop, stacked)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_stack_builds_only_for_the_ops_it_has(tiny_model: Any, qk_norm: bool) -> None:
+    """Qwen3's per-head q/k norms are not in the C stack: `build` declines, the loop serves that model."""
+    if not _serves(torch.float32):
+        pytest.skip("the C linear kernel does not serve float32 on this CPU")
+    model = _model(tiny_model, "qwen3", torch.float32, qk_norm=qk_norm)
+    assert (DecoderStack.build(list(model.layers), model.rotary) is None) == qk_norm
+
+
+@pytest.mark.parametrize("case", ["a block past the cache", "a position past the rope tables"])
+def test_stack_raises_what_the_loop_raises(tiny_model: Any, case: str, monkeypatch: pytest.MonkeyPatch,
+                                           stack_runs: list[bool | None]) -> None:
+    if not _serves(torch.float32):
+        pytest.skip("the C linear kernel does not serve float32 on this CPU")
+    model = _model(tiny_model, "llama", torch.float32)
+    caches = _caches(model, torch.float32)
+    block, position = (9, 3) if case == "a block past the cache" else (0, 300)
+    meta = build_attention_metadata([1], [4], [[block]], 16, "cpu")
+    errors = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("LORASERVE_CPU_DECODER_STACK", flag)
+        with torch.inference_mode(), pytest.raises((ValueError, IndexError)) as caught:
+            model(torch.tensor([7]), torch.tensor([position]), caches, ForwardBatch(attn=meta, lora=None))
+        errors.append((type(caught.value), str(caught.value)))
+    assert stack_runs == [None]  # the loop's error first, then the same from the stack's one attempt
+    assert errors[0] == errors[1]
