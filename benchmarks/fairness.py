@@ -52,7 +52,7 @@ def run(engine: LLMEngine, args: argparse.Namespace, fair: bool) -> dict[str, fl
                 if output.finished:
                     done[output.request_id] = now
         step += 1
-    ttft_steps = [first[r][0] - added[r][0] for r in added]
+    ttft_steps = [float(first[r][0] - added[r][0]) for r in added]
     ttft_ms = [1000 * (first[r][1] - added[r][1]) for r in added]
     e2e_ms = [1000 * (done[r][1] - added[r][1]) for r in added]
     return {

@@ -69,8 +69,11 @@ def whole_step(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
     head = torch.randn(VOCAB, HIDDEN).to(dtype)
     packed = [gemm_cpu.pack(w) for w in [*weights, head]]
     gemm_cpu.chain_prefetch([p for p in packed if p is not None])  # as pack_cpu_linears does for a model
-    kernel = [lambda x, p=p: gemm_cpu.linear(x, p, None) for p in packed]
-    for name, every in (("oneDNN", [onednn(w) for w in [*weights, head]]), ("kernel", kernel)):
+    kernel: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        lambda x, p=p: gemm_cpu.linear(x, p, None) for p in packed  # type: ignore[misc]
+    ]
+    dnn: list[Callable[[torch.Tensor], torch.Tensor]] = [onednn(w) for w in [*weights, head]]
+    for name, every in (("oneDNN", dnn), ("kernel", kernel)):
         layers, lm_head = every[:-1], every[-1]
         cells = []
         for m in (r for r in rows if r <= 64):
