@@ -50,6 +50,9 @@ enum {
     S_R, S_X, S_H, S_QKV, S_A, S_G, S_S, S_FIELDS
 };
 
+/* The three arrays' field counts, M | L << 8 | S << 16: the caller checks its copy of the layout. */
+int decoder_stack_layout(void) { return M_FIELDS | L_FIELDS << 8 | S_FIELDS << 16; }
+
 #define PTR(type, v) ((type)(intptr_t)(v))
 #define FAIL(layer, op, status) return (int)(((layer) << 8) | ((op) << 4) | ((status) & 0xF))
 

@@ -79,7 +79,8 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bo
 
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: tuple[torch.Tensor, ...],
-           block_size: int) -> None:
+                 block_size: int) -> None:
+    """ValueError unless the caches, q's heads and the step's int32 index tensors fit one another."""
     block_tables, context_lens, query_starts = index
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]

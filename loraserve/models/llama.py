@@ -22,7 +22,7 @@ from loraserve.layers.linear import Linear
 from loraserve.layers.norm import RMSNorm
 from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.models.base import NativeCausalLM
-from loraserve.models.llama_stack import DecoderStack
+from loraserve.models.llama_stack import DecoderStack, same_objects, stack_signature
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -186,7 +186,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary: RotaryEmbedding = rotary  # the layers' shared one (registered as theirs first)
         self._stack: DecoderStack | None = None
-        self._stack_checked = False  # built (or found not to serve this model) once, at the first CPU step
+        self._stack_signature: list[object] = []  # what the stack (or finding none serves) was built from
 
     def forward(self, input_ids, positions, kv_caches, batch):  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
@@ -203,9 +203,10 @@ class LlamaModel(nn.Module):
         """The decoder layers as one C call (`llama_stack`), or None: the loop above then runs them."""
         if not envs.cpu_decoder_stack():
             return None
-        if not self._stack_checked or (self._stack is not None and not self._stack.is_current()):
+        signature = stack_signature(list(self.layers), self.rotary)
+        if not same_objects(signature, self._stack_signature):
             self._stack = DecoderStack.build(list(self.layers), self.rotary)
-            self._stack_checked = True
+            self._stack_signature = signature
         return None if self._stack is None else self._stack.run(x, positions, kv_caches, batch)
 
 

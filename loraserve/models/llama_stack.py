@@ -19,14 +19,15 @@ place; the caches are re-bound whenever a step passes another list of them.
 from __future__ import annotations
 
 import ctypes
+import operator
 import threading
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from loraserve import envs
 from loraserve.layers import fused_ops, gemm_cpu, paged_attention_cpu
+from loraserve.layers.attention_metadata import AttentionMetadata
 from loraserve.layers.forward_batch import ForwardBatch
 from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.ops import cpu_ops
@@ -34,7 +35,7 @@ from loraserve.native.build import function_address, load_library
 
 # decoder_stack.c's field counts, the model fields read back here, and its error ops.
 MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 18, 13, 21
-M_Q, M_KV, M_INTER, M_POSITIONS = 8, 9, 10, 17
+M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 8, 9, 10, 13, 17
 OP_GEMM, OP_ROPE, OP_ATTENTION, OP_LORA = 1, 2, 3, 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -52,6 +53,9 @@ def _library() -> Any:
                     i64p = ctypes.POINTER(ctypes.c_int64)
                     lib.decoder_stack.argtypes = [i64p, i64p, i64p, ctypes.c_float, ctypes.c_float]
                     lib.decoder_stack.restype = ctypes.c_int
+                    lib.decoder_stack_layout.restype = ctypes.c_int
+                    if lib.decoder_stack_layout() != MODEL_FIELDS | LAYER_FIELDS << 8 | STEP_FIELDS << 16:
+                        raise RuntimeError("decoder_stack.c's argument layout differs from llama_stack.py's")
                 _lib = lib
                 _loaded = True
     return _lib
@@ -70,42 +74,50 @@ def _kernel_addresses() -> list[int] | None:
         0 if lora is None else function_address(lora)]
 
 
+def stack_signature(layers: list[Any], rotary: Any) -> list[object]:
+    """Every object whose raw pointers or code a stack binds: the kernel libraries, the rope tables, and
+    per layer its linears, their packed weights and biases and the norm weights. A stack stays valid
+    while each entry is the same object (`same_objects`); LoRA wrapping, repacking, swapping a kernel
+    build or replacing a parameter changes one. Read through the modules' dicts: it runs every step."""
+    found: list[object] = [gemm_cpu.kernel_library(), fused_ops.kernel_library(), cpu_ops.fused_function(),
+                           rotary._buffers.get("cos_table"), rotary._buffers.get("sin_table")]
+    for layer in layers:
+        attn, mlp, modules = layer.self_attn._modules, layer.mlp._modules, layer._modules
+        for linear in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]):
+            found += (linear, linear.kernel_weight, linear._parameters.get("bias"))
+        found += (modules["input_layernorm"]._parameters["weight"],
+                  modules["post_attention_layernorm"]._parameters["weight"])
+    return found
+
+
+def same_objects(a: list[object], b: list[object]) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 class DecoderStack:
-    """The fixed arguments of decoder_stack.c for one model; `build` returns None where it cannot serve it."""
+    """The fixed arguments of decoder_stack.c for one model; `build` returns None where it cannot serve
+    it. Valid while `stack_signature` of its layers is unchanged: the caller builds a new one otherwise."""
 
     def __init__(self, layers: list[Any], model_args: ctypes.Array[ctypes.c_int64], has_lora_kernel: bool,
                  eps: float, scale: float, dtype: torch.dtype) -> None:
         self.layers = layers
+        self.linears = [_linears(layer) for layer in layers]
         self.model_args = model_args
         self.has_lora_kernel = has_lora_kernel
         self.eps, self.scale, self.dtype = eps, scale, dtype
-        self._cache_list: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._caches_key: tuple[int, ...] = ()
         self._layer_args: ctypes.Array[ctypes.c_int64] | None = None
-        self._gemm_args: list[Any] = []
-        # What the raw pointers were taken from, so `is_current` can tell when a module was replaced
-        # (LoRA wrapping, repacking) and the stack must be built again.
-        self._built_from = [(layer.self_attn._modules, layer.mlp._modules, _linears(layer),
-                             [lin.kernel_weight for lin in _linears(layer)]) for layer in layers]
-
-    def is_current(self) -> bool:
-        """Whether the layers still hold the linears and packed weights the stack was built from."""
-        for attn, mlp, (qkv, o, gate_up, down), weights in self._built_from:
-            if attn["qkv_proj"] is not qkv or attn["o_proj"] is not o or mlp["gate_up_proj"] is not gate_up \
-                    or mlp["down_proj"] is not down or qkv.kernel_weight is not weights[0] \
-                    or o.kernel_weight is not weights[1] or gate_up.kernel_weight is not weights[2] \
-                    or down.kernel_weight is not weights[3]:
-                return False
-        return True
+        # The linears' argument arrays, held here: the stack's copies of their addresses stay valid.
+        self._gemm_args = [gemm_cpu.call_args(linear.kernel_weight) for group in self.linears for linear in group]
 
     @classmethod
     def build(cls, layers: list[Any], rotary: Any) -> DecoderStack | None:
         """For `layers` (LlamaDecoderLayer) sharing `rotary`; None when some op is not a C kernel here."""
-        if not layers or not envs.cpu_decoder_stack() or not fused_ops.kernel_available() \
-                or not paged_attention_cpu.kernel_available() or _library() is None:
+        if not layers or not fused_ops.kernel_available() or _library() is None:
             return None
-        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        attn0, mlp0, norm0 = layers[0].self_attn, layers[0].mlp, layers[0].input_layernorm
         dtype = attn0.qkv_proj.weight.dtype
-        if dtype not in _DTYPE_CODES or not all(_layer_serves(layer, dtype) for layer in layers) \
+        if dtype not in _DTYPE_CODES or not all(_layer_serves(layer, layers[0], rotary, dtype) for layer in layers) \
                 or not _tables_serve(rotary, attn0.head_dim):
             return None
         kernels = _kernel_addresses()
@@ -115,26 +127,25 @@ class DecoderStack:
                  attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, _DTYPE_CODES[dtype]]
         tables = [rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(), rotary.cos_table.shape[0]]
         model_args = (ctypes.c_int64 * MODEL_FIELDS)(*kernels, *sizes, *tables)
-        eps = layers[0].input_layernorm.eps
-        if any(norm.eps != eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
-            return None
-        return cls(layers, model_args, kernels[-1] != 0, eps, attn0.attn.scale, dtype)
+        return cls(layers, model_args, kernels[-1] != 0, norm0.eps, attn0.attn.scale, dtype)
 
-    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[ctypes.c_int64]:
-        """Every layer's fixed fields, with these caches (checked like the attention wrapper checks them)."""
-        if self._layer_args is None or kv_caches is not self._cache_list:
-            first = kv_caches[0][0]
-            if len(kv_caches) != len(self.layers) or any(
-                    c.shape != first.shape or c.dtype != self.dtype or not c.is_contiguous() or not c.is_cpu
-                    for pair in kv_caches for c in pair):
-                raise ValueError("the KV caches do not match the model's layers")
-            values: list[int] = []
-            # The linears' argument arrays, held here: the stack's copy of their addresses must stay valid.
-            self._gemm_args = [gemm_cpu.call_args(lin.kernel_weight) for layer in self.layers for lin in _linears(layer)]
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                values += _layer_fields(layer, k_cache, v_cache)
-            self._layer_args = (ctypes.c_int64 * (LAYER_FIELDS * len(self.layers)))(*values)
-            self._cache_list = kv_caches
+    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[ctypes.c_int64] | None:
+        """Every layer's fixed fields with these caches, bound again whenever a cache tensor moved; None
+        when they are not what the kernel takes for this model (the loop then serves the step)."""
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._layer_args is not None and key == self._caches_key:
+            return self._layer_args
+        attn0 = self.layers[0].self_attn
+        shape = kv_caches[0][0].shape if kv_caches else None
+        if len(kv_caches) != len(self.layers) or shape is None or shape[1:] != (attn0.num_kv_heads, attn0.head_dim) \
+                or any(c.shape != shape or c.dtype != self.dtype or not c.is_contiguous() or not c.is_cpu
+                       for pair in kv_caches for c in pair):
+            return None
+        values: list[int] = []
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            values += _layer_fields(layer, k_cache, v_cache)
+        self._layer_args = (ctypes.c_int64 * (LAYER_FIELDS * len(self.layers)))(*values)
+        self._caches_key = key
         return self._layer_args
 
     def run(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -146,15 +157,19 @@ class DecoderStack:
         if residual.dtype != self.dtype or not residual.is_cpu or not residual.is_contiguous() or num_tokens == 0 \
                 or positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (num_tokens,):
             return None
+        if not paged_attention_cpu.kernel_available():  # its switch is read every step, as the loop reads it
+            return None
         lora_layers = None
         if batch.lora is not None:
             lora_layers = self._lora_layers(batch.lora, num_tokens)
             if lora_layers is None:
                 return None
         layer_args = self._bind_caches(kv_caches)
+        if layer_args is None:
+            return None
         k_cache = kv_caches[0][0]
         attn0 = self.layers[0].self_attn
-        q_view = torch.empty(0, attn0.num_heads, attn0.head_dim, dtype=self.dtype)  # what _check reads of q
+        q_view = torch.empty(0, attn0.num_heads, attn0.head_dim, dtype=self.dtype)  # what the check reads of q
         index = (meta.block_tables, meta.context_lens, meta.query_starts)
         paged_attention_cpu.check_inputs(q_view, k_cache, kv_caches[0][1], index, meta.block_size)
         slots = meta.slot_mapping
@@ -163,7 +178,7 @@ class DecoderStack:
         return self._call(residual, positions, layer_args, meta, lora_layers, batch.lora, k_cache)
 
     def _call(self, residual: torch.Tensor, positions: torch.Tensor, layer_args: ctypes.Array[ctypes.c_int64],
-              meta: Any, lora_layers: ctypes.Array[ctypes.c_int64] | None, lora: LoRABatchMapping | None,
+              meta: AttentionMetadata, lora_layers: ctypes.Array[ctypes.c_int64] | None, lora: LoRABatchMapping | None,
               k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, hidden = residual.shape
         m = self.model_args
@@ -180,7 +195,7 @@ class DecoderStack:
             residual.data_ptr(), *(t.data_ptr() for t in new))
         status = _library().decoder_stack(m, layer_args, step, self.eps, self.scale)
         if status != 0:
-            _raise_for(status, self.dtype, k_cache, meta.block_size, num_tokens, m[M_POSITIONS])
+            _raise_for(status, self.dtype, k_cache, meta.block_size, num_tokens, m[M_POSITIONS], m[M_HEAD_DIM])
         return new[0], residual
 
     def _lora_layers(self, mapping: LoRABatchMapping, num_tokens: int) -> ctypes.Array[ctypes.c_int64] | None:
@@ -191,8 +206,8 @@ class DecoderStack:
                 or mapping.segments.max_len > cpu_ops.MAX_SEGMENT_LEN[self.dtype]:
             return None
         values: list[int] = []
-        for layer in self.layers:
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for group in self.linears:
+            for linear in group:
                 buffers = getattr(linear, "lora_buffers", None)
                 if buffers is None or not (buffers.active_mask | buffers.bias_mask) & mapping.active_mask:
                     values.append(0)
@@ -210,16 +225,19 @@ def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-def _layer_serves(layer: Any, dtype: torch.dtype) -> bool:
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+def _layer_serves(layer: Any, first: Any, rotary: Any, dtype: torch.dtype) -> bool:
+    """The layer's ops are the stack's, with `first`'s sizes, eps and scale (one set for the model)."""
+    attn, mlp, ref = layer.self_attn, layer.mlp, first.self_attn
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (attn.q_norm is None and attn.k_norm is None and mlp.act is F.silu and attn.attn.softcap is None
+            and attn.rotary is rotary and attn.attn.scale == ref.attn.scale and mlp.size == first.mlp.size
+            and (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (ref.num_heads, ref.num_kv_heads, ref.head_dim)
+            and attn.split_sizes == [attn.num_heads * attn.head_dim] + [attn.num_kv_heads * attn.head_dim] * 2
             and all(lin.kernel_weight is not None and lin.kernel_weight.data.dtype == dtype
-                    and (lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous())) for lin in linears)
-            and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
-            and attn.split_sizes[1] == attn.split_sizes[2] == attn.num_kv_heads * attn.head_dim
-            and attn.split_sizes[0] == attn.num_heads * attn.head_dim)
+                    and (lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous()))
+                    for lin in _linears(layer))
+            and all(n.weight.dtype == dtype and n.weight.is_contiguous() and n.eps == first.input_layernorm.eps
+                    for n in norms))
 
 
 def _tables_serve(rotary: Any, head_dim: int) -> bool:
@@ -239,7 +257,7 @@ def _layer_fields(layer: Any, k_cache: torch.Tensor, v_cache: torch.Tensor) -> l
 
 
 def _raise_for(code: int, dtype: torch.dtype, k_cache: torch.Tensor, block_size: int, num_tokens: int,
-               num_positions: int) -> None:
+               num_positions: int, head_dim: int) -> None:
     """The error the op's own wrapper raises for its status (decoder_stack.c's code: layer, op, status)."""
     op, status = code >> 4 & 0xF, code & 0xF
     if op == OP_GEMM:
@@ -247,7 +265,7 @@ def _raise_for(code: int, dtype: torch.dtype, k_cache: torch.Tensor, block_size:
     if op == OP_ROPE:
         if status == 1:
             raise IndexError(f"a position is outside the rotary tables ({num_positions} positions)")
-        raise ValueError(f"the rotary kernel refused the head size (status {status})")
+        raise ValueError(f"the rotary kernel refused head_dim={head_dim} (status {status})")
     if op == OP_ATTENTION:
         paged_attention_cpu.raise_for_status(status, k_cache, block_size, num_tokens)
     if op == OP_LORA:

@@ -186,3 +186,88 @@ def test_stack_raises_what_the_loop_raises(tiny_model: Any, case: str, monkeypat
         errors.append((type(caught.value), str(caught.value)))
     assert stack_runs == [None]  # the loop's error first, then the same from the stack's one attempt
     assert errors[0] == errors[1]
+
+
+def _step(model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    meta = build_attention_metadata([3, 2], [3, 2], [[0], [1]], 16, "cpu")
+    with torch.inference_mode():
+        return model(torch.tensor([5, 9, 11, 3, 8]), torch.tensor([0, 1, 2, 0, 1]), caches,
+                     ForwardBatch(attn=meta, lora=None))
+
+
+def _both_paths(model: LlamaModel, caches: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The step's outcome (hidden states, or the error) on the loop, then with the stack allowed."""
+    outcomes = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("LORASERVE_CPU_DECODER_STACK", flag)
+        try:
+            outcomes.append(_step(model, caches() if callable(caches) else caches))
+        except (RuntimeError, ValueError) as e:
+            outcomes.append((type(e), str(e)))
+    return outcomes
+
+
+@pytest.mark.parametrize("case", ["KV heads of another model", "caches that are views", "one cache too many"])
+def test_stack_leaves_caches_it_cannot_take_to_the_loop(tiny_model: Any, case: str, monkeypatch: pytest.MonkeyPatch,
+                                                        stack_runs: list[bool | None]) -> None:
+    """The kernel would read and write such caches out of bounds; the loop raises or copes, the stack
+    declines and the outcome is the loop's."""
+    if not _serves(torch.float32):
+        pytest.skip("the C linear kernel does not serve float32 on this CPU")
+    model = _model(tiny_model, "llama", torch.float32)
+    attn = model.layers[0].self_attn
+
+    def caches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if case == "KV heads of another model":
+            return [(torch.zeros(64, 1, attn.head_dim), torch.zeros(64, 1, attn.head_dim)) for _ in model.layers]
+        if case == "caches that are views":
+            both = [torch.zeros(64, 2, attn.num_kv_heads, attn.head_dim) for _ in model.layers]
+            return [(kv[:, 0], kv[:, 1]) for kv in both]
+        return _caches(model, torch.float32) * 2
+
+    loop, stacked = _both_paths(model, caches, monkeypatch)
+    assert stack_runs == [False]
+    assert (torch.equal(loop, stacked) if isinstance(loop, torch.Tensor) else loop == stacked)
+
+
+def test_stack_follows_the_attention_switch(tiny_model: Any, monkeypatch: pytest.MonkeyPatch,
+                                            stack_runs: list[bool | None]) -> None:
+    """LORASERVE_CPU_ATTENTION_KERNEL=0 sends the loop to the torch attention at once: the stack, built
+    at an earlier step, steps aside for those steps."""
+    if not _serves(torch.float32):
+        pytest.skip("the C linear kernel does not serve float32 on this CPU")
+    model = _model(tiny_model, "llama", torch.float32)
+    monkeypatch.setenv("LORASERVE_CPU_DECODER_STACK", "1")
+    _step(model, _caches(model, torch.float32))
+    monkeypatch.setenv("LORASERVE_CPU_ATTENTION_KERNEL", "0")
+    _step(model, _caches(model, torch.float32))
+    assert stack_runs == [True, False]
+
+
+@pytest.mark.parametrize("change", ["a cache tensor", "a norm weight", "a linear"])
+def test_stack_follows_replaced_tensors_and_modules(tiny_model: Any, change: str, monkeypatch: pytest.MonkeyPatch,
+                                                    stack_runs: list[bool | None]) -> None:
+    """After a step, replace what the stack bound by address (in the same cache list, the same model):
+    the next step computes with the new one, as the loop does."""
+    if not _serves(torch.float32):
+        pytest.skip("the C linear kernel does not serve float32 on this CPU")
+    model = _model(tiny_model, "llama", torch.float32)
+    caches = _caches(model, torch.float32)
+    monkeypatch.setenv("LORASERVE_CPU_DECODER_STACK", "1")
+    _step(model, caches)
+    layer = model.layers[1]
+    if change == "a cache tensor":
+        caches[1] = (torch.zeros_like(caches[1][0]), torch.zeros_like(caches[1][1]))
+    elif change == "a norm weight":
+        layer.post_attention_layernorm.weight = torch.nn.Parameter(torch.full_like(layer.input_layernorm.weight, 0.5),
+                                                                   requires_grad=False)
+    else:
+        layer.mlp.down_proj = _model(tiny_model, "llama", torch.float32).layers[0].mlp.down_proj
+    written, rows = caches[1][0], [0, 1, 2, 16, 17]  # the step's slots: blocks 0 and 1
+    stacked = _step(model, caches)
+    stacked_rows = written[rows].clone()
+    written.zero_()
+    monkeypatch.setenv("LORASERVE_CPU_DECODER_STACK", "0")
+    loop = _step(model, caches)
+    assert stack_runs == [True, True]
+    assert torch.equal(stacked, loop) and torch.equal(stacked_rows, written[rows]) and written[rows].abs().sum() > 0
