@@ -88,16 +88,56 @@ def test_every_build_matches_reference(build: str, mix: str, dtype: torch.dtype)
     y = run_cpu_kernel(y0.clone(), x, buffers, mapping)
     none_rows = [i for i, s in enumerate(slots) if s < 0]
     assert torch.equal(y[none_rows], y0[none_rows])
-    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0)
+    assert cpu_ops._build is not None
+    t_dtype = cpu_ops._build.t_dtype(dtype)  # bf16 in the AVX512-BF16 build: the reference rounds t as it does
+    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=t_dtype)
     y_torch = torch_ops.add_lora(y0.clone(), x.contiguous(), a, bt.transpose(1, 2), mapping)
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(y, y_torch, atol=1e-4, rtol=1e-4)
         return
-    # Rounded once, to nearest: half an ulp of what it sums (plus float32 noise); the twin 1.5.
+    # Each element of y rounded once, to nearest, from the sum over t as the reference rounds it: half
+    # an ulp of what it sums (plus float32 noise); the twin (which also rounds t, and the products) 1.5.
     magnitude = y0.double().abs() + lora_magnitude(x, a, bt.transpose(1, 2), slots)
     assert_within_bf16_ulps(y, y0.double() + delta, magnitude, ulps=0.6)
     assert_within_bf16_ulps(y_torch, y0.double() + delta, magnitude, ulps=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_build_matches_reference_at_high_ranks(build: str, dtype: torch.dtype) -> None:
+    """Ranks past the bf16 expand's 32-rank block of t pairs (two blocks, the second partial, odd or
+    even) and a rank of 1 (a lone row paired with zeros), over two slices; every element outside the
+    adapters' blocks (rows past a rank, off-diagonal blocks) is NaN, which the kernel must never read."""
+    max_rank, sizes, slots = 40, [131, 70], [0, 0, 1, 2, 2, 2, 2, 2, 3, -1, 1]
+    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    ranks = torch.tensor([[40, 37], [33, 1], [32, 39], [1, 0]], dtype=torch.int32)
+    g = torch.Generator().manual_seed(8)
+    a, bt = torch.zeros(4, 2 * max_rank, IN), torch.zeros(4, 2 * max_rank, offsets[-1])
+    for s in range(4):
+        for q in range(2):
+            r = int(ranks[s, q])
+            a[s, q * max_rank : q * max_rank + r] = torch.randn(r, IN, generator=g)
+            bt[s, q * max_rank : q * max_rank + r, offsets[q] : offsets[q + 1]] = torch.randn(r, sizes[q], generator=g) / 4
+    a, bt = a.to(dtype), bt.to(dtype)
+    a_nan, bt_nan = a.clone(), bt.clone()
+    for s in range(4):
+        for q in range(2):
+            r = int(ranks[s, q])
+            a_nan[s, q * max_rank + r : (q + 1) * max_rank] = float("nan")
+            bt_nan[s, q * max_rank + r : (q + 1) * max_rank] = float("nan")
+            bt_nan[s, q * max_rank : q * max_rank + r, : offsets[q]] = float("nan")
+            bt_nan[s, q * max_rank : q * max_rank + r, offsets[q + 1] :] = float("nan")
+    x = torch.randn(len(slots), IN, generator=g).to(dtype)
+    y0 = torch.randn(len(slots), offsets[-1], generator=g).to(dtype)
+    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=4)
+    y = run_cpu_kernel(y0.clone(), x, make_buffers(a_nan, bt_nan, offsets, ranks, max_rank), mapping)
+    assert cpu_ops._build is not None
+    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=cpu_ops._build.t_dtype(dtype))
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
+    else:
+        magnitude = y0.double().abs() + lora_magnitude(x, a, bt.transpose(1, 2), slots)
+        assert_within_bf16_ulps(y, y0.double() + delta, magnitude, ulps=0.6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

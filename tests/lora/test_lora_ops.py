@@ -204,7 +204,8 @@ SLICES = {"plain": [56], "qkv": [40, 8, 8], "gate_up": [300, 300], "odd": [37, 5
 def test_cpu_kernel_matches_naive(mix: str, sizes: list[int], dtype: torch.dtype) -> None:
     """Against the float64 reference of the same (bf16-rounded) inputs and the torch twin. In bf16 the
     kernel rounds each output once, to nearest (half an ulp of the magnitude it sums, plus float32
-    noise), and the twin rounds t, the product and the sum (at most 1.5 ulps)."""
+    noise), from t as its build rounds it (the reference rounds t alike), and the twin rounds t, the
+    product and the sum (at most 1.5 ulps)."""
     if not cpu_ops.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots = MIXES[mix]
@@ -219,7 +220,9 @@ def test_cpu_kernel_matches_naive(mix: str, sizes: list[int], dtype: torch.dtype
     y0 = torch.randn(len(slots), sum(sizes), generator=g).to(dtype)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=L)
     y = run_cpu_kernel(y0.clone(), x, buffers, mapping)
-    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0)
+    build = cpu_ops.kernel_build()
+    assert build is not None
+    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=build.t_dtype(dtype))
     none_rows = [i for i, s in enumerate(slots) if s < 0]
     assert torch.equal(y[none_rows], y0[none_rows])
     # The torch twin gives the same answer from the same block-diagonal buffers.

@@ -22,10 +22,12 @@ def build_mapping(
     return LoRABatchMapping.build(slots, device, max_loras=max_loras, layout=forced, all_slots=all_slots)
 
 
-def make_buffers(a: torch.Tensor, bt: torch.Tensor, offsets: list[int], ranks: torch.Tensor) -> LoRABuffers:
+def make_buffers(
+    a: torch.Tensor, bt: torch.Tensor, offsets: list[int], ranks: torch.Tensor, max_rank: int = R
+) -> LoRABuffers:
     """Slot buffers over given weights, every slot marked as holding an adapter."""
     buffers = LoRABuffers(lora_a=a, lora_b_t=bt, bias=None, slice_offsets=torch.tensor(offsets),
-                          ranks=ranks, max_rank=R)
+                          ranks=ranks, max_rank=max_rank)
     buffers.active_mask = (1 << a.shape[0]) - 1
     return buffers
 
@@ -38,14 +40,16 @@ def run_cpu_kernel(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mappi
 
 
 def naive_lora(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[int], scale: float
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[int], scale: float,
+    t_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token float64 reference: t[i] = scale * A[s] x[i]; delta[i] = B[s] t[i]."""
+    """Per-token float64 reference: t[i] = scale * A[s] x[i]; delta[i] = B[s] t[i], with t rounded to
+    `t_dtype` (to nearest even) in between where the code under test rounds it (`KernelBuild.t_dtype`)."""
     t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
     delta = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
     for i, s in enumerate(slots):
         if s >= 0:
-            t[i] = scale * (a[s].double() @ x[i].double())
+            t[i] = (scale * (a[s].double() @ x[i].double())).to(t_dtype).double()
             delta[i] = b[s].double() @ t[i]
     return t, delta
 

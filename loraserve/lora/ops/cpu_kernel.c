@@ -9,7 +9,11 @@
  * LinearWithLoRA. Only their non-zero blocks are read (never the off-diagonal zeros of a packed
  * layer, never the rows past an adapter's rank), so a decode step streams each adapter's weights
  * from memory once. x, y, A and Bt share one element type. In bfloat16, products are summed in
- * float32, t stays float32, and each element of y is rounded back to bf16 once (to nearest even).
+ * float32 and each element of y is rounded back to bf16 once (to nearest even). t is rounded to bf16
+ * (to nearest even) before the expand in builds with AVX512-BF16, whose expand multiplies bf16 pairs,
+ * as the torch twin and PEFT round it (theirs is a bf16 matmul's output); the other builds keep t in
+ * float32. vdpbf16ps treats denormals as zero and flushes them, so with AVX512-BF16 a bf16 denormal in
+ * x, A, Bt or in a row of y the expand adds to counts as zero.
  *
  * Why a kernel: a decode step with many adapters is memory-bound (16 adapters x 2 tokens read
  * ~300 MB of adapter weights per step for a 135M model), and torch's bmm path reads the zero
@@ -17,8 +21,9 @@
  * loaded after torch, so it shares torch's libgomp and its thread pool.
  *
  * Built with -march=native (loraserve/native/build.py), so the feature macros pick the code:
- * float32 runs AVX-512, AVX2 + FMA or scalar code; bfloat16 runs AVX-512 (vdpbf16ps dot products where the
- * CPU has AVX512-BF16, else bf16 -> fp32 widening and fp32 FMAs), AVX2, or scalar code.
+ * float32 runs AVX-512, AVX2 + FMA or scalar code; bfloat16 runs AVX-512 (vdpbf16ps dot products in
+ * both halves where the CPU has AVX512-BF16, else bf16 -> fp32 widening and fp32 FMAs), AVX2, or
+ * scalar code.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,6 +40,9 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LORA_AVX512 1 /* bf16: 32 values per vector, tails through masked loads and stores */
+#ifdef __AVX512BF16__
+#define LORA_BF16_DOT 1 /* vdpbf16ps / vcvtne2ps2bf16: the bf16 expand works on pairs of rank */
+#endif
 #endif
 
 /* Expand columns per work item, at most: narrow items keep each thread's prefetches running ahead
@@ -91,6 +99,25 @@ static inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
 static inline __mmask32 tail_mask(int64_t n) { /* the first min(n, 32) lanes (none when n <= 0) */
     return n >= 32 ? 0xFFFFFFFFu : (n <= 0 ? 0u : (1u << n) - 1u);
 }
+#ifdef LORA_BF16_DOT
+/* The pair layout of the dot-product expand. vdpbf16ps multiplies the two bf16 halves of each 32-bit
+ * lane; interleaving rows k and k+1 of Bt with unpacklo / unpackhi_epi16 pairs them up, but the two
+ * unpacks work within 128-bit lanes: of 32 columns c = 8 * L + m (L the 128-bit lane, m < 8), the
+ * "lo" vector holds those with m < 4 in its 32-bit lane 4 * L + m, the "hi" vector those with m >= 4
+ * in lane 4 * L + m - 4. y enters that layout through the same unpacks (against zero: a bf16 in the
+ * high half of a 32-bit lane is its float32) and leaves it through one permute per 32 columns. */
+static inline __m512 widen_lo(__m512i v) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v)); }
+static inline __m512 widen_hi(__m512i v) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v)); }
+/* 32 bf16 values of columns in order from the lo / hi float32 layout, each rounded to nearest even
+ * (vcvtne2ps2bf16 flushes denormals to zero, as the vdpbf16ps that produced them already did). */
+static inline __m512i narrow_lohi(__m512 lo, __m512 hi) {
+    /* after the conversion, word w < 16 is lo's lane w and word 16 + w hi's lane w */
+    static const uint16_t order[32] __attribute__((aligned(64))) = {
+        0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,  7,  20, 21, 22, 23,
+        8,  9,  10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    return _mm512_permutexvar_epi16(_mm512_load_si512(order), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+#endif
 #elif defined(LORA_AVX2)
 static inline __m256 widen_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 static inline __m256 widen_odd(__m256i v) {
@@ -224,12 +251,51 @@ ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const floa
 }
 
 /* ys[tk][j] += sum_{k < rank} ts[tk][k] * b[k * ld + j] for j < width, tk < T: each vector of b is
- * loaded (and widened) once for the T tokens; y is widened once and rounded once. */
+ * loaded (and widened or interleaved) once for the T tokens; y is widened once and rounded once. With
+ * AVX512-BF16, ts[tk][k] is rounded to bf16 first. */
 ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const float *const *ts, int T, const bf16 *b, int64_t ld,
                                      int64_t rank, int64_t width) {
     if (T > TOKEN_BLOCK) __builtin_unreachable();
     int64_t j = 0;
-#if defined(LORA_AVX512)
+#if defined(LORA_BF16_DOT)
+    /* t rounded to bf16 (to nearest even), then ranks k and k + 1 in one vdpbf16ps: the 32-bit lane
+     * {t[k], t[k + 1]} broadcast against rows k and k + 1 of Bt interleaved (pair layout above); an
+     * odd rank's last row pairs with zeros, and no row past the rank is read. */
+    for (; j < width; j += 64) {
+        const __mmask32 m0 = tail_mask(width - j), m1 = tail_mask(width - j - 32);
+        __m512 c[TOKEN_BLOCK][4];
+        for (int tk = 0; tk < T; ++tk) {
+            const __m512i y0 = _mm512_maskz_loadu_epi16(m0, ys[tk] + j), y1 = _mm512_maskz_loadu_epi16(m1, ys[tk] + j + 32);
+            c[tk][0] = widen_lo(y0), c[tk][1] = widen_hi(y0), c[tk][2] = widen_lo(y1), c[tk][3] = widen_hi(y1);
+        }
+        for (int64_t k0 = 0; k0 < rank; k0 += 32) {
+            const int64_t kn = rank - k0 < 32 ? rank - k0 : 32;
+            uint32_t pairs[TOKEN_BLOCK][16] __attribute__((aligned(64)));
+            for (int tk = 0; tk < T; ++tk) { /* ranks k0 + 2i and k0 + 2i + 1 in lane i; 0 past the rank */
+                const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)tail_mask(kn), ts[tk] + k0);
+                const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)tail_mask(kn - 16), ts[tk] + k0 + 16);
+                _mm512_store_si512(pairs[tk], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            for (int64_t k = 0; k < kn; k += 2) {
+                const bf16 *row = b + (k0 + k) * ld + j;
+                const __m512i b0 = _mm512_maskz_loadu_epi16(m0, row), b1 = _mm512_maskz_loadu_epi16(m1, row + 32);
+                const int odd = k + 1 == kn;
+                const __m512i n0 = odd ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(m0, row + ld);
+                const __m512i n1 = odd ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(m1, row + ld + 32);
+                const __m512i w[4] = {_mm512_unpacklo_epi16(b0, n0), _mm512_unpackhi_epi16(b0, n0),
+                                      _mm512_unpacklo_epi16(b1, n1), _mm512_unpackhi_epi16(b1, n1)};
+                for (int tk = 0; tk < T; ++tk) {
+                    const __m512bh coef = (__m512bh)_mm512_set1_epi32((int)pairs[tk][k / 2]);
+                    for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_dpbf16_ps(c[tk][u], (__m512bh)w[u], coef);
+                }
+            }
+        }
+        for (int tk = 0; tk < T; ++tk) {
+            _mm512_mask_storeu_epi16(ys[tk] + j, m0, narrow_lohi(c[tk][0], c[tk][1]));
+            _mm512_mask_storeu_epi16(ys[tk] + j + 32, m1, narrow_lohi(c[tk][2], c[tk][3]));
+        }
+    }
+#elif defined(LORA_AVX512)
     for (; j < width; j += 64) {
         const __mmask32 m0 = tail_mask(width - j), m1 = tail_mask(width - j - 32);
         __m512 c[TOKEN_BLOCK][4];

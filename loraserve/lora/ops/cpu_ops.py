@@ -40,6 +40,11 @@ class KernelBuild:
     write: Any  # lora_write_blocks
     code_paths: frozenset[str]  # of CODE_PATHS; empty: the portable C alone
 
+    def t_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What the build rounds t = A x to before the expand, for buffers of `dtype`: bfloat16 where its
+        bf16 expand multiplies pairs of bf16 (AVX512-BF16), else float32 (t as summed)."""
+        return torch.bfloat16 if dtype == torch.bfloat16 and "avx512_bf16" in self.code_paths else torch.float32
+
 
 @dataclass(frozen=True, slots=True)
 class LayerArgs:
@@ -161,8 +166,11 @@ def run(x: torch.Tensor, y: torch.Tensor, args: LayerArgs, mapping: LoRABatchMap
     """y[i] += Bt[s_i]^T A[s_i] x[i], slice by slice over each slot's ranks, for tokens with slot
     s_i >= 0; `args` from `layer_args`; call only when `applies`. Row i reads only slot s_i's blocks
     (a NaN slot reaches only its own tokens); rows of slot -1 are left alone. Same result as
-    `torch_ops.add_lora` up to float summation order (in bfloat16: float32 sums, each element of y
-    rounded once, where torch rounds the product and then the sum).
+    `torch_ops.add_lora` up to float summation order. In bfloat16: float32 sums and each element of y
+    rounded once (to nearest even), where torch rounds the product and then the sum; t = A x is rounded
+    to bfloat16 (to nearest even) before the expand, as torch and PEFT round it, where the build has
+    AVX512-BF16, and stays float32 in the other builds (`KernelBuild.t_dtype` says which); with
+    AVX512-BF16, denormals count as zero (vdpbf16ps flushes them).
 
     x [T, in]; y [T, out], updated in place and returned; both of the buffers' dtype."""
     assert mapping.cpu_kernel_args is not None and _build is not None
