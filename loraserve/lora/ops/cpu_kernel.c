@@ -156,6 +156,38 @@ static inline float sum8(__m256 v) {
 #endif
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+#ifdef LORA_AVX512
+/* out[tk * ld + r] = the sum of acc[r][tk]'s 16 lanes, for all ROW_BLOCK rows and tk < T (<= 4):
+ * one transpose-and-add tree for the 16 sums instead of 16 horizontal reductions (~50 instructions
+ * instead of ~140). First across 128-bit lanes: token tk's partial sums of row r end up in 128-bit
+ * lane tk of w[r]; then within lanes: lane tk of the result holds rows 0..3 of token tk, in order,
+ * which is exactly out[tk * ld : tk * ld + 4]. Missing tokens (tk >= T) are zeros. */
+ALWAYS_INLINE void store_sums_4x4(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T, float *out, int64_t ld) {
+    __m512 w[ROW_BLOCK];
+    for (int r = 0; r < ROW_BLOCK; ++r) {
+        __m512 v[4];
+        for (int tk = 0; tk < 4; ++tk) v[tk] = tk < T ? acc[r][tk] : _mm512_setzero_ps();
+        /* {v0.L0 + v0.L2, v0.L1 + v0.L3, v1.L0 + v1.L2, v1.L1 + v1.L3}, and the same of v2, v3 */
+        const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                         _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2)));
+        const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                         _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2)));
+        w[r] = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    /* per 128-bit lane: {w0[0] + w0[2], w1[0] + w1[2], w0[1] + w0[3], w1[1] + w1[3]}, the same of w2, w3 */
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+    const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
+    const __m512 sums = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                                      _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(sums));
+    if (T > 1) _mm_storeu_ps(out + ld, _mm512_extractf32x4_ps(sums, 1));
+    if (T > 2) _mm_storeu_ps(out + 2 * ld, _mm512_extractf32x4_ps(sums, 2));
+    if (T > 3) _mm_storeu_ps(out + 3 * ld, _mm512_extractf32x4_ps(sums, 3));
+}
+#endif
+
 /* out[tk * ld + r] = a[r * n : (r + 1) * n] . xs[tk][0 : n] for r < R, tk < T (float32 sums).
  * Inlined with constant R and T, the R * T sums live in registers. */
 ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16 *const *xs, int T,
@@ -174,6 +206,10 @@ ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16
             const __m512i xv = _mm512_maskz_loadu_epi16(m, xs[tk] + j);
             for (int r = 0; r < R; ++r) acc[r][tk] = dot_pairs(acc[r][tk], av[r], xv);
         }
+    }
+    if (R == ROW_BLOCK) {
+        store_sums_4x4(acc, T, out, ld);
+        return;
     }
     for (int r = 0; r < R; ++r)
         for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = _mm512_reduce_add_ps(acc[r][tk]);
