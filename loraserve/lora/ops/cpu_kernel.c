@@ -286,6 +286,20 @@ ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const floa
         }
 }
 
+#ifdef LORA_BF16_DOT
+/* c[tk] += the pair products of pair i of ranks: b0 / b1 hold 64 columns of its first row, n0 / n1 of
+ * its second (zeros past an odd rank); pairs[tk][i] is token tk's {t[2i], t[2i + 1]}. */
+ALWAYS_INLINE void expand_pair(__m512 c[TOKEN_BLOCK][4], int T, const uint32_t pairs[TOKEN_BLOCK][16], int64_t i,
+                               __m512i b0, __m512i b1, __m512i n0, __m512i n1) {
+    const __m512i w[4] = {_mm512_unpacklo_epi16(b0, n0), _mm512_unpackhi_epi16(b0, n0),
+                          _mm512_unpacklo_epi16(b1, n1), _mm512_unpackhi_epi16(b1, n1)};
+    for (int tk = 0; tk < T; ++tk) {
+        const __m512bh coef = (__m512bh)_mm512_set1_epi32((int)pairs[tk][i]);
+        for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_dpbf16_ps(c[tk][u], (__m512bh)w[u], coef);
+    }
+}
+#endif
+
 /* ys[tk][j] += sum_{k < rank} ts[tk][k] * b[k * ld + j] for j < width, tk < T: each vector of b is
  * loaded (and widened or interleaved) once for the T tokens; y is widened once and rounded once. With
  * AVX512-BF16, ts[tk][k] is rounded to bf16 first. */
@@ -312,19 +326,14 @@ ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const float *const *ts, in
                 const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)tail_mask(kn - 16), ts[tk] + k0 + 16);
                 _mm512_store_si512(pairs[tk], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
-            for (int64_t k = 0; k < kn; k += 2) {
-                const bf16 *row = b + (k0 + k) * ld + j;
-                const __m512i b0 = _mm512_maskz_loadu_epi16(m0, row), b1 = _mm512_maskz_loadu_epi16(m1, row + 32);
-                const int odd = k + 1 == kn;
-                const __m512i n0 = odd ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(m0, row + ld);
-                const __m512i n1 = odd ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi16(m1, row + ld + 32);
-                const __m512i w[4] = {_mm512_unpacklo_epi16(b0, n0), _mm512_unpackhi_epi16(b0, n0),
-                                      _mm512_unpacklo_epi16(b1, n1), _mm512_unpackhi_epi16(b1, n1)};
-                for (int tk = 0; tk < T; ++tk) {
-                    const __m512bh coef = (__m512bh)_mm512_set1_epi32((int)pairs[tk][k / 2]);
-                    for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_dpbf16_ps(c[tk][u], (__m512bh)w[u], coef);
-                }
-            }
+            const bf16 *row = b + k0 * ld + j;
+            int64_t i = 0;
+            for (; i < kn / 2; ++i, row += 2 * ld)
+                expand_pair(c, T, pairs, i, _mm512_maskz_loadu_epi16(m0, row), _mm512_maskz_loadu_epi16(m1, row + 32),
+                            _mm512_maskz_loadu_epi16(m0, row + ld), _mm512_maskz_loadu_epi16(m1, row + ld + 32));
+            if (kn & 1)
+                expand_pair(c, T, pairs, i, _mm512_maskz_loadu_epi16(m0, row), _mm512_maskz_loadu_epi16(m1, row + 32),
+                            _mm512_setzero_si512(), _mm512_setzero_si512());
         }
         for (int tk = 0; tk < T; ++tk) {
             _mm512_mask_storeu_epi16(ys[tk] + j, m0, narrow_lohi(c[tk][0], c[tk][1]));
