@@ -106,8 +106,12 @@ static inline __mmask32 tail_mask(int64_t n) { /* the first min(n, 32) lanes (no
  * "lo" vector holds those with m < 4 in its 32-bit lane 4 * L + m, the "hi" vector those with m >= 4
  * in lane 4 * L + m - 4. y enters that layout through the same unpacks (against zero: a bf16 in the
  * high half of a 32-bit lane is its float32) and leaves it through one permute per 32 columns. */
-static inline __m512 widen_lo(__m512i v) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v)); }
-static inline __m512 widen_hi(__m512i v) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v)); }
+static inline __m512 widen_lo(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v));
+}
+static inline __m512 widen_hi(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v));
+}
 /* 32 bf16 values of columns in order from the lo / hi float32 layout, each rounded to nearest even
  * (vcvtne2ps2bf16 flushes denormals to zero, as the vdpbf16ps that produced them already did). */
 static inline __m512i narrow_lohi(__m512 lo, __m512 hi) {
@@ -156,13 +160,29 @@ static inline float sum8(__m256 v) {
 #endif
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* The element of t for bfloat16 layers: bf16 where the build rounds t before the expand (AVX512-BF16:
+ * the shrink stores it rounded, so the expand reads each pair {t[k], t[k + 1]} as one 32-bit word,
+ * never converting it again per column chunk), else float32. */
+#ifdef LORA_BF16_DOT
+typedef bf16 tbf16;
+static inline float tbf16_to_f32(tbf16 v) { return bf16_to_f32(v); }
+static inline tbf16 f32_to_tbf16(float v) { return f32_to_bf16(v); }
+#else
+typedef float tbf16;
+static inline float tbf16_to_f32(tbf16 v) { return v; }
+static inline tbf16 f32_to_tbf16(float v) { return v; }
+#endif
+static inline int64_t t_elem_size(int elem) {
+    return elem == LORA_BF16 ? (int64_t)sizeof(tbf16) : (int64_t)sizeof(float);
+}
+
 #ifdef LORA_AVX512
 /* out[tk * ld + r] = the sum of acc[r][tk]'s 16 lanes, for all ROW_BLOCK rows and tk < T (<= 4):
  * one transpose-and-add tree for the 16 sums instead of 16 horizontal reductions (~50 instructions
  * instead of ~140). First across 128-bit lanes: token tk's partial sums of row r end up in 128-bit
  * lane tk of w[r]; then within lanes: lane tk of the result holds rows 0..3 of token tk, in order,
  * which is exactly out[tk * ld : tk * ld + 4]. Missing tokens (tk >= T) are zeros. */
-ALWAYS_INLINE void store_sums_4x4(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T, float *out, int64_t ld) {
+ALWAYS_INLINE __m512 sums_4x4(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T) {
     __m512 w[ROW_BLOCK];
     for (int r = 0; r < ROW_BLOCK; ++r) {
         __m512 v[4];
@@ -179,19 +199,34 @@ ALWAYS_INLINE void store_sums_4x4(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T, flo
     const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
     const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
     const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
-    const __m512 sums = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
-                                      _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+}
+ALWAYS_INLINE void store_sums_4x4(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T, float *out, int64_t ld) {
+    const __m512 sums = sums_4x4(acc, T);
     _mm_storeu_ps(out, _mm512_castps512_ps128(sums));
     if (T > 1) _mm_storeu_ps(out + ld, _mm512_extractf32x4_ps(sums, 1));
     if (T > 2) _mm_storeu_ps(out + 2 * ld, _mm512_extractf32x4_ps(sums, 2));
     if (T > 3) _mm_storeu_ps(out + 3 * ld, _mm512_extractf32x4_ps(sums, 3));
 }
+#ifdef LORA_BF16_DOT
+/* The same sums rounded to bf16 (to nearest even; vcvtneps2bf16, which flushes denormals to zero as the
+ * vdpbf16ps that reads them would), 4 per token. */
+ALWAYS_INLINE void store_sums_4x4_bf16(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T, bf16 *out, int64_t ld) {
+    const __m256i sums = (__m256i)_mm512_cvtneps_pbh(sums_4x4(acc, T));
+    const __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1);
+    _mm_storel_epi64((__m128i *)out, lo);
+    if (T > 1) _mm_storeh_pd((double *)(out + ld), _mm_castsi128_pd(lo));
+    if (T > 2) _mm_storel_epi64((__m128i *)(out + 2 * ld), hi);
+    if (T > 3) _mm_storeh_pd((double *)(out + 3 * ld), _mm_castsi128_pd(hi));
+}
+#endif
 #endif
 
-/* out[tk * ld + r] = a[r * n : (r + 1) * n] . xs[tk][0 : n] for r < R, tk < T (float32 sums).
- * Inlined with constant R and T, the R * T sums live in registers. */
+/* out[tk * ld + r] = a[r * n : (r + 1) * n] . xs[tk][0 : n] for r < R, tk < T (float32 sums, stored
+ * as tbf16). Inlined with constant R and T, the R * T sums live in registers. */
 ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16 *const *xs, int T,
-                                     float *out, int64_t ld) {
+                                     tbf16 *out, int64_t ld) {
     if (R > ROW_BLOCK || T > TOKEN_BLOCK) __builtin_unreachable();
     int64_t j = 0;
 #if defined(LORA_AVX512)
@@ -208,11 +243,15 @@ ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16
         }
     }
     if (R == ROW_BLOCK) {
+#ifdef LORA_BF16_DOT
+        store_sums_4x4_bf16(acc, T, out, ld);
+#else
         store_sums_4x4(acc, T, out, ld);
+#endif
         return;
     }
     for (int r = 0; r < R; ++r)
-        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = _mm512_reduce_add_ps(acc[r][tk]);
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = f32_to_tbf16(_mm512_reduce_add_ps(acc[r][tk]));
     return;
 #elif defined(LORA_AVX2)
     __m256 acc[ROW_BLOCK][TOKEN_BLOCK];
@@ -234,9 +273,9 @@ ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16
 #endif
     for (int r = 0; r < R; ++r)
         for (int tk = 0; tk < T; ++tk) {
-            float sum = out[tk * ld + r];
+            float sum = tbf16_to_f32(out[tk * ld + r]);
             for (int64_t i = j; i < n; ++i) sum += bf16_to_f32(a[r * n + i]) * bf16_to_f32(xs[tk][i]);
-            out[tk * ld + r] = sum;
+            out[tk * ld + r] = f32_to_tbf16(sum);
         }
 }
 
@@ -287,14 +326,16 @@ ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const floa
 }
 
 #ifdef LORA_BF16_DOT
-/* c[tk] += the pair products of pair i of ranks: b0 / b1 hold 64 columns of its first row, n0 / n1 of
- * its second (zeros past an odd rank); pairs[tk][i] is token tk's {t[2i], t[2i + 1]}. */
-ALWAYS_INLINE void expand_pair(__m512 c[TOKEN_BLOCK][4], int T, const uint32_t pairs[TOKEN_BLOCK][16], int64_t i,
+/* c[tk] += the pair products of ranks k and k + 1: b0 / b1 hold 64 columns of row k, n0 / n1 of row
+ * k + 1, or zeros when k is an odd rank's last (`last`: then t[k + 1] is not read either). */
+ALWAYS_INLINE void expand_pair(__m512 c[TOKEN_BLOCK][4], int T, const bf16 *const *ts, int64_t k, int last,
                                __m512i b0, __m512i b1, __m512i n0, __m512i n1) {
     const __m512i w[4] = {_mm512_unpacklo_epi16(b0, n0), _mm512_unpackhi_epi16(b0, n0),
                           _mm512_unpacklo_epi16(b1, n1), _mm512_unpackhi_epi16(b1, n1)};
     for (int tk = 0; tk < T; ++tk) {
-        const __m512bh coef = (__m512bh)_mm512_set1_epi32((int)pairs[tk][i]);
+        uint32_t pair = ts[tk][k]; /* {t[k], t[k + 1]}: the low half is the first */
+        if (!last) memcpy(&pair, ts[tk] + k, sizeof pair);
+        const __m512bh coef = (__m512bh)_mm512_set1_epi32((int)pair);
         for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_dpbf16_ps(c[tk][u], (__m512bh)w[u], coef);
     }
 }
@@ -302,13 +343,13 @@ ALWAYS_INLINE void expand_pair(__m512 c[TOKEN_BLOCK][4], int T, const uint32_t p
 
 /* ys[tk][j] += sum_{k < rank} ts[tk][k] * b[k * ld + j] for j < width, tk < T: each vector of b is
  * loaded (and widened or interleaved) once for the T tokens; y is widened once and rounded once. With
- * AVX512-BF16, ts[tk][k] is rounded to bf16 first. */
-ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const float *const *ts, int T, const bf16 *b, int64_t ld,
+ * AVX512-BF16, ts holds t as the shrink stored it: rounded to bf16. */
+ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const tbf16 *const *ts, int T, const bf16 *b, int64_t ld,
                                      int64_t rank, int64_t width) {
     if (T > TOKEN_BLOCK) __builtin_unreachable();
     int64_t j = 0;
 #if defined(LORA_BF16_DOT)
-    /* t rounded to bf16 (to nearest even), then ranks k and k + 1 in one vdpbf16ps: the 32-bit lane
+    /* t (rounded to bf16 by the shrink): ranks k and k + 1 in one vdpbf16ps, the 32-bit word
      * {t[k], t[k + 1]} broadcast against rows k and k + 1 of Bt interleaved (pair layout above); an
      * odd rank's last row pairs with zeros, and no row past the rank is read. */
     for (; j < width; j += 64) {
@@ -318,23 +359,14 @@ ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const float *const *ts, in
             const __m512i y0 = _mm512_maskz_loadu_epi16(m0, ys[tk] + j), y1 = _mm512_maskz_loadu_epi16(m1, ys[tk] + j + 32);
             c[tk][0] = widen_lo(y0), c[tk][1] = widen_hi(y0), c[tk][2] = widen_lo(y1), c[tk][3] = widen_hi(y1);
         }
-        for (int64_t k0 = 0; k0 < rank; k0 += 32) {
-            const int64_t kn = rank - k0 < 32 ? rank - k0 : 32;
-            uint32_t pairs[TOKEN_BLOCK][16] __attribute__((aligned(64)));
-            for (int tk = 0; tk < T; ++tk) { /* ranks k0 + 2i and k0 + 2i + 1 in lane i; 0 past the rank */
-                const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)tail_mask(kn), ts[tk] + k0);
-                const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)tail_mask(kn - 16), ts[tk] + k0 + 16);
-                _mm512_store_si512(pairs[tk], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            }
-            const bf16 *row = b + k0 * ld + j;
-            int64_t i = 0;
-            for (; i < kn / 2; ++i, row += 2 * ld)
-                expand_pair(c, T, pairs, i, _mm512_maskz_loadu_epi16(m0, row), _mm512_maskz_loadu_epi16(m1, row + 32),
-                            _mm512_maskz_loadu_epi16(m0, row + ld), _mm512_maskz_loadu_epi16(m1, row + ld + 32));
-            if (kn & 1)
-                expand_pair(c, T, pairs, i, _mm512_maskz_loadu_epi16(m0, row), _mm512_maskz_loadu_epi16(m1, row + 32),
-                            _mm512_setzero_si512(), _mm512_setzero_si512());
-        }
+        const bf16 *row = b + j;
+        int64_t k = 0;
+        for (; k + 1 < rank; k += 2, row += 2 * ld)
+            expand_pair(c, T, ts, k, 0, _mm512_maskz_loadu_epi16(m0, row), _mm512_maskz_loadu_epi16(m1, row + 32),
+                        _mm512_maskz_loadu_epi16(m0, row + ld), _mm512_maskz_loadu_epi16(m1, row + ld + 32));
+        if (k < rank)
+            expand_pair(c, T, ts, k, 1, _mm512_maskz_loadu_epi16(m0, row), _mm512_maskz_loadu_epi16(m1, row + 32),
+                        _mm512_setzero_si512(), _mm512_setzero_si512());
         for (int tk = 0; tk < T; ++tk) {
             _mm512_mask_storeu_epi16(ys[tk] + j, m0, narrow_lohi(c[tk][0], c[tk][1]));
             _mm512_mask_storeu_epi16(ys[tk] + j + 32, m1, narrow_lohi(c[tk][2], c[tk][3]));
@@ -388,7 +420,7 @@ ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const float *const *ts, in
     for (int tk = 0; tk < T; ++tk)
         for (int64_t i = j; i < width; ++i) {
             float acc = bf16_to_f32(ys[tk][i]);
-            for (int64_t k = 0; k < rank; ++k) acc += ts[tk][k] * bf16_to_f32(b[k * ld + i]);
+            for (int64_t k = 0; k < rank; ++k) acc += tbf16_to_f32(ts[tk][k]) * bf16_to_f32(b[k * ld + i]);
             ys[tk][i] = f32_to_bf16(acc);
         }
 }
@@ -494,52 +526,54 @@ static inline void thread_range(int64_t n, int64_t *lo, int64_t *hi) {
         else SHRINK_CALL(fn, type, R, T);                                                         \
     } while (0)
 
-/* t[p * ld + row] for the R rows of A at a_rows and the tokens p of one segment. */
+/* t[p * ld + row] for the R rows of A at a_rows and the tokens p of one segment (t of float, or of
+ * tbf16 for bf16 layers). */
 static void shrink_item(int elem, const char *a_rows, int64_t in, int R, const void *x, int64_t x_stride,
-                        const int64_t *token_ids, int64_t start, int64_t len, float *t, int64_t ld) {
+                        const int64_t *token_ids, int64_t start, int64_t len, void *t, int64_t ld) {
     const int64_t size = elem == LORA_BF16 ? 2 : 4;
     for (int64_t m = 0; m < len; m += TOKEN_BLOCK) {
         const int T = len - m < TOKEN_BLOCK ? (int)(len - m) : TOKEN_BLOCK;
         const void *xs[TOKEN_BLOCK];
         for (int tk = 0; tk < T; ++tk) xs[tk] = (const char *)x + size * token_ids[start + m + tk] * x_stride;
-        float *out = t + (start + m) * ld;
+        void *out = (char *)t + t_elem_size(elem) * (start + m) * ld;
         if (elem == LORA_BF16) SHRINK_BY_SIZE(shrink_block_bf16, bf16);
         else SHRINK_BY_SIZE(shrink_block_f32, float);
     }
 }
 
-#define EXPAND_CALL(fn, type, T_) fn((type *const *)ys, ts, T_, (const type *)b, ld, rank, width)
-#define EXPAND_BY_SIZE(fn, type)                                        \
+#define EXPAND_CALL(fn, type, ttype, T_) \
+    fn((type *const *)ys, (const ttype *const *)ts, T_, (const type *)b, ld, rank, width)
+#define EXPAND_BY_SIZE(fn, type, ttype)                                 \
     do {                                                                \
-        if (T == TOKEN_BLOCK) EXPAND_CALL(fn, type, TOKEN_BLOCK);       \
-        else if (T == 1) EXPAND_CALL(fn, type, 1);                      \
-        else if (T == 2) EXPAND_CALL(fn, type, 2);                      \
-        else EXPAND_CALL(fn, type, T);                                  \
+        if (T == TOKEN_BLOCK) EXPAND_CALL(fn, type, ttype, TOKEN_BLOCK); \
+        else if (T == 1) EXPAND_CALL(fn, type, ttype, 1);               \
+        else if (T == 2) EXPAND_CALL(fn, type, ttype, 2);               \
+        else EXPAND_CALL(fn, type, ttype, T);                           \
     } while (0)
 
 /* y[token p, col : col + width] += t[p * t_ld : + rank] @ b (rank rows of ld elements) for the tokens
  * p in [first, last) of token_ids. */
 static void expand_item(int elem, void *y, int64_t y_stride, const char *b, int64_t ld, int64_t rank,
-                        int64_t col, int64_t width, const float *t, int64_t t_ld, const int64_t *token_ids,
+                        int64_t col, int64_t width, const void *t, int64_t t_ld, const int64_t *token_ids,
                         int64_t first, int64_t last) {
-    const int64_t size = elem == LORA_BF16 ? 2 : 4;
+    const int64_t size = elem == LORA_BF16 ? 2 : 4, t_size = t_elem_size(elem);
     for (int64_t p = first; p < last; p += TOKEN_BLOCK) {
         const int T = last - p < TOKEN_BLOCK ? (int)(last - p) : TOKEN_BLOCK;
         void *ys[TOKEN_BLOCK];
-        const float *ts[TOKEN_BLOCK];
+        const void *ts[TOKEN_BLOCK];
         for (int tk = 0; tk < T; ++tk) {
             ys[tk] = (char *)y + size * (token_ids[p + tk] * y_stride + col);
-            ts[tk] = t + (p + tk) * t_ld;
+            ts[tk] = (const char *)t + t_size * (p + tk) * t_ld;
         }
-        if (elem == LORA_BF16) EXPAND_BY_SIZE(expand_block_bf16, bf16);
-        else EXPAND_BY_SIZE(expand_block_f32, float);
+        if (elem == LORA_BF16) EXPAND_BY_SIZE(expand_block_bf16, bf16, tbf16);
+        else EXPAND_BY_SIZE(expand_block_f32, float, float);
     }
 }
 
 /* The layer's buffers and the step's segments, as lora_fused receives them. */
 typedef struct {
     int elem;
-    int64_t size, in, out, max_rank, num_slices, stacked_rank, row_blocks, num_chunks;
+    int64_t size, t_size, in, out, max_rank, num_slices, stacked_rank, row_blocks, num_chunks; /* bytes per element */
     const char *a, *bt;
     const int32_t *ranks;
     const int64_t *token_ids, *seg_slots, *seg_starts, *seg_lens, *shrink_first, *expand_first;
@@ -569,7 +603,7 @@ static inline int read_before(const Step *s, int64_t seg, int64_t first, int64_t
 /* Shrink item `item`: ROW_BLOCK rows of one slice against one token group; with t NULL, only prefetch
  * its rows of A (unless read_before, `lo` the thread's first item). */
 static void shrink_at(const Step *s, int64_t item, int64_t lo, int64_t *seg, const void *x, int64_t x_stride,
-                      float *t) {
+                      void *t) {
     int64_t first, last;
     const int64_t sub = locate(s, s->shrink_first, s->num_slices * s->row_blocks, item, seg, &first, &last);
     const int64_t q = sub / s->row_blocks, row0 = sub % s->row_blocks * ROW_BLOCK, slot = s->seg_slots[*seg];
@@ -581,14 +615,14 @@ static void shrink_at(const Step *s, int64_t item, int64_t lo, int64_t *seg, con
     if (t == NULL) {
         if (!read_before(s, *seg, first, item, s->num_slices * s->row_blocks, lo))
             prefetch_rows(a_rows, s->size * s->in * R, 0, 1);
-    } else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, first, last - first, t + row,
-                     s->stacked_rank);
+    } else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, first, last - first,
+                       (char *)t + s->t_size * row, s->stacked_rank);
 }
 
 /* Expand item `item`: one column chunk of one slice for one token group; with y NULL, only prefetch
  * its block of Bt (unless read_before, `lo` the thread's first item). */
 static void expand_at(const Step *s, int64_t item, int64_t lo, int64_t *seg, void *y, int64_t y_stride,
-                      const float *t) {
+                      const void *t) {
     int64_t first, last;
     const SliceChunk c = s->chunks[locate(s, s->expand_first, s->num_chunks, item, seg, &first, &last)];
     const int64_t slot = s->seg_slots[*seg], rank = slice_rank(s->ranks, slot * s->num_slices + c.q, s->max_rank);
@@ -597,8 +631,9 @@ static void expand_at(const Step *s, int64_t item, int64_t lo, int64_t *seg, voi
     if (y == NULL) {
         if (!read_before(s, *seg, first, item, s->num_chunks, lo))
             prefetch_rows(b, s->size * c.width, s->size * s->out, rank);
-    } else expand_item(s->elem, y, y_stride, b, s->out, rank, c.col, c.width, t + c.q * s->max_rank, s->stacked_rank,
-                     s->token_ids, first, last);
+    } else expand_item(s->elem, y, y_stride, b, s->out, rank, c.col, c.width,
+                       (const char *)t + s->t_size * c.q * s->max_rank, s->stacked_rank, s->token_ids, first,
+                       last);
 }
 
 /* seg_first[g] = the first item of segment g, each token group of a segment having per_group items;
@@ -630,8 +665,9 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
     const int64_t num_segs = step[4], num_active = step[5];
     const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, NULL);
     const int64_t stacked_rank = num_slices * max_rank, row_blocks = (max_rank + ROW_BLOCK - 1) / ROW_BLOCK;
-    /* Line-aligned t (C11 wants a multiple of the alignment, and never 0): a thread's token groups
-     * start on their own lines whenever a token's row of t is a multiple of 64 bytes (rank 16 is). */
+    /* Line-aligned t (C11 wants a multiple of the alignment, and never 0; sized for float elements, the
+     * larger kind): a thread's token groups start on their own lines whenever a group's rows of t are a
+     * multiple of 64 bytes (8 tokens at rank 16 are, in float32 or bf16). */
     const size_t t_bytes = (sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * (size_t)stacked_rank + 127) / 64 * 64;
     float *t = (float *)aligned_alloc(64, t_bytes);
     SliceChunk *chunks = (SliceChunk *)malloc(sizeof(SliceChunk) * (size_t)(num_chunks > 0 ? num_chunks : 1));
@@ -644,9 +680,9 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
     int64_t *shrink_first = seg_first, *expand_first = seg_first + num_segs + 2;
     first_items(seg_lens, num_segs, num_slices * row_blocks, shrink_first);
     first_items(seg_lens, num_segs, num_chunks, expand_first);
-    const Step s = {elem, elem == LORA_BF16 ? 2 : 4, in_features, out_features, max_rank, num_slices, stacked_rank,
-                    row_blocks, num_chunks, (const char *)a, (const char *)bt, ranks, token_ids, seg_slots,
-                    seg_starts, seg_lens, shrink_first, expand_first, chunks};
+    const Step s = {elem, elem == LORA_BF16 ? 2 : 4, t_elem_size(elem), in_features, out_features, max_rank,
+                    num_slices, stacked_rank, row_blocks, num_chunks, (const char *)a, (const char *)bt, ranks,
+                    token_ids, seg_slots, seg_starts, seg_lens, shrink_first, expand_first, chunks};
     const int64_t shrink_items = shrink_first[num_segs], expand_items = expand_first[num_segs];
 
     /* Each thread takes a contiguous range of items, so it can prefetch the ones it does next. */
