@@ -11,9 +11,10 @@ for every step the C call does not serve (`run` returns None):
 - LoRA steps that the LoRA kernel does not serve (a bias term, long prefill segments, another dtype);
 - LORASERVE_CPU_DECODER_STACK=0, a fused or attention kernel switched off, or no C compiler.
 
-The fixed half of the arguments (weights, caches, tables: raw pointers) is bound once. Like the C
-linear and LoRA kernels' own arguments, it relies on those tensors being allocated once and updated in
-place; the caches are re-bound whenever a step passes another list of them.
+The fixed half of the arguments (weights, caches, tables: raw pointers) is bound once; the caller
+builds a new stack whenever `stack_signature` shows one of those objects replaced, and the caches are
+bound again whenever one of them moved. Module hooks on the linears and norms do not see the steps the
+stack runs (set LORASERVE_CPU_DECODER_STACK=0 to observe them).
 """
 
 from __future__ import annotations

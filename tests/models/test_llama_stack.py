@@ -114,9 +114,31 @@ def test_stack_equals_python_loop_with_adapters(tiny_model: Any, adapters: list[
     loop = _outputs(llm, prompts, monkeypatch, stack=False, loras=loras)
     stacked = _outputs(llm, prompts, monkeypatch, stack=True, loras=loras)
     assert stacked == loop
-    assert any(stack_runs)  # the decode steps at least
-    if dtype == torch.bfloat16:
-        assert not all(stack_runs)  # prompts past 32 tokens: those prefill steps were the loop's
+    if dtype == torch.bfloat16:  # prompts past 32 tokens: those prefill steps were the loop's
+        assert any(stack_runs) and not all(stack_runs)
+    else:  # float32 segments up to 128 tokens: every step
+        assert stack_runs and all(stack_runs)
+
+
+def test_stack_leaves_steps_with_a_lora_bias_to_the_loop(tiny_model: Any, hf_model: Any, adapters: list[str],
+                                                          tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                          stack_runs: list[bool | None]) -> None:
+    """A LoRA bias term is the torch ops' (as in `ops.add_lora`): steps where such an adapter runs go to
+    the loop, the others to the stack, and the outputs are the loop's."""
+    if not _serves(torch.float32):
+        pytest.skip("the C linear kernel does not serve float32 on this CPU")
+    path = tiny_model("llama")
+    save_peft_adapter(hf_model(path), str(tmp_path / "bias"), seed=90, base_name=path, r=4, lora_alpha=8,
+                      target_modules=["q_proj", "down_proj"], lora_bias=True)
+    llm = LLM(path, dtype="float32", enable_lora=True, enable_lora_bias=True, max_loras=2, max_lora_rank=16,
+              max_num_seqs=4, enable_prefix_caching=False)
+    prompts = _prompts(2, seed=9, max_len=12)
+    for lora in (LoRARequest("plain", 1, adapters[0]), LoRARequest("bias", 2, str(tmp_path / "bias"))):
+        start = len(stack_runs)
+        loop = _outputs(llm, prompts, monkeypatch, stack=False, loras=[lora, lora])
+        stacked = _outputs(llm, prompts, monkeypatch, stack=True, loras=[lora, lora])
+        assert stacked == loop
+        assert stack_runs[start:] and all(run is (lora.lora_name == "plain") for run in stack_runs[start:])
 
 
 def _model(tiny_model: Any, arch: str, dtype: torch.dtype, qk_norm: bool = False,
