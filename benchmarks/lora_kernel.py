@@ -2,7 +2,7 @@
 
 30 layers x 4 LoRA layers (qkv, o, gate_up, down: the 7 projections), rank 16 in all 16 slots; one
 "step" is the LoRA term of every layer, computed by `cpu_ops.run` (the kernel, whatever
-MAX_SEGMENT_LEN says) or `torch_ops.add_lora` (the layout the mapping picks). Best of --repeats.
+max_segment_len says) or `torch_ops.add_lora` (the layout the mapping picks). Best of --repeats.
 Usage: python -m benchmarks.lora_kernel [--dtype bfloat16] [--repeats 9] [--sweep]
 """
 

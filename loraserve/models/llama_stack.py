@@ -203,8 +203,7 @@ class DecoderStack:
         """The LoRA kernel's layer arguments of each linear (0: no term this step), as `ops.add_lora`
         would pick the kernel for each; None when some layer's term needs another path."""
         if not self.has_lora_kernel or mapping.cpu_kernel_args is None or mapping.num_tokens != num_tokens \
-                or self.dtype not in cpu_ops.MAX_SEGMENT_LEN \
-                or mapping.segments.max_len > cpu_ops.MAX_SEGMENT_LEN[self.dtype]:
+                or mapping.segments.max_len > cpu_ops.max_segment_len(self.dtype):
             return None
         values: list[int] = []
         for group in self.linears:

@@ -3,9 +3,10 @@
 Built for this CPU on first use by `loraserve.native.build`. No compiler, a failed build, or
 LORASERVE_CPU_LORA_KERNEL=0 leaves the torch ops in charge; the result is the same either way.
 
-The kernel beats torch's bmm on short segments (decode) and loses on long ones (prefill is
-compute-bound, where MKL / oneDNN win; measurements in benchmarks/README.md), so `applies` sends it
-only steps whose segments are at most MAX_SEGMENT_LEN[dtype] tokens long.
+`applies` sends it every step whose segments are at most `max_segment_len(dtype)` tokens long: with
+AVX-512 (bf16: AVX512-BF16) the kernel beat torch's batched matmuls at every length measured, 8 to
+2048 tokens per adapter, with two threads; the AVX2 and plain AVX-512 bf16 paths lost to them past
+128 (fp32) and 32 (bf16) tokens when last measured (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ from loraserve.native.build import load_library
 
 logger = logging.getLogger(__name__)
 
-# Longest per-slot token segment the kernel beats the torch path on, per dtype (see above).
-MAX_SEGMENT_LEN: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 32}
+# Longest per-slot token segment the kernel takes, per dtype: (with the code path that beat torch up
+# to it, length), (without it, length). See the module docstring.
+_SEGMENT_LIMITS: dict[torch.dtype, tuple[str, int, int]] = {
+    torch.float32: ("avx512", 2048, 128),
+    torch.bfloat16: ("avx512_bf16", 2048, 32),
+}
 ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's LORA_F32 / LORA_BF16
 RECORD_LEN = 8  # int64 values per `write_blocks` record
 CODE_PATHS = ("avx2", "avx512", "avx512_bf16")  # bits 0, 1, 2 of lora_code_paths()
@@ -151,12 +156,21 @@ def layer_args(
     return LayerArgs(a.dtype, in_features, out_features, a.shape[0], c_layer)
 
 
+def max_segment_len(dtype: torch.dtype) -> int:
+    """The longest per-slot token segment the kernel takes in this dtype here (0: not this dtype, or no kernel)."""
+    build = kernel_build()
+    if build is None or dtype not in _SEGMENT_LIMITS:
+        return 0
+    path, with_path, without = _SEGMENT_LIMITS[dtype]
+    return with_path if path in build.code_paths else without
+
+
 def applies(x: torch.Tensor, y: torch.Tensor, mapping: LoRABatchMapping) -> bool:
     """Whether the kernel serves this step for x/y (given buffers of their dtype whose `layer_args` are set)."""
     return (
         mapping.cpu_kernel_args is not None
-        and x.dtype == y.dtype and x.dtype in MAX_SEGMENT_LEN
-        and mapping.segments.max_len <= MAX_SEGMENT_LEN[x.dtype]
+        and x.dtype == y.dtype
+        and mapping.segments.max_len <= max_segment_len(x.dtype)
         and x.is_cpu and y.is_cpu
         and x.dim() == 2 and y.dim() == 2 and x.stride(1) == 1 and y.stride(1) == 1
     )
