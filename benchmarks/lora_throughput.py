@@ -49,7 +49,8 @@ def run_peft_mixed(path: str, adapters: list[str], prompts: list[list[int]], gen
 def generate_tok_per_s(llm: LLM, prompts: list[list[int]], gen_len: int,
                        loras: list[LoRARequest | None]) -> float:
     """Generated tokens per second of one `generate` call over all `prompts` (greedy, fixed length),
-    in steady state: the same call on other prompts runs first, untimed (adapters loaded, pages touched)."""
+    in steady state (`steady_timed`: one untimed call first, adapters loaded and pages touched, then the
+    best of three timed calls, each on prompts of its own)."""
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     seconds, outs = steady_timed(
         lambda ids: llm.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=loras,
