@@ -107,14 +107,24 @@ def test_every_build_matches_reference(build: str, mix: str, dtype: torch.dtype)
     assert_within_bf16_ulps(y_torch, y0.double() + delta, magnitude, ulps=2)
 
 
+# (max_rank, ranks per slot and slice): past the bf16 expand's 32-rank block of t pairs (two blocks, the
+# second partial, odd or even); a max_rank that is not a multiple of 4 (rows of t at any even address).
+HIGH_RANKS = {
+    "max_rank_40": (40, [[40, 37], [33, 1], [32, 39], [1, 0]]),
+    "max_rank_5": (5, [[5, 3], [1, 5], [4, 2], [1, 0]]),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_build_matches_reference_at_high_ranks(build: str, dtype: torch.dtype) -> None:
-    """Ranks past the bf16 expand's 32-rank block of t pairs (two blocks, the second partial, odd or
-    even) and a rank of 1 (a lone row paired with zeros), over two slices; every element outside the
-    adapters' blocks (rows past a rank, off-diagonal blocks) is NaN, which the kernel must never read."""
-    max_rank, sizes, slots = 40, [131, 70], [0, 0, 1, 2, 2, 2, 2, 2, 3, -1, 1]
+@pytest.mark.parametrize("case", list(HIGH_RANKS))
+def test_every_build_matches_reference_at_high_ranks(build: str, case: str, dtype: torch.dtype) -> None:
+    """Ranks of every parity, a rank of 1 (a lone row paired with zeros) and of 0, over two slices, in
+    short runs and a 30-token segment (every build takes it); every element outside the adapters' blocks (rows past a rank,
+    off-diagonal blocks) is NaN, which the kernel must never read."""
+    max_rank, rank_table = HIGH_RANKS[case]
+    sizes, slots = [131, 70], [0, 0, 1, 2, 2, 2, 2, 2, 3, -1, 1] + [2] * 25
     offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-    ranks = torch.tensor([[40, 37], [33, 1], [32, 39], [1, 0]], dtype=torch.int32)
+    ranks = torch.tensor(rank_table, dtype=torch.int32)
     g = torch.Generator().manual_seed(8)
     a, bt = torch.zeros(4, 2 * max_rank, IN), torch.zeros(4, 2 * max_rank, offsets[-1])
     for s in range(4):
@@ -142,6 +152,31 @@ def test_every_build_matches_reference_at_high_ranks(build: str, dtype: torch.dt
     else:
         magnitude = y0.double().abs() + lora_magnitude(x, a, bt.transpose(1, 2), slots)
         assert_within_bf16_ulps(y, y0.double() + delta, magnitude, ulps=0.6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_build_gives_the_same_bits_with_any_thread_count(build: str, dtype: torch.dtype) -> None:
+    """Threads split the work items by ranges and prefetch what they do next: the result must not
+    depend on how many there are (long runs, one 2048-token segment)."""
+    a, bt, ranks, offsets = _layer(dtype, seed=3)
+    buffers = make_buffers(a, bt, offsets, ranks)
+    slots = MIXES["long_runs"] + [3] * 2048
+    mapping = LoRABatchMapping.build(slots, "cpu", max_loras=NUM_SLOTS)
+    if mapping.segments.max_len > cpu_ops.max_segment_len(dtype):
+        pytest.skip(f"the {build} build leaves {mapping.segments.max_len}-token {dtype} segments to torch")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(len(slots), IN, generator=g).to(dtype)
+    y0 = torch.randn(len(slots), offsets[-1], generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3, 7):
+            torch.set_num_threads(n)
+            results.append(run_cpu_kernel(y0.clone(), x, buffers, mapping))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    assert not torch.equal(results[0], y0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

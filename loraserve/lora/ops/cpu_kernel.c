@@ -215,10 +215,10 @@ ALWAYS_INLINE void store_sums_4x4(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T, flo
 ALWAYS_INLINE void store_sums_4x4_bf16(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T, bf16 *out, int64_t ld) {
     const __m256i sums = (__m256i)_mm512_cvtneps_pbh(sums_4x4(acc, T));
     const __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1);
-    _mm_storel_epi64((__m128i *)out, lo);
-    if (T > 1) _mm_storeh_pd((double *)(out + ld), _mm_castsi128_pd(lo));
-    if (T > 2) _mm_storel_epi64((__m128i *)(out + 2 * ld), hi);
-    if (T > 3) _mm_storeh_pd((double *)(out + 3 * ld), _mm_castsi128_pd(hi));
+    /* 8 bytes a token through memcpy: a row of t starts on any even address when max_rank % 4 != 0. */
+    uint64_t words[4] = {(uint64_t)_mm_cvtsi128_si64(lo), (uint64_t)_mm_extract_epi64(lo, 1),
+                         (uint64_t)_mm_cvtsi128_si64(hi), (uint64_t)_mm_extract_epi64(hi, 1)};
+    for (int tk = 0; tk < T; ++tk) memcpy(out + tk * ld, &words[tk], sizeof words[tk]);
 }
 #endif
 #endif
