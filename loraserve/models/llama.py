@@ -22,7 +22,7 @@ from loraserve.layers.linear import Linear
 from loraserve.layers.norm import RMSNorm
 from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.models.base import NativeCausalLM
-from loraserve.models.llama_stack import DecoderStack, same_objects, stack_signature
+from loraserve.models.llama_stack import BoundObjects, DecoderStack
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -186,7 +186,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary: RotaryEmbedding = rotary  # the layers' shared one (registered as theirs first)
         self._stack: DecoderStack | None = None
-        self._stack_signature: list[object] = []  # what the stack (or finding none serves) was built from
+        self._stack_bound: BoundObjects | None = None  # what the stack (or finding none serves) was built from
 
     def forward(self, input_ids, positions, kv_caches, batch):  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
@@ -203,10 +203,9 @@ class LlamaModel(nn.Module):
         """The decoder layers as one C call (`llama_stack`), or None: the loop above then runs them."""
         if not envs.cpu_decoder_stack():
             return None
-        signature = stack_signature(list(self.layers), self.rotary)
-        if not same_objects(signature, self._stack_signature):
+        if self._stack_bound is None or not self._stack_bound.unchanged():
+            self._stack_bound = BoundObjects(self.layers, self.rotary)
             self._stack = DecoderStack.build(list(self.layers), self.rotary)
-            self._stack_signature = signature
         return None if self._stack is None else self._stack.run(x, positions, kv_caches, batch)
 
 
