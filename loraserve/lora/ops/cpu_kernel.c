@@ -45,10 +45,16 @@
 #endif
 #endif
 
-/* Expand columns per work item, at most: narrow items keep each thread's prefetches running ahead
- * in an even trickle (1.4x the DRAM bandwidth of 256-column items in a many-adapter decode step),
- * and a [rank, CHUNK] block of Bt stays in L1 while a long segment's tokens pass over it. */
+/* Expand columns per work item, at most, in a step whose segments are all one token group or less
+ * (decode): narrow items keep each thread's prefetches running ahead in an even trickle (1.4x the
+ * DRAM bandwidth of 256-column items in a many-adapter decode step). A step with a longer segment
+ * reads each block of Bt once for all its token groups (the later ones find it in L1), so the width
+ * there is the most (up to 4 * CHUNK) that keeps a [max_rank, width] block within LONG_BLOCK_BYTES:
+ * 256 columns at rank 16 in bf16 cut the per-item work enough for 1 adapter x 32 tokens to run in
+ * 1.04 instead of 1.27 ms per step, 16 x 64 tokens in 34.5 instead of 39.0 (one thread, 30 layers).
+ * The width only splits columns among items, each column's sum is the same: results do not change. */
 #define CHUNK 64
+#define LONG_BLOCK_BYTES 8192
 
 enum { LORA_F32 = 0, LORA_BF16 = 1 }; /* element type of x, y, A and Bt (and of a write record) */
 typedef uint16_t bf16;
@@ -489,13 +495,13 @@ typedef struct {
     int64_t q, col, width;
 } SliceChunk;
 
-/* Cut each slice into chunks of CHUNK columns (the last one narrower); returns the count. */
-static int64_t slice_chunks(const int64_t *offsets, int64_t num_slices, SliceChunk *out) {
+/* Cut each slice into chunks of `chunk` columns (the last one narrower); returns the count. */
+static int64_t slice_chunks(const int64_t *offsets, int64_t num_slices, int64_t chunk, SliceChunk *out) {
     int64_t count = 0;
     for (int64_t q = 0; q < num_slices; ++q) {
         const int64_t width = offsets[q + 1] - offsets[q];
-        for (int64_t col = 0; col < width; col += CHUNK) {
-            if (out) out[count] = (SliceChunk){q, offsets[q] + col, width - col < CHUNK ? width - col : CHUNK};
+        for (int64_t col = 0; col < width; col += chunk) {
+            if (out) out[count] = (SliceChunk){q, offsets[q] + col, width - col < chunk ? width - col : chunk};
             ++count;
         }
     }
@@ -574,76 +580,139 @@ static void expand_item(int elem, void *y, int64_t y_stride, const char *b, int6
 typedef struct {
     int elem;
     int64_t size, t_size, in, out, max_rank, num_slices, stacked_rank, row_blocks, num_chunks; /* bytes per element */
+    int64_t num_segs;
     const char *a, *bt;
     const int32_t *ranks;
     const int64_t *token_ids, *seg_slots, *seg_starts, *seg_lens, *shrink_first, *expand_first;
     const SliceChunk *chunks;
 } Step;
 
-/* The segment of `item` (walking *seg forward from where the last call left it) and the item's token
- * group, as [*first, *last) in token_ids; returns the item's index within its group. */
-static int64_t locate(const Step *s, const int64_t *seg_first, int64_t per_group, int64_t item, int64_t *seg,
-                      int64_t *first, int64_t *last) {
-    while (item >= seg_first[*seg + 1]) ++*seg;
-    const int64_t local = item - seg_first[*seg], end = s->seg_starts[*seg] + s->seg_lens[*seg];
-    *first = s->seg_starts[*seg] + local / per_group * TOKEN_GROUP;
-    *last = *first + TOKEN_GROUP < end ? *first + TOKEN_GROUP : end;
-    return local % per_group;
+/* A thread's walk over its items: item `item` is sub-item `sub` (of per_group) of the token group
+ * [first, last) of segment `seg`; with `inner` sub-items per slice, sub = q * inner + r. Stepping it
+ * item by item (cursor_next) replaces a search and two 64-bit divisions per item (and as many again
+ * for the item prefetched ahead): ~100 cycles of a 64-column expand item's ~300 in a decode step. */
+typedef struct {
+    int64_t item, seg, first, last, sub, q, r;
+} Cursor;
+
+/* The cursor at `item` (< the item count), each token group of a segment having per_group items. */
+static Cursor cursor_at(const Step *s, const int64_t *seg_first, int64_t per_group, int64_t inner, int64_t item) {
+    Cursor c = {item, 0, 0, 0, 0, 0, 0};
+    while (item >= seg_first[c.seg + 1]) ++c.seg;
+    const int64_t local = item - seg_first[c.seg], end = s->seg_starts[c.seg] + s->seg_lens[c.seg];
+    c.first = s->seg_starts[c.seg] + local / per_group * TOKEN_GROUP;
+    c.last = c.first + TOKEN_GROUP < end ? c.first + TOKEN_GROUP : end;
+    c.sub = local % per_group, c.q = c.sub / inner, c.r = c.sub % inner;
+    return c;
 }
 
-/* Whether a thread whose items start at `lo` has read item's block of weights (A or Bt) for the token
- * group before item's in the same segment: that item is item - per_group. A prefetch of it then
- * only costs instructions (a long segment's later groups find the block in cache, ~5% of a prefill
- * step with one thread). */
-static inline int read_before(const Step *s, int64_t seg, int64_t first, int64_t item, int64_t per_group,
-                              int64_t lo) {
-    return first > s->seg_starts[seg] && item - per_group >= lo;
+/* The next item: the next sub-item of the group, else the group's next token group, else the first
+ * group of the next segment that has tokens (after the last item, c->seg is num_segs). */
+static inline void cursor_next(const Step *s, int64_t per_group, int64_t inner, Cursor *c) {
+    ++c->item;
+    if (++c->sub < per_group) {
+        if (++c->r == inner) c->r = 0, ++c->q;
+        return;
+    }
+    c->sub = c->q = c->r = 0;
+    int64_t end = s->seg_starts[c->seg] + s->seg_lens[c->seg];
+    if (c->last < end) c->first = c->last;
+    else {
+        do ++c->seg;
+        while (c->seg < s->num_segs && s->seg_lens[c->seg] <= 0);
+        if (c->seg == s->num_segs) return;
+        c->first = s->seg_starts[c->seg], end = c->first + s->seg_lens[c->seg];
+    }
+    c->last = c->first + TOKEN_GROUP < end ? c->first + TOKEN_GROUP : end;
 }
 
-/* Shrink item `item`: ROW_BLOCK rows of one slice against one token group; with t NULL, only prefetch
- * its rows of A (unless read_before, `lo` the thread's first item). */
-static void shrink_at(const Step *s, int64_t item, int64_t lo, int64_t *seg, const void *x, int64_t x_stride,
-                      void *t) {
-    int64_t first, last;
-    const int64_t sub = locate(s, s->shrink_first, s->num_slices * s->row_blocks, item, seg, &first, &last);
-    const int64_t q = sub / s->row_blocks, row0 = sub % s->row_blocks * ROW_BLOCK, slot = s->seg_slots[*seg];
-    const int64_t rank = slice_rank(s->ranks, slot * s->num_slices + q, s->max_rank);
+/* Whether a thread whose items start at `lo` has read the cursor's block of weights (A or Bt) for the
+ * token group before its own in the same segment: that item is c->item - per_group. A prefetch of it
+ * then only costs instructions (a long segment's later groups find the block in cache, ~5% of a
+ * prefill step with one thread). */
+static inline int read_before(const Step *s, const Cursor *c, int64_t per_group, int64_t lo) {
+    return c->first > s->seg_starts[c->seg] && c->item - per_group >= lo;
+}
+
+/* The cursor's shrink item: ROW_BLOCK rows of one slice (c->q, block c->r) against one token group;
+ * with t NULL, only prefetch its rows of A (unless read_before, `lo` the thread's first item). */
+ALWAYS_INLINE void shrink_at(const Step *s, const Cursor *c, int64_t lo, const void *x, int64_t x_stride, void *t) {
+    const int64_t row0 = c->r * ROW_BLOCK, slot = s->seg_slots[c->seg];
+    const int64_t rank = slice_rank(s->ranks, slot * s->num_slices + c->q, s->max_rank);
     if (row0 >= rank) return;
     const int R = rank - row0 < ROW_BLOCK ? (int)(rank - row0) : ROW_BLOCK;
-    const int64_t row = q * s->max_rank + row0;
+    const int64_t row = c->q * s->max_rank + row0;
     const char *a_rows = s->a + s->size * (slot * s->stacked_rank + row) * s->in;
     if (t == NULL) {
-        if (!read_before(s, *seg, first, item, s->num_slices * s->row_blocks, lo))
-            prefetch_rows(a_rows, s->size * s->in * R, 0, 1);
-    } else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, first, last - first,
+        if (!read_before(s, c, s->num_slices * s->row_blocks, lo)) prefetch_rows(a_rows, s->size * s->in * R, 0, 1);
+    } else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, c->first, c->last - c->first,
                        (char *)t + s->t_size * row, s->stacked_rank);
 }
 
-/* Expand item `item`: one column chunk of one slice for one token group; with y NULL, only prefetch
- * its block of Bt (unless read_before, `lo` the thread's first item). */
-static void expand_at(const Step *s, int64_t item, int64_t lo, int64_t *seg, void *y, int64_t y_stride,
-                      const void *t) {
-    int64_t first, last;
-    const SliceChunk c = s->chunks[locate(s, s->expand_first, s->num_chunks, item, seg, &first, &last)];
-    const int64_t slot = s->seg_slots[*seg], rank = slice_rank(s->ranks, slot * s->num_slices + c.q, s->max_rank);
+/* The cursor's expand item: one column chunk (c->sub) of one slice for one token group; with y NULL,
+ * only prefetch its block of Bt (unless read_before, `lo` the thread's first item). */
+ALWAYS_INLINE void expand_at(const Step *s, const Cursor *c, int64_t lo, void *y, int64_t y_stride, const void *t) {
+    const SliceChunk ch = s->chunks[c->sub];
+    const int64_t slot = s->seg_slots[c->seg], rank = slice_rank(s->ranks, slot * s->num_slices + ch.q, s->max_rank);
     if (rank == 0) return;
-    const char *b = s->bt + s->size * ((slot * s->stacked_rank + c.q * s->max_rank) * s->out + c.col);
+    const char *b = s->bt + s->size * ((slot * s->stacked_rank + ch.q * s->max_rank) * s->out + ch.col);
     if (y == NULL) {
-        if (!read_before(s, *seg, first, item, s->num_chunks, lo))
-            prefetch_rows(b, s->size * c.width, s->size * s->out, rank);
-    } else expand_item(s->elem, y, y_stride, b, s->out, rank, c.col, c.width,
-                       (const char *)t + s->t_size * c.q * s->max_rank, s->stacked_rank, s->token_ids, first,
-                       last);
+        if (!read_before(s, c, s->num_chunks, lo)) prefetch_rows(b, s->size * ch.width, s->size * s->out, rank);
+    } else expand_item(s->elem, y, y_stride, b, s->out, rank, ch.col, ch.width,
+                       (const char *)t + s->t_size * ch.q * s->max_rank, s->stacked_rank, s->token_ids, c->first,
+                       c->last);
 }
 
 /* seg_first[g] = the first item of segment g, each token group of a segment having per_group items;
- * seg_first[num_segs] is the item count, seg_first[num_segs + 1] a sentinel for locate's walk. */
+ * seg_first[num_segs] is the item count, seg_first[num_segs + 1] a sentinel for cursor_at's walk. */
 static void first_items(const int64_t *seg_lens, int64_t num_segs, int64_t per_group, int64_t *seg_first) {
     seg_first[0] = 0;
     for (int64_t g = 0; g < num_segs; ++g)
         seg_first[g + 1] = seg_first[g] + (seg_lens[g] + TOKEN_GROUP - 1) / TOKEN_GROUP * per_group;
     seg_first[num_segs + 1] = INT64_MAX;
 }
+
+/* The calling thread's scratch for calls that need at most SCRATCH_CACHED bytes (t, the chunks and the
+ * segments' first items of a decode step need a few KiB): kept between calls (grow-only), where a
+ * malloc and a free of each buffer per call cost ~1 us of a ~40 us call. Larger calls allocate their
+ * own. Thread-local, so concurrent callers (the decoder stack, python threads) never share one. */
+#define SCRATCH_CACHED (64 * 1024)
+static __thread void *cached_scratch;
+static __thread size_t cached_bytes;
+
+static void *scratch_get(size_t bytes) {
+    if (bytes > SCRATCH_CACHED) return aligned_alloc(64, bytes);
+    if (bytes > cached_bytes) {
+        free(cached_scratch);
+        cached_bytes = bytes < 4096 ? 4096 : SCRATCH_CACHED;
+        cached_scratch = aligned_alloc(64, cached_bytes);
+        if (cached_scratch == NULL) cached_bytes = 0;
+    }
+    return cached_scratch;
+}
+
+static void scratch_put(void *p) {
+    if (p != cached_scratch) free(p);
+}
+
+/* One thread's share of a pass (shrink or expand): its contiguous range of the items, each computed
+ * after prefetching the item PREFETCH_AHEAD further on. */
+#define RUN_PASS(at, seg_first, per_group, inner, out, out_stride, in)                                \
+    do {                                                                                               \
+        int64_t lo, hi;                                                                                \
+        thread_range((seg_first)[s.num_segs], &lo, &hi);                                               \
+        if (lo < hi) {                                                                                 \
+            Cursor cur = cursor_at(&s, seg_first, per_group, inner, lo), ahead = cur;                  \
+            if (lo + PREFETCH_AHEAD < hi) ahead = cursor_at(&s, seg_first, per_group, inner, lo + PREFETCH_AHEAD); \
+            for (; cur.item < hi; cursor_next(&s, per_group, inner, &cur)) {                           \
+                if (ahead.item > cur.item && ahead.item < hi) {                                        \
+                    at(&s, &ahead, lo, NULL, 0, NULL);                                                 \
+                    cursor_next(&s, per_group, inner, &ahead);                                         \
+                }                                                                                      \
+                at(&s, &cur, lo, out, out_stride, in);                                                 \
+            }                                                                                          \
+        }                                                                                              \
+    } while (0)
 
 /* Returns 0 on success, 1 when the scratch buffers cannot be allocated (nothing written then).
  * layer: {elem, in_features, out_features, a, bt, max_rank, num_slices, slice_offsets, ranks}, with
@@ -663,46 +732,42 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
     const int64_t *token_ids = (const int64_t *)(intptr_t)step[0], *seg_slots = (const int64_t *)(intptr_t)step[1];
     const int64_t *seg_starts = (const int64_t *)(intptr_t)step[2], *seg_lens = (const int64_t *)(intptr_t)step[3];
     const int64_t num_segs = step[4], num_active = step[5];
-    const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, NULL);
-    const int64_t stacked_rank = num_slices * max_rank, row_blocks = (max_rank + ROW_BLOCK - 1) / ROW_BLOCK;
-    /* Line-aligned t (C11 wants a multiple of the alignment, and never 0; sized for float elements, the
-     * larger kind): a thread's token groups start on their own lines whenever a group's rows of t are a
-     * multiple of 64 bytes (8 tokens at rank 16 are, in float32 or bf16). */
-    const size_t t_bytes = (sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * (size_t)stacked_rank + 127) / 64 * 64;
-    float *t = (float *)aligned_alloc(64, t_bytes);
-    SliceChunk *chunks = (SliceChunk *)malloc(sizeof(SliceChunk) * (size_t)(num_chunks > 0 ? num_chunks : 1));
-    int64_t *seg_first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * (num_segs + 2)));
-    if (t == NULL || chunks == NULL || seg_first == NULL) {
-        free(t), free(chunks), free(seg_first);
-        return 1;
+    int64_t max_len = 0;
+    for (int64_t g = 0; g < num_segs; ++g) max_len = seg_lens[g] > max_len ? seg_lens[g] : max_len;
+    int64_t chunk = CHUNK; /* expand columns per item (see CHUNK) */
+    if (max_len > TOKEN_GROUP && max_rank > 0) {
+        const int64_t size = elem == LORA_BF16 ? 2 : 4;
+        chunk = LONG_BLOCK_BYTES / (size * max_rank) / CHUNK * CHUNK;
+        chunk = chunk < CHUNK ? CHUNK : (chunk > 4 * CHUNK ? 4 * CHUNK : chunk);
     }
-    slice_chunks(slice_offsets, num_slices, chunks);
-    int64_t *shrink_first = seg_first, *expand_first = seg_first + num_segs + 2;
+    const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, chunk, NULL);
+    const int64_t stacked_rank = num_slices * max_rank, row_blocks = (max_rank + ROW_BLOCK - 1) / ROW_BLOCK;
+    /* One line-aligned scratch: t first (sized for float elements, the larger kind; a thread's token
+     * groups start on their own lines whenever a group's rows of t are a multiple of 64 bytes, as 8
+     * tokens at rank 16 are in float32 or bf16), then the chunks, then both passes' seg_first. */
+    const size_t t_bytes = (sizeof(float) * (size_t)(num_active > 0 ? num_active : 1) * (size_t)stacked_rank + 63) / 64 * 64;
+    const size_t chunk_bytes = (sizeof(SliceChunk) * (size_t)num_chunks + 63) / 64 * 64;
+    const size_t first_bytes = sizeof(int64_t) * (size_t)(2 * (num_segs + 2));
+    char *scratch = (char *)scratch_get((t_bytes + chunk_bytes + first_bytes + 63) / 64 * 64);
+    if (scratch == NULL) return 1;
+    void *t = scratch;
+    SliceChunk *chunks = (SliceChunk *)(scratch + t_bytes);
+    int64_t *shrink_first = (int64_t *)(scratch + t_bytes + chunk_bytes), *expand_first = shrink_first + num_segs + 2;
+    slice_chunks(slice_offsets, num_slices, chunk, chunks);
     first_items(seg_lens, num_segs, num_slices * row_blocks, shrink_first);
     first_items(seg_lens, num_segs, num_chunks, expand_first);
     const Step s = {elem, elem == LORA_BF16 ? 2 : 4, t_elem_size(elem), in_features, out_features, max_rank,
-                    num_slices, stacked_rank, row_blocks, num_chunks, (const char *)a, (const char *)bt, ranks,
-                    token_ids, seg_slots, seg_starts, seg_lens, shrink_first, expand_first, chunks};
-    const int64_t shrink_items = shrink_first[num_segs], expand_items = expand_first[num_segs];
+                    num_slices, stacked_rank, row_blocks, num_chunks, num_segs, (const char *)a, (const char *)bt,
+                    ranks, token_ids, seg_slots, seg_starts, seg_lens, shrink_first, expand_first, chunks};
 
     /* Each thread takes a contiguous range of items, so it can prefetch the ones it does next. */
 #pragma omp parallel num_threads(num_threads)
     {
-        int64_t lo, hi, seg = 0, ahead = 0;
-        thread_range(shrink_items, &lo, &hi);
-        for (int64_t item = lo; item < hi; ++item) {
-            if (item + PREFETCH_AHEAD < hi) shrink_at(&s, item + PREFETCH_AHEAD, lo, &ahead, NULL, 0, NULL);
-            shrink_at(&s, item, lo, &seg, x, x_stride, t);
-        }
+        RUN_PASS(shrink_at, shrink_first, num_slices * row_blocks, row_blocks, x, x_stride, t);
 #pragma omp barrier
-        thread_range(expand_items, &lo, &hi);
-        seg = ahead = 0;
-        for (int64_t item = lo; item < hi; ++item) {
-            if (item + PREFETCH_AHEAD < hi) expand_at(&s, item + PREFETCH_AHEAD, lo, &ahead, NULL, 0, NULL);
-            expand_at(&s, item, lo, &seg, y, y_stride, t);
-        }
+        RUN_PASS(expand_at, expand_first, num_chunks, num_chunks, y, y_stride, t);
     }
-    free(t), free(chunks), free(seg_first);
+    scratch_put(scratch);
     return 0;
 }
 
