@@ -46,13 +46,15 @@
 #endif
 
 /* Expand columns per work item, at most, in a step whose segments are all one token group or less
- * (decode): narrow items keep each thread's prefetches running ahead in an even trickle (1.4x the
- * DRAM bandwidth of 256-column items in a many-adapter decode step). A step with a longer segment
- * reads each block of Bt once for all its token groups (the later ones find it in L1), so the width
- * there is the most (up to 4 * CHUNK) that keeps a [max_rank, width] block within LONG_BLOCK_BYTES:
- * 256 columns at rank 16 in bf16 cut the per-item work enough for 1 adapter x 32 tokens to run in
- * 1.04 instead of 1.27 ms per step, 16 x 64 tokens in 34.5 instead of 39.0 (one thread, 30 layers).
- * The width only splits columns among items, each column's sum is the same: results do not change. */
+ * (decode), and in float32: narrow items keep each thread's prefetches running ahead in an even
+ * trickle (1.4x the DRAM bandwidth of 256-column items in a many-adapter decode step). A bf16 step
+ * with a longer segment reads each block of Bt once for all its token groups (the later ones find it
+ * in L1), so the width there is the most (up to 4 * CHUNK) that keeps a [max_rank, width] block within
+ * LONG_BLOCK_BYTES: 256 columns at rank 16 cut the per-item work enough for 1 adapter x 32 tokens to
+ * run in 1.04 instead of 1.27 ms per step, 16 x 64 tokens in 34.5 instead of 39.0 (one thread, 30
+ * layers). float32 16 x 64 measured 87 ms with 64 columns, 91-99 with 128 and 96-113 with 256, so it
+ * keeps 64. The width only splits columns among items, each column's sum is the same: results do not
+ * change. */
 #define CHUNK 64
 #define LONG_BLOCK_BYTES 8192
 
@@ -735,9 +737,8 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
     int64_t max_len = 0;
     for (int64_t g = 0; g < num_segs; ++g) max_len = seg_lens[g] > max_len ? seg_lens[g] : max_len;
     int64_t chunk = CHUNK; /* expand columns per item (see CHUNK) */
-    if (max_len > TOKEN_GROUP && max_rank > 0) {
-        const int64_t size = elem == LORA_BF16 ? 2 : 4;
-        chunk = LONG_BLOCK_BYTES / (size * max_rank) / CHUNK * CHUNK;
+    if (elem == LORA_BF16 && max_len > TOKEN_GROUP && max_rank > 0) {
+        chunk = LONG_BLOCK_BYTES / (2 * max_rank) / CHUNK * CHUNK;
         chunk = chunk < CHUNK ? CHUNK : (chunk > 4 * CHUNK ? 4 * CHUNK : chunk);
     }
     const int64_t num_chunks = slice_chunks(slice_offsets, num_slices, chunk, NULL);
