@@ -148,6 +148,12 @@ def cpu_fused_ops() -> bool:
     return (get_env("CPU_FUSED_OPS", "1") or "1").strip().lower() not in ("0", "false")
 
 
+def cpu_argmax_kernel() -> bool:
+    """Take greedy tokens from CPU logits (float32 or bf16) with the C argmax kernel (default on; "0"
+    keeps torch, on logits converted to float32)."""
+    return (get_env("CPU_ARGMAX_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
+
+
 def cpu_gemm_kernel() -> bool:
     """Run CPU linear layers through the C kernel where it serves their dtype (default on; "0" keeps
     oneDNN's packed linear)."""

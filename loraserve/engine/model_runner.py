@@ -30,7 +30,7 @@ class PromptLogprobChunk:
 @dataclass(slots=True)
 class StepResult:
     sample_seqs: list[Sequence]  # sequences whose whole context is now computed: sample one token each
-    logits: torch.Tensor  # [len(sample_seqs), vocab] float32
+    logits: torch.Tensor  # [len(sample_seqs), vocab], float32 or the LM head's dtype (the sampler converts)
     prompt_chunks: list[PromptLogprobChunk]
 
 
@@ -113,7 +113,8 @@ class ModelRunner:
                 sample_rows.append(offset + n - 1)
                 sample_seqs.append(seq)
             offset += n
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
+        logits = self.model.compute_logits(hidden[sample_rows], float32=False) if sample_rows \
+            else hidden.new_empty(0, 0)
         chunks = [
             PromptLogprobChunk(seq, start, self.model.compute_logits(hidden[first : first + rows]))
             for seq, first, rows, start in prompt_spans

@@ -57,14 +57,17 @@ class Sampler:
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}."
             )
-        raw = logits.float()
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        edits = any(_needs_logit_edits(row) for row in rows)
+        # Greedy rows alone need no float32 copy: argmax_rows reads bf16 logits as they are.
+        plain_greedy = not logprob_rows and not edits and all(row.params.is_greedy for row in rows)
+        raw = logits if plain_greedy else logits.float()
         # Only the rows that asked for logprobs pay for a log_softmax over the vocabulary (the
         # sampled token's logprob feeds nothing else); taken before sampling edits `raw` in place.
         index = torch.tensor(logprob_rows, dtype=torch.long, device=logits.device) if logprob_rows else None
         every = index is not None and len(logprob_rows) == len(rows)
         raw_logprobs = torch.log_softmax(raw if every else raw[index], dim=-1) if index is not None else None
-        if any(_needs_logit_edits(row) for row in rows):
+        if edits:
             # One copy: penalties and masks below work in place, the caller's tensor stays intact.
             logits = raw.clone()
             apply_min_tokens(logits, rows)

@@ -37,8 +37,11 @@ class NativeCausalLM(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError  # each architecture states its own cache shape
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.base_forward(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits [N, vocab] in float32, or with float32=False in the LM head's dtype (no copy: the
+        sampler converts the rows it computes on, and greedy rows need none)."""
+        logits = self.lm_head.base_forward(hidden)
+        return logits.float() if float32 else logits
 
     def _packed_target(self, name: str) -> tuple[str, int | None]:
         """Map a checkpoint parameter name to (model parameter name, packed shard index or None)."""

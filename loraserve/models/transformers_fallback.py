@@ -275,8 +275,9 @@ class TransformersForCausalLM(nn.Module):
             )
         return out.last_hidden_state[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32, with the output scalings some HF heads apply after lm_head."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits [N, vocab] in float32 (whatever `float32` says: the scalings and softcap below run
+        in float32), with the output scalings some HF heads apply after lm_head."""
         logits = self.hf_model.get_output_embeddings()(hidden)
         text = self.hf_config.get_text_config()
         if getattr(text, "logit_scale", None) is not None:
