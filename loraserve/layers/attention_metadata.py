@@ -9,6 +9,7 @@ first takes that path in the step.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -65,28 +66,36 @@ def build_attention_metadata(
 
     query_lens[i] new tokens of sequence i sit at positions context_lens[i] - query_lens[i] ..
     context_lens[i] - 1; block_tables[i] holds the sequence's physical blocks in order (at least
-    ceil(context_lens[i] / block_size) of them)."""
+    ceil(context_lens[i] / block_size) of them). Built from Python lists with two tensor copies: a
+    decode step runs this once, where a dozen small tensor ops cost more than the lists."""
     num_seqs = len(query_lens)
     max_q, max_ctx = max(query_lens), max(context_lens)
     num_blocks = (max_ctx + block_size - 1) // block_size
-    rows = [blocks[:num_blocks] + [0] * (num_blocks - len(blocks[:num_blocks])) for blocks in block_tables]
-    table = torch.tensor(rows, dtype=torch.int32).view(num_seqs, num_blocks)
-    q_lens = torch.tensor(query_lens, dtype=torch.int32)
-    query_starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    torch.cumsum(q_lens, 0, out=query_starts[1:])
-    ctx_lens = torch.tensor(context_lens, dtype=torch.int32)
-
-    # Slot of new token j of sequence i (position ctx - q + j).
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens.long())
-    positions = (ctx_lens - q_lens).long()[seq_of_token] + torch.arange(int(query_starts[-1])) - query_starts[
-        seq_of_token
-    ].long()
-    slot_mapping = table[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    ints: list[int] = []  # the block table's rows, then query_starts, then context_lens (all int32)
+    for blocks in block_tables:
+        row = blocks[:num_blocks]
+        ints += row
+        if len(row) < num_blocks:
+            ints += [0] * (num_blocks - len(row))
+    ints += itertools.accumulate(query_lens, initial=0)
+    ints += context_lens
+    slots: list[int] = []  # each new token's cache slot, a range per block it touches
+    for blocks, q_len, ctx in zip(block_tables, query_lens, context_lens, strict=True):
+        pos = ctx - q_len
+        while pos < ctx:
+            block, offset = divmod(pos, block_size)
+            end = min(ctx, pos - offset + block_size)
+            first = blocks[block] * block_size + offset
+            slots += range(first, first + end - pos)
+            pos = end
+    flat = torch.tensor(ints, dtype=torch.int32).to(device)
+    table, query_starts, ctx_lens = flat.split([num_seqs * num_blocks, num_seqs + 1, num_seqs])
+    slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)
     return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=table.to(device),
-        context_lens=ctx_lens.to(device),
-        query_starts=query_starts.to(device),
+        slot_mapping=slot_mapping,
+        block_tables=table.view(num_seqs, num_blocks),
+        context_lens=ctx_lens,
+        query_starts=query_starts,
         query_lens_list=list(query_lens),
         context_lens_list=list(context_lens),
         block_size=block_size,
