@@ -54,6 +54,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.spec: KVCacheSpec = self.model.kv_cache_spec()
+        # The last step's LoRA mapping and the token slots it was built from: decode steps of an
+        # unchanged batch reuse it (it is immutable, and its index tensors are only read).
+        self._lora_mapping: tuple[tuple[int, ...], Any] | None = None
         shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -90,7 +93,10 @@ class ModelRunner:
         if lora_slots is not None:
             from loraserve.lora.mapping import LoRABatchMapping
 
-            lora = LoRABatchMapping.build(token_slots, self.device, max_loras=self.max_loras)
+            key = tuple(token_slots)
+            if self._lora_mapping is None or self._lora_mapping[0] != key:
+                self._lora_mapping = (key, LoRABatchMapping.build(token_slots, self.device, max_loras=self.max_loras))
+            lora = self._lora_mapping[1]
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
