@@ -16,7 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef int (*gemm_fn)(const int64_t *, const void *, int64_t, const void *, void *, int64_t, int);
+typedef int (*gemm_fn)(const int64_t *, const void *, int64_t, const void *, void *, int64_t, int, const int64_t *);
 typedef void (*norm_fn)(const void *, int64_t, void *, int64_t, void *, int64_t, const void *, int64_t, int64_t,
                         float, int, int);
 typedef void (*silu_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int, int);
@@ -27,12 +27,14 @@ typedef int (*attn_fn)(const void *, int64_t, const void *, const void *, void *
                        int64_t, float, float, int64_t, int, int, const void *, int64_t, const void *, int64_t,
                        const int64_t *);
 typedef int (*lora_fn)(const int64_t *, const int64_t *, const void *, int64_t, void *, int64_t, int);
+typedef int64_t (*ranges_fn)(const int64_t *, const int64_t *, int64_t *, int64_t, int);
+#define MAX_SIDE_RUNS 64 /* of lora_weight_ranges: two per slice and adapter of a step */
 
 enum { OP_GEMM = 1, OP_ROPE = 2, OP_ATTENTION = 3, OP_LORA = 4 };
 
 /* The model's fixed half, built once: kernels, sizes and each layer's weights. */
 enum {
-    M_GEMM, M_NORM, M_SILU, M_ROPE, M_ATTN, M_LORA, /* function pointers */
+    M_GEMM, M_NORM, M_SILU, M_ROPE, M_ATTN, M_LORA, M_LORA_RANGES, /* function pointers */
     M_LAYERS, M_HIDDEN, M_Q, M_KV, M_INTER, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_DTYPE,
     M_COS, M_SIN, M_POSITIONS, /* rope tables [M_POSITIONS, head_dim] float32 */
     M_FIELDS
@@ -56,11 +58,19 @@ int decoder_stack_layout(void) { return M_FIELDS | L_FIELDS << 8 | S_FIELDS << 1
 #define PTR(type, v) ((type)(intptr_t)(v))
 #define FAIL(layer, op, status) return (int)(((layer) << 8) | ((op) << 4) | ((status) & 0xF))
 
-/* y = x W^T + b through gemm_linear_packed, then the layer's LoRA term when `lora` is not 0. */
+/* y = x W^T + b through gemm_linear_prefetch, then the layer's LoRA term when `lora` is not 0; the
+ * product fetches that term's adapter weights meanwhile (see gemm_kernel.c), so the LoRA kernel finds
+ * them in cache instead of waiting on memory at its start. */
 static int linear(const int64_t *m, const int64_t *s, int64_t weight, int64_t bias, int64_t lora, const void *x,
                   int64_t ldx, void *y, int64_t ldy) {
+    int64_t side[2 + 4 * MAX_SIDE_RUNS]; /* the LoRA term's weights, fetched during the base product */
+    const int64_t *sp = NULL;
+    if (lora != 0 && m[M_LORA_RANGES] != 0 &&
+        PTR(ranges_fn, m[M_LORA_RANGES])(PTR(const int64_t *, lora), PTR(const int64_t *, s[S_LORA_STEP]), side,
+                                         MAX_SIDE_RUNS, (int)s[S_THREADS]) > 0)
+        sp = side;
     int status = PTR(gemm_fn, m[M_GEMM])(PTR(const int64_t *, weight), x, ldx, PTR(const void *, bias), y,
-                                         s[S_TOKENS], (int)s[S_THREADS]);
+                                         s[S_TOKENS], (int)s[S_THREADS], sp);
     if (status != 0) return (OP_GEMM << 4) | (status & 0xF);
     if (lora != 0) {
         status = PTR(lora_fn, m[M_LORA])(PTR(const int64_t *, lora), PTR(const int64_t *, s[S_LORA_STEP]), x, ldx,

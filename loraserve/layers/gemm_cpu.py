@@ -38,6 +38,8 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     run.argtypes, run.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i32, i32], i32
     run_packed.argtypes = [ctypes.POINTER(i64), ptr, i64, ptr, ptr, i64, i32]
     run_packed.restype = i32
+    lib.gemm_linear_prefetch.argtypes = [ctypes.POINTER(i64), ptr, i64, ptr, ptr, i64, i32, ptr]
+    lib.gemm_linear_prefetch.restype = i32
     return lib
 
 

@@ -62,6 +62,55 @@ static inline __attribute__((always_inline)) void prefetch_step(prefetch_t *pf, 
     }
 }
 
+/* A second prefetch stream, for memory the caller reads right after this call (a LoRA term's
+ * weights): `runs` holds `num` runs of (address, bytes per row, rows, row stride in bytes), walked
+ * line by line from run r, row `row`, line address `at`. Each tile asks for its share of the lines
+ * before it starts: a few dozen at most, which the core keeps in flight while the tile computes,
+ * where a check in the tile's k loop would cost the product ~8%. */
+typedef struct {
+    const int64_t *runs;
+    int64_t num, r, row;
+    const char *at;
+} side_t;
+
+/* Moves to the next row that has bytes (or past the last run), at its first line. */
+static void side_next_row(side_t *sd) {
+    for (;;) {
+        if (++sd->row >= sd->runs[4 * sd->r + 2]) sd->row = 0, sd->r++;
+        if (sd->r >= sd->num) return;
+        const int64_t *run = sd->runs + 4 * sd->r;
+        if (run[1] > 0 && run[2] > 0) {
+            sd->at = (const char *)((uintptr_t)(run[0] + sd->row * run[3]) & ~(uintptr_t)63);
+            return;
+        }
+        sd->row = run[2]; /* an empty run: on to the next */
+    }
+}
+
+/* Prefetches the next `count` lines of the stream into L2. */
+static inline void side_fetch(side_t *sd, int64_t count) {
+    for (int64_t j = 0; j < count && sd->r < sd->num; j++) {
+        __builtin_prefetch(sd->at, 0, 2);
+        const int64_t *run = sd->runs + 4 * sd->r;
+        sd->at += 64;
+        if ((intptr_t)sd->at >= run[0] + sd->row * run[3] + run[1]) side_next_row(sd);
+    }
+}
+
+/* The lines of runs [0, num): each row from its first line to its end. */
+static int64_t side_lines(const int64_t *runs, int64_t num) {
+    int64_t lines = 0;
+    for (int64_t i = 0; i < num; i++) {
+        const int64_t *run = runs + 4 * i;
+        if (run[1] <= 0) continue;
+        for (int64_t row = 0; row < run[2]; row++) {
+            const uintptr_t first = (uintptr_t)(run[0] + row * run[3]);
+            lines += (int64_t)(((first + (uintptr_t)run[1] + 63) & ~(uintptr_t)63) - (first & ~(uintptr_t)63)) / 64;
+        }
+    }
+    return lines;
+}
+
 /* A tile of `mr` rows (1 to 8): one instantiation per row count keeps every tile's accumulators in
  * registers (the row loops unroll over a constant). */
 #define TILE_SWITCH(tile, mr, ...)                                                                            \
@@ -190,7 +239,8 @@ typedef struct {
 
 /* One work item: rows [m0, m1) of x times column block b, prefetching `next` (a block of
  * `next_bytes`, or nothing) into L2 spread evenly over the item's tiles. */
-static void run_item(const gemm_t *g, int64_t item, const char *next, int64_t next_bytes) {
+static void run_item(const gemm_t *g, int64_t item, const char *next, int64_t next_bytes, side_t *sd,
+                     int64_t item_lines) {
     const int64_t b = item % g->num_blocks, m0 = item / g->num_blocks * g->row_chunk;
     const int64_t m1 = m0 + g->row_chunk < g->m ? m0 + g->row_chunk : g->m;
     const int64_t ncols = g->n - b * g->nb < g->nb ? g->n - b * g->nb : g->nb;
@@ -202,6 +252,7 @@ static void run_item(const gemm_t *g, int64_t item, const char *next, int64_t ne
         int64_t first = tile * lines_per_tile, count = lines - first < lines_per_tile ? lines - first : lines_per_tile;
         prefetch_t pf = {next == NULL ? NULL : next + first * 64, count > 0 ? count : 0,
                          (lines_per_tile + g->steps - 1) / g->steps};
+        if (sd != NULL) side_fetch(sd, (item_lines + num_tiles - 1) / num_tiles);
         g->block(rows, g->x + r * g->ldx * g->elem, g->ldx, g->w + b * g->block_bytes, g->k, bias,
                  g->y + (r * g->ldy + b * g->nb) * g->elem, g->ldy, ncols, pf);
     }
@@ -211,9 +262,9 @@ static void run_item(const gemm_t *g, int64_t item, const char *next, int64_t ne
  * weight of the linear that runs next, `next_n` x `next_k`: a model's weights stream from memory,
  * so each thread fetches the block it will start that call with while it finishes this one.
  * Returns 0, or 1 if this build does not serve the dtype (nothing written). */
-int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int64_t m,
-                int64_t n, int64_t k, const void *next_w, int64_t next_n, int64_t next_k, int dtype,
-                int num_threads) {
+static int gemm_run(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int64_t m,
+                    int64_t n, int64_t k, const void *next_w, int64_t next_n, int64_t next_k, int dtype,
+                    int num_threads, const int64_t *side) {
     int layout = gemm_pack_layout(dtype);
     if (layout == 0) return 1;
     gemm_t g = {.x = x, .w = w, .bias = bias, .y = y, .ldx = ldx, .ldy = ldy, .m = m, .n = n, .k = k,
@@ -243,14 +294,26 @@ int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, voi
         /* Contiguous ranges, computed the same way for every call, so a thread knows which block it
          * starts the next call with (assuming it has as many row chunks as this one). */
         const int64_t begin = num_items * tid / nth, end = num_items * (tid + 1) / nth;
+        /* side (gemm_linear_prefetch): with split (its runs per segment), thread t takes segments
+         * [segs * t / nth, segs * (t + 1) / nth), lora_fused's own split of a segment-major step */
+        side_t sd = {NULL, 0, 0, -1, NULL};
+        if (side != NULL && side[0] > 0) {
+            const int64_t per_seg = side[1] > 0 ? side[1] : side[0], segs = side[0] / per_seg;
+            const int64_t s0 = side[1] > 0 ? segs * tid / nth : 0, s1 = side[1] > 0 ? segs * (tid + 1) / nth : segs;
+            sd.runs = side + 2 + 4 * per_seg * s0, sd.num = per_seg * (s1 - s0);
+            side_next_row(&sd); /* row -1 of run 0: the first row with bytes */
+        }
+        const int64_t lines = sd.runs == NULL ? 0 : side_lines(sd.runs, sd.num);
+        side_t *sdp = lines > 0 && end > begin ? &sd : NULL;
+        const int64_t lines_per_item = end > begin ? (lines + (end - begin) - 1) / (end - begin) : 0;
         for (int64_t item = begin; item < end; item++) {
             if (item + 1 < end) {
-                run_item(&g, item, g.w + (item + 1) % g.num_blocks * g.block_bytes, g.block_bytes);
+                run_item(&g, item, g.w + (item + 1) % g.num_blocks * g.block_bytes, g.block_bytes, sdp, lines_per_item);
             } else if (next_w != NULL && next_blocks > 0) {
                 int64_t first = next_blocks * num_chunks * tid / nth % next_blocks;
-                run_item(&g, item, (const char *)next_w + first * next_bytes, next_bytes);
+                run_item(&g, item, (const char *)next_w + first * next_bytes, next_bytes, sdp, lines_per_item);
             } else {
-                run_item(&g, item, NULL, 0);
+                run_item(&g, item, NULL, 0, sdp, lines_per_item);
             }
         }
     }
@@ -260,8 +323,36 @@ int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, voi
 /* gemm_linear with the weight's fixed arguments in one array, built once per weight: ctypes converts
  * every argument of every call, and a decode step makes ~120 of these calls.
  * weight = {w, n, k, next_w, next_n, next_k, dtype}; y's row stride is n. */
+int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int64_t m,
+                int64_t n, int64_t k, const void *next_w, int64_t next_n, int64_t next_k, int dtype,
+                int num_threads) {
+    return gemm_run(x, ldx, w, bias, y, ldy, m, n, k, next_w, next_n, next_k, dtype, num_threads, NULL);
+}
+
+/* gemm_linear_packed that also fetches `side` into L2 (or NULL: nothing), memory the caller reads
+ * next: side = {num_runs, runs per segment (0: no split), then num_runs runs of (address, bytes per
+ * row, rows, row stride in bytes)}. With a split the runs come per segment, and thread t fetches only
+ * its share of the segments (the next call splits them among threads the same way); else every
+ * thread fetches all. A decode step's product leaves memory mostly idle, so a small LoRA term's
+ * weights arrive at little cost (1 adapter x 32 tokens: 0.3-0.6 ms off a decode step); many adapters'
+ * weights compete with the product's own stream (16 adapters made the step slower), so the fetch is
+ * skipped when it exceeds 1 / SIDE_MAX_SHARE of the weight's bytes. */
+#define SIDE_MAX_SHARE 4
+int gemm_linear_prefetch(const int64_t *weight, const void *x, int64_t ldx, const void *bias, void *y, int64_t m,
+                         int num_threads, const int64_t *side) {
+    if (side != NULL) {
+        int64_t bytes = 0;
+        for (int64_t i = 0; i < side[0]; i++) bytes += side[3 + 4 * i] * side[4 + 4 * i];
+        if (side[1] < 0 || (side[1] > 0 && side[0] % side[1] != 0) ||
+            bytes * SIDE_MAX_SHARE > weight[1] * weight[2] * (weight[6] == 1 ? 2 : 4))
+            side = NULL;
+    }
+    return gemm_run(x, ldx, (const void *)(intptr_t)weight[0], bias, y, weight[1], m, weight[1], weight[2],
+                    (const void *)(intptr_t)weight[3], weight[4], weight[5], (int)weight[6], num_threads, side);
+}
+
 int gemm_linear_packed(const int64_t *weight, const void *x, int64_t ldx, const void *bias, void *y, int64_t m,
                        int num_threads) {
-    return gemm_linear(x, ldx, (const void *)(intptr_t)weight[0], bias, y, weight[1], m, weight[1], weight[2],
-                       (const void *)(intptr_t)weight[3], weight[4], weight[5], (int)weight[6], num_threads);
+    return gemm_run(x, ldx, (const void *)(intptr_t)weight[0], bias, y, weight[1], m, weight[1], weight[2],
+                    (const void *)(intptr_t)weight[3], weight[4], weight[5], (int)weight[6], num_threads, NULL);
 }

@@ -35,8 +35,8 @@ from loraserve.lora.ops import cpu_ops
 from loraserve.native.build import function_address, load_library
 
 # decoder_stack.c's field counts, the model fields read back here, and its error ops.
-MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 18, 13, 21
-M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 8, 9, 10, 13, 17
+MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 19, 13, 21
+M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 9, 10, 11, 14, 18
 OP_GEMM, OP_ROPE, OP_ATTENTION, OP_LORA = 1, 2, 3, 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -63,16 +63,18 @@ def _library() -> Any:
 
 
 def _kernel_addresses() -> list[int] | None:
-    """gemm_linear_packed, rms_norm, silu_and_mul, rotary_inplace, paged_attention, lora_fused (0 when
-    the LoRA kernel is missing: LoRA steps then take the Python path); None if one of the others is."""
+    """gemm_linear_prefetch, rms_norm, silu_and_mul, rotary_inplace, paged_attention, then lora_fused and
+    lora_weight_ranges (0 when the LoRA kernel is missing: LoRA steps then take the Python path); None
+    if one of the others is."""
     gemm, fused = gemm_cpu.kernel_library(), fused_ops.kernel_library()
     attention = paged_attention_cpu.kernel_function()
     if gemm is None or fused is None or attention is None:
         return None
     lora = cpu_ops.fused_function()
-    return [function_address(fn) for fn in (gemm.gemm_linear_packed, fused.rms_norm, fused.silu_and_mul,
+    ranges = cpu_ops.weight_ranges_function()
+    return [function_address(fn) for fn in (gemm.gemm_linear_prefetch, fused.rms_norm, fused.silu_and_mul,
                                             fused.rotary_inplace, attention)] + [
-        0 if lora is None else function_address(lora)]
+        0 if lora is None else function_address(lora), 0 if ranges is None else function_address(ranges)]
 
 
 class BoundObjects:
@@ -146,7 +148,7 @@ class DecoderStack:
                  attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, _DTYPE_CODES[dtype]]
         tables = [rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(), rotary.cos_table.shape[0]]
         model_args = (ctypes.c_int64 * MODEL_FIELDS)(*kernels, *sizes, *tables)
-        return cls(layers, model_args, kernels[-1] != 0, norm0.eps, attn0.attn.scale, dtype)
+        return cls(layers, model_args, kernels[5] != 0, norm0.eps, attn0.attn.scale, dtype)
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[ctypes.c_int64] | None:
         """Every layer's fixed fields with these caches, bound again whenever a cache tensor moved; None

@@ -143,6 +143,30 @@ def test_prefetch_chain_links_in_order_and_changes_nothing() -> None:
         assert packed[0].prefetch_next is None and foreign.prefetch_next is None  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("split", [0, 2])
+def test_side_prefetch_changes_nothing(num_threads: int, split: int) -> None:
+    """gemm_linear_prefetch fetching other memory (runs of rows of odd sizes and strides, empty runs,
+    split among threads or not, within and beyond its share of the weight's bytes) gives
+    gemm_linear_packed's output bit for bit."""
+    import ctypes
+
+    x, weight, bias = _inputs(40, 576, 200, _kernel_dtype(), seed=12)
+    packed = _packed_or_skip(weight)
+    lib = gemm_cpu.kernel_library()
+    side_memory = torch.zeros(1 << 20, dtype=torch.uint8)
+    base = side_memory.data_ptr()
+    for runs in ([(7, 130, 1, 0), (300, 64, 5, 1000), (9000, 0, 3, 64), (20000, 100, 0, 0)],  # empty runs too
+                 [(i * 9000 + 3, 500, 16, 560) for i in range(8)],
+                 [(0, 1 << 19, 1, 0), (1 << 19, 1 << 18, 2, 1 << 18)]):  # over the share: not fetched
+        flat = [v for address, *rest in runs for v in (base + address, *rest)]
+        side = (ctypes.c_int64 * (2 + len(flat)))(len(runs), split, *flat)
+        y = torch.empty(40, 200, dtype=x.dtype)
+        status = lib.gemm_linear_prefetch(gemm_cpu.call_args(packed), x.data_ptr(), x.stride(0), bias.data_ptr(),
+                                          y.data_ptr(), 40, num_threads, side)
+        assert status == 0 and torch.equal(y, gemm_cpu.linear(x, packed, bias))
+
+
 @pytest.mark.parametrize("num_threads", [3, 7])
 def test_more_threads_than_column_blocks(num_threads: int) -> None:
     """Few column blocks and many threads: rows are split finer so no thread idles, same results."""

@@ -26,7 +26,7 @@ from support.lora_reference import (
 from loraserve.lora import ops
 from loraserve.lora.layout import LoRALayout
 from loraserve.lora.mapping import LoRABatchMapping
-from loraserve.lora.ops import cpu_ops, torch_ops
+from loraserve.lora.ops import LoRABuffers, cpu_ops, torch_ops
 
 
 def _zipf_slots(num_tokens: int, num_slots: int, seed: int) -> list[int]:
@@ -289,3 +289,44 @@ def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatc
 
 # Property tests: random steps against the naive reference. Each layout the builder can pick is
 # forced in turn ("padded_all" is the grid over all max_loras slots), plus the builder's own choice.
+
+
+def test_cpu_kernel_names_the_weights_each_call_reads() -> None:
+    """lora_weight_ranges (what the decoder stack has the base product fetch ahead of the LoRA kernel)
+    lists, per segment in order and per slice, A's rows and Bt's block of the slot (its rank's rows,
+    its slice's columns), says when the kernel splits segments among threads, and declines past its
+    room for runs."""
+    import ctypes
+
+    ranges = cpu_ops.weight_ranges_function()
+    if ranges is None:
+        pytest.skip("the C kernel is not built here")
+    buffers = LoRABuffers.allocate(4, 8, 64, [0, 32, 48], torch.bfloat16, torch.device("cpu"), False)
+    buffers.ranks.copy_(torch.tensor([[8, 8], [8, 8], [3, 0], [8, 5]], dtype=torch.int32))
+    layer = buffers.cpu_kernel_args
+    assert layer is not None
+    out = (ctypes.c_int64 * (2 + 4 * 16))()
+
+    def listed(slots: list[int], num_threads: int, room: int = 16) -> tuple[int, int, list[tuple[int, ...]]]:
+        mapping = LoRABatchMapping.build(slots, "cpu", max_loras=4)
+        assert mapping.cpu_kernel_args is not None
+        total = ranges(ctypes.addressof(layer.c_layer), ctypes.addressof(mapping.cpu_kernel_args), out, room,
+                       num_threads)
+        return total, out[1], [tuple(out[2 + 4 * i : 6 + 4 * i]) for i in range(out[0])]
+
+    def runs(slot: int) -> list[tuple[int, ...]]:
+        found = []
+        for q, (lo, hi) in enumerate([(0, 32), (32, 48)]):
+            rank = int(buffers.ranks[slot, q])
+            a, bt = buffers.lora_a[slot, q * 8], buffers.lora_b_t[slot, q * 8, lo:]
+            found += [(a.data_ptr(), rank * 64 * 2, 1, 0), (bt.data_ptr(), (hi - lo) * 2, rank, 48 * 2)]
+        return found
+
+    total, split, found = listed([2, -1, 0, 2, 3], num_threads=2)
+    assert found == runs(0) + runs(2) + runs(3) and split == 0
+    assert total == sum(size * rows for _, size, rows, _ in found)
+    assert listed([0, 1, 2, 3], num_threads=2)[1] == 4  # one-token segments on 2 threads: 4 runs each
+    assert listed([0, 1, 2, 3], num_threads=1)[1] == 0
+    assert listed([0] * 9 + [1, 2, 3], num_threads=2)[1] == 0  # a segment longer than a token group
+    assert listed([-1, -1], num_threads=1) == (0, 0, [])
+    assert listed([0, 1, 2], num_threads=1, room=11)[0] == -1 and out[0] == 0

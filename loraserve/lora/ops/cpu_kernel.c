@@ -767,6 +767,44 @@ static void run_segments(const Step *s, int64_t g0, int64_t g1, const void *x, i
     }
 }
 
+/* Whether lora_fused runs a step segment-major (see run_segments): many short segments, several threads. */
+static inline int segment_major(int64_t max_len, int has_rank, int64_t num_threads, int64_t num_segs) {
+    return max_len <= TOKEN_GROUP && has_rank && num_threads > 1 && num_segs >= SEG_MAJOR_MIN * num_threads;
+}
+
+/* The weights lora_fused(layer, step) reads, for the base product to fetch ahead of it
+ * (gemm_linear_prefetch): out = {num_runs, runs per segment when the call splits segments among
+ * num_threads threads (segment-major), else 0; then runs of (address, bytes per row, rows, row stride
+ * in bytes)}: per segment and slice, A's rows and Bt's block of that slot (its rank's rows, its
+ * slice's columns). Returns their bytes, or -1 (out[0] = 0) when they need more than max_runs runs. */
+int64_t lora_weight_ranges(const int64_t *layer, const int64_t *step, int64_t *out, int64_t max_runs,
+                           int num_threads) {
+    const int64_t size = layer[0] == LORA_BF16 ? 2 : 4, in = layer[1], o = layer[2], max_rank = layer[5];
+    const int64_t num_slices = layer[6], stacked = max_rank * num_slices;
+    const int64_t *offsets = (const int64_t *)(intptr_t)layer[7];
+    const int32_t *ranks = (const int32_t *)(intptr_t)layer[8];
+    const int64_t *seg_slots = (const int64_t *)(intptr_t)step[1], *seg_lens = (const int64_t *)(intptr_t)step[3];
+    int64_t n = 0, total = 0, max_len = 0, *run = out + 2;
+    out[0] = out[1] = 0;
+    for (int64_t g = 0; g < step[4]; ++g) {
+        max_len = seg_lens[g] > max_len ? seg_lens[g] : max_len;
+        if (seg_lens[g] <= 0) continue;
+        if (n + 2 * num_slices > max_runs) return out[0] = 0, -1;
+        const int64_t slot = seg_slots[g];
+        for (int64_t q = 0; q < num_slices; ++q, n += 2, run += 8) {
+            const int64_t rank = slice_rank(ranks, slot * num_slices + q, max_rank), row = slot * stacked + q * max_rank;
+            const int64_t width = offsets[q + 1] - offsets[q];
+            run[0] = layer[3] + size * row * in, run[1] = size * rank * in, run[2] = 1, run[3] = 0;
+            run[4] = layer[4] + size * (row * o + offsets[q]), run[5] = size * width, run[6] = rank, run[7] = size * o;
+            total += size * rank * (in + width);
+        }
+    }
+    out[0] = n;
+    out[1] = n == 2 * num_slices * step[4] && segment_major(max_len, max_rank > 0, num_threads, step[4])
+                 ? 2 * num_slices : 0;
+    return total;
+}
+
 /* Returns 0 on success, 1 when the scratch buffers cannot be allocated (nothing written then).
  * layer: {elem, in_features, out_features, a, bt, max_rank, num_slices, slice_offsets, ranks}, with
  * elem LORA_F32 or LORA_BF16 (the type of x, y, a and bt) and the last two pointers to int64 [n + 1]
@@ -823,7 +861,7 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
         /* Many short segments on several threads: segment-major (2 threads, bf16: 4 x 1 tokens 0.79 ->
          * 0.70 ms per step, 16 x 4 3.91 -> 3.79, 16 x 2 3.74 -> 3.67; one thread streams DRAM better in
          * the two-pass order, 16 x 2 4.9 -> 5.4 ms segment-major, so it keeps that). */
-        if (max_len <= TOKEN_GROUP && row_blocks > 0 && nth > 1 && num_segs >= SEG_MAJOR_MIN * nth) {
+        if (segment_major(max_len, row_blocks > 0, nth, num_segs)) {
             int64_t g0, g1;
             thread_range(num_segs, &g0, &g1);
             run_segments(&s, g0, g1, x, x_stride, y, y_stride, t);

@@ -43,6 +43,7 @@ class KernelBuild:
 
     fused: Any  # lora_fused
     write: Any  # lora_write_blocks
+    weight_ranges: Any  # lora_weight_ranges
     code_paths: frozenset[str]  # of CODE_PATHS; empty: the portable C alone
 
     def t_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -74,7 +75,7 @@ def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild | None:
     if lib is None:
         return None
     try:
-        fused, write, paths = lib.lora_fused, lib.lora_write_blocks, lib.lora_code_paths
+        fused, write, paths, ranges = lib.lora_fused, lib.lora_write_blocks, lib.lora_code_paths, lib.lora_weight_ranges
     except AttributeError as e:
         logger.warning("CPU LoRA kernel unavailable (%s); using the torch ops", e)
         return None
@@ -85,7 +86,9 @@ def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild | None:
     write.argtypes = [i64, ptr, ptr, ctypes.c_int]
     paths.restype, paths.argtypes = ctypes.c_int, []
     bits = paths()
-    return KernelBuild(fused, write, frozenset(name for i, name in enumerate(CODE_PATHS) if bits >> i & 1))
+    ranges.restype = ctypes.c_int64
+    ranges.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
+    return KernelBuild(fused, write, ranges, frozenset(name for i, name in enumerate(CODE_PATHS) if bits >> i & 1))
 
 
 def kernel_build() -> KernelBuild | None:
@@ -106,6 +109,12 @@ def fused_function() -> Any:
     """The loaded kernel's `lora_fused` (a ctypes function), or None without the kernel."""
     build = kernel_build()
     return None if build is None else build.fused
+
+
+def weight_ranges_function() -> Any:
+    """The loaded kernel's `lora_weight_ranges` (a ctypes function), or None without the kernel."""
+    build = kernel_build()
+    return None if build is None else build.weight_ranges
 
 
 def kernel_available() -> bool:
