@@ -148,6 +148,12 @@ def cpu_fused_ops() -> bool:
     return (get_env("CPU_FUSED_OPS", "1") or "1").strip().lower() not in ("0", "false")
 
 
+def cpu_huge_pages() -> bool:
+    """Put packed CPU weights and LoRA slot buffers on transparent huge pages where the OS offers them
+    (default on; "0" keeps plain allocations)."""
+    return (get_env("CPU_HUGE_PAGES", "1") or "1").strip().lower() not in ("0", "false")
+
+
 def cpu_argmax_kernel() -> bool:
     """Take greedy tokens from CPU logits (float32 or bf16) with the C argmax kernel (default on; "0"
     keeps torch, on logits converted to float32)."""

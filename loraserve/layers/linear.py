@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.layers import gemm_cpu
+from loraserve.native import huge_pages
 
 if TYPE_CHECKING:
     from loraserve.layers.forward_batch import ForwardBatch
@@ -128,6 +129,10 @@ def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
         if module.weight.data_ptr() not in shared:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         num_packed += 1
+    # One mapping on huge pages for all of them (a step streams every one), then the prefetch ring.
+    homes = huge_pages.zeros([(tuple(w.data.shape), w.data.dtype) for w in kernel_weights], "cpu")
+    for weight, home in zip(kernel_weights, homes, strict=True):
+        weight.data = home.copy_(weight.data)
     gemm_cpu.chain_prefetch(kernel_weights)  # modules register in the order they run
     return num_packed
 

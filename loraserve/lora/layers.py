@@ -7,6 +7,7 @@ wrapped is `targets.py`'s call, which backend computes the LoRA term `ops.add_lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from loraserve.lora.ops.block_writer import BlockWriter
 from loraserve.lora.ops.buffers import LoRABuffers
 from loraserve.lora.targets import lora_target_modules
 from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
+from loraserve.native import huge_pages
 
 if TYPE_CHECKING:
     from loraserve.layers.forward_batch import ForwardBatch
@@ -34,6 +36,7 @@ class LinearWithLoRA(Linear):
         max_lora_rank: int,
         dtype: torch.dtype | None = None,
         bias_enabled: bool = False,
+        storage: Sequence[torch.Tensor] | None = None,
     ) -> None:
         # Adopt the base layer's parameters instead of allocating new ones (Linear.__init__ would).
         nn.Module.__init__(self)
@@ -51,7 +54,7 @@ class LinearWithLoRA(Linear):
         # pointers (taken once, in LoRABuffers) dangling. They are allocated where the weight lives.
         self.lora_buffers = LoRABuffers.allocate(
             max_loras, max_lora_rank, self.in_features, self.slice_offsets(),
-            dtype or base.weight.dtype, base.weight.device, bias_enabled,
+            dtype or base.weight.dtype, base.weight.device, bias_enabled, storage,
         )
 
     @property
@@ -141,22 +144,39 @@ def wrap_model_for_lora(model: nn.Module, lora_config: LoRAConfig) -> dict[str, 
     wrapped: dict[str, LinearWithLoRA] = {}
     allowed = lora_config.target_modules
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    to_wrap: list[tuple[str, Linear]] = []
     for name, module in lora_target_modules(model).items():
         leaf = name.rpartition(".")[2]
         if allowed is not None and leaf not in allowed and not set(packed.get(leaf, ())) & set(allowed):
             continue  # --lora-target-modules leaves it without LoRA (a packed one stays if any part is named)
         if isinstance(module, LinearWithLoRA):
             wrapped[name] = module
-            continue
+        else:
+            to_wrap.append((name, module))
+    for (name, module), storage in zip(to_wrap, _slot_storage([m for _, m in to_wrap], lora_config), strict=True):
         layer = LinearWithLoRA(
             module,
             max_loras=lora_config.max_loras,
             max_lora_rank=lora_config.max_lora_rank,
             dtype=lora_config.lora_dtype,
             bias_enabled=lora_config.enable_lora_bias,
+            storage=storage,
         )
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, layer)
         wrapped[name] = layer
     return wrapped
+
+
+def _slot_storage(modules: list[Linear], lora_config: LoRAConfig) -> list[Sequence[torch.Tensor] | None]:
+    """Each layer's A and B slot buffers, all from one allocation on huge pages when every layer is on
+    the CPU (a decode step reads the slots of every adapter in the batch, layer after layer); None
+    (each layer allocates its own) elsewhere."""
+    if not modules or any(m.weight.device.type != "cpu" for m in modules):
+        return [None] * len(modules)
+    specs = [(shape, lora_config.lora_dtype or m.weight.dtype) for m in modules
+             for shape in LoRABuffers.shapes(lora_config.max_loras, lora_config.max_lora_rank, m.in_features,
+                                             m.slice_offsets())]
+    tensors = huge_pages.zeros(specs, "cpu", touch=True)  # slot writes must not wait on page faults
+    return [tensors[2 * i : 2 * i + 2] for i in range(len(modules))]

@@ -330,3 +330,17 @@ def test_cpu_kernel_names_the_weights_each_call_reads() -> None:
     assert listed([0] * 9 + [1, 2, 3], num_threads=2)[1] == 0  # a segment longer than a token group
     assert listed([-1, -1], num_threads=1) == (0, 0, [])
     assert listed([0, 1, 2], num_threads=1, room=11)[0] == -1 and out[0] == 0
+
+
+def test_lora_buffers_take_given_storage_of_their_shapes_only() -> None:
+    """A model's layers take their slot buffers from one allocation (huge pages): the storage is used
+    as is, and storage of another shape or dtype is refused."""
+    offsets = [0, 32, 48]
+    a, b = (torch.zeros(shape) for shape in LoRABuffers.shapes(4, 8, 64, offsets))
+    buffers = LoRABuffers.allocate(4, 8, 64, offsets, torch.float32, torch.device("cpu"), False, storage=[a, b])
+    assert buffers.lora_a.data_ptr() == a.data_ptr() and buffers.lora_b_t.data_ptr() == b.data_ptr()
+    with pytest.raises(ValueError, match="wrong shape or dtype"):
+        LoRABuffers.allocate(4, 8, 64, offsets, torch.float32, torch.device("cpu"), False, storage=[b, a])
+    with pytest.raises(ValueError, match="wrong shape or dtype"):
+        LoRABuffers.allocate(4, 8, 64, offsets, torch.float32, torch.device("cpu"), False,
+                             storage=[a.bfloat16(), b.bfloat16()])

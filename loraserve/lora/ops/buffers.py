@@ -12,6 +12,7 @@ beyond the new ranks, so the blocks outside the ranks are always zero.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,12 @@ class LoRABuffers:
             self.lora_a, self.lora_b_t, self.slice_offsets, self.ranks, self.max_rank
         )
 
+    @staticmethod
+    def shapes(max_loras: int, max_rank: int, in_features: int, slice_offsets: list[int]) -> list[torch.Size]:
+        """The shapes of A's and B's buffers ([L, n*R, in] and [L, n*R, out])."""
+        stacked = (len(slice_offsets) - 1) * max_rank
+        return [torch.Size((max_loras, stacked, in_features)), torch.Size((max_loras, stacked, slice_offsets[-1]))]
+
     @classmethod
     def allocate(
         cls,
@@ -59,13 +66,20 @@ class LoRABuffers:
         dtype: torch.dtype,
         device: torch.device,
         bias_enabled: bool,
+        storage: Sequence[torch.Tensor] | None = None,
     ) -> LoRABuffers:
-        """Zeroed buffers for `max_loras` slots of a layer whose outputs `slice_offsets` cut."""
+        """Zeroed buffers for `max_loras` slots of a layer whose outputs `slice_offsets` cut; `storage`
+        gives A's and B's (zeroed, of `shapes(...)`: a model's layers take theirs from one allocation)."""
         num_slices, out_features = len(slice_offsets) - 1, slice_offsets[-1]
-        stacked = num_slices * max_rank
+        lora_a, lora_b_t = storage if storage is not None else [
+            torch.zeros(shape, dtype=dtype, device=device)
+            for shape in cls.shapes(max_loras, max_rank, in_features, slice_offsets)]
+        if (lora_a.shape, lora_b_t.shape) != tuple(cls.shapes(max_loras, max_rank, in_features, slice_offsets)) \
+                or lora_a.dtype != dtype or lora_b_t.dtype != dtype:
+            raise ValueError("LoRA buffer storage of the wrong shape or dtype")
         return cls(
-            lora_a=torch.zeros(max_loras, stacked, in_features, dtype=dtype, device=device),
-            lora_b_t=torch.zeros(max_loras, stacked, out_features, dtype=dtype, device=device),
+            lora_a=lora_a,
+            lora_b_t=lora_b_t,
             bias=torch.zeros(max_loras, out_features, dtype=dtype, device=device) if bias_enabled else None,
             slice_offsets=torch.tensor(slice_offsets, dtype=torch.long),
             ranks=torch.zeros(max_loras, num_slices, dtype=torch.int32),

@@ -1,0 +1,59 @@
+"""Long-lived CPU buffers on transparent huge pages: the packed weights and the LoRA slots.
+
+A decode step streams every packed weight and the slot rows of every adapter in the batch from
+memory. On 4 KiB pages that is a TLB entry per 4 KiB (about 40k page walks a step for a 135M model
+with 16 adapters), and the hardware prefetchers stop at every page boundary. `zeros(specs)` carves
+all of a group's tensors from one anonymous mapping advised MADV_HUGEPAGE before its first touch, so
+the kernel backs it with 2 MiB pages where it has them (Linux THP in `madvise` or `always` mode).
+Measured (2 threads, bf16): 16 adapters mixed 3% faster, the base model unchanged. The KV cache stays
+on plain pages: its blocks are first touched while serving, and huge-page faults there made prefill
+18% slower, while prefaulting the whole cache bought nothing measurable. Elsewhere (THP off, not
+Linux, LORASERVE_CPU_HUGE_PAGES=0) the tensors are plain `torch.zeros`: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+from collections.abc import Sequence
+
+import torch
+
+from loraserve import envs
+
+logger = logging.getLogger(__name__)
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # every tensor starts on a cache line
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+
+
+def zeros(specs: Sequence[Spec], device: torch.device | str, touch: bool = False) -> list[torch.Tensor]:
+    """Zero-filled contiguous tensors of these (shape, dtype), on huge pages where possible (CPU).
+
+    They share one mapping, which lives as long as any of them (each is a view of it); it is never
+    closed, so no tensor can outlive its memory. `touch` faults every page in now, for memory first
+    written while serving: a huge page's first fault zeroes 2 MiB (and may compact memory to find
+    one), which would otherwise land on a request."""
+    if torch.device(device).type != "cpu" or not envs.cpu_huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    if total == 0:
+        return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+    try:
+        mapping = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError) as e:  # no room for the mapping, or THP not offered: plain memory
+        logger.info("huge pages unavailable (%s): plain allocations", e)
+        return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping`, which nothing closes
+    start = -arena.data_ptr() % HUGE_PAGE  # the first 2 MiB boundary: the pages after it are whole
+    if touch:
+        arena[start : start + total].zero_()
+    return [arena[start + offset : start + offset + size].view(dtype).view(shape)
+            for offset, size, (shape, dtype) in zip(offsets, sizes, specs, strict=True)]
