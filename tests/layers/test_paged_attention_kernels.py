@@ -117,6 +117,34 @@ def test_long_contexts_split_over_threads(num_threads: int, dtype: torch.dtype) 
         torch.set_num_threads(before)
 
 
+LANE_CASES = [  # (query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, softcap, window)
+    ((50, 20, 2), (300, 20, 9), 9, 3, 64, 16, None, None),  # chunks of 16 queries over 3 blocks of keys
+    ((70, 9), (70, 40), 4, 4, 33, 5, 5.0, 40),  # group 1: chunks of 48 queries (> MAX_ROWS), odd head dim
+    ((13, 30), (200, 30), 16, 2, 128, 32, None, 70),  # group 8: chunks of 6 queries, a window across blocks
+    ((20,), (150,), 8, 2, 256, 1, 2.5, None),  # the widest head dim, blocks of one slot
+    ((20,), (1200,), 8, 2, 64, 16, None, None),  # at 2 threads, too few items: key partitions merged
+]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_chunks_over_several_key_blocks(num_threads: int, dtype: torch.dtype) -> None:
+    """Prefill chunks (bf16: the rows-in-lanes path) whose keys span several blocks of the online
+    softmax, split into partitions at 2 threads, with causal edges inside the key groups and tiles,
+    GQA groups 1 to 8, odd and wide head dims, windows and softcaps."""
+    _needs_kernel()
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for i, (query_lens, context_lens, heads, kv_heads, dim, block, softcap, window) in enumerate(LANE_CASES):
+            case = AttentionCase(query_lens, context_lens, heads, kv_heads, dim, block, dtype, softcap, window)
+            inputs = make_inputs(case, seed=100 + i)
+            out = _run(paged_attention_cpu.paged_attention, case, inputs)
+            torch.testing.assert_close(out.double(), reference_attention(case, inputs), **tolerance(dtype))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_q_rows_may_be_strided_views() -> None:
     """q as the engine hands it over: a [T, H, D] view into a wider fused qkv row."""
     _needs_kernel()
