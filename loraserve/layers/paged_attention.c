@@ -27,7 +27,9 @@
  * are short pieces a whole row apart, which a core reads at well under its sequential bandwidth, while
  * all heads of a token are one contiguous run. In bf16 a small GQA group (up to 4 rows per KV head and
  * query) scores keys transposed four at a time within 128-bit lanes, which leaves each row one level
- * of horizontal sums where vsum_keys takes four: decode is bound by vector instructions.
+ * of horizontal sums where vsum_keys takes four: decode is bound by vector instructions. A bf16 prefill
+ * chunk instead puts its rows in vector lanes (attend_lanes): scores, softmax and value sums then run
+ * across rows, where row by row each paid a horizontal max and sum and a masked store per tile.
  * The vector width W is the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
  * 8 (AVX2 + FMA) or 1 (portable C); -march=native makes that the runtime dispatch.
  */
@@ -928,11 +930,12 @@ static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, 
 }
 
 #ifdef NATIVE_BF16_DOT
-/* attend_lanes' working set, one row of the item per lane of LANE_VECS vectors: queries transposed
- * into dword pairs, the accumulator transposed ([d][LANE_ROWS]), the running max and sum, a block's
- * scores and then probabilities by key ([KEY_BLOCK][LANE_ROWS]), the probabilities rounded to bf16 in
- * key pairs and the block's V rows paired by key ([KEY_BLOCK / 2][dv] dwords: column i of keys 2p, 2p + 1). */
-#define LANE_VECS 3
+/* attend_lanes' working set, one row of the item per lane of LANE_VECS vectors: the queries transposed
+ * into dword pairs (qt, [ceil(d / 2)][LANE_ROWS]), the accumulator transposed (acc, [d][LANE_ROWS]),
+ * the running max and sum (m, l), a block's scores (sc, [KEY_BLOCK][LANE_ROWS]), its probabilities
+ * rounded to bf16 in key pairs (pp, [KEY_BLOCK / 2][LANE_ROWS] dwords), its V rows paired by key (vp,
+ * [KEY_BLOCK / 2][lane_cols(d)] dwords: column i of keys 2p, 2p + 1) and its key rows (kr). */
+#define LANE_VECS 3 /* 8 keys (or columns) x 3 vectors of accumulators: 24 of the 32 registers */
 #define LANE_ROWS (LANE_VECS * W)
 #define LANE_KEY_STRIDE 128 /* dwords per copied key row: head dims up to 256 */
 typedef struct {
