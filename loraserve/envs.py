@@ -150,13 +150,13 @@ def cpu_fused_ops() -> bool:
 
 def cpu_huge_pages() -> bool:
     """Put packed CPU weights and LoRA slot buffers on transparent huge pages where the OS offers them
-    (default on; "0" keeps plain allocations)."""
+    (default on; "0" keeps plain allocations). Read when a model is packed or wrapped for LoRA."""
     return (get_env("CPU_HUGE_PAGES", "1") or "1").strip().lower() not in ("0", "false")
 
 
 def cpu_argmax_kernel() -> bool:
     """Take greedy tokens from CPU logits (float32 or bf16) with the C argmax kernel (default on; "0"
-    keeps torch, on logits converted to float32)."""
+    keeps torch, on logits converted to float32). Read once, at the first greedy step."""
     return (get_env("CPU_ARGMAX_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
 
 

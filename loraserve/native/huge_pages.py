@@ -32,8 +32,8 @@ Spec = tuple[tuple[int, ...], torch.dtype]
 def zeros(specs: Sequence[Spec], device: torch.device | str, touch: bool = False) -> list[torch.Tensor]:
     """Zero-filled contiguous tensors of these (shape, dtype), on huge pages where possible (CPU).
 
-    They share one mapping, which lives as long as any of them (each is a view of it); it is never
-    closed, so no tensor can outlive its memory. `touch` faults every page in now, for memory first
+    They share one mapping, which lives as long as any of them holds a slice of it (a memoryview: the
+    mapping cannot be closed while one exists), so no tensor can outlive its memory. `touch` faults every page in now, for memory first
     written while serving: a huge page's first fault zeroes 2 MiB (and may compact memory to find
     one), which would otherwise land on a request."""
     if torch.device(device).type != "cpu" or not envs.cpu_huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -51,9 +51,12 @@ def zeros(specs: Sequence[Spec], device: torch.device | str, touch: bool = False
     except (OSError, ValueError) as e:  # no room for the mapping, or THP not offered: plain memory
         logger.info("huge pages unavailable (%s): plain allocations", e)
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
-    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping`, which nothing closes
-    start = -arena.data_ptr() % HUGE_PAGE  # the first 2 MiB boundary: the pages after it are whole
+    memory = memoryview(mapping)  # each tensor's buffer is a slice of it: the mapping cannot close under them
+    start = -torch.frombuffer(memory, dtype=torch.uint8).data_ptr() % HUGE_PAGE  # whole pages after it
     if touch:
-        arena[start : start + total].zero_()
-    return [arena[start + offset : start + offset + size].view(dtype).view(shape)
+        torch.frombuffer(memory[start : start + total], dtype=torch.uint8).zero_()
+    # One storage per tensor (a slice of its own), not views of one arena: saving, pickling or sharing
+    # one of them then moves its own bytes only, and it alone keeps its pages resident.
+    return [torch.frombuffer(memory[start + offset : start + offset + size], dtype=torch.uint8).view(dtype).view(shape)
+            if size else torch.zeros(shape, dtype=dtype)
             for offset, size, (shape, dtype) in zip(offsets, sizes, specs, strict=True)]

@@ -42,8 +42,20 @@ def test_tensors_are_zeroed_apart_and_aligned(touch: bool) -> None:
         assert bool((t == i + 1).all())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
-                    reason="MADV_HUGEPAGE is Linux's")
+def _has_thp() -> bool:
+    """Linux with transparent huge pages offered, and smaps reporting VmFlags (not every sandbox does)."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            offered = "[never]" not in f.read()
+        with open("/proc/self/smaps", encoding="ascii") as smaps:
+            return offered and any(line.startswith("VmFlags:") for line in smaps)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_thp(), reason="needs Linux transparent huge pages")
 def test_memory_is_advised_for_huge_pages_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     big = huge_pages.zeros([((4 << 20,), torch.uint8)], "cpu")[0]
     assert "hg" in _vm_flags(big.data_ptr())
@@ -66,3 +78,18 @@ def test_an_empty_request_and_other_devices_get_plain_tensors() -> None:
     assert empty.shape == (0,)
     (meta,) = huge_pages.zeros([((2, 2), torch.float32)], "meta")
     assert meta.device.type == "meta" and meta.shape == (2, 2)
+
+
+def test_each_tensor_owns_its_bytes() -> None:
+    """Saving or sharing one tensor must not take the others' memory along."""
+    small, big = huge_pages.zeros([((16,), torch.float32), ((1 << 20,), torch.float32)], "cpu")
+    assert small.untyped_storage().nbytes() == 64 and big.untyped_storage().nbytes() == 4 << 20
+
+
+def test_without_a_mapping_the_tensors_are_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("no memory for the mapping")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    tensors = huge_pages.zeros(SPECS, "cpu", touch=True)
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == SPECS and not any(t.any() for t in tensors)
