@@ -23,6 +23,7 @@ from benchmarks.common import (
     build_adapters,
     build_model,
     cpu_class,
+    interleaved_timed,
     limit_threads,
     random_prompts,
     save_results,
@@ -31,8 +32,7 @@ from benchmarks.long_context import model_for, run_long_context
 from benchmarks.lora_throughput import first_token_latency, run_loraserve, run_peft_mixed, run_swapping
 from benchmarks.plot import make_plot
 from benchmarks.server_trace import TraceShape, run_server_trace
-from benchmarks.throughput import run_loraserve as run_base
-from benchmarks.throughput import run_matmul_floor, run_transformers
+from benchmarks.throughput import loraserve_run, matmul_floor_run, run_transformers
 from loraserve.config import resolve_device, resolve_dtype
 
 PLOT_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "performance.png")
@@ -47,15 +47,16 @@ TARGETS = [
 
 
 def base_rows(dtype: torch.dtype, quick: bool) -> dict[str, float]:
-    """32 requests x (64 prompt + 64 generated): transformers, loraserve, the linear-only ceiling."""
+    """32 requests x (64 prompt + 64 generated): transformers, then loraserve and the linear-only
+    ceiling timed in turn (`interleaved_timed`: their ratio is a target)."""
     path, gen = build_model(), 16 if quick else 64
     prompts = random_prompts(32, 64, 49152)
     name = str(dtype).replace("torch.", "")
-    return {
-        "transformers": run_transformers(path, prompts, gen, dtype),
-        "loraserve": run_base(path, prompts, gen, name),
-        "ceiling": run_matmul_floor(path, 32, 64, gen, dtype),
-    }
+    ceiling = matmul_floor_run(path, 32, 64, gen, dtype)
+    runs = {"loraserve": loraserve_run(path, 32, gen, name), "ceiling": lambda ids: ceiling()}
+    rows = {"transformers": run_transformers(path, prompts, gen, dtype)}
+    rows.update({key: 32 * gen / seconds for key, (seconds, _) in interleaved_timed(runs, prompts).items()})
+    return rows
 
 
 def lora_rows(dtype: torch.dtype, quick: bool) -> dict[str, float]:

@@ -128,6 +128,27 @@ def steady_timed(run: Callable[[list[list[int]]], Any], prompts: list[list[int]]
     return best
 
 
+def interleaved_timed(runs: dict[str, Callable[[list[list[int]]], Any]], prompts: list[list[int]],
+                      repeats: int = TIMED_RUNS) -> dict[str, tuple[float, Any]]:
+    """`steady_timed` for systems whose ratio is the figure: each goes once untimed, then `repeats`
+    rounds time every system once in turn, and each keeps its fastest run. A shared machine's speed
+    drifts over seconds; timed back to back in one window each, two systems would be compared across
+    different machine states, and their ratio would swing by more than the differences it measures.
+    Every run gets prompts of its own (same shapes): no prefix-cache hit between any two."""
+    names = list(runs)
+    for i, name in enumerate(names):
+        runs[name](other_prompts(prompts, shift=(repeats + 1) * len(names) + i))
+    best: dict[str, tuple[float, Any]] = {}
+    for round_index in range(repeats):
+        for i, name in enumerate(names):
+            shift = round_index * len(names) + i
+            batch = other_prompts(prompts, shift) if shift else prompts
+            timing = timed(lambda: runs[name](batch))  # noqa: B023  (called at once, inside this iteration)
+            if name not in best or timing[0] < best[name][0]:
+                best[name] = timing
+    return best
+
+
 def print_table(title: str, rows: list[tuple[str, float]], reference: str) -> None:
     ref = dict(rows)[reference]
     print(f"\n{title}")

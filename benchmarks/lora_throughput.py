@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from benchmarks.common import (
     build_adapters,
     build_model,
+    interleaved_timed,
     print_table,
     random_prompts,
     save_results,
@@ -46,34 +49,41 @@ def run_peft_mixed(path: str, adapters: list[str], prompts: list[list[int]], gen
     return len(prompts) * gen_len / seconds
 
 
+def generate_run(llm: LLM, gen_len: int, loras: list[LoRARequest | None]) -> Callable[[list[list[int]]], Any]:
+    """One greedy `generate` call of fixed-length outputs over the given prompts, checked."""
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+
+    def run(ids: list[list[int]]) -> Any:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=loras, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == gen_len for o in outs)
+        return outs
+    return run
+
+
 def generate_tok_per_s(llm: LLM, prompts: list[list[int]], gen_len: int,
                        loras: list[LoRARequest | None]) -> float:
     """Generated tokens per second of one `generate` call over all `prompts` (greedy, fixed length),
     in steady state (`steady_timed`: one untimed call first, adapters loaded and pages touched, then the
     best of three timed calls, each on prompts of its own)."""
-    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    seconds, outs = steady_timed(
-        lambda ids: llm.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=loras,
-                                 use_tqdm=False),
-        prompts,
-    )
-    assert all(len(o.outputs[0].token_ids) == gen_len for o in outs)
+    seconds, _ = steady_timed(generate_run(llm, gen_len, loras), prompts)
     return len(prompts) * gen_len / seconds
 
 
 def run_loraserve(path: str, adapters: list[str], prompts: list[list[int]], gen_len: int, dtype: str,
                   num_mixed: int) -> dict[str, float]:
+    """The base, one adapter and `num_mixed` mixed, timed in turn (`interleaved_timed`): their ratios
+    are the figures."""
     n = len(prompts)
     base = LLM(path, dtype=dtype, max_num_seqs=n)
-    results = {"loraserve base": generate_tok_per_s(base, prompts, gen_len, [None] * n)}
-    del base
     llm = LLM(path, dtype=dtype, max_num_seqs=n, enable_lora=True, max_loras=16, max_lora_rank=16,
               max_cpu_loras=max(16, num_mixed))
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters[:num_mixed])]
-    results["loraserve 1 adapter"] = generate_tok_per_s(llm, prompts, gen_len, [reqs[0]] * n)
-    results[f"loraserve {num_mixed} mixed"] = generate_tok_per_s(llm, prompts, gen_len,
-                                                        [reqs[i % num_mixed] for i in range(n)])
-    return results
+    runs = {
+        "loraserve base": generate_run(base, gen_len, [None] * n),
+        "loraserve 1 adapter": generate_run(llm, gen_len, [reqs[0]] * n),
+        f"loraserve {num_mixed} mixed": generate_run(llm, gen_len, [reqs[i % num_mixed] for i in range(n)]),
+    }
+    return {name: n * gen_len / seconds for name, (seconds, _) in interleaved_timed(runs, prompts).items()}
 
 
 def run_swapping(path: str, adapters: list[str], prompts: list[list[int]], gen_len: int, dtype: str) -> float:

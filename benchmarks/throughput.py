@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import argparse
 import platform
+from collections.abc import Callable
 
 import torch
 
 from benchmarks.common import (
-    TIMED_RUNS,
     build_model,
+    interleaved_timed,
     print_table,
     random_prompts,
     save_results,
     steady_timed,
-    timed,
 )
 from loraserve import LLM, SamplingParams
 from loraserve.config import resolve_device, resolve_dtype
@@ -36,17 +36,19 @@ def run_transformers(path: str, prompts: list[list[int]], gen_len: int, dtype: t
     return len(prompts) * gen_len / seconds
 
 
-def run_loraserve(path: str, prompts: list[list[int]], gen_len: int, dtype: str) -> float:
-    llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts))
+def loraserve_run(path: str, num_requests: int, gen_len: int, dtype: str) -> Callable[[list[list[int]]], None]:
+    """One greedy `generate` over the given prompts, of fixed-length outputs (checked)."""
+    llm = LLM(path, dtype=dtype, max_num_seqs=num_requests)
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    seconds, outs = steady_timed(
-        lambda ids: llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False), prompts
-    )
-    assert all(len(o.outputs[0].token_ids) == gen_len for o in outs)
-    return len(prompts) * gen_len / seconds
+
+    def run(ids: list[list[int]]) -> None:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == gen_len for o in outs)
+    return run
 
 
-def run_matmul_floor(path: str, num_requests: int, prompt_len: int, gen_len: int, dtype: torch.dtype) -> float:
+def matmul_floor_run(path: str, num_requests: int, prompt_len: int, gen_len: int,
+                     dtype: torch.dtype) -> Callable[[], None]:
     """Generated tok/s of a plain loop over only the model's linear layers (no attention, no
     sampling, no framework), with the same packed weights and kernels loraserve uses (the C linear
     kernel where it serves the dtype, else oneDNN):
@@ -77,14 +79,11 @@ def run_matmul_floor(path: str, num_requests: int, prompt_len: int, gen_len: int
         lm_head.base_forward(inputs[(num_requests, hidden)])
 
     def run() -> None:
-        step(num_requests * prompt_len)
-        for _ in range(gen_len - 1):
-            step(num_requests)
-
-    with torch.inference_mode():
-        run()  # untimed, then the best of TIMED_RUNS: every row is timed so (benchmarks.common.steady_timed)
-        seconds = min(timed(run)[0] for _ in range(TIMED_RUNS))
-    return num_requests * gen_len / seconds
+        with torch.inference_mode():
+            step(num_requests * prompt_len)
+            for _ in range(gen_len - 1):
+                step(num_requests)
+    return run
 
 
 def main() -> None:
@@ -101,8 +100,10 @@ def main() -> None:
     print(f"{platform.processor() or platform.machine()}, torch threads={torch.get_num_threads()}, {dtype_name}, "
           f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated) tokens")
     hf = run_transformers(path, prompts, args.gen_len, dtype)
-    ours = run_loraserve(path, prompts, args.gen_len, dtype_name)
-    floor = run_matmul_floor(path, args.num_requests, args.prompt_len, args.gen_len, dtype)
+    ceiling = matmul_floor_run(path, args.num_requests, args.prompt_len, args.gen_len, dtype)
+    runs = {"ours": loraserve_run(path, args.num_requests, args.gen_len, dtype_name), "floor": lambda ids: ceiling()}
+    timings = interleaved_timed(runs, prompts)  # their ratio is the figure: timed in turn
+    ours, floor = (args.num_requests * args.gen_len / timings[key][0] for key in ("ours", "floor"))
     rows = [("transformers generate", hf), ("loraserve", ours), ("linear layers only (ceiling)", floor)]
     print_table("Base-model throughput", rows, "transformers generate")
     save_results("throughput", {"dtype": dtype_name, "args": vars(args), "tok_per_s": dict(rows)})
