@@ -260,7 +260,8 @@ static void run_item(const gemm_t *g, int64_t item, const char *next, int64_t ne
 
 /* y = x W^T + bias over a packed W (see the top of this file). `next_w` (or NULL) is the packed
  * weight of the linear that runs next, `next_n` x `next_k`: a model's weights stream from memory,
- * so each thread fetches the block it will start that call with while it finishes this one.
+ * so each thread fetches the block it will start that call with while it finishes this one; `side`
+ * (or NULL) is more memory to fetch meanwhile (see gemm_linear_prefetch).
  * Returns 0, or 1 if this build does not serve the dtype (nothing written). */
 static int gemm_run(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int64_t m,
                     int64_t n, int64_t k, const void *next_w, int64_t next_n, int64_t next_k, int dtype,
@@ -320,9 +321,7 @@ static int gemm_run(const void *x, int64_t ldx, const void *w, const void *bias,
     return 0;
 }
 
-/* gemm_linear with the weight's fixed arguments in one array, built once per weight: ctypes converts
- * every argument of every call, and a decode step makes ~120 of these calls.
- * weight = {w, n, k, next_w, next_n, next_k, dtype}; y's row stride is n. */
+/* gemm_run without a side stream. */
 int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int64_t m,
                 int64_t n, int64_t k, const void *next_w, int64_t next_n, int64_t next_k, int dtype,
                 int num_threads) {
@@ -351,6 +350,9 @@ int gemm_linear_prefetch(const int64_t *weight, const void *x, int64_t ldx, cons
                     (const void *)(intptr_t)weight[3], weight[4], weight[5], (int)weight[6], num_threads, side);
 }
 
+/* gemm_linear with the weight's fixed arguments in one array, built once per weight: ctypes converts
+ * every argument of every call, and a decode step makes ~120 of these calls.
+ * weight = {w, n, k, next_w, next_n, next_k, dtype}; y's row stride is n. */
 int gemm_linear_packed(const int64_t *weight, const void *x, int64_t ldx, const void *bias, void *y, int64_t m,
                        int num_threads) {
     return gemm_run(x, ldx, (const void *)(intptr_t)weight[0], bias, y, weight[1], m, weight[1], weight[2],

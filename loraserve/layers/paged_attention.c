@@ -1223,6 +1223,25 @@ static inline int64_t block_len(int64_t begin, int64_t end) {
     return n <= 0 ? KEY_BLOCK : min64(KEY_BLOCK, ((n + blocks - 1) / blocks + W - 1) / W * W);
 }
 
+/* The prefetch plan for the block after [k0, k0 + len) of `it` (whose keys end at `end`): the item's
+ * next block, else the first block of the `next` item (or nothing); its key offsets go to `offsets`. */
+static inline Ahead plan_ahead(const Args *a, const Item *it, const Item *next, int64_t k0, int64_t len, int64_t end,
+                               int64_t esize, int64_t *offsets) {
+    Ahead ahead = {offsets, (const char *)a->k_cache, (const char *)a->v_cache, 0, it->num_kv, 0,
+                   a->head_dim * esize, esize};
+    if (k0 + len < end) {
+        ahead.n = min64(len, end - k0 - len);
+        block_offsets(a, it, k0 + len, ahead.n, offsets);
+    } else if (next != NULL) {
+        int64_t next_begin, next_end;
+        item_keys(a, next, &next_begin, &next_end);
+        ahead.n = max64(0, min64(block_len(next_begin, next_end), next_end - next_begin));
+        ahead.heads = next->num_kv;
+        if (ahead.n > 0) block_offsets(a, next, next_begin, ahead.n, offsets);
+    }
+    return ahead;
+}
+
 /* The item's rows through every block of keys they see: s->acc, s->m, s->l hold the unnormalized
  * result. While a block is scored the next one's K/V rows are requested: the item's next block, or
  * after its last the first block of `next`, the item this thread runs next (NULL: none). */
@@ -1233,18 +1252,7 @@ static void attend(const Args *a, const Item *it, const Item *next, Scratch *s) 
     int64_t *cur = buf[0], *next_offsets = buf[1];
     if (begin < end) block_offsets(a, it, begin, min64(len, end - begin), cur);
     for (int64_t k0 = begin; k0 < end; k0 += len) {
-        Ahead ahead = {next_offsets, (const char *)a->k_cache, (const char *)a->v_cache, 0, it->num_kv, 0,
-                       a->head_dim * esize, esize};
-        if (k0 + len < end) {
-            ahead.n = min64(len, end - k0 - len);
-            block_offsets(a, it, k0 + len, ahead.n, next_offsets);
-        } else if (next != NULL) {
-            int64_t next_begin, next_end;
-            item_keys(a, next, &next_begin, &next_end);
-            ahead.n = max64(0, min64(block_len(next_begin, next_end), next_end - next_begin));
-            ahead.heads = next->num_kv;
-            if (ahead.n > 0) block_offsets(a, next, next_begin, ahead.n, next_offsets);
-        }
+        Ahead ahead = plan_ahead(a, it, next, k0, len, end, esize, next_offsets);
         attend_block(a, it, s, k0, min64(len, end - k0), cur, &ahead);
         int64_t *t = cur;
         cur = next_offsets, next_offsets = t;
@@ -1263,18 +1271,7 @@ __attribute__((noinline)) static void attend_item_lanes(const Args *a, const Ite
     if (begin < end) block_offsets(a, it, begin, min64(len, end - begin), cur);
     lanes_begin(a, it, s);
     for (int64_t k0 = begin; k0 < end; k0 += len) {
-        Ahead ahead = {next_offsets, (const char *)a->k_cache, (const char *)a->v_cache, 0, it->num_kv, 0,
-                       a->head_dim * 2, 2};
-        if (k0 + len < end) {
-            ahead.n = min64(len, end - k0 - len);
-            block_offsets(a, it, k0 + len, ahead.n, next_offsets);
-        } else if (next != NULL) {
-            int64_t next_begin, next_end;
-            item_keys(a, next, &next_begin, &next_end);
-            ahead.n = max64(0, min64(block_len(next_begin, next_end), next_end - next_begin));
-            ahead.heads = next->num_kv;
-            if (ahead.n > 0) block_offsets(a, next, next_begin, ahead.n, next_offsets);
-        }
+        Ahead ahead = plan_ahead(a, it, next, k0, len, end, 2, next_offsets);
         attend_lanes(a, it, s, k0, min64(len, end - k0), cur, &ahead);
         int64_t *t = cur;
         cur = next_offsets, next_offsets = t;
