@@ -33,9 +33,9 @@ def zeros(specs: Sequence[Spec], device: torch.device | str, touch: bool = False
     """Zero-filled contiguous tensors of these (shape, dtype), on huge pages where possible (CPU).
 
     They share one mapping, which lives as long as any of them holds a slice of it (a memoryview: the
-    mapping cannot be closed while one exists), so no tensor can outlive its memory. `touch` faults every page in now, for memory first
-    written while serving: a huge page's first fault zeroes 2 MiB (and may compact memory to find
-    one), which would otherwise land on a request."""
+    mapping cannot be closed while one exists), so no tensor can outlive its memory. `touch` faults
+    every page in now, for memory first written while serving: a huge page's first fault zeroes 2 MiB
+    (and may compact memory to find one), which would otherwise land on a request."""
     if torch.device(device).type != "cpu" or not envs.cpu_huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
         return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
@@ -57,6 +57,9 @@ def zeros(specs: Sequence[Spec], device: torch.device | str, touch: bool = False
         torch.frombuffer(memory[start : start + total], dtype=torch.uint8).zero_()
     # One storage per tensor (a slice of its own), not views of one arena: saving, pickling or sharing
     # one of them then moves its own bytes only, and it alone keeps its pages resident.
-    return [torch.frombuffer(memory[start + offset : start + offset + size], dtype=torch.uint8).view(dtype).view(shape)
-            if size else torch.zeros(shape, dtype=dtype)
-            for offset, size, (shape, dtype) in zip(offsets, sizes, specs, strict=True)]
+    return [_carve(memory[start + offset : start + offset + size], shape, dtype) if size
+            else torch.zeros(shape, dtype=dtype) for offset, size, (shape, dtype) in zip(offsets, sizes, specs, strict=True)]
+
+
+def _carve(memory: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
