@@ -1,23 +1,38 @@
-"""Engine configuration: frozen dataclasses built once from user arguments, read everywhere else."""
+"""Engine configuration: frozen dataclasses built once from user arguments, read everywhere else.
+
+The fields users set are declared here once, with `loraserve.options.option` (default, help, flag,
+check); EngineArgs and the `serve` flags take them from these fields. Torch is imported only where a
+dtype or device is resolved, so that flag parsing never waits for it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from loraserve.option_types import positive_int
+from loraserve.options import at_least, check_options, option
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_CHOICES = ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
+
+
+def _dtype_names() -> dict[str, torch.dtype]:
+    import torch
+
+    return {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp16": torch.float16,
+    }
 
 
 def cpu_has_native_bf16() -> bool:
@@ -32,6 +47,8 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_device(device: str | None) -> torch.device:
     """'auto'/None picks CUDA when present, else CPU; anything else is taken as given."""
+    import torch
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -44,20 +61,36 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype: 
     float32 elsewhere (emulated bf16 is ~3.5x slower than fp32 on AVX2-only CPUs). On CUDA it is the
     checkpoint's dtype, with float32 checkpoints served in bf16.
     """
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
+    names = _dtype_names()
     name = str(dtype).lower()
     if name != "auto":
-        if name not in _DTYPE_NAMES:
+        if name not in names:
             raise ValueError(f"Unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16.")
-        return _DTYPE_NAMES[name]
+        return names[name]
     if device.type == "cpu":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if isinstance(config_dtype, str):
-        config_dtype = _DTYPE_NAMES.get(config_dtype.replace("torch.", ""))
+        config_dtype = names.get(config_dtype.replace("torch.", ""))
     if config_dtype in (torch.float16, torch.bfloat16):
         return config_dtype
     return torch.bfloat16
+
+
+_LOADING = "model loading, tokenizer and sampling defaults"
+
+
+def _hf_tokenizer_mode(mode: str) -> str | None:
+    if mode in ("auto", "slow"):
+        return None
+    return f"{mode!r} is not supported (it needs vLLM's own tokenizers); use 'auto' or 'slow' (Hugging Face tokenizers)."
+
+
+def _logprobs_limit(limit: int) -> str | None:
+    return None if limit >= -1 else f"must be >= 0 (or -1: the vocabulary size), got {limit}."
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,70 +104,150 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     model_impl: str = "auto"  # "auto" | "native" | "transformers"
-    trust_remote_code: bool = False
+    trust_remote_code: bool = option(
+        False, action="store_true", group="model", help="Allow custom code from the model repo."
+    )
     tokenizer: str = ""
-    seed: int = 0
+    seed: int = option(0, type=int, group="model", help="Random seed for sampling (default: 0).")
     config_format: str = "hf"  # "hf" | "mistral"
     served_model_name: str = ""
-    tokenizer_mode: str = "auto"  # "auto" (fast when there is one) | "slow"
-    tokenizer_revision: str | None = None
-    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, outputs without text
+    tokenizer_mode: str = option(
+        "auto",
+        choices=("auto", "slow"),
+        check=_hf_tokenizer_mode,
+        group=_LOADING,
+        help="auto: the fast tokenizer when there is one.",
+    )
+    tokenizer_revision: str | None = option(None, group=_LOADING, help="Tokenizer revision on the Hub.")
+    skip_tokenizer_init: bool = option(
+        False,
+        action="bool",
+        group=_LOADING,
+        help="No tokenizer: prompts must be token ids, completions carry no text.",
+    )
     load_format: str = "auto"  # "auto" | "safetensors" | "pt" | "dummy" (random weights)
-    max_logprobs: int = 20  # most logprobs (sample or prompt) a request may ask for
+    max_logprobs: int = option(
+        20,
+        type=int,
+        check=_logprobs_limit,
+        group=_LOADING,
+        help="Most logprobs a request may ask for (default: 20; -1: the vocabulary size).",
+    )
     # Sampling defaults for requests that leave a field unset (generation_config.json, vLLM's "auto").
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
 
+_CACHE = "scheduler and cache"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block size and the memory budget that sets the number of blocks."""
 
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
-    num_blocks: int | None = None  # overrides the memory budget when set (tests force preemption)
-    enable_prefix_caching: bool = True
+    block_size: int = option(
+        16, type=positive_int, group=_CACHE, help="Tokens per KV-cache block (default: %(default)s)."
+    )
+    kv_cache_memory_bytes: int = option(
+        1 << 30,
+        flag=("--kv-cache-memory", "--kv-cache-memory-bytes"),
+        metavar="KV_CACHE_MEMORY",
+        type=positive_int,
+        group=_CACHE,
+        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: 1GiB).",
+    )
+    num_blocks: int | None = None  # overrides the memory budget when set (EngineArgs.num_kv_blocks)
+    enable_prefix_caching: bool = option(
+        True,
+        action="bool",
+        group=_CACHE,
+        help="Reuse KV blocks of shared prompt prefixes (keyed by adapter too).",
+    )
+
+
+_LIMITS = "limits and shutdown"
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits for one engine step."""
 
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = option(
+        128, type=positive_int, group=_CACHE, help="Most sequences in one batch (default: %(default)s)."
+    )
+    max_num_batched_tokens: int = option(
+        2048,
+        type=positive_int,
+        group=_CACHE,
+        help="Most tokens processed in one engine step, prefill chunks included (default: %(default)s).",
+    )
+    max_model_len: int = 2048  # resolved from the model (EngineArgs.max_model_len)
+    enable_chunked_prefill: bool = option(
+        True, action="bool", group="model", help="Split long prompts across steps (default: on)."
+    )
     # Admission control (vLLM's names): sequences in flight (waiting + running; n counts n times), and
     # prompt tokens still to prefill. A request beyond either limit now waits nowhere: it gets a 503.
-    max_num_queued_reqs: int = 1024
-    max_num_queued_tokens: int = 1 << 18
+    max_num_queued_reqs: int = option(
+        1024,
+        type=positive_int,
+        group=_LIMITS,
+        help="Most sequences waiting or running at once (a request with n choices counts n); beyond it "
+        "requests get 503 with Retry-After, and a request larger than it alone gets 400 (default: 1024).",
+    )
+    max_num_queued_tokens: int = option(
+        1 << 18,
+        type=positive_int,
+        group=_LIMITS,
+        help="Most prompt tokens waiting to be processed, e.g. 256k; beyond it requests get 503 with "
+        "Retry-After (default: 262144).",
+    )
+
+
+def _cpu_loras_hold_the_batch(config: Any) -> str | None:
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        return f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras ({config.max_loras})."
+    return None
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA limits: compute slots, host cache size, buffer rank and dtype."""
 
-    max_loras: int = 1
-    max_cpu_loras: int | None = None
-    max_lora_rank: int = 16
-    lora_dtype: torch.dtype | None = None  # None = model dtype
-    enable_lora_bias: bool = False
+    __option_checks__ = (_cpu_loras_hold_the_batch,)
+
+    max_loras: int = option(
+        1,
+        type=positive_int,
+        check=at_least(1),
+        group="LoRA",
+        help="Adapters usable in one batch (default: 1; for the demo model, all of its adapters).",
+    )
+    max_cpu_loras: int | None = option(
+        None, type=positive_int, group="LoRA", help="Adapters kept in host memory (default: --max-loras)."
+    )
+    max_lora_rank: int = option(
+        16,
+        type=positive_int,
+        check=at_least(1),
+        group="LoRA",
+        help="Largest adapter rank accepted (default: %(default)s).",
+    )
+    lora_dtype: torch.dtype | None = None  # None = model dtype (EngineArgs.lora_dtype)
+    enable_lora_bias: bool = option(
+        False, action="store_true", group="LoRA", help="Accept adapters with bias terms."
+    )
     # vLLM's --lora-target-modules: LoRA only on these module names (e.g. ("o_proj", "qkv_proj")); an
     # adapter's weights for other modules are skipped with a warning. None: every LoRA-capable module.
     target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}.")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}.")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
-            )
+        check_options(self)
 
     @property
     def cpu_capacity(self) -> int:

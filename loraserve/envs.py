@@ -25,6 +25,11 @@ def _is_true(value: str | None) -> bool:
     return value is not None and value.strip().lower() in ("1", "true")
 
 
+def _switch(name: str) -> bool:
+    """A default-on switch: off only for "0" or "false" (any case, spaces ignored)."""
+    return (get_env(name) or "1").strip().lower() not in ("0", "false")
+
+
 def allow_runtime_lora_updating() -> bool:
     """Runtime load/unload routes and resolvers are on only for "1" or "true" (any case)."""
     return _is_true(get_env("ALLOW_RUNTIME_LORA_UPDATING", "0"))
@@ -98,7 +103,9 @@ def http_keep_alive_timeout() -> float:
     try:
         seconds = float(value)
     except ValueError as exc:
-        raise ValueError(f"LORASERVE_HTTP_TIMEOUT_KEEP_ALIVE must be a number of seconds, got {value!r}") from exc
+        raise ValueError(
+            f"LORASERVE_HTTP_TIMEOUT_KEEP_ALIVE must be a number of seconds, got {value!r}"
+        ) from exc
     if not seconds > 0:
         raise ValueError(f"LORASERVE_HTTP_TIMEOUT_KEEP_ALIVE must be positive, got {value!r}")
     return seconds
@@ -113,7 +120,9 @@ def replica_stats_timeout() -> float:
     except ValueError:
         seconds = float("nan")
     if not seconds > 0:
-        raise ValueError(f"LORASERVE_REPLICA_STATS_TIMEOUT must be a positive number of seconds, got {value!r}")
+        raise ValueError(
+            f"LORASERVE_REPLICA_STATS_TIMEOUT must be a positive number of seconds, got {value!r}"
+        )
     return seconds
 
 
@@ -130,12 +139,12 @@ def cache_root() -> str:
 def cpu_packed_linear() -> bool:
     """Reorder linear weights on CPU for the C linear kernel or oneDNN (default on; "0" keeps dense
     weights and `F.linear`)."""
-    return (get_env("CPU_PACKED_LINEAR", "1") or "1").strip().lower() not in ("0", "false")
+    return _switch("CPU_PACKED_LINEAR")
 
 
 def cpu_lora_kernel() -> bool:
     """Run float32 and bfloat16 CPU LoRA through the fused C kernel (default on; "0" keeps the torch ops)."""
-    return (get_env("CPU_LORA_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
+    return _switch("CPU_LORA_KERNEL")
 
 
 def cpu_kernel_arch() -> str:
@@ -145,36 +154,36 @@ def cpu_kernel_arch() -> str:
 
 def cpu_fused_ops() -> bool:
     """Run CPU RMSNorm, SiLU-and-mul and rope through the fused C kernel (default on; "0" keeps torch)."""
-    return (get_env("CPU_FUSED_OPS", "1") or "1").strip().lower() not in ("0", "false")
+    return _switch("CPU_FUSED_OPS")
 
 
 def cpu_huge_pages() -> bool:
     """Put packed CPU weights and LoRA slot buffers on transparent huge pages where the OS offers them
     (default on; "0" keeps plain allocations). Read when a model is packed or wrapped for LoRA."""
-    return (get_env("CPU_HUGE_PAGES", "1") or "1").strip().lower() not in ("0", "false")
+    return _switch("CPU_HUGE_PAGES")
 
 
 def cpu_argmax_kernel() -> bool:
     """Take greedy tokens from CPU logits (float32 or bf16) with the C argmax kernel (default on; "0"
     keeps torch, on logits converted to float32). Read once, at the first greedy step."""
-    return (get_env("CPU_ARGMAX_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
+    return _switch("CPU_ARGMAX_KERNEL")
 
 
 def cpu_gemm_kernel() -> bool:
     """Run CPU linear layers through the C kernel where it serves their dtype (default on; "0" keeps
     oneDNN's packed linear)."""
-    return (get_env("CPU_GEMM_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
+    return _switch("CPU_GEMM_KERNEL")
 
 
 def cpu_attention_kernel() -> bool:
     """Run CPU paged attention through the C kernel (default on; "0" keeps the torch gather + SDPA path)."""
-    return (get_env("CPU_ATTENTION_KERNEL", "1") or "1").strip().lower() not in ("0", "false")
+    return _switch("CPU_ATTENTION_KERNEL")
 
 
 def cpu_decoder_stack() -> bool:
     """Run a CPU step's Llama-family decoder layers as one C call where every op is a C kernel (default
     on; "0" keeps the Python loop over the same kernels). Read at every step."""
-    return (get_env("CPU_DECODER_STACK", "1") or "1").strip().lower() not in ("0", "false")
+    return _switch("CPU_DECODER_STACK")
 
 
 def hf_hub_offline() -> bool:

@@ -1,7 +1,10 @@
 """EngineArgs: the flat, user-facing engine options (Python API and CLI) turned into an EngineConfig.
 
-This is the one list of engine options: the `serve` flags are read into it by field name, so a new
-option is a field here plus a flag (with the same dest) in `entrypoints/openai/cli_args.py`.
+Each engine option is declared once, as a field (`loraserve.options.option`: default, help, flag,
+check): here when its config value is resolved from it (dtype, max_model_len, lora_dtype, ...), else
+on the config that keeps it (`loraserve/config.py`), whose option fields `shares_options` adds here.
+The `serve` flags are generated from these fields, `LLM(**kwargs)` takes them, and their checks run
+when an EngineArgs is built (after the demo's defaults), so a bad value fails before anything loads.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from loraserve.config import (
+    DTYPE_CHOICES,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -18,53 +22,133 @@ from loraserve.config import (
     SchedulerConfig,
     resolve_device,
 )
+from loraserve.option_types import json_object, json_value, positive_int
+from loraserve.options import check_options, declared_options, option, shares_options
+
+_LOADING = "model loading, tokenizer and sampling defaults"
+_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf", "mistral")
+
+
+def _known_load_format(load_format: str) -> str | None:
+    if load_format in _LOAD_FORMATS:
+        return None
+    return (
+        f"{load_format!r} is not supported; use 'auto', 'safetensors', 'pt', 'dummy' (random weights), "
+        "'gguf' (a .gguf model) or 'mistral' (a params.json folder)."
+    )
 
 
 @dataclass
+@shares_options(ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig)
 class EngineArgs:
-    model: str
-    tokenizer: str | None = None
-    tokenizer_mode: str = "auto"  # "auto" | "slow"
-    tokenizer_revision: str | None = None
-    skip_tokenizer_init: bool = False
-    hf_config_path: str | None = None
-    served_model_name: str | list[str] | None = None  # a list (as --served-model-name takes): the first
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    hf_overrides: dict[str, Any] | Any | None = None  # dict or callable(PretrainedConfig) -> PretrainedConfig
-    rope_scaling: dict[str, Any] | None = None  # vLLM's shortcuts for those two hf_overrides keys
-    rope_theta: float | None = None
-    trust_remote_code: bool = False
-    model_impl: str = "auto"
-    config_format: str = "auto"
-    revision: str | None = None
-    download_dir: str | None = None
-    load_format: str = "auto"  # "auto" | "safetensors" | "pt" | "dummy" (and "gguf"/"mistral" when they fit)
-    max_logprobs: int = 20
-    generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a folder
-    override_generation_config: dict[str, Any] | None = None
-    seed: int = 0
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    max_num_queued_reqs: int = 1024
-    max_num_queued_tokens: int = 1 << 18
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_cpu_loras: int | None = None
-    max_lora_rank: int = 16
-    lora_dtype: str = "auto"
-    enable_lora_bias: bool = False
-    lora_target_modules: list[str] | None = None
+    model: str = option(flag="", help="Model folder or Hugging Face repo id.")
+    tokenizer: str | None = option(
+        None,
+        group="model",
+        help="Tokenizer folder or hub id (default: the model's; for GGUF, the one in its metadata).",
+    )
+    hf_config_path: str | None = option(
+        None,
+        group="model",
+        help="config.json (or its folder) to use for a GGUF model instead of the file's metadata.",
+    )
+    # A list (as --served-model-name takes): the engine reports the first; the server answers to all.
+    served_model_name: str | list[str] | None = option(
+        None,
+        nargs="+",
+        group="server",
+        help="Name(s) clients use in the 'model' field (default: MODEL as given). The first one is reported.",
+    )
+    dtype: str = option(
+        "auto",
+        choices=DTYPE_CHOICES,
+        group="model",
+        help="Weight and activation dtype (default: auto = the checkpoint's, fp32 on CPUs without bf16).",
+    )
+    max_model_len: int | None = option(
+        None,
+        type=positive_int,
+        group="model",
+        help="Longest prompt + completion in tokens, e.g. 2048 or 4k (default: from the config).",
+    )
+    # A dict or callable(PretrainedConfig) -> PretrainedConfig.
+    hf_overrides: dict[str, Any] | Any | None = option(
+        None,
+        type=json_object,
+        group="model",
+        help="JSON object of model config overrides, e.g. '{\"rope_theta\": 20000}'.",
+    )
+    # vLLM's shortcuts for those two hf_overrides keys.
+    rope_scaling: dict[str, Any] | None = option(
+        None, type=json_value, group=_LOADING, help="JSON rope_scaling for the config."
+    )
+    rope_theta: float | None = option(None, type=float, group=_LOADING, help="rope_theta for the config.")
+    model_impl: str = option(
+        "auto",
+        choices=("auto", "native", "vllm", "transformers"),
+        group="model",
+        help="auto: native implementation when there is one (vllm = native), else the transformers fallback.",
+    )
+    config_format: str = option(
+        "auto",
+        choices=("auto", "hf", "mistral"),
+        group=_LOADING,
+        help="auto: params.json (Mistral) when present, else config.json.",
+    )
+    revision: str | None = option(
+        None, group=_LOADING, help="Model revision on the Hub (branch, tag or commit)."
+    )
+    download_dir: str | None = option(None, group=_LOADING, help="Hugging Face cache folder for downloads.")
+    load_format: str = option(
+        "auto",
+        choices=_LOAD_FORMATS,
+        check=_known_load_format,
+        group=_LOADING,
+        help="Which weight files to read; dummy = random weights (profiling).",
+    )
+    # "auto" (the model's generation_config.json) | "vllm" (none) | a folder.
+    generation_config: str = option(
+        "auto",
+        group=_LOADING,
+        help="Sampling defaults: auto (the model's generation_config.json, default), vllm (none) or a folder.",
+    )
+    override_generation_config: dict[str, Any] | None = option(
+        None, type=json_value, group=_LOADING, help="JSON sampling defaults, e.g. '{\"temperature\": 0.5}'."
+    )
+    device: str = option("auto", group="model", help="auto, cpu, cuda or cuda:N (default: auto).")
+    num_kv_blocks: int | None = option(
+        None,
+        flag="--num-gpu-blocks-override",
+        type=int,
+        group=_LOADING,
+        help="Exact number of KV-cache blocks (overrides the memory budget).",
+    )
+    enable_lora: bool = option(False, action="bool", group="LoRA", help="Serve LoRA adapters.")
+    lora_dtype: str = option(
+        "auto",
+        choices=DTYPE_CHOICES,
+        group="LoRA",
+        help="Adapter weight dtype (default: auto = the model's).",
+    )
+    lora_target_modules: list[str] | None = option(
+        None,
+        nargs="+",
+        metavar="MODULE",
+        group="LoRA",
+        help="Put LoRA only on these modules (e.g. o_proj qkv_proj); adapters' weights for others are "
+        "skipped with a warning (default: every LoRA-capable module).",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     def _hf_overrides(self) -> Any:
         """hf_overrides with --rope-scaling / --rope-theta folded in (a dict or JSON string only)."""
-        extra = {k: v for k, v in (("rope_scaling", self.rope_scaling), ("rope_theta", self.rope_theta)) if v is not None}
+        extra = {
+            k: v
+            for k, v in (("rope_scaling", self.rope_scaling), ("rope_theta", self.rope_theta))
+            if v is not None
+        }
         if not extra:
             return self.hf_overrides
         from loraserve.model_loader.config import parse_hf_overrides
@@ -75,30 +159,32 @@ class EngineArgs:
         return {**overrides, **extra}
 
     def _check_formats(self) -> None:
-        """Refuse what vLLM offers and this engine cannot do, before anything is read."""
-        if self.tokenizer_mode not in ("auto", "slow"):
-            raise ValueError(
-                f"tokenizer_mode {self.tokenizer_mode!r} is not supported (it needs vLLM's own tokenizers); use "
-                "'auto' or 'slow' (Hugging Face tokenizers)."
-            )
-        if self.load_format not in ("auto", "safetensors", "pt", "dummy", "gguf", "mistral"):
-            raise ValueError(
-                f"load_format {self.load_format!r} is not supported; use 'auto', 'safetensors', 'pt', 'dummy' "
-                "(random weights), 'gguf' (a .gguf model) or 'mistral' (a params.json folder)."
-            )
+        """What needs the file system to check (the option fields checked their values already)."""
         if self.load_format == "gguf":
             from loraserve.model_loader.gguf import find_gguf_file
 
             if find_gguf_file(self.model) is None:
                 raise ValueError(f"load_format 'gguf' needs a .gguf model; {self.model!r} holds none.")
-        if self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be >= 0 (or -1: the vocabulary size), got {self.max_logprobs}.")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """Every field that has a flag of the same dest; a flag left unset (None) keeps the default."""
+        """Every field, read by its flag's dest (the field name); a flag left unset (None) keeps the
+        default. `model` is the positional MODEL or --model."""
         values = {f.name: getattr(args, f.name, None) for f in fields(cls)}
         return cls(**{name: value for name, value in values.items() if value is not None})
+
+    @classmethod
+    def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> EngineArgs:
+        """`LLM(model, **kwargs)`: exactly the option fields; anything else is a TypeError naming it."""
+        names = {f.name for f, _ in declared_options(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) for the engine: {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+    def _shared(self, config: type) -> dict[str, Any]:
+        """This object's values of `config`'s option fields (which `shares_options` gave it)."""
+        return {f.name: getattr(self, f.name) for f, _ in declared_options(config)}
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model (config, dtype, max_model_len) and build every frozen config."""
@@ -110,33 +196,19 @@ class EngineArgs:
         lora_config = None
         if self.enable_lora:
             lora_dtype = None if self.lora_dtype == "auto" else resolve_dtype(self.lora_dtype, device)
+            target_modules = tuple(self.lora_target_modules) if self.lora_target_modules else None
             lora_config = LoRAConfig(
-                max_loras=self.max_loras,
-                max_cpu_loras=self.max_cpu_loras,
-                max_lora_rank=self.max_lora_rank,
-                lora_dtype=lora_dtype,
-                enable_lora_bias=self.enable_lora_bias,
-                target_modules=tuple(self.lora_target_modules) if self.lora_target_modules else None,
+                **self._shared(LoRAConfig), lora_dtype=lora_dtype, target_modules=target_modules
             )
-        max_batched = max(self.max_num_batched_tokens, 1)
-        if not self.enable_chunked_prefill:
+        scheduler = self._shared(SchedulerConfig)
+        max_batched = max(scheduler["max_num_batched_tokens"], 1)
+        if not scheduler["enable_chunked_prefill"]:
             max_batched = max(max_batched, model_config.max_model_len)
+        scheduler.update(max_num_batched_tokens=max_batched, max_model_len=model_config.max_model_len)
         return EngineConfig(
             model=model_config,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                num_blocks=self.num_kv_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                max_model_len=model_config.max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                max_num_queued_reqs=self.max_num_queued_reqs,
-                max_num_queued_tokens=self.max_num_queued_tokens,
-            ),
+            cache=CacheConfig(**self._shared(CacheConfig), num_blocks=self.num_kv_blocks),
+            scheduler=SchedulerConfig(**scheduler),
             device=device,
             lora=lora_config,
         )
@@ -146,6 +218,7 @@ class EngineArgs:
         from loraserve.model_loader.config import create_model_config
         from loraserve.model_loader.generation_defaults import sampling_defaults
 
+        shared = self._shared(ModelConfig)
         served_model_name = self.served_model_name
         if isinstance(served_model_name, list):
             served_model_name = served_model_name[0] if served_model_name else None
@@ -157,26 +230,25 @@ class EngineArgs:
             device=device,
             max_model_len=self.max_model_len,
             hf_overrides=self._hf_overrides(),
-            trust_remote_code=self.trust_remote_code,
+            trust_remote_code=shared.pop("trust_remote_code"),
             model_impl="native" if self.model_impl == "vllm" else self.model_impl,
             config_format=self.config_format,
             revision=self.revision,
-            seed=self.seed,
+            seed=shared.pop("seed"),
             hf_config_path=self.hf_config_path,
             download_dir=self.download_dir,
             load_format="auto" if self.load_format in ("gguf", "mistral") else self.load_format,
         )
         model_config = replace(
             model_config,
-            tokenizer_mode=self.tokenizer_mode,
-            tokenizer_revision=self.tokenizer_revision,
-            skip_tokenizer_init=self.skip_tokenizer_init,
-            max_logprobs=self.max_logprobs,
+            **shared,
             sampling_defaults=sampling_defaults(
                 model_config.model_path, self.generation_config, self.override_generation_config
             ),
         )
         if self.load_format == "mistral" and model_config.config_format != "mistral":
-            raise ValueError("load_format 'mistral' reads consolidated*.safetensors, which needs a Mistral-format "
-                             "folder (params.json); this model is in the Hugging Face format.")
+            raise ValueError(
+                "load_format 'mistral' reads consolidated*.safetensors, which needs a Mistral-format "
+                "folder (params.json); this model is in the Hugging Face format."
+            )
         return model_config

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from loraserve import __version__
-from loraserve.entrypoints.openai.cli_args import OneLineErrorParser, add_serve_args, check_serve_args
+from loraserve.entrypoints.openai.cli_args import EPILOG, OneLineErrorParser, add_serve_args, check_serve_args
 from loraserve.entrypoints.openai.vllm_compat import expand_config_file
 
 
@@ -25,10 +25,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="Start the OpenAI-compatible server.",
         description="Serve one base model and its LoRA adapters over an OpenAI-compatible HTTP API. "
         "Without MODEL, the embedded demo model and its adapters are served.",
-        epilog="Environment: LORASERVE_ALLOW_RUNTIME_LORA_UPDATING=true enables /v1/load_lora_adapter, "
-        "/v1/unload_lora_adapter and resolver plugins; LORASERVE_PLUGINS filters plugins; "
-        "LORASERVE_LORA_RESOLVER_CACHE_DIR and LORASERVE_LORA_RESOLVER_HF_REPO_LIST configure the "
-        "built-in resolvers; LORASERVE_API_KEY is the default --api-key (VLLM_* spellings accepted).",
+        epilog=EPILOG,
     )
     add_serve_args(serve)
     demo = commands.add_parser(

@@ -20,40 +20,18 @@ if TYPE_CHECKING:
 class LLM:
     """Generate with a base model and LoRA adapters in one process, batching all prompts together."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        hf_overrides: Any = None,
-        model_impl: str = "auto",
-        trust_remote_code: bool = False,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_cpu_loras: int | None = None,
-        max_lora_rank: int = 16,
-        lora_dtype: str = "auto",
-        enable_lora_bias: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        """Engine options as `EngineArgs` fields; vLLM keywords without an effect here
-        (`gpu_memory_utilization=0.9`, `tensor_parallel_size=1`, ...) are accepted with a warning and
-        refused (ValueError) when their value cannot be honoured."""
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        """Engine options are the `EngineArgs` fields (`max_loras=4`, `dtype="float32"`, ...), with
+        their defaults; vLLM keywords without an effect here (`gpu_memory_utilization=0.9`,
+        `tensor_parallel_size=1`, ...) are accepted with a warning and refused (ValueError) when their
+        value cannot be honoured; any other keyword is a TypeError."""
         from loraserve.entrypoints.openai.vllm_compat import llm_engine_kwargs
 
         kwargs = llm_engine_kwargs(kwargs)
         # Offline, every prompt given is wanted: the queue limits that protect a server do not apply.
         kwargs.setdefault("max_num_queued_reqs", sys.maxsize)
         kwargs.setdefault("max_num_queued_tokens", sys.maxsize)
-        args = EngineArgs(
-            model=model, tokenizer=tokenizer, dtype=dtype, hf_overrides=hf_overrides, model_impl=model_impl,
-            trust_remote_code=trust_remote_code, max_model_len=max_model_len, seed=seed,
-            enable_lora=enable_lora, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
-            max_lora_rank=max_lora_rank, lora_dtype=lora_dtype, enable_lora_bias=enable_lora_bias, **kwargs,
-        )
+        args = EngineArgs.from_kwargs(model, kwargs)
         self.engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
 
@@ -128,8 +106,11 @@ class LLM:
         prompts: list[PromptInput] = []
         for conversation in conversations:
             ids = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-                chat_template=chat_template, return_dict=False,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                chat_template=chat_template,
+                return_dict=False,
             )
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, lora_request, use_tqdm)

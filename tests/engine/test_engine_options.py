@@ -33,7 +33,9 @@ def test_skip_tokenizer_init_serves_token_ids(gemma2_without_tokenizer: tuple[st
     assert llm.get_tokenizer() is None
     prompt = [5, 17, 42, 99, 7, 8, 9, 10]  # longer than the window: both kinds of layer matter
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0]
-    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, len(prompt):].tolist()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[
+        0, len(prompt) :
+    ].tolist()
     assert list(out.token_ids) == expected and out.text == ""
     with pytest.raises(ValueError, match="skip_tokenizer_init.*token ids"):
         llm.generate("hello", GREEDY, use_tqdm=False)
@@ -45,17 +47,23 @@ def test_max_logprobs(tiny_model: Any) -> None:
     llm = LLM(tiny_model("llama"), dtype="float32", max_logprobs=30)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=25), use_tqdm=False)[0].outputs[0]
     assert out.logprobs is not None and all(len(position) >= 25 for position in out.logprobs)
-    with pytest.raises(ValueError, match="Requested sample logprobs of 31, which is greater than max allowed: 30"):
+    with pytest.raises(
+        ValueError, match="Requested sample logprobs of 31, which is greater than max allowed: 30"
+    ):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=31), use_tqdm=False)
     default = LLM(tiny_model("llama"), dtype="float32")
-    with pytest.raises(ValueError, match="Requested prompt logprobs of 21, which is greater than max allowed: 20"):
+    with pytest.raises(
+        ValueError, match="Requested prompt logprobs of 21, which is greater than max allowed: 20"
+    ):
         default.generate([[5, 6, 7]], SamplingParams(max_tokens=2, prompt_logprobs=21), use_tqdm=False)
 
 
 def test_generation_config_gives_the_defaults(tiny_model: Any, tmp_path: Path) -> None:
     path = shutil.copytree(tiny_model("llama"), tmp_path / "model")
     (path / "generation_config.json").write_text(
-        json.dumps({"temperature": 0.0, "top_k": 5, "max_new_tokens": 3, "do_sample": True, "bos_token_id": 1})
+        json.dumps(
+            {"temperature": 0.0, "top_k": 5, "max_new_tokens": 3, "do_sample": True, "bos_token_id": 1}
+        )
     )
     auto = LLM(str(path), dtype="float32")
     assert auto.engine.model_config.sampling_defaults == {"temperature": 0.0, "top_k": 5, "max_tokens": 3}
@@ -64,10 +72,15 @@ def test_generation_config_gives_the_defaults(tiny_model: Any, tmp_path: Path) -
     none = EngineArgs(model=str(path), dtype="float32", generation_config="vllm").create_engine_config()
     assert none.model.sampling_defaults == {}
     overridden = EngineArgs(
-        model=str(path), dtype="float32", override_generation_config={"temperature": 0.5, "repetition_penalty": 1.1}
+        model=str(path),
+        dtype="float32",
+        override_generation_config={"temperature": 0.5, "repetition_penalty": 1.1},
     ).create_engine_config()
     assert overridden.model.sampling_defaults == {
-        "temperature": 0.5, "top_k": 5, "max_tokens": 3, "repetition_penalty": 1.1
+        "temperature": 0.5,
+        "top_k": 5,
+        "max_tokens": 3,
+        "repetition_penalty": 1.1,
     }
     with pytest.raises(ValueError, match="'beams' is not a sampling default"):
         EngineArgs(model=str(path), override_generation_config={"beams": 2}).create_engine_config()
@@ -87,7 +100,9 @@ def test_tokenizer_and_load_formats(tiny_model: Any, tmp_path: Path) -> None:
         EngineArgs(model=path, load_format="gguf").create_engine_config()
     with pytest.raises(ValueError, match=r"No weights found .*load_format='pt'"):
         LLM(path, load_format="pt")
-    no_weights = shutil.copytree(path, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors"))
+    no_weights = shutil.copytree(
+        path, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors")
+    )
     dummy = LLM(str(no_weights), dtype="float32", load_format="dummy")
     assert len(dummy.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 5
 
@@ -104,3 +119,37 @@ def test_download_dir_holds_the_hub_cache(tiny_model: Any, tmp_path: Path) -> No
     assert str(tmp_path) != huggingface_hub.constants.HF_HUB_CACHE
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
         EngineArgs(model="org/tiny", dtype="float32").create_engine_config()
+
+
+def test_options_are_declared_once_on_their_config() -> None:
+    """EngineArgs takes LoRAConfig's (and the other configs') option fields as they are declared there:
+    the same defaults, and the same checks with the same texts, run when EngineArgs is built."""
+    from loraserve.config import CacheConfig, LoRAConfig, SchedulerConfig
+    from loraserve.options import declared_options
+
+    args = EngineArgs(model="m")
+    for config in (CacheConfig(), SchedulerConfig(), LoRAConfig()):
+        shared = [f.name for f, _ in declared_options(config)]
+        assert shared and all(getattr(args, name) == getattr(config, name) for name in shared)
+    text = r"max_cpu_loras \(2\) must be >= max_loras \(4\)\."
+    with pytest.raises(ValueError, match=text):
+        LoRAConfig(max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match=text):
+        EngineArgs(model="m", max_loras=4, max_cpu_loras=2)  # before any model is read
+    with pytest.raises(ValueError, match="max_lora_rank must be >= 1, got 0."):
+        EngineArgs(model="m", max_lora_rank=0)
+    with pytest.raises(
+        ValueError, match=r"max_logprobs must be >= 0 \(or -1: the vocabulary size\), got -2\."
+    ):
+        EngineArgs(model="m", max_logprobs=-2)
+
+
+def test_llm_takes_exactly_the_engine_fields(tiny_model: Any) -> None:
+    llm = LLM(
+        tiny_model("llama"), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=3, block_size=8
+    )
+    lora = llm.engine.config.lora
+    assert lora is not None and (lora.max_loras, lora.cpu_capacity) == (2, 3)
+    assert llm.engine.config.cache.block_size == 8
+    with pytest.raises(TypeError, match="max_lora"):
+        LLM(tiny_model("llama"), max_lora=2)  # a misspelt option is refused, not ignored

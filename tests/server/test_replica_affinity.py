@@ -3,7 +3,7 @@ a hot adapter spreads past the queue depth; the router's memory of where it sent
 
 from __future__ import annotations
 
-from loraserve.entrypoints.openai.cli_replica_args import DEFAULT_SPREAD_QUEUE_DEPTH as FLAG_DEFAULT
+from loraserve.entrypoints.openai.server_config import DEFAULT_SPREAD_QUEUE_DEPTH as FLAG_DEFAULT
 from loraserve.entrypoints.ray.affinity import (
     DEFAULT_SPREAD_QUEUE_DEPTH,
     HOST,

@@ -18,9 +18,11 @@ from support.serve_process import CLI, ServeProcess
 
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.entrypoints.openai.cli_args import parse_serve_args
-from loraserve.entrypoints.openai.cli_types import human_int
+from loraserve.entrypoints.openai.cli_options import generated_flags
 from loraserve.entrypoints.openai.frontend import frontend_dests
+from loraserve.entrypoints.openai.server_config import ServerConfig
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
+from loraserve.option_types import human_int
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -129,14 +131,21 @@ def test_flags_map_to_engine_args() -> None:
             "--max-cpu-loras (2) must be >= --max-loras (4)",
         ),
         (["serve", "m", "--dtype", "int3"], "invalid choice"),
+        (
+            ["serve", "m", "--max-logprobs", "-2"],
+            "--max-logprobs must be >= 0 (or -1: the vocabulary size), got -2",
+        ),
+        (["serve", "m", "--port", "70000"], "--port must be in 0..65535, got 70000"),
+        (["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules names 'a' twice"),
     ],
 )
-def test_bad_flags_are_one_line(argv: list[str], fragment: str) -> None:
+def test_bad_flags_are_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture) -> None:
     from loraserve.entrypoints.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(argv)
-    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and fragment in err[0], err
 
 
 def test_bad_flag_in_a_process() -> None:
@@ -160,18 +169,37 @@ def test_bad_model_is_one_line(
     assert "0x" not in err[0]
 
 
-def test_unset_flags_keep_engine_defaults_and_every_engine_flag_is_a_field() -> None:
+def test_unset_flags_keep_engine_defaults_and_every_flag_is_a_field() -> None:
     args = parse_serve_args(["some/model"])
     assert EngineArgs.from_cli_args(args) == EngineArgs(model="some/model")
-    # A flag is read into EngineArgs (or FrontendOptions) by its dest: one that names no field would be
-    # silently dropped. vLLM flags without an effect here leave the namespace once checked.
-    server_flags = {
-        "model_tag", "host", "port", "api_key", "lora_modules", "trust_request_chat_template", "config",
-        "max_request_body_size", "request_read_timeout", "shutdown_timeout",
-        "replicas", "replica_spread_queue_depth", "replica_cpus", "replica_gpus",
-    }
-    server_flags |= frontend_dests()
-    assert set(vars(args)) - server_flags <= {f.name for f in fields(EngineArgs)}
+    assert ServerConfig.from_cli_args(args) == ServerConfig()
+    # A flag is read into EngineArgs, ServerConfig or FrontendOptions by its dest: one that names no
+    # field would be silently dropped. vLLM flags without an effect here leave the namespace once checked.
+    readers = {f.name for cls in (EngineArgs, ServerConfig) for f in fields(cls)} | frontend_dests()
+    assert set(vars(args)) - readers == {"model_tag", "config"}
+
+
+def test_the_demo_defaults_follow_the_flags_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a model the demo registers its adapters; its max_loras (all of them) yields to a smaller
+    --max-cpu-loras and to --max-loras, and the engine's checks run on the result."""
+    from loraserve.demo import run as demo_run
+    from loraserve.entrypoints.openai.launcher import use_demo_model
+
+    adapters = {"a": "/p/a", "b": "/p/b", "c": "/p/c"}
+    monkeypatch.setattr(
+        demo_run, "demo_setup", lambda: demo_run.DemoSetup("/p/model", "demo", adapters, True)
+    )
+
+    def demo_engine_args(*flags: str) -> EngineArgs:
+        args = parse_serve_args(list(flags))
+        use_demo_model(args)
+        return EngineArgs.from_cli_args(args)
+
+    alone = demo_engine_args("--max-cpu-loras", "2")  # vLLM's max_loras default is 1; the demo's is 3
+    assert (alone.enable_lora, alone.max_loras, alone.max_cpu_loras) == (True, 2, 2)
+    assert (demo_engine_args().max_loras, demo_engine_args("--max-loras", "1").max_loras) == (3, 1)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(2\) must be >= max_loras \(3\)"):
+        demo_engine_args("--max-loras", "3", "--max-cpu-loras", "2")
 
 
 def test_served_model_names_give_the_engine_the_first(tiny_model: Any) -> None:
@@ -186,35 +214,9 @@ def test_help_lists_every_flag() -> None:
         text=True,
     )
     assert result.returncode == 0
-    for flag in (
-        "--host",
-        "--port",
-        "--tokenizer",
-        "--hf-config-path",
-        "--trust-request-chat-template",
-        "--served-model-name",
-        "--dtype",
-        "--max-model-len",
-        "--hf-overrides",
-        "--trust-remote-code",
-        "--model-impl",
-        "--seed",
-        "--device",
-        "--max-num-seqs",
-        "--max-num-batched-tokens",
-        "--enable-lora",
-        "--lora-modules",
-        "--max-loras",
-        "--max-cpu-loras",
-        "--max-lora-rank",
-        "--lora-dtype",
-        "--enable-lora-bias",
-        "--api-key",
-        "--block-size",
-        "--kv-cache-memory",
-        "--enable-prefix-caching",
-        "--no-enable-prefix-caching",
-    ):
+    flags = [name for _, option, _ in generated_flags(ServerConfig, EngineArgs) for name in option.flags]
+    assert len(flags) > 40 and "--max-loras" in flags and "--kv-cache-memory-bytes" in flags
+    for flag in [*flags, "--no-enable-prefix-caching", "--uds", "--config"]:
         assert flag in result.stdout, flag
 
 
@@ -236,9 +238,21 @@ def test_serve_process(tiny_model: Any, tmp_path) -> None:
     )
     module_json = json.dumps({"name": "sql-json", "path": adapter, "base_model_name": "tiny"})
     flags = [
-        model_dir, "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "128",
-        "--kv-cache-memory", "16MiB", "--enable-lora", "--lora-modules", f"sql={adapter}", module_json,
-        "--api-key", "secret",
+        model_dir,
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--kv-cache-memory",
+        "16MiB",
+        "--enable-lora",
+        "--lora-modules",
+        f"sql={adapter}",
+        module_json,
+        "--api-key",
+        "secret",
     ]
     with ServeProcess(flags) as server:
         url = server.url
@@ -269,7 +283,9 @@ def test_a_dead_engine_ends_the_process_with_status_1(
     monkeypatch.setenv("LORASERVE_PLUGINS", "")
     args = parse_serve_args(["some-model", "--host", "127.0.0.1", "--port", "0"])
     status: list[int] = []
-    serving = threading.Thread(target=lambda: status.append(launcher.serve_main(args, "loraserve serve")), daemon=True)
+    serving = threading.Thread(
+        target=lambda: status.append(launcher.serve_main(args, "loraserve serve")), daemon=True
+    )
     serving.start()
     serving.join(30)  # a server that outlives its engine would still be serving here
     assert status == [1]

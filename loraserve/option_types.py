@@ -1,9 +1,12 @@
-"""Value types of the `serve` flags: integers with size suffixes as vLLM reads them, and seconds."""
+"""Value parsers of options given as text (the `serve` flags): integers with size suffixes as vLLM
+reads them, numbers, seconds and JSON objects. Each raises argparse.ArgumentTypeError with what is wrong."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -49,3 +52,27 @@ def positive_seconds(value: str) -> float:
     if seconds == 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value!r}")
     return seconds
+
+
+def positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from exc
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
+    return number
+
+
+def json_value(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {exc.msg}") from exc
+
+
+def json_object(value: str) -> dict[str, Any]:
+    parsed = json_value(value)
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
