@@ -33,7 +33,7 @@ class Option:
     type: Callable[[str], Any] | None = None  # a flag's value parser (argparse `type`)
     choices: Sequence[str] | None = None
     nargs: str | None = None
-    action: str | None = None  # "store_true" | "bool" (--x/--no-x) | "extend" | None (a value)
+    action: str | None = None  # "store_true" | "bool" (--x/--no-x) | "extend" | "append" | None
     metavar: str | None = None
     group: str = "engine"  # the --help section
     check: Callable[[Any], str | None] | None = None  # value -> what is wrong with it (after the name)

@@ -19,7 +19,7 @@ from support.serve_process import CLI, ServeProcess
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.entrypoints.openai.cli_args import parse_serve_args
 from loraserve.entrypoints.openai.cli_options import generated_flags
-from loraserve.entrypoints.openai.frontend import frontend_dests
+from loraserve.entrypoints.openai.frontend_options import frontend_dests
 from loraserve.entrypoints.openai.server_config import ServerConfig
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
 from loraserve.option_types import human_int

@@ -269,29 +269,33 @@ def test_every_vllm_flag_has_its_class() -> None:
 
 
 def test_every_working_flag_is_generated_from_its_field() -> None:
-    """The engine and server flags come from the option fields (EngineArgs, the configs it shares,
-    ServerConfig): each generated flag is in the parser with the field as its dest, and every vLLM flag
-    of the table that works here is one of them, a front-end flag, a compatibility flag whose vLLM
-    meaning holds, or the parser's own (--config, --model)."""
+    """The engine, server and front-end flags come from the option fields (EngineArgs, the configs it
+    shares, ServerConfig, FrontendOptions): each generated flag is in the parser with the field as its
+    dest, and every vLLM flag of the table that works here is one of them, a compatibility flag whose
+    vLLM meaning holds, or the parser's own (--config, --model)."""
     from loraserve.engine.arg_utils import EngineArgs
     from loraserve.entrypoints.openai.cli_options import generated_flags
-    from loraserve.entrypoints.openai.frontend import frontend_dests
+    from loraserve.entrypoints.openai.frontend_options import FrontendOptions
     from loraserve.entrypoints.openai.server_config import ServerConfig
     from loraserve.entrypoints.openai.vllm_flag_table import COMPAT_FLAGS
 
     parser = make_serve_parser()
     actions = {name: action for action in parser._actions for name in action.option_strings}
     generated: set[str] = set()
-    for field_name, option, _ in generated_flags(EngineArgs, ServerConfig):
+    dests: set[str] = set()
+    for field_name, option, _ in generated_flags(EngineArgs, ServerConfig, FrontendOptions):
         for flag in option.flags:
             assert actions[flag].dest == field_name, flag
-            assert actions[flag].help and actions[flag].help.startswith(option.help.split("%(")[0]), flag
+            assert (actions[flag].help or "").startswith(option.help.split("%(")[0]), flag
         generated.update(option.flags)
-    frontend = {name for name, action in actions.items() if action.dest in frontend_dests()}
+        dests.add(field_name)
     holds = {name for flag in COMPAT_FLAGS if flag.kind == W for name in flag.names}
     working = {flag for flag, kind in {**VLLM_0_11_FLAGS, **OLDER_FLAGS}.items() if kind == W}
-    assert working - generated - frontend - holds == {"--config", "--model"}
-    assert not generated & (frontend | holds)  # each flag has one home
+    assert working - generated - holds == {"--config", "--model"}
+    assert not generated & holds  # each flag has one home
+    # Every parser flag is generated (its --no- form too), a compatibility flag, or the parser's own.
+    others = {action.dest for action in actions.values()} - dests
+    assert {dest for dest in others if not dest.startswith("vllm_compat")} == {"help", "model", "config"}
 
 
 def parse(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[Any, list[str]]:

@@ -1,10 +1,10 @@
 """The `serve` command line: vLLM's flag names, parsed into EngineArgs and ServerConfig.
 
-The engine and server flags are generated from the option fields that declare them (EngineArgs and
-the configs it shares, ServerConfig; see `cli_options.py`); the HTTP front end's flags are in
-`cli_vllm_args.py`, and vLLM's flags without an effect here in `vllm_compat.py`. The checks are the
-fields' own: `check_serve_args` builds EngineArgs and ServerConfig once the flags are read and reports
-what they refuse with the flags' names. Nothing here imports torch or transformers, so `--help` and
+The engine, server and front-end flags are generated from the option fields that declare them
+(EngineArgs and the configs it shares, ServerConfig, FrontendOptions; see `cli_options.py`); vLLM's
+flags without an effect here are in `vllm_compat.py`. The checks are the fields' own:
+`check_serve_args` builds those dataclasses once the flags are read and reports what they refuse with
+the flags' names. Nothing here imports torch or transformers, so `--help` and
 flag errors are instant.
 """
 
@@ -17,7 +17,7 @@ from typing import NoReturn
 from loraserve import envs
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.entrypoints.openai.cli_options import add_option_flags
-from loraserve.entrypoints.openai.cli_vllm_args import add_vllm_frontend_args, check_vllm_args
+from loraserve.entrypoints.openai.frontend_options import FrontendOptions
 from loraserve.entrypoints.openai.server_config import ServerConfig
 from loraserve.entrypoints.openai.vllm_compat import add_compat_args, check_compat_args, expand_config_file
 from loraserve.options import OptionError, cli_spellings
@@ -61,9 +61,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     groups = {title: parser.add_argument_group(title) for title in _GROUPS}
     add_option_flags(groups, ServerConfig, unset_is_none=False)
     add_option_flags(groups, EngineArgs, unset_is_none=True)
+    add_option_flags(groups, FrontendOptions, unset_is_none=True)
     key = envs.get_env("API_KEY")
     parser.set_defaults(api_key=[key] if key else None)
-    add_vllm_frontend_args(groups["HTTP front end"])
     add_compat_args(parser)
     parser.add_argument(
         "--config", default=None, help="YAML file of flag: value pairs (flags given here win)."
@@ -84,7 +84,6 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     """Cross-flag checks; reports through `parser.error` (one line, exit 2). vLLM flags that have no
     effect here print a one-line notice and leave `args`."""
     check_compat_args(parser, args)
-    check_vllm_args(parser, args)
     args.config = None  # read already (expand_config_file)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one of them")
@@ -92,6 +91,13 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.lora_modules and not args.enable_lora and args.model is not None:
         parser.error("--lora-modules needs --enable-lora")
     check_options_of(parser, args)
+    if args.chat_template is not None:
+        from loraserve.entrypoints.openai.frontend import load_chat_template
+
+        try:
+            load_chat_template(args.chat_template)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
     return args
 
 
@@ -100,10 +106,11 @@ def check_options_of(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     a model the demo's defaults are not applied yet: the engine's checks run when they are (launcher)."""
     try:
         ServerConfig.from_cli_args(args)
+        FrontendOptions.from_cli_args(args)
         if args.model is not None:
             EngineArgs.from_cli_args(args)
     except OptionError as exc:
-        parser.error(exc.with_names(cli_spellings(ServerConfig, EngineArgs)))
+        parser.error(exc.with_names(cli_spellings(ServerConfig, FrontendOptions, EngineArgs)))
 
 
 def parse_serve_args(argv: list[str] | None = None, prog: str = "loraserve serve") -> argparse.Namespace:

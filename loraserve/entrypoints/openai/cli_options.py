@@ -1,7 +1,7 @@
 """The `serve` flags generated from option fields (`loraserve.options`): names, aliases, value type,
 choices, help and default all come from the field that declares the option.
 
-A flag of an EngineArgs field defaults to None in the namespace ("not given"), so that the field's own
+A flag of an EngineArgs or FrontendOptions field defaults to None in the namespace ("not given"), so that the field's own
 default applies and the demo can tell what the user set; a flag of a ServerConfig field defaults to the
 field's default, since the launcher reads those from the namespace directly.
 """
@@ -18,6 +18,7 @@ _ACTIONS: Mapping[str | None, Any] = {
     "store_true": "store_true",
     "bool": argparse.BooleanOptionalAction,
     "extend": "extend",
+    "append": "append",
     None: "store",
 }
 
@@ -38,7 +39,7 @@ def add_option_flags(groups: Mapping[str, Any], cls: Any, *, unset_is_none: bool
             "action": _ACTIONS[declared.action],
             "default": None if unset_is_none else default,
             # %(default)s in a help text is the field's default, whatever the namespace's default is.
-            "help": declared.help.replace("%(default)s", str(default)),
+            "help": declared.help.replace("%(default)s", str(default)) or None,
         }
         for key in ("type", "choices", "nargs", "metavar"):
             value = getattr(declared, key)

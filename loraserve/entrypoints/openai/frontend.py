@@ -1,71 +1,26 @@
-"""The HTTP front end's own options, as vLLM's `FrontendArgs` names them, and how they apply.
+"""How the HTTP front end's own options apply (`FrontendOptions`, declared in `frontend_options.py`).
 
-`FrontendOptions` (frozen) holds what the app and uvicorn need beyond the engine: CORS, root path,
-docs, extra ASGI middleware, X-Request-Id headers, the chat response role and template, token ids as
-logprob tokens, TLS, a Unix socket, log levels and a logging config file. Each field's name is the
-dest of its `serve` flag (`cli_vllm_args.py`), so `FrontendOptions.from_cli_args` reads them by name.
 `apply_to_app` wires CORS (outermost, so preflight requests never meet the API key check), the
 request-id header and the user's middleware; `uvicorn_options` gives uvicorn its TLS and log settings.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import json
 import logging.config
 import os
 import socket
-import ssl
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, fields
 from typing import Any, cast
 
 from fastapi import FastAPI
 
+from loraserve.entrypoints.openai.frontend_options import FrontendOptions
+
 logger = logging.getLogger("loraserve.server")
-
-CONTENT_FORMATS = ("auto", "string")  # vLLM's "openai" (content as a list of parts) is not rendered
-
-
-@dataclass(frozen=True, slots=True)
-class FrontendOptions:
-    allowed_origins: tuple[str, ...] = ("*",)
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
-    root_path: str | None = None
-    disable_fastapi_docs: bool = False
-    middleware: tuple[str, ...] = ()
-    enable_request_id_headers: bool = False
-    response_role: str = "assistant"
-    chat_template: str | None = None  # a file path or the template itself
-    chat_template_content_format: str = "auto"
-    return_tokens_as_token_ids: bool = False
-    uds: str | None = None
-    uvicorn_log_level: str | None = None  # None: LORASERVE_LOGGING_LEVEL's
-    disable_uvicorn_access_log: bool = False
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_ca_certs: str | None = None
-    ssl_cert_reqs: int = int(ssl.CERT_NONE)
-    h11_max_incomplete_event_size: int | None = None
-    log_config_file: str | None = None
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> FrontendOptions:
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers", "middleware"):
-            if name in values:
-                values[name] = tuple(values[name])
-        return cls(**values)
-
-
-def frontend_dests() -> set[str]:
-    """The `serve` flags' dests that FrontendOptions reads."""
-    return {f.name for f in fields(FrontendOptions)}
 
 
 def fastapi_kwargs(options: FrontendOptions) -> dict[str, Any]:

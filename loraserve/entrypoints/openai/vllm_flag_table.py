@@ -3,9 +3,8 @@
 Built from vLLM's own argument definitions, v0.11 (`vllm/engine/arg_utils.py` EngineArgs and
 AsyncEngineArgs, `vllm/entrypoints/openai/cli_args.py` FrontendArgs and make_arg_parser), plus a few
 flags of earlier releases that deployment scripts still carry (marked "vLLM < 0.11"). The flags that
-work are ordinary `serve` flags, generated from option fields (`cli_options.py`) or front-end flags
-(`cli_vllm_args.py`); tests/server/test_vllm_flags.py holds the whole table, so no flag changes class
-by accident.
+work are ordinary `serve` flags, generated from option fields (`cli_options.py`);
+tests/server/test_vllm_flags.py holds the whole table, so no flag changes class by accident.
 
 Kinds: "works" (the flag's vLLM meaning already holds here, e.g. no request logging), "notice"
 (accepted with a one-line notice of what it means here, for the values in `harmless`; any other value
