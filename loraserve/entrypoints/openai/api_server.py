@@ -28,7 +28,11 @@ from loraserve.entrypoints.openai.frontend import (
     fastapi_kwargs,
     override_chat_template,
 )
-from loraserve.entrypoints.openai.http_guard import RequestGuardMiddleware, ServerLifecycle
+from loraserve.entrypoints.openai.http_guard import (
+    HTTPVersionMiddleware,
+    RequestGuardMiddleware,
+    ServerLifecycle,
+)
 from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -110,7 +114,8 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     )
     if options.api_keys:  # added last, so it runs first: no unauthenticated body is ever buffered
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
-    apply_to_app(app, options.frontend)  # CORS outermost: preflight requests carry no API key
+    apply_to_app(app, options.frontend)  # CORS outside the key check: preflight requests carry no API key
+    app.add_middleware(HTTPVersionMiddleware)  # outermost: HTTP/9.9 is no request to answer as 1.1
     return app
 
 
@@ -153,7 +158,7 @@ def _is_union_tag(part: object) -> bool:
 def _add_info_routes(
     app: FastAPI, engine: EngineClient, models: OpenAIServingModels, metrics: ServerMetrics
 ) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> Response:
         if engine.is_healthy():
             return Response(status_code=200)

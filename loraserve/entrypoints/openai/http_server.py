@@ -3,10 +3,12 @@
 - A request's head must arrive within `request_read_timeout_s` of the connection opening (or of the
   previous response on a keep-alive connection); uvicorn alone waits for a trickling head forever.
   The body has the same bound, enforced by `http_guard.RequestGuardMiddleware`.
-- SIGTERM or SIGINT: the listening socket closes, requests on open connections get 503, and running
-  requests have `shutdown_timeout_s` to finish. Then the engine is shut down, so each request still
-  running ends with a 503 (a stream: an error event, then `[DONE]`), and the connections close on
-  their own: nothing is cancelled mid-write, so no tracebacks.
+- SIGTERM or SIGINT starts the drain: the server keeps accepting connections while requests run, so
+  a load balancer's health check gets a 503 from `/health` (not a refused connection) and stops
+  sending; new requests get a 503 (`/metrics` still answers), and running requests have
+  `shutdown_timeout_s` to finish. Then the engine is shut down, so each request still running ends
+  with a 503 (a stream: an error event, then `[DONE]`). Once no request runs, the listening socket
+  closes and the connections close on their own: nothing is cancelled mid-write, so no tracebacks.
 - A dead engine stops the server too; the launcher then exits 1, so a supervisor restarts it.
 """
 
@@ -36,6 +38,8 @@ logger = logging.getLogger("loraserve.server")
 ENGINE_WATCH_INTERVAL_S = 1.0
 # uvicorn's own last resort after the drain: it cancels whatever still runs (it should be nothing).
 _UVICORN_GRACE_MARGIN_S = 10.0
+# How often the drain checks whether requests still run (uvicorn's own shutdown polls every 0.1 s).
+_DRAIN_POLL_S = 0.05
 
 
 def head_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
@@ -84,7 +88,11 @@ class LoraserveServer(uvicorn.Server):
     """
 
     def __init__(
-        self, config: uvicorn.Config, lifecycle: ServerLifecycle, engine: EngineClient | None, shutdown_timeout_s: float
+        self,
+        config: uvicorn.Config,
+        lifecycle: ServerLifecycle,
+        engine: EngineClient | None,
+        shutdown_timeout_s: float,
     ) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
@@ -106,12 +114,27 @@ class LoraserveServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.lifecycle.is_draining = True
-        logger.info("Shutting down: no new requests; running ones have %g s to finish.", self.shutdown_timeout_s)
+        logger.info(
+            "Shutting down: no new requests; running ones have %g s to finish.", self.shutdown_timeout_s
+        )
         expiry = asyncio.create_task(self._end_running_requests())
         try:
+            await self._drain()
             await super().shutdown(sockets)
         finally:
             expiry.cancel()
+
+    async def _drain(self) -> None:
+        """Wait, still accepting connections (each new request gets a 503), until no request runs.
+
+        The engine's shutdown at `shutdown_timeout_s` ends the engine's requests; a request that
+        outlives it even so (stuck outside the engine) is left to uvicorn's own deadline, which gets
+        what remains of the drain's budget."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout_s + _UVICORN_GRACE_MARGIN_S
+        while self.lifecycle.active_requests and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        self.config.timeout_graceful_shutdown = max(1, round(deadline - loop.time()))
 
     async def _end_running_requests(self) -> None:
         await asyncio.sleep(self.shutdown_timeout_s)
@@ -121,7 +144,10 @@ class LoraserveServer(uvicorn.Server):
 
 
 def build_server(
-    app: FastAPI, options: Any, engine: EngineClient | None = None, uvicorn_kwargs: dict[str, Any] | None = None
+    app: FastAPI,
+    options: Any,
+    engine: EngineClient | None = None,
+    uvicorn_kwargs: dict[str, Any] | None = None,
 ) -> LoraserveServer:
     """The server for `app` under `options` (api_server.ServerOptions); `uvicorn_kwargs` are more
     uvicorn.Config keywords (`frontend.uvicorn_options`: TLS, log level, root path)."""
@@ -156,10 +182,14 @@ async def serve_app(
         if watchdog is not None:
             watchdog.cancel()
     if engine is not None and engine.errored:
-        raise EngineDeadError(f"the engine died ({engine.dead_error}); exiting so that a supervisor restarts it")
+        raise EngineDeadError(
+            f"the engine died ({engine.dead_error}); exiting so that a supervisor restarts it"
+        )
 
 
-async def stop_when_dead(engine: EngineClient, server: Any, interval: float = ENGINE_WATCH_INTERVAL_S) -> None:
+async def stop_when_dead(
+    engine: EngineClient, server: Any, interval: float = ENGINE_WATCH_INTERVAL_S
+) -> None:
     """Ask uvicorn to shut down once the engine is dead."""
     while not engine.errored:
         await asyncio.sleep(interval)

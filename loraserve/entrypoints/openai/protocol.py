@@ -1,4 +1,9 @@
-"""Pydantic models of the OpenAI-compatible API: request bodies, responses and stream chunks."""
+"""Pydantic models of the OpenAI-compatible API: request bodies, responses and stream chunks.
+
+Request numbers and flags are strict JSON types: `"max_tokens": "16"` or `"ignore_eos": "yes"` is a 400
+naming the field, never coerced (pydantic's lax mode, vLLM's, would read them as 16 and true); an
+integer is still a number where a float is expected (`"temperature": 1`), a float never an integer.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 # Stop strings are matched against the new text of every sequence at every step: bound that work.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -44,43 +49,45 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
+    include_usage: StrictBool | None = False
 
 
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions, with vLLM's extra sampling parameters."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    n: int = Field(default=1, ge=1, le=128)
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: StrictInt | None = None
+    n: StrictInt = Field(default=1, ge=1, le=128)
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    stream: bool | None = False
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    presence_penalty: StrictFloat | None = 0.0
+    frequency_penalty: StrictFloat | None = 0.0
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     # vLLM extensions (the openai client sends them through `extra_body`).
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:<id>" (exact, for clients)
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    return_tokens_as_token_ids: StrictBool = False  # logprobs tokens as "token_id:<id>" (exact, for clients)
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs (--max-logprobs)
-    echo: bool | None = False
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = Field(
+        default=None, ge=0
+    )  # at most the engine's max_logprobs (--max-logprobs)
+    echo: StrictBool | None = False
     suffix: str | None = None
 
 
@@ -92,12 +99,12 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     chat_template: str | None = None  # refused unless the server trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -209,9 +216,9 @@ class LoadLoRAAdapterRequest(OpenAIBaseModel):
     # Optional here so that a missing field gets vLLM's "must be provided" InvalidUserInput answer.
     lora_name: str | None = None
     lora_path: str | None = None
-    load_inplace: bool = False  # replace the weights of an adapter loaded under this name
+    load_inplace: StrictBool = False  # replace the weights of an adapter loaded under this name
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str | None = None
-    lora_int_id: int | None = None
+    lora_int_id: StrictInt | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from loraserve.entrypoints.openai.chat_roles import allowed_roles, check_roles, templates_of
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError
 from loraserve.entrypoints.openai.logprobs import chat_logprobs
@@ -119,6 +120,10 @@ class OpenAIServingChat(OpenAIServing):
                 HTTPStatus.BAD_REQUEST,
                 "messages",
             )
+        # A role is printed into the prompt: only known roles, never template control text.
+        own = getattr(self.tokenizer, "chat_template", None)
+        templates = [*templates_of(kwargs.get("chat_template")), *templates_of(own)]
+        check_roles([m.role for m in request.messages], allowed_roles(templates))
         messages = [
             {"role": m.role, "content": self._text(m.content, i)} for i, m in enumerate(request.messages)
         ]
