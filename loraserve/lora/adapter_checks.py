@@ -3,8 +3,9 @@
 `group_keys` sorts PEFT keys (`base_model.model.<module>.lora_A[.<adapter>].weight`, `lora_B`, biases)
 by module and refuses anything that is not a plain LoRA weight; `check_supported` refuses modules the
 model cannot take LoRA on; `layer_weights` checks shapes against the model and the ranks in
-adapter_config.json, and values (finite, and within the LoRA dtype once scaled). Every refusal is a
-`LoRAAdapterError` naming the adapter and the module.
+adapter_config.json, and values: finite, within the LoRA dtype once scaled, and such that the products
+the kernels form cannot overflow what follows them (`ValueCheck.term_ok`). Every refusal is a `LoRAAdapterError` naming
+the adapter and the module.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _LORA_KEY = re.compile(
     r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$"
 )
 _BASE_BIAS_KEY = re.compile(r"^(?P<module>.+?)(?:\.base_layer)?\.bias$")
+_ROUNDING = 1.01  # a stored value may round up by 2^-8 of itself in bf16
 
 
 @dataclass(slots=True)
@@ -92,8 +94,9 @@ def check_supported(by_module: dict[str, ModuleTensors], targets: LoRATargets, n
 
 @dataclass(frozen=True)
 class ValueCheck:
-    """Values must be finite and stay below `limit` (the LoRA dtype's max) once scaled; `bound`, when
-    known, is the largest |value| of the whole adapter, which settles most tensors without a pass."""
+    """Values must be finite and stay below `limit` (the LoRA dtype's max) once scaled, and the LoRA
+    term they form bounded (`term_ok`); `bound`, when known, is the largest |value| of the whole
+    adapter, which settles most tensors without a pass."""
 
     bound: float | None
     limit: float
@@ -107,6 +110,33 @@ class ValueCheck:
         low, high = torch.aminmax(tensor)  # one pass, NaN propagates
         largest = max(abs(float(low)), abs(float(high)))
         return math.isfinite(largest) and largest * factor <= self.limit
+
+    def term_ok(self, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> bool:
+        """Whether, for every input with |x| <= 1, the products the kernels form stay below
+        sqrt(limit): past it the next layer's RMSNorm squares overflow and the model answers NaN
+        (empty text), in fp32 and bf16 alike (1.8e19; 256 in fp16).
+
+        The kernels form t = x @ A^T, then (t @ B^T) * scale (scale folded into B), summing in fp32:
+        |t| <= ||A|| and every partial sum of the output <= ||A|| * ||B|| * |scale|, where ||M|| is
+        the largest row sum of |M|; so |scale * B @ A| is bounded without forming it. Settled from the
+        adapter's largest |value| alone when that suffices (the common case), else one pass over A
+        and B."""
+        if lora_a.numel() == 0 or lora_b.numel() == 0:
+            return True
+        (rank, in_features), scale = lora_a.shape, abs(scaling)
+        if self.bound is not None:
+            largest = self.bound * _ROUNDING
+            if self._fits(in_features * largest, rank * largest, scale):
+                return True
+        return self._fits(_largest_row_sum(lora_a), _largest_row_sum(lora_b), scale)
+
+    def _fits(self, a_norm: float, b_norm: float, scale: float) -> bool:
+        ceiling = math.sqrt(self.limit)
+        return a_norm <= ceiling and a_norm * b_norm * scale <= ceiling  # False for inf and NaN
+
+
+def _largest_row_sum(tensor: torch.Tensor) -> float:
+    return float(tensor.abs().sum(dim=1, dtype=torch.float64).max())
 
 
 def layer_weights(
@@ -148,6 +178,12 @@ def layer_weights(
                 f"LoRA adapter '{name}': {module_name} {label} has non-finite or non-float values, or "
                 f"values that overflow the LoRA dtype once scaled by {factor:g}"
             )
+    if rank and not values.term_ok(lora_a, lora_b, scaling):
+        raise LoRAAdapterError(
+            f"LoRA adapter '{name}': {module_name} has weights whose LoRA term (scale {scaling:g} x lora_B "
+            f"x lora_A) can exceed {math.sqrt(values.limit):g} for inputs within +-1, where the model's "
+            "next normalisation overflows; lora_alpha or the weights are far too large"
+        )
     bias = combined_bias(parts, scaling, base, out_start, out_end, module_name, name)
     return LoRALayerWeights(module_name, rank, lora_a, lora_b, scaling, bias)  # the caller sets the dtype
 

@@ -6,7 +6,10 @@ name of the model. Python's `re` has no time bound and holds the GIL while it ba
 catastrophic pattern froze the whole server for 26 s. The `regex` package takes a timeout per call
 and, with `concurrent=True`, releases the GIL while it matches. Each adapter gets one budget for all
 its compiling and matching; a pattern that exhausts it is refused with a LoRAAdapterError naming the
-adapter and the field. Patterns are also capped in length, because compiling is not interruptible.
+adapter and the field. Compiling is not interruptible and `regex` unrolls counted repeats, so a
+pattern's compiled size is bounded before it is compiled (`pattern_cost.py`: at most
+`MAX_PATTERN_NODES` per pattern, `MAX_ADAPTER_NODES` for all of an adapter's patterns together, on
+`re`'s parse of it); patterns are also capped in length.
 
 PEFT's rules (read for facts): a string `target_modules` full-matches the module name; a
 `rank_pattern` / `alpha_pattern` key matches when `(.*\.)?(key)$` matches from the start, first key in
@@ -24,9 +27,12 @@ from typing import Any
 import regex
 
 from loraserve.errors import LoRAAdapterError
+from loraserve.lora.pattern_cost import MAX_PATTERN_NODES, PatternCostError, pattern_nodes
 
 PATTERN_BUDGET_S = 1.0  # real configs match a whole model in milliseconds
 MAX_PATTERN_CHARS = 4096
+# All of one adapter's patterns together (a rank_pattern of many keys): ~15 MB and ~20 ms to compile.
+MAX_ADAPTER_NODES = 5 * MAX_PATTERN_NODES
 
 
 def key_regex(key: str) -> str:
@@ -46,6 +52,7 @@ class PatternMatcher:
         self.lora_name = lora_name
         self.budget_s = budget_s
         self._remaining = budget_s
+        self._nodes_left = MAX_ADAPTER_NODES
         self._compiled: dict[str, regex.Pattern[str]] = {}
         self._lock = threading.Lock()
 
@@ -61,6 +68,7 @@ class PatternMatcher:
         self._check_budget(field)
         start = time.perf_counter()
         try:
+            self._reserve_nodes(pattern, field)
             compiled = regex.compile(pattern)
         except (regex.error, OverflowError, RecursionError) as e:
             raise self._error(field, f"is an invalid regular expression ({e})") from None
@@ -69,6 +77,21 @@ class PatternMatcher:
         with self._lock:
             self._compiled[pattern] = compiled
         return compiled
+
+    def _reserve_nodes(self, pattern: str, field: str) -> None:
+        """Take the pattern's compiled size from the adapter's node budget, or refuse it unread."""
+        try:
+            nodes = pattern_nodes(pattern)
+        except PatternCostError as e:
+            raise self._error(field, str(e)) from None
+        with self._lock:
+            if nodes > self._nodes_left:
+                raise self._error(
+                    field,
+                    f"brings this adapter's patterns past {MAX_ADAPTER_NODES} regex nodes in all; "
+                    "use fewer or simpler patterns",
+                )
+            self._nodes_left -= nodes
 
     def fullmatch(self, pattern: str, string: str, field: str) -> regex.Match[str] | None:
         return self._run(self.compile(pattern, field).fullmatch, string, field)

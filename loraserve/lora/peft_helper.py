@@ -6,7 +6,9 @@ full-match regex; `rank_pattern` / `alpha_pattern` keys match a module when
 applies these rules); rsLoRA scales by alpha / sqrt(r) instead of alpha / r. `fan_in_fan_out` only says how the *base* Conv1D weight is
 stored: PEFT keeps lora_A / lora_B in nn.Linear orientation either way, so it needs no handling here.
 Every pattern from the config is compiled and matched by one `PatternMatcher` per adapter: the
-`regex` engine under a time budget, since the patterns are client input.
+`regex` engine under a time budget, each pattern's compiled size bounded before it is compiled, since
+the patterns are client input. The file is bounded in bytes and in nesting depth before it is
+decoded, and each field in size (`config_fields.py`).
 """
 
 from __future__ import annotations
@@ -19,30 +21,15 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
-from loraserve.lora.patterns import PatternMatcher, key_regex, layers_regex
+from loraserve.lora.config_fields import CONFIG_NAME, ConfigFields, check_unsupported_features, shown
+from loraserve.lora.json_bounds import json_depth
+from loraserve.lora.patterns import PatternMatcher
 
-CONFIG_NAME = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KB
-
-# LoraConfig fields that change what the adapter computes; any non-default value is refused.
-_UNSUPPORTED_FIELDS: dict[str, str] = {
-    "use_qalora": "QA-LoRA",
-    "alora_invocation_tokens": "activated LoRA (aLoRA)",
-    "layer_replication": "layer replication",
-    "trainable_token_indices": "trainable token embeddings",
-    "target_parameters": "LoRA on parameters (target_parameters)",
-    "arrow_config": "Arrow routing",
-    "use_bdlora": "block-diagonal LoRA",
-    "kasa_config": "KaSA",
-    "velora_config": "VeLoRA",
-    "monteclora_config": "MonteCLoRA",
-}
-# Initialisations that also rewrite the base weights: such an adapter is wrong on the original base
-# unless it was converted (PEFT's path_initial_model_for_weight_conversion saves init_lora_weights=True).
-_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "lora_ga")
+MAX_CONFIG_DEPTH = 32  # real configs nest 3 levels (a rank_pattern in the config object)
 
 
 @dataclass(frozen=True)
@@ -81,9 +68,13 @@ class PEFTHelper:
         try:
             is_dir = folder.is_dir()
         except OSError as e:  # a name too long, no permission: the client's path, not a server fault
-            raise LoRAAdapterError(f"LoRA adapter '{lora_name}': its path is unusable ({e.strerror})") from None
+            raise LoRAAdapterError(
+                f"LoRA adapter '{lora_name}': its path is unusable ({e.strerror})"
+            ) from None
         if not is_dir:  # the path is not echoed: it may be a server path (a resolver's folder)
-            raise LoRAAdapterNotFoundError(f"No adapter found for LoRA adapter '{lora_name}': its path is not a directory")
+            raise LoRAAdapterNotFoundError(
+                f"No adapter found for LoRA adapter '{lora_name}': its path is not a directory"
+            )
         config = read_adapter_config(folder, lora_name)
         return cls.from_dict(config, lora_name, max_lora_rank, enable_lora_bias)
 
@@ -96,10 +87,10 @@ class PEFTHelper:
                 f"LoRA adapter '{lora_name}': {CONFIG_NAME} must hold a JSON object, got {type(config).__name__}"
             )
         patterns = PatternMatcher(lora_name)  # one time budget for all of this adapter's patterns
-        v = _Validator(lora_name, config, patterns)
+        v = ConfigFields(lora_name, config, patterns)
         peft_type = v.get("peft_type", "LORA")
         if str(peft_type).upper() != "LORA":
-            v.fail("peft_type", f"only LORA adapters are supported, got {peft_type!r}")
+            v.fail("peft_type", f"only LORA adapters are supported, got {shown(peft_type)}")
         r = v.positive_int("r", 8)
         rank_pattern = v.pattern_dict("rank_pattern", is_rank=True)
         for module, rank in [("", r), *rank_pattern.items()]:
@@ -115,10 +106,10 @@ class PEFTHelper:
                 "modules_to_save",
                 f"loraserve only supports modules_to_save being None, got {list(modules_to_save)}",
             )
-        _check_unsupported_features(v, config)
+        check_unsupported_features(v, config)
         bias, lora_bias = v.get("bias", "none"), bool(v.get("lora_bias", False))
         if bias not in ("none", "all", "lora_only"):
-            v.fail("bias", f"must be 'none', 'all' or 'lora_only', got {bias!r}")
+            v.fail("bias", f"must be 'none', 'all' or 'lora_only', got {shown(bias)}")
         if (bias != "none" or lora_bias) and not enable_lora_bias:
             field = "bias" if bias != "none" else "lora_bias"
             v.fail(field, "Adapter bias cannot be used without bias_enabled (start with --enable-lora-bias)")
@@ -180,101 +171,9 @@ class PEFTHelper:
         return layer is not None and layer in self.layers_to_transform
 
 
-def _check_unsupported_features(v: _Validator, config: dict[str, Any]) -> None:
-    for field, feature in _UNSUPPORTED_FIELDS.items():
-        if config.get(field) not in (None, False, [], {}, ""):
-            v.fail(field, f"{feature} is not supported")
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
-        v.fail(
-            "init_lora_weights",
-            f"{init!r} adapters also modify the base weights; convert the adapter with PEFT's "
-            "path_initial_model_for_weight_conversion first",
-        )
-
-
-class _Validator:
-    """Typed field access that raises LoRAAdapterError naming the adapter and the field."""
-
-    def __init__(self, lora_name: str, config: dict[str, Any], patterns: PatternMatcher) -> None:
-        self.lora_name = lora_name
-        self.config = config
-        self.patterns = patterns
-
-    def fail(self, field: str, message: str) -> NoReturn:
-        raise LoRAAdapterError(
-            f"LoRA adapter '{self.lora_name}': {message} (field '{field}' in {CONFIG_NAME})"
-        )
-
-    def get(self, field: str, default: Any) -> Any:
-        value = self.config.get(field)
-        return default if value is None else value
-
-    def positive_int(self, field: str, default: int) -> int:
-        value = self.get(field, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            self.fail(field, f"LoRA rank must be a positive integer, got {value!r}")
-        return int(value)
-
-    def number(self, field: str, default: float) -> float:
-        value = self.get(field, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            self.fail(field, f"must be a finite number, got {value!r}")
-        return float(value)
-
-    def name_list(self, field: str) -> tuple[str, ...]:
-        value = self.get(field, [])
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            self.fail(field, f"must be a string or a list of strings, got {value!r}")
-        return tuple(value)
-
-    def targets(self, field: str) -> tuple[str, ...] | str | None:
-        value = self.config.get(field)
-        if value is None or isinstance(value, list | tuple):
-            return None if value is None else self.name_list(field)
-        if not isinstance(value, str):
-            self.fail(field, f"must be a regex string or a list of module names, got {value!r}")
-        self.patterns.compile(value, field)
-        return str(value)
-
-    def layer_patterns(self, field: str) -> tuple[str, ...] | None:
-        names = self.name_list(field)
-        for name in names:
-            self.patterns.compile(layers_regex(name), field)
-        return names or None
-
-    def int_list(self, field: str) -> tuple[int, ...] | None:
-        value = self.config.get(field)
-        if value is None:
-            return None
-        values = [value] if isinstance(value, int) else value
-        if not isinstance(values, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in values
-        ):
-            self.fail(field, f"must be an integer or a list of integers, got {value!r}")
-        return tuple(values)
-
-    def pattern_dict(self, field: str, is_rank: bool) -> dict[str, Any]:
-        value = self.get(field, {})
-        if not isinstance(value, dict):
-            self.fail(field, f"must be an object mapping module patterns to values, got {value!r}")
-        parsed: dict[str, Any] = {}
-        for key, item in value.items():
-            self.patterns.compile(key_regex(key), field)
-            bad_rank = isinstance(item, bool) or not isinstance(item, int) or item <= 0
-            bad_alpha = isinstance(item, bool) or not isinstance(item, int | float) or not math.isfinite(item)
-            if bad_rank if is_rank else bad_alpha:
-                kind = "a positive integer rank" if is_rank else "a finite number"
-                self.fail(field, f"value for {key!r} must be {kind}, got {item!r}")
-            parsed[key] = int(item) if is_rank else float(item)
-        return parsed
-
-
 def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
-    """The parsed `folder/adapter_config.json`: a regular file of at most MAX_CONFIG_BYTES, else a
-    LoRAAdapterError. Opened non-blocking and checked on the open descriptor, so a FIFO, a device
+    """The parsed `folder/adapter_config.json`: a regular file of at most MAX_CONFIG_BYTES nesting at
+    most MAX_CONFIG_DEPTH levels (counted before decoding), else a LoRAAdapterError. Opened non-blocking and checked on the open descriptor, so a FIFO, a device
     (`/dev/zero`) or a huge file swapped in can neither block the caller nor exhaust memory."""
     config_file = os.path.join(folder, CONFIG_NAME)
     try:
@@ -282,17 +181,27 @@ def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
     except FileNotFoundError:
         raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} not found in its folder") from None
     except OSError as e:
-        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})") from None
+        raise LoRAAdapterError(
+            f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})"
+        ) from None
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise LoRAAdapterError(f"LoRA adapter '{lora_name}': {CONFIG_NAME} is not a regular file")
         try:
             data = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as e:
-            raise LoRAAdapterError(f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})") from None
+            raise LoRAAdapterError(
+                f"LoRA adapter '{lora_name}': cannot read {CONFIG_NAME} ({e.strerror})"
+            ) from None
     if len(data) > MAX_CONFIG_BYTES:
         raise LoRAAdapterError(
             f"LoRA adapter '{lora_name}': {CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes"
+        )
+    depth = json_depth(data)
+    if depth > MAX_CONFIG_DEPTH:
+        raise LoRAAdapterError(
+            f"LoRA adapter '{lora_name}': {CONFIG_NAME} nests {depth} levels deep, more than the "
+            f"{MAX_CONFIG_DEPTH} allowed"
         )
     try:
         return json.loads(data.decode("utf-8"))

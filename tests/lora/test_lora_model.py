@@ -255,7 +255,9 @@ def test_pickle_that_runs_code_is_refused(llama_and_adapter: tuple[Any, Any, Pat
     bad.mkdir()
     (bad / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
     torch.save({"x": _Exploit()}, bad / "adapter_model.bin")
-    with pytest.raises(LoRAAdapterError, match="'a': adapter_model.bin holds objects that safe loading refuses") as info:
+    with pytest.raises(
+        LoRAAdapterError, match="'a': adapter_model.bin holds objects that safe loading refuses"
+    ) as info:
         _load(bad, native)
     assert not Path("/tmp/loraserve_pwned").exists() and "0x" not in str(info.value)
     assert "weights_only" not in str(info.value)  # torch's advice to load it unsafely never reaches a client
@@ -271,7 +273,10 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
         ("no_weights", "no weights file"),
         ("lm_head", r"cannot apply LoRA to: \['lm_head'\].*supported target modules: \[.*'q_proj'"),
         # vLLM's closing sentence for an adapter made for another model, which its tests match.
-        ("unknown_module", r"cannot apply LoRA to: \['c_attn'\].*Please verify that the loaded LoRA module is correct"),
+        (
+            "unknown_module",
+            r"cannot apply LoRA to: \['c_attn'\].*Please verify that the loaded LoRA module is correct",
+        ),
         ("embedding", "LoRA on embeddings is not supported"),
         ("modules_to_save_weights", "not LoRA weights"),
         (
@@ -284,6 +289,9 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
         ("nan", "non-finite"),
         ("inf_in_bin", "non-finite"),  # a .bin file: checked tensor by tensor, not in one pass
         ("overflow_once_scaled", r"lora_B has non-finite .* overflow the LoRA dtype once scaled by 1e\+41"),
+        # Issue 22's repros: each tensor fits once scaled, the LoRA term they form does not.
+        ("alpha_1e38", r"model\.layers\.0\.self_attn\.q_proj has weights whose LoRA term \(scale 2\.5e\+37"),
+        ("weight_3e38", r"model\.layers\.0\.self_attn\.q_proj has weights whose LoRA term \(scale 2 x"),
         ("bias_without_flag", "Adapter bias cannot be used without bias_enabled"),
         ("empty", "has no LoRA weights"),
     ],
@@ -318,6 +326,11 @@ def test_bad_adapters(
         tensors[q_a][0, 1] = float("inf")
     elif case == "overflow_once_scaled":
         config["lora_alpha"] = 4e41  # scaling alpha / r = 1e41: finite B values overflow float32 in a slot
+    elif case == "alpha_1e38":
+        config["lora_alpha"] = 1e38  # r = 4: scaling 2.5e37, B's values times it still fit float32
+    elif case == "weight_3e38":
+        tensors[q_a] = tensors[q_a].clone()
+        tensors[q_a][0, 0] = 3e38  # finite in float32 and bfloat16
     elif case == "bias_without_flag":
         tensors[q_a.replace("lora_A.weight", "lora_B.bias")] = torch.randn(32)
     elif case == "empty":
@@ -330,6 +343,35 @@ def test_bad_adapters(
     with pytest.raises(LoRAAdapterError, match=message) as info:
         _load(target, native, name="bad")
     assert "'bad'" in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["alpha_1e38", "weight_3e38", "fine"])
+def test_overflowing_lora_terms_are_refused_in_bfloat16(
+    llama_and_adapter: tuple[Any, Any, Path], tmp_path: Path, case: str
+) -> None:
+    """The serving dtype here ("auto" is bf16): the same two repros are refused, the adapter itself loads."""
+    _, native, folder = llama_and_adapter
+    tensors = _tensors(folder)
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    config: dict[str, Any] = {"lora_alpha": 1e38} if case == "alpha_1e38" else {}
+    if case == "weight_3e38":
+        tensors[q_a] = tensors[q_a].clone()
+        tensors[q_a][1, 3] = -3e38
+    target = _copy_adapter(folder, tmp_path / case, tensors, **config)
+    helper = PEFTHelper.from_local_dir(target, "big", max_lora_rank=16)
+
+    def load() -> LoRAModel:
+        return LoRAModel.from_local_checkpoint(
+            target, LoRARequest("big", 1, str(target)), helper, native, torch.bfloat16
+        )
+
+    if case == "fine":
+        assert load().loras
+        return
+    with pytest.raises(
+        LoRAAdapterError, match=r"'big': model\.layers\.0\.self_attn\.q_proj has weights whose LoRA term"
+    ):
+        load()
 
 
 def test_adapter_name_in_keys(llama_and_adapter: tuple[Any, Any, Path], tmp_path: Path) -> None:

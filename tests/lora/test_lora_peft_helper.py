@@ -12,7 +12,7 @@ import torch
 from support.adapter_files import unsafe_configs
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
-from loraserve.lora.peft_helper import PEFTHelper
+from loraserve.lora.peft_helper import MAX_CONFIG_DEPTH, PEFTHelper
 
 
 def _write(folder: Path, config: Any) -> Path:
@@ -76,6 +76,17 @@ def test_parses_fields(tmp_path: Path) -> None:
         ({"alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens", "is not supported"),
         ({"init_lora_weights": "pissa"}, "init_lora_weights", "modify the base weights"),
         ({"target_parameters": ["experts.w1"]}, "target_parameters", "is not supported"),
+        # Sizes: each entry is matched against every module of the model.
+        ({"target_modules": ["q_proj"] * 1025}, "target_modules", "1025 entries, more than the 1024 allowed"),
+        ({"exclude_modules": ["o_proj"] * 2000}, "exclude_modules", "2000 entries"),
+        ({"layers_to_transform": list(range(1025))}, "layers_to_transform", "1025 entries"),
+        ({"rank_pattern": {f"k{i}": 4 for i in range(1025)}}, "rank_pattern", "1025 entries"),
+        ({"alpha_pattern": {f"k{i}": 4 for i in range(1025)}}, "alpha_pattern", "1025 entries"),
+        (
+            {"target_modules": "(?:(?:(?:a{1000}){1000}){1000})"},
+            "target_modules",
+            "more than 10000 regex nodes",
+        ),
     ],
 )
 def test_each_bad_config_has_its_error(
@@ -88,15 +99,55 @@ def test_each_bad_config_has_its_error(
     assert type(info.value) is LoRAAdapterError
 
 
+def test_a_refused_value_is_shown_short(tmp_path: Path) -> None:
+    """The message goes back to the client: a megabyte-sized value is not echoed whole."""
+    for field, value in (("peft_type", "x" * 500_000), ("bias", ["b"] * 100_000), ("r", "9" * 100_000)):
+        folder = _write(tmp_path / field, _base(**{field: value}))
+        with pytest.raises(LoRAAdapterError, match=f"field '{field}'") as info:
+            PEFTHelper.from_local_dir(folder, "big", max_lora_rank=16)
+        assert len(str(info.value)) < 300, field
+
+
+def _nested(levels: int) -> Any:
+    value: Any = 0
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_config_nesting_is_bounded_before_decoding(tmp_path: Path) -> None:
+    """100k levels (a 500 from RecursionError before) is a 400 naming the adapter and the problem;
+    the bound is exact, and brackets inside strings do not nest."""
+    deep = '{"r": 8, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(
+        LoRAAdapterError,
+        match="'deep': adapter_config.json nests 100001 levels deep, more than the 32 allowed",
+    ) as info:
+        PEFTHelper.from_local_dir(_write(tmp_path / "deep", deep), "deep", max_lora_rank=16)
+    assert type(info.value) is LoRAAdapterError
+    at_bound = _write(tmp_path / "at", _base(extra=_nested(MAX_CONFIG_DEPTH - 1)))  # the object is a level
+    assert PEFTHelper.from_local_dir(at_bound, "at", max_lora_rank=16).r == 8
+    with pytest.raises(LoRAAdapterError, match=f"nests {MAX_CONFIG_DEPTH + 1} levels deep"):
+        PEFTHelper.from_local_dir(
+            _write(tmp_path / "over", _base(extra=_nested(MAX_CONFIG_DEPTH))), "over", 16
+        )
+    in_strings = _write(tmp_path / "s", _base(note="[{" * 100_000 + '\\"[', other='"]]]'))
+    assert PEFTHelper.from_local_dir(in_strings, "s", max_lora_rank=16).r == 8
+
+
 def test_pattern_matching_is_time_bounded_per_adapter() -> None:
     # Catastrophic by orders of magnitude (years of backtracking) against a 1 s budget per adapter.
     helper = PEFTHelper.from_dict(_base(target_modules="(?:.|.)*(?:.|.)*[0-9]{5}"), "slow", max_lora_rank=16)
-    with pytest.raises(LoRAAdapterError, match="'slow': the pattern in field 'target_modules' .*took too long"):
+    with pytest.raises(
+        LoRAAdapterError, match="'slow': the pattern in field 'target_modules' .*took too long"
+    ):
         helper.targets_module("model.layers.0.self_attn.q_proj")
     with pytest.raises(LoRAAdapterError, match="took too long"):  # the budget is spent: refused at once
         helper.targets_module("model.layers.1.self_attn.q_proj")
     fine = PEFTHelper.from_dict(_base(target_modules=r".*\.(q|v)_proj"), "fine", max_lora_rank=16)
-    assert fine.targets_module("model.layers.0.self_attn.q_proj") and not fine.targets_module("model.layers.0.mlp.up_proj")
+    assert fine.targets_module("model.layers.0.self_attn.q_proj") and not fine.targets_module(
+        "model.layers.0.mlp.up_proj"
+    )
 
 
 def test_bias_allowed_with_flag(tmp_path: Path) -> None:
@@ -155,6 +206,10 @@ def _tiny_llama() -> Any:
             "layers_pattern": "layers",
         },
         {"target_modules": ["q_proj", "up_proj"], "layers_to_transform": [1], "exclude_modules": ["up_proj"]},
+        {  # small counted repeats stay accepted, and match as PEFT's re does
+            "target_modules": r"model\.layers\.\d{1}\.(self_attn\.(q|v)|mlp\.up)_proj",
+            "rank_pattern": {r"layers\.[0-1]{1,2}\.self_attn\.q_proj": 2},
+        },
     ],
 )
 def test_matching_agrees_with_peft(tmp_path: Path, config_kwargs: dict[str, Any]) -> None:

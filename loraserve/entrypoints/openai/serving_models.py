@@ -3,24 +3,28 @@
 A request's `model` is a served base-model name or an adapter name. Loaded adapters are looked up
 directly; unknown names go to the registered LoRA resolvers (only when runtime LoRA updating is on),
 one name at a time under a per-name lock so concurrent first requests load an adapter once.
+
+Every adapter name (a request's `model`, the load and unload routes, --lora-modules) is checked and
+then NFKC-normalised (`names.canonical_name`) before it is looked up, locked, resolved or registered,
+so look-alike spellings of one name are that name. A new name whose skeleton (`names.confusable_key`)
+equals that of a registered adapter or a served base name is refused (400) before anything loads; the
+per-name locks are keyed by skeleton, so two such names never register side by side.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from loraserve import envs
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import INVALID_USER_INPUT, APIError
 from loraserve.entrypoints.openai.metrics import ServerMetrics
-from loraserve.entrypoints.openai.names import check_name, check_path
+from loraserve.entrypoints.openai.name_locks import NamedLocks
+from loraserve.entrypoints.openai.names import canonical_name, check_path, checked_name, confusable_key
 from loraserve.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
@@ -51,39 +55,6 @@ def not_found_message(lora_name: str) -> str:
     return f"The lora adapter '{lora_name}' cannot be found."
 
 
-@dataclass(slots=True)
-class _LockEntry:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    num_users: int = 0
-
-
-class NamedLocks:
-    """One asyncio lock per name, dropped when nobody holds or waits for it (names are client input)."""
-
-    def __init__(self) -> None:
-        self._entries: dict[str, _LockEntry] = {}
-
-    @asynccontextmanager
-    async def hold(self, name: str) -> AsyncIterator[None]:
-        entry = self._entries.setdefault(name, _LockEntry())
-        entry.num_users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.num_users -= 1
-            if entry.num_users == 0:
-                del self._entries[name]
-
-    def num_users(self, name: str) -> int:
-        """Holders and waiters of `name`'s lock."""
-        entry = self._entries.get(name)
-        return entry.num_users if entry is not None else 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 class OpenAIServingModels:
     """Served base-model names plus the adapters registered in the engine, and the resolver chain."""
 
@@ -110,8 +81,12 @@ class OpenAIServingModels:
         # Resolvers are never consulted unless runtime updating is on, so keep none at all otherwise.
         self.lora_resolvers = list(lora_resolvers) if allow_runtime_lora_updating else []
         self.lora_requests: dict[str, LoRARequest] = {}
+        # confusable_key -> the registered adapter or base name it belongs to
+        self._name_keys: dict[str, str] = {
+            confusable_key(path.name): path.name for path in self.base_model_paths
+        }
         self._lora_ids = itertools.count(1)
-        self.name_locks = NamedLocks()  # adapter name -> lock held while it is resolved or loaded
+        self.name_locks = NamedLocks()  # confusable_key(name) -> lock held while it is resolved or loaded
         self.metrics = metrics
 
     @property
@@ -128,29 +103,55 @@ class OpenAIServingModels:
         return self.engine.model_config.model
 
     def is_base_model(self, name: str | None) -> bool:
-        return name is None or any(path.name == name for path in self.base_model_paths)
+        if name is None or any(path.name == name for path in self.base_model_paths):
+            return True
+        canonical = canonical_name(name)
+        return any(canonical_name(path.name) == canonical for path in self.base_model_paths)
 
     async def init_static_loras(self) -> None:
         """Register the --lora-modules adapters; raises LoRAAdapterError naming the first bad one."""
         for module in self.static_lora_modules:
-            await self._add_lora(module.name, module.path, module.base_model_name)
-            logger.info("Registered LoRA adapter %r from %s.", module.name, module.path)
+            name = canonical_name(module.name)
+            problem = self._confusable(name)
+            if problem is not None:
+                raise LoRAAdapterError(f"--lora-modules: {problem}")
+            await self._add_lora(name, module.path, module.base_model_name)
+            logger.info("Registered LoRA adapter %r from %s.", name, module.path)
 
     async def resolve_model(self, name: str | None) -> LoRARequest | None:
         """The LoRARequest for `name`, None for the base model; APIError 404/400 otherwise."""
         if self.is_base_model(name):
             return None
         assert name is not None
-        check_name(name, "model")  # before it is logged, counted or handed to a resolver
+        name = checked_name(name, "model")  # before it is logged, counted or handed to a resolver
         if name in self.lora_requests:
             return self.lora_requests[name]
         if not self.lora_enabled or not self.allow_runtime_lora_updating or not self.lora_resolvers:
             raise APIError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
-        async with self.name_locks.hold(name):
+        async with self.name_locks.hold(confusable_key(name)):
             # Another request may have resolved the name while this one waited for the lock.
             if name in self.lora_requests:
                 return self.lora_requests[name]
+            self._refuse_confusable(name, "model")
             return await self._resolve_unlocked(name)
+
+    def _confusable(self, name: str) -> str | None:
+        """Why `name` may not be registered beside the names already served, or None."""
+        other = self._name_keys.get(confusable_key(name))
+        if other is None or other == name:
+            return None
+        kind = "served base model" if self.is_base_model(other) else "loaded adapter"
+        return (
+            f"the adapter name {ascii(name)} looks like the {kind} {ascii(other)} (the same after NFKC "
+            "normalisation and mapping Cyrillic and Greek look-alike letters to Latin); choose a distinct name."
+        )
+
+    def _refuse_confusable(self, name: str, param: str) -> None:
+        problem = self._confusable(name)
+        if problem is not None:
+            raise APIError(
+                problem[0].upper() + problem[1:], HTTPStatus.BAD_REQUEST, param, INVALID_USER_INPUT
+            )
 
     async def _resolve_unlocked(self, name: str) -> LoRARequest:
         load_error: ValueError | None = None
@@ -160,7 +161,9 @@ class OpenAIServingModels:
             except LoRAAdapterNotFoundError:
                 continue
             except LoRAAdapterError as exc:  # found but refused, or its store unreachable: said, not hidden
-                logger.warning("LoRA resolver %s could not provide %r: %s", type(resolver).__name__, name, exc)
+                logger.warning(
+                    "LoRA resolver %s could not provide %r: %s", type(resolver).__name__, name, exc
+                )
                 load_error = load_error or exc
                 continue
             except Exception:
@@ -177,7 +180,9 @@ class OpenAIServingModels:
                 )
                 load_error = load_error or exc
         if isinstance(load_error, LoRAAdapterUnavailableError):
-            raise APIError(str(load_error), HTTPStatus.SERVICE_UNAVAILABLE, "model", headers={"Retry-After": "1"})
+            raise APIError(
+                str(load_error), HTTPStatus.SERVICE_UNAVAILABLE, "model", headers={"Retry-After": "1"}
+            )
         if load_error is not None:
             raise APIError(
                 f"The lora adapter '{name}' was found but failed to load: {load_error}",
@@ -199,6 +204,7 @@ class OpenAIServingModels:
         if self.metrics is not None:
             self.metrics.lora_add_seconds.observe(time.perf_counter() - start)
         self.lora_requests[name] = lora_request
+        self._name_keys[confusable_key(name)] = name
         return lora_request
 
     async def _replace_lora(self, loaded: LoRARequest, path: str) -> LoRARequest:
@@ -223,9 +229,12 @@ class OpenAIServingModels:
         name, path = (request.lora_name or "").strip(), (request.lora_path or "").strip()
         if not name or not path:
             raise APIError(
-                "Both 'lora_name' and 'lora_path' must be provided.", HTTPStatus.BAD_REQUEST, None, INVALID_USER_INPUT
+                "Both 'lora_name' and 'lora_path' must be provided.",
+                HTTPStatus.BAD_REQUEST,
+                None,
+                INVALID_USER_INPUT,
             )
-        check_name(name, "lora_name")  # before anything registers, logs or counts them
+        name = checked_name(name, "lora_name")  # before anything registers, logs or counts them
         check_path(path, "lora_path")
         if not self.lora_enabled:
             raise APIError(
@@ -241,7 +250,7 @@ class OpenAIServingModels:
                 "lora_name",
                 INVALID_USER_INPUT,
             )
-        async with self.name_locks.hold(name):
+        async with self.name_locks.hold(confusable_key(name)):
             loaded = self.lora_requests.get(name)
             if loaded is not None and not request.load_inplace:
                 raise APIError(
@@ -250,6 +259,7 @@ class OpenAIServingModels:
                     "lora_name",
                     INVALID_USER_INPUT,
                 )
+            self._refuse_confusable(name, "lora_name")
             try:
                 if loaded is None:
                     await self._add_lora(name, path, None)
@@ -265,18 +275,19 @@ class OpenAIServingModels:
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
         """POST /v1/unload_lora_adapter: forget the name at once, then wait for its running requests."""
         name = self._find_unload_target(request)
-        async with self.name_locks.hold(name):
+        async with self.name_locks.hold(confusable_key(name)):
             lora_request = self.lora_requests.pop(name, None)
             if lora_request is None:
                 raise APIError(not_found_message(name), HTTPStatus.NOT_FOUND, "lora_name")
+            if not self.is_base_model(name):
+                self._name_keys.pop(confusable_key(name), None)
             await self.engine.remove_lora(lora_request.lora_id)
         logger.info("Unloaded LoRA adapter %r.", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def _find_unload_target(self, request: UnloadLoRAAdapterRequest) -> str:
         if request.lora_name:
-            check_name(request.lora_name, "lora_name")
-            return request.lora_name
+            return checked_name(request.lora_name, "lora_name")
         if request.lora_int_id is None:
             raise APIError(
                 "Either 'lora_name' or 'lora_int_id' must be provided.",
