@@ -3,9 +3,9 @@
 Greedy decoding runs it on every step's logits. On CPU the C kernel (`argmax_kernel.c`) takes
 float32 and bf16 rows as they are, so the LM head's bf16 logits need no float32 copy. Without it
 (other devices, other dtypes, no compiler, LORASERVE_CPU_ARGMAX_KERNEL=0) torch runs: its CPU argmax
-walks a long row one element at a time (about 0.85 ms for 32 x 49152 floats on one core, 12x its
-vectorised `amax`), so the row is cut into CHUNK-wide pieces: a vectorised `amax` per piece, an
-argmax over the few piece maxima, then an argmax inside the winning piece. Every path gives
+walks a long row one element at a time (an order of magnitude slower than its vectorised `amax`; the
+figures are in benchmarks/README.md), so the row is cut into CHUNK-wide pieces: a vectorised `amax`
+per piece, an argmax over the few piece maxima, then an argmax inside the winning piece. Every path gives
 torch.argmax's answer, ties and NaNs included: the first maximum wins, and a NaN counts as the
 maximum (the first NaN wins).
 """

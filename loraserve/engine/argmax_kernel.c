@@ -10,21 +10,13 @@
  * back, a few percent of a small model's decode step. Here each row is read once for its maximum and
  * once more (from cache) for the first index holding it.
  */
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 static inline float load_value(const void *row, int64_t i, int is_bf16) {
-    if (!is_bf16) return ((const float *)row)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if W == 16 /* simd.h's AVX-512 level: F + BW + VL */
 /* The first NaN at or after `from`, or -1. */
 static int64_t first_nan(const void *row, int64_t from, int64_t n, int is_bf16) {
     for (int64_t i = from; i < n; i++) {
@@ -42,10 +34,9 @@ static int64_t first_equal(const void *row, int64_t from, int64_t n, float m, in
 }
 
 static inline __m512 load16(const void *row, int64_t i, int64_t n, int is_bf16) {
-    const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+    const __mmask16 k = mask16_first(n - i);
     if (!is_bf16) return _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), k, (const float *)row + i);
-    const __m256i raw = _mm256_maskz_loadu_epi16(k, (const uint16_t *)row + i);
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    const __m512 v = bf16x16_to_f32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)row + i));
     return _mm512_mask_blend_ps(k, _mm512_set1_ps(-__builtin_inff()), v);
 }
 
@@ -69,7 +60,7 @@ static int64_t row_argmax(const void *row, int64_t n, int is_bf16) {
     const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(best[0], best[1]), _mm512_max_ps(best[2], best[3])));
     const __m512 mv = _mm512_set1_ps(m);
     for (int64_t at = 0; at < n; at += 16) {
-        const __mmask16 valid = n - at >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - at)) - 1u);
+        const __mmask16 valid = mask16_first(n - at);
         const __mmask16 hit = _mm512_mask_cmp_ps_mask(valid, load16(row, at, n, is_bf16), mv, _CMP_EQ_OQ);
         if (hit) return at + __builtin_ctz(hit);
     }

@@ -11,36 +11,16 @@ takes every step, long prefill chunks included: it beat SDPA at every chunk leng
 
 from __future__ import annotations
 
-import logging
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from loraserve.layers import paged_attention_cpu, paged_attention_torch
 from loraserve.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+from loraserve.native.optional import triton_module
 
 __all__ = ["AttentionMetadata", "PagedAttention", "build_attention_metadata", "attend"]
 
-logger = logging.getLogger(__name__)
-
-_triton: ModuleType | None = None
-_triton_checked = False
-
-
-def triton_available() -> bool:
-    """True when the Triton attention kernel can be imported (CUDA tensors then use it)."""
-    global _triton, _triton_checked
-    if not _triton_checked:
-        _triton_checked = True
-        try:
-            from loraserve.layers import paged_attention_triton
-        except Exception as e:  # not installed, or installed without a usable backend
-            if not isinstance(e, ImportError):
-                logger.warning("Triton attention kernel unavailable (%s); using the torch path", e)
-            paged_attention_triton = None  # type: ignore[assignment]
-        _triton = paged_attention_triton
-    return _triton is not None
+_TRITON_MODULE = "loraserve.layers.paged_attention_triton"
 
 
 def attend(
@@ -58,9 +38,8 @@ def attend(
     if q.is_cpu:
         if paged_attention_cpu.applies(q, k_cache, v_cache):
             return paged_attention_cpu.paged_attention(q, k_cache, v_cache, *args)
-    elif q.is_cuda and triton_available():
-        assert _triton is not None
-        return _triton.paged_attention(q, k_cache, v_cache, *args, max_query_len=meta.max_query_len)
+    elif q.is_cuda and (triton := triton_module(_TRITON_MODULE)) is not None:
+        return triton.paged_attention(q, k_cache, v_cache, *args, max_query_len=meta.max_query_len)
     return paged_attention_torch.paged_attention(q, k_cache, v_cache, *args, index=meta.gather_index())
 
 

@@ -8,41 +8,25 @@
  * dtype codes: 0 = float32, 1 = bfloat16 (stored as uint16). Rows are [num_rows, width] with a row
  * stride in elements; the column stride is 1.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "simd.h"
 
 #define MIN_PARALLEL_ELEMS 65536 /* below this an OpenMP fork costs more than the work */
 /* silu (an exp and a divide per element) and rope (two table rows): worth a fork sooner */
 #define MIN_PARALLEL_HEAVY 16384
 
-static inline float bf16_load(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_round(float f) { /* round to nearest even, NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float round_as(float f, int dtype) { return dtype ? bf16_load(bf16_round(f)) : f; }
+static inline float round_as(float f, int dtype) { return dtype ? bf16_to_f32(f32_to_bf16(f)) : f; }
 
 static inline float load(const void *p, int64_t i, int dtype) {
-    return dtype ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return dtype ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store(void *p, int64_t i, float v, int dtype) {
-    if (dtype) ((uint16_t *)p)[i] = bf16_round(v);
+    if (dtype) ((uint16_t *)p)[i] = f32_to_bf16(v);
     else ((float *)p)[i] = v;
 }
 
-/* exp(x) for x in float32, vectorizable: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]. */
+/* exp(x) for x in float32, vectorizable: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; the scalar
+ * tails' twin of simd.h's vexp_pr (the same polynomial and clamp). */
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float n = nearbyintf(x * 1.44269504f);
@@ -58,122 +42,46 @@ static inline float exp_approx(float x) {
     return p * scale.f;
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define LANES 16
-typedef __m512 vfloat;
-#define VSET(v) _mm512_set1_ps(v)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VMUL(a, b) _mm512_mul_ps(a, b)
-#define VADD(a, b) _mm512_add_ps(a, b)
-#define VDIV(a, b) _mm512_div_ps(a, b)
-#define VSUB(a, b) _mm512_sub_ps(a, b)
-#define VMIN(a, b) _mm512_min_ps(a, b)
-#define VMAX(a, b) _mm512_max_ps(a, b)
-#define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define VPOW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), \
-                                                                         _mm512_set1_epi32(127)), 23))
-#define VLDEXP(y, n) _mm512_scalef_ps(y, n)
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-/* 2 * LANES bf16 values as float32 lanes with no cross-lane widening: even elements in *a, odd in
- * *b; vstore_bf16x2 puts them back. Elementwise ops do not care about the order. */
-static inline void vload_bf16x2(const uint16_t *p, vfloat *a, vfloat *b) {
-    const __m512i x = _mm512_loadu_si512(p);
-    *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+#if W > 1 /* the portable build runs the scalar loops alone */
+/* 2 * W bf16 values as float32 lanes with no cross-lane widening: even elements in *a, odd in *b;
+ * vstore_bf16x2 puts them back. Elementwise ops do not care about the order. */
+static inline void vload_bf16x2(const uint16_t *p, vf *a, vf *b) {
+    const vi x = vi_loadu(p);
+    *a = vbf16_even(x), *b = vbf16_odd(x);
 }
-/* Round to nearest even for lanes whose NaNs have zero low 16 bits: NaNs read from bf16 or made by
- * arithmetic on them (x86's default NaN is 0xffc00000) keep their high half, so no NaN fix is needed. */
-static inline __m512i vround_bits_arith(vfloat v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+/* bf16 rounding without the NaN fix: every NaN here was read from bf16 or made by arithmetic on
+ * such values (see simd.h), so it keeps its high half. */
+static inline vf vround_bf16_arith(vf v) {
+    return vi_as_vf(vi_and(vbf16_round_hi_finite(v), vi_set1((int)0xffff0000u)));
 }
-static inline vfloat vround_bf16_arith(vfloat v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(vround_bits_arith(v), _mm512_set1_epi32((int)0xffff0000u)));
-}
-static inline void vstore_bf16x2(uint16_t *p, vfloat a, vfloat b) {
-    const __m512i hi = _mm512_and_si512(vround_bits_arith(b), _mm512_set1_epi32((int)0xffff0000u));
-    _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(vround_bits_arith(a), 16), hi));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define LANES 8
-typedef __m256 vfloat;
-#define VSET(v) _mm256_set1_ps(v)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VMUL(a, b) _mm256_mul_ps(a, b)
-#define VADD(a, b) _mm256_add_ps(a, b)
-#define VDIV(a, b) _mm256_div_ps(a, b)
-#define VSUB(a, b) _mm256_sub_ps(a, b)
-#define VMIN(a, b) _mm256_min_ps(a, b)
-#define VMAX(a, b) _mm256_max_ps(a, b)
-#define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define VPOW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), \
-                                                                         _mm256_set1_epi32(127)), 23))
-#define VLDEXP(y, n) _mm256_mul_ps(y, VPOW2(n))
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSTORE(p, v) _mm256_storeu_ps(p, v)
-static inline void vload_bf16x2(const uint16_t *p, vfloat *a, vfloat *b) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)p);
-    *a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-    *b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
-}
-static inline __m256i vround_bits_arith(vfloat v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-}
-static inline vfloat vround_bf16_arith(vfloat v) {
-    return _mm256_castsi256_ps(_mm256_and_si256(vround_bits_arith(v), _mm256_set1_epi32((int)0xffff0000u)));
-}
-static inline void vstore_bf16x2(uint16_t *p, vfloat a, vfloat b) {
-    const __m256i hi = _mm256_and_si256(vround_bits_arith(b), _mm256_set1_epi32((int)0xffff0000u));
-    _mm256_storeu_si256((__m256i *)p, _mm256_or_si256(_mm256_srli_epi32(vround_bits_arith(a), 16), hi));
-}
-#endif
-
-#ifdef LANES
-/* exp_approx on every lane (the same polynomial, so lanes and the scalar tail agree). */
-static inline vfloat vexp(vfloat x) {
-    x = VMAX(VMIN(x, VSET(88.0f)), VSET(-87.0f));
-    const vfloat n = VROUND(VMUL(x, VSET(1.44269504f)));
-    vfloat r = VFMA(n, VSET(-0.693359375f), x);
-    r = VFMA(n, VSET(2.12194440e-4f), r);
-    vfloat p = VSET(1.9875691500e-4f);
-    p = VFMA(p, r, VSET(1.3981999507e-3f));
-    p = VFMA(p, r, VSET(8.3334519073e-3f));
-    p = VFMA(p, r, VSET(4.1665795894e-2f));
-    p = VFMA(p, r, VSET(1.6666665459e-1f));
-    p = VFMA(p, r, VSET(5.0000001201e-1f));
-    p = VFMA(VMUL(p, r), r, VADD(r, VSET(1.0f)));
-    return VLDEXP(p, n);
+static inline void vstore_bf16x2(uint16_t *p, vf a, vf b) {
+    vi_storeu(p, vbf16_pack(vbf16_round_hi_finite(a), vbf16_round_hi_finite(b)));
 }
 
-static inline vfloat vsilu(vfloat g) { return VDIV(g, VADD(VSET(1.0f), vexp(VMUL(g, VSET(-1.0f))))); }
+static inline vf vsilu(vf g) { return vdiv(g, vadd(vset1(1.0f), vexp_pr(vmul(g, vset1(-1.0f))))); }
 
-/* 2 * LANES elements from p + i as two vectors: consecutive halves for float32, even and odd
+/* 2 * W elements from p + i as two vectors: consecutive halves for float32, even and odd
  * elements for bf16 (ops that pair them with other rows of the same dtype see the same order). */
-static inline void vload2(const void *p, int64_t i, int dtype, vfloat *a, vfloat *b) {
+static inline void vload2(const void *p, int64_t i, int dtype, vf *a, vf *b) {
     if (dtype) {
         vload_bf16x2((const uint16_t *)p + i, a, b);
     } else {
-        *a = VLOAD((const float *)p + i), *b = VLOAD((const float *)p + i + LANES);
+        *a = vload((const float *)p + i, W), *b = vload((const float *)p + i + W, W);
     }
 }
-static inline void vstore2(void *p, int64_t i, int dtype, vfloat a, vfloat b) {
+static inline void vstore2(void *p, int64_t i, int dtype, vf a, vf b) {
     if (dtype) {
         vstore_bf16x2((uint16_t *)p + i, a, b);
     } else {
-        VSTORE((float *)p + i, a), VSTORE((float *)p + i + LANES, b);
+        vstore((float *)p + i, a, W), vstore((float *)p + i + W, b, W);
     }
 }
-static inline vfloat vround_as(vfloat v, int dtype) { return dtype ? vround_bf16_arith(v) : v; }
-static inline float vsum(vfloat v) {
-    float lanes[LANES], total = 0.0f;
-    VSTORE(lanes, v);
-    for (int i = 0; i < LANES; ++i) total += lanes[i];
+static inline vf vround_as(vf v, int dtype) { return dtype ? vround_bf16_arith(v) : v; }
+/* The lanes summed in order (not vhsum's tree): the row sums of rms_norm depend on this order. */
+static inline float vsum(vf v) {
+    float lanes[W], total = 0.0f;
+    vstore(lanes, v, W);
+    for (int i = 0; i < W; ++i) total += lanes[i];
     return total;
 }
 #endif
@@ -188,52 +96,52 @@ void silu_and_mul(const void *x, int64_t x_ld, void *out, int64_t out_ld, int64_
         if (dtype == 0) {
             const float *g = (const float *)x + t * x_ld, *u = g + width;
             float *o = (float *)out + t * out_ld;
-#ifdef LANES
-            for (; j + LANES <= width; j += LANES) VSTORE(o + j, VMUL(vsilu(VLOAD(g + j)), VLOAD(u + j)));
+#if W > 1
+            for (; j + W <= width; j += W) vstore(o + j, vmul(vsilu(vload(g + j, W)), vload(u + j, W)), W);
 #endif
             for (; j < width; ++j) o[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
         } else {
             const uint16_t *g = (const uint16_t *)x + t * x_ld, *u = g + width;
             uint16_t *o = (uint16_t *)out + t * out_ld;
-#ifdef LANES
-            for (; j + 2 * LANES <= width; j += 2 * LANES) {
-                vfloat g0, g1, u0, u1;
+#if W > 1
+            for (; j + 2 * W <= width; j += 2 * W) {
+                vf g0, g1, u0, u1;
                 vload_bf16x2(g + j, &g0, &g1);
                 vload_bf16x2(u + j, &u0, &u1);
-                vstore_bf16x2(o + j, VMUL(vround_bf16_arith(vsilu(g0)), u0), VMUL(vround_bf16_arith(vsilu(g1)), u1));
+                vstore_bf16x2(o + j, vmul(vround_bf16_arith(vsilu(g0)), u0), vmul(vround_bf16_arith(vsilu(g1)), u1));
             }
 #endif
             for (; j < width; ++j) {
-                const float gv = bf16_load(g[j]);
-                const float s = bf16_load(bf16_round(gv / (1.0f + exp_approx(-gv))));
-                o[j] = bf16_round(s * bf16_load(u[j]));
+                const float gv = bf16_to_f32(g[j]);
+                const float s = bf16_to_f32(f32_to_bf16(gv / (1.0f + exp_approx(-gv))));
+                o[j] = f32_to_bf16(s * bf16_to_f32(u[j]));
             }
         }
     }
 }
 
 /* One row of rms_norm (see below); dtype is a constant at each call site, so each dtype gets its own
- * vector loops. The vector loops take 2 * LANES columns at a time, the scalar ones the rest. */
+ * vector loops. The vector loops take 2 * W columns at a time, the scalar ones the rest. */
 __attribute__((always_inline)) static inline void rms_norm_row(const void *x, void *residual, void *out,
                                                                const void *weight, int64_t width, float eps,
                                                                int dtype) {
     const void *src = residual != NULL ? residual : x;
     float sum = 0.0f;
     int64_t j = 0;
-#ifdef LANES
-    vfloat acc0 = VSET(0.0f), acc1 = VSET(0.0f);
-    for (; j + 2 * LANES <= width; j += 2 * LANES) {
-        vfloat a, b;
+#if W > 1
+    vf acc0 = vset1(0.0f), acc1 = vset1(0.0f);
+    for (; j + 2 * W <= width; j += 2 * W) {
+        vf a, b;
         vload2(x, j, dtype, &a, &b);
         if (residual != NULL) {
-            vfloat ra, rb;
+            vf ra, rb;
             vload2(residual, j, dtype, &ra, &rb);
-            a = vround_as(VADD(a, ra), dtype), b = vround_as(VADD(b, rb), dtype);
+            a = vround_as(vadd(a, ra), dtype), b = vround_as(vadd(b, rb), dtype);
             vstore2(residual, j, dtype, a, b);
         }
-        acc0 = VFMA(a, a, acc0), acc1 = VFMA(b, b, acc1);
+        acc0 = vfma(a, a, acc0), acc1 = vfma(b, b, acc1);
     }
-    sum = vsum(VADD(acc0, acc1));
+    sum = vsum(vadd(acc0, acc1));
 #endif
     for (; j < width; ++j) {
         float v = load(x, j, dtype);
@@ -245,12 +153,12 @@ __attribute__((always_inline)) static inline void rms_norm_row(const void *x, vo
     }
     const float inv = 1.0f / sqrtf(sum / (float)width + eps);
     j = 0;
-#ifdef LANES
-    for (; j + 2 * LANES <= width; j += 2 * LANES) {
-        vfloat a, b, wa, wb;
+#if W > 1
+    for (; j + 2 * W <= width; j += 2 * W) {
+        vf a, b, wa, wb;
         vload2(src, j, dtype, &a, &b);
         vload2(weight, j, dtype, &wa, &wb);
-        vstore2(out, j, dtype, VMUL(wa, vround_as(VMUL(a, VSET(inv)), dtype)), VMUL(wb, vround_as(VMUL(b, VSET(inv)), dtype)));
+        vstore2(out, j, dtype, vmul(wa, vround_as(vmul(a, vset1(inv)), dtype)), vmul(wb, vround_as(vmul(b, vset1(inv)), dtype)));
     }
 #endif
     for (; j < width; ++j) store(out, j, load(weight, j, dtype) * round_as(load(src, j, dtype) * inv, dtype), dtype);
@@ -278,20 +186,20 @@ void rms_norm(const void *x, int64_t x_ld, void *residual, int64_t res_ld, void 
 }
 
 /* One head of rotary_inplace (see below) with the row's tables rounded to dtype and, for bf16, each
- * full 2 * LANES chunk of them in vload2's even/odd order. */
+ * full 2 * W chunk of them in vload2's even/odd order. */
 __attribute__((always_inline)) static inline void rotary_head(void *x, const float *c, const float *s, int64_t half,
                                                               int dtype) {
     int64_t i = 0;
-#ifdef LANES
-    for (; i + 2 * LANES <= half; i += 2 * LANES) {
-        vfloat a0, a1, b0, b1;
+#if W > 1
+    for (; i + 2 * W <= half; i += 2 * W) {
+        vf a0, a1, b0, b1;
         vload2(x, i, dtype, &a0, &a1);
         vload2(x, half + i, dtype, &b0, &b1);
-        const vfloat c0 = VLOAD(c + i), c1 = VLOAD(c + i + LANES), s0 = VLOAD(s + i), s1 = VLOAD(s + i + LANES);
-        vstore2(x, i, dtype, VSUB(vround_as(VMUL(a0, c0), dtype), vround_as(VMUL(b0, s0), dtype)),
-                VSUB(vround_as(VMUL(a1, c1), dtype), vround_as(VMUL(b1, s1), dtype)));
-        vstore2(x, half + i, dtype, VADD(vround_as(VMUL(b0, c0), dtype), vround_as(VMUL(a0, s0), dtype)),
-                VADD(vround_as(VMUL(b1, c1), dtype), vround_as(VMUL(a1, s1), dtype)));
+        const vf c0 = vload(c + i, W), c1 = vload(c + i + W, W), s0 = vload(s + i, W), s1 = vload(s + i + W, W);
+        vstore2(x, i, dtype, vsub(vround_as(vmul(a0, c0), dtype), vround_as(vmul(b0, s0), dtype)),
+                vsub(vround_as(vmul(a1, c1), dtype), vround_as(vmul(b1, s1), dtype)));
+        vstore2(x, half + i, dtype, vadd(vround_as(vmul(b0, c0), dtype), vround_as(vmul(a0, s0), dtype)),
+                vadd(vround_as(vmul(b1, c1), dtype), vround_as(vmul(a1, s1), dtype)));
     }
 #endif
     for (; i < half; ++i) {
@@ -301,16 +209,16 @@ __attribute__((always_inline)) static inline void rotary_head(void *x, const flo
     }
 }
 
-/* dst[i] = src[i] rounded to dtype for i < n; for bf16 each full 2 * LANES chunk goes in vload2's
+/* dst[i] = src[i] rounded to dtype for i < n; for bf16 each full 2 * W chunk goes in vload2's
  * order (its even elements, then its odd ones). */
 static inline void row_table(float *dst, const float *src, int64_t n, int dtype) {
     int64_t i = 0;
-#ifdef LANES
+#if W > 1
     if (dtype)
-        for (; i + 2 * LANES <= n; i += 2 * LANES)
-            for (int64_t m = 0; m < LANES; ++m) {
+        for (; i + 2 * W <= n; i += 2 * W)
+            for (int64_t m = 0; m < W; ++m) {
                 dst[i + m] = round_as(src[i + 2 * m], 1);
-                dst[i + LANES + m] = round_as(src[i + 2 * m + 1], 1);
+                dst[i + W + m] = round_as(src[i + 2 * m + 1], 1);
             }
 #endif
     for (; i < n; ++i) dst[i] = round_as(src[i], dtype);

@@ -14,8 +14,9 @@
  * (K padded to even with zero weights in bf16.) The packing is done once, in torch, at load time.
  *
  * Why a kernel: a decode step multiplies 16-64 rows by every weight of the model. oneDNN's packed
- * linear runs those small-M products at 40-75% of the machine's bf16 peak; a register tile of
- * MR rows x NB columns over a block of W that stays in L2 runs them near peak, and large M as fast.
+ * linear runs those small-M products well below the machine's bf16 peak; a register tile of
+ * MR rows x NB columns over a block of W that stays in L2 runs them near peak, and large M as fast
+ * (benchmarks/README.md, "The C linear kernel").
  * (K is not blocked: a block is NB x K, 55-150 KB for a 135M model; at K of several thousand it
  * outgrows L2 and the tiles re-read it from L3.)
  * Work items are (row chunk, column block) pairs split statically over OpenMP threads; the library
@@ -23,16 +24,13 @@
  *
  * Built with -march=native (loraserve/native/build.py): bf16 needs AVX512-BF16, float32 AVX-512.
  * Other builds serve nothing (gemm_pack_layout returns 0) and the caller keeps oneDNN: on AVX2 a
- * 6 x 16 fp32 tile ran at 0.74-1.13x oneDNN's AVX2 kernels (measured with ONEDNN_MAX_CPU_ISA=AVX2).
+ * 6 x 16 fp32 tile did not beat oneDNN's AVX2 kernels (benchmarks/README.md).
  */
-#include <stdint.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 #define ROW_CHUNK 128 /* rows per work item at most: x's chunk stays in L2 while the column blocks pass */
 
@@ -131,9 +129,7 @@ typedef void (*block_fn)(int mr, const void *x, int64_t ldx, const void *w, int6
 #ifdef GEMM_BF16
 static inline __m512 bf16_bias(const uint16_t *bias, int v, int64_t ncols) {
     if (bias == NULL || v * 16 >= ncols) return _mm512_setzero_ps();
-    int64_t n = ncols - v * 16 < 16 ? ncols - v * 16 : 16;
-    __m256i raw = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), bias + v * 16);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    return bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask16_first(ncols - v * 16), bias + v * 16));
 }
 
 /* MR rows of x times one packed column block, k in pairs. `mr` is a constant after inlining, so the
@@ -173,7 +169,7 @@ static inline __attribute__((always_inline)) void bf16_tile(int mr, const uint16
             __m256i r = (__m256i)_mm512_cvtneps_pbh(acc[m][v]);
             int64_t n = ncols - v * 16;
             if (n >= 16) _mm256_storeu_si256((__m256i *)(y + m * ldy + v * 16), r);
-            else _mm256_mask_storeu_epi16(y + m * ldy + v * 16, (__mmask16)((1u << n) - 1), r);
+            else _mm256_mask_storeu_epi16(y + m * ldy + v * 16, mask16_first(n), r);
         }
 }
 
@@ -185,15 +181,13 @@ static void bf16_block(int mr, const void *x, int64_t ldx, const void *w, int64_
 #endif
 
 #ifdef GEMM_F32
-static inline __mmask16 f32_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
 static inline __attribute__((always_inline)) void f32_tile(int mr, const float *x, int64_t ldx, const float *w,
                                                            int64_t k, const float *bias, float *y, int64_t ldy,
                                                            int64_t ncols, prefetch_t pf) {
     __m512 acc[F32_MR][F32_NV];
     for (int v = 0; v < F32_NV; v++) {
         __m512 b = _mm512_setzero_ps();
-        if (bias != NULL && v * 16 < ncols) b = _mm512_maskz_loadu_ps(f32_mask(ncols - v * 16), bias + v * 16);
+        if (bias != NULL && v * 16 < ncols) b = _mm512_maskz_loadu_ps(mask16_first(ncols - v * 16), bias + v * 16);
         for (int m = 0; m < mr; m++) acc[m][v] = b;
     }
     for (int64_t p = 0; p < k; p++) {
@@ -207,7 +201,7 @@ static inline __attribute__((always_inline)) void f32_tile(int mr, const float *
     }
     for (int m = 0; m < mr; m++)
         for (int v = 0; v < F32_NV && v * 16 < ncols; v++)
-            _mm512_mask_storeu_ps(y + m * ldy + v * 16, f32_mask(ncols - v * 16), acc[m][v]);
+            _mm512_mask_storeu_ps(y + m * ldy + v * 16, mask16_first(ncols - v * 16), acc[m][v]);
 }
 
 static void f32_block(int mr, const void *x, int64_t ldx, const void *w, int64_t k, const void *bias, void *y,
@@ -333,8 +327,8 @@ int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, voi
  * row, rows, row stride in bytes)}. With a split the runs come per segment, and thread t fetches only
  * its share of the segments (the next call splits them among threads the same way); else every
  * thread fetches all. A decode step's product leaves memory mostly idle, so a small LoRA term's
- * weights arrive at little cost (1 adapter x 32 tokens: 0.3-0.6 ms off a decode step); many adapters'
- * weights compete with the product's own stream (16 adapters made the step slower), so the fetch is
+ * weights arrive at little cost (one adapter's step got faster); many adapters' weights compete with
+ * the product's own stream (16 adapters made the step slower), so the fetch is
  * skipped when it exceeds 1 / SIDE_MAX_SHARE of the weight's bytes. */
 #define SIDE_MAX_SHARE 4
 int gemm_linear_prefetch(const int64_t *weight, const void *x, int64_t ldx, const void *bias, void *y, int64_t m,

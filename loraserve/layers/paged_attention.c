@@ -30,59 +30,15 @@
  * of horizontal sums where vsum_keys takes four: decode is bound by vector instructions. A bf16 prefill
  * chunk instead puts its rows in vector lanes (attend_lanes): scores, softmax and value sums then run
  * across rows, where row by row each paid a horizontal max and sum and a masked store per tile.
- * The vector width W is the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
+ * The vector width W is simd.h's, the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
  * 8 (AVX2 + FMA) or 1 (portable C); -march=native makes that the runtime dispatch.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define W 16
-typedef __m512 vf;
-typedef __mmask16 vmask;
-/* Lanes a <= j < b. */
-static inline vmask vrange(int64_t a, int64_t b) {
-    a = a < 0 ? 0 : (a > W ? W : a), b = b < 0 ? 0 : (b > W ? W : b);
-    return (vmask)(((1u << b) - 1u) & ~((1u << a) - 1u));
-}
-static inline vf vload(const float *p, int64_t n) {
-    return n >= W ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(vrange(0, n), p);
-}
-static inline vf vload_bf16(const uint16_t *p, int64_t n) {
-    const __m256i h = n >= W ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(vrange(0, n), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline void vstore(float *p, vf x, int64_t n) {
-    if (n >= W) _mm512_storeu_ps(p, x); else _mm512_mask_storeu_ps(p, vrange(0, n), x);
-}
-/* The n first lanes rounded to bf16 (nearest even, NaN kept quiet) at p. */
-static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-    if (n >= W) _mm256_storeu_si256((__m256i *)p, h); else _mm256_mask_storeu_epi16(p, (__mmask16)vrange(0, n), h);
-}
-#define vset1 _mm512_set1_ps
-#define vzero _mm512_setzero_ps
-#define vadd _mm512_add_ps
-#define vsub _mm512_sub_ps
-#define vmul _mm512_mul_ps
-#define vdiv _mm512_div_ps
-#define vmax _mm512_max_ps
-#define vmin _mm512_min_ps
-#define vfma _mm512_fmadd_ps
-#define vhsum _mm512_reduce_add_ps
-#define vhmax _mm512_reduce_max_ps
-static inline vf vselect(vmask m, vf x, vf other) { return _mm512_mask_blend_ps(m, other, x); }
-static inline vmask vless(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
-#define vabs _mm512_abs_ps
-static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vf vpow2(vf y, vf n) { return _mm512_scalef_ps(y, n); } /* y * 2^n */
+#include "simd.h"
+
+/* The attention-only vector helpers on top of simd.h: transposing sum trees and the bf16 pair order. */
+#if W == 16
 /* 128-bit lane g = the sum of c[g]'s four 128-bit lanes. */
 static inline vf vsum_quarters(const vf *c) {
     vf d[2];
@@ -103,82 +59,14 @@ static inline vf vsum_keys(const vf *a) {
 #if defined(__AVX512BF16__)
 #define NATIVE_BF16_DOT 1
 #endif
-/* 2W bf16 values (n real) as float32 without widening shuffles: even elements in *a, odd in *b. */
-static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
-    const __mmask32 m = n >= 2 * W ? 0xffffffffu : (__mmask32)((1ull << (n > 0 ? n : 0)) - 1u);
-    const __m512i x = _mm512_maskz_loadu_epi16(m, p);
-    *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
-}
-/* (even elements, odd elements) back to (first W, next W). */
+/* (even elements, odd elements) of vload_pair_bf16 back to (first W, next W). */
 static inline void vinterleave(vf *a, vf *b) {
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     const vf x = _mm512_permutex2var_ps(*a, lo, *b), y = _mm512_permutex2var_ps(*a, hi, *b);
     *a = x, *b = y;
 }
-
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define W 8
-typedef __m256 vf;
-typedef __m256i vmask;
-static inline vmask vrange(int64_t a, int64_t b) {
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_and_si256(_mm256_cmpgt_epi32(iota, _mm256_set1_epi32((int)a - 1)),
-                            _mm256_cmpgt_epi32(_mm256_set1_epi32((int)b), iota));
-}
-static inline vf vload(const float *p, int64_t n) {
-    return n >= W ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, vrange(0, n));
-}
-static inline vf vload_bf16(const uint16_t *p, int64_t n) {
-    uint16_t tail[W] = {0};
-    if (n < W) memcpy(tail, p, (size_t)n * sizeof(uint16_t));
-    const __m128i h = _mm_loadu_si128((const __m128i *)(n >= W ? p : tail));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-static inline void vstore(float *p, vf x, int64_t n) {
-    if (n >= W) _mm256_storeu_ps(p, x); else _mm256_maskstore_ps(p, vrange(0, n), x);
-}
-static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    const __m256i bits = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan), 16);
-    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-    if (n >= W) { _mm_storeu_si128((__m128i *)p, h); return; }
-    uint16_t tail[W];
-    _mm_storeu_si128((__m128i *)tail, h);
-    memcpy(p, tail, (size_t)n * sizeof(uint16_t));
-}
-#define vset1 _mm256_set1_ps
-#define vzero _mm256_setzero_ps
-#define vadd _mm256_add_ps
-#define vsub _mm256_sub_ps
-#define vmul _mm256_mul_ps
-#define vdiv _mm256_div_ps
-#define vmax _mm256_max_ps
-#define vmin _mm256_min_ps
-#define vfma _mm256_fmadd_ps
-static inline float vhsum(vf x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-static inline float vhmax(vf x) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-static inline vf vselect(vmask m, vf x, vf other) { return _mm256_blendv_ps(other, x, _mm256_castsi256_ps(m)); }
-static inline vmask vless(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
-static inline vf vabs(vf x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
-static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vf vpow2(vf y, vf n) { /* n in [-126, 127] (vexp clamps) */
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return vmul(y, _mm256_castsi256_ps(e));
-}
+#elif W == 8
 static inline vf vsum_keys(const vf *a) {
     vf b[4], c[2];
     for (int i = 0; i < 4; ++i)
@@ -187,51 +75,12 @@ static inline vf vsum_keys(const vf *a) {
         c[i] = vadd(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
     return vadd(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
 }
-static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
-    uint16_t tail[2 * W] = {0};
-    if (n < 2 * W && n > 0) memcpy(tail, p, (size_t)n * sizeof(uint16_t));
-    const __m256i x = _mm256_loadu_si256((const __m256i *)(n >= 2 * W ? p : tail));
-    *a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-    *b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
-}
 static inline void vinterleave(vf *a, vf *b) {
     const vf lo = _mm256_unpacklo_ps(*a, *b), hi = _mm256_unpackhi_ps(*a, *b);
     *a = _mm256_permute2f128_ps(lo, hi, 0x20), *b = _mm256_permute2f128_ps(lo, hi, 0x31);
 }
-
 #else /* portable C: one key per tile */
-#define W 1
-typedef float vf;
-typedef int vmask;
-static inline vmask vrange(int64_t a, int64_t b) { return a <= 0 && 0 < b; }
-static inline vf vload(const float *p, int64_t n) { return n > 0 ? *p : 0.0f; }
-static inline vf vload_bf16(const uint16_t *p, int64_t n) {
-    const uint32_t u = n > 0 ? (uint32_t)*p << 16 : 0u;
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-static inline void vstore(float *p, vf x, int64_t n) { if (n > 0) *p = x; }
-static inline vf vset1(float x) { return x; }
-static inline vf vzero(void) { return 0.0f; }
-static inline vf vadd(vf a, vf b) { return a + b; }
-static inline vf vsub(vf a, vf b) { return a - b; }
-static inline vf vmul(vf a, vf b) { return a * b; }
-static inline vf vdiv(vf a, vf b) { return a / b; }
-static inline vf vfma(vf a, vf b, vf c) { return fmaf(a, b, c); }
-#define vmax fmaxf
-#define vmin fminf
-static inline float vhsum(vf x) { return x; }
-static inline float vhmax(vf x) { return x; }
-static inline vf vselect(vmask m, vf x, vf other) { return m ? x : other; }
-static inline vmask vless(vf a, vf b) { return a < b; }
-#define vabs fabsf
-static inline vf vround(vf x) { return nearbyintf(x); }
-static inline vf vpow2(vf y, vf n) { return ldexpf(y, (int)n); }
 static inline vf vsum_keys(const vf *a) { return a[0]; }
-static inline void vload_pair_bf16(const uint16_t *p, int64_t n, vf *a, vf *b) {
-    *a = vload_bf16(p, n), *b = vload_bf16(p + 1, n - 1);
-}
 static inline void vinterleave(vf *a, vf *b) { (void)a, (void)b; }
 #endif
 
@@ -247,21 +96,6 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 #endif
 #define KEY_BLOCK 128 /* keys scored before their softmax and values: one max, one rescale per row and block */
 
-/* e^x in float32 (Cephes' polynomial, ~1 ulp), inputs clamped to the normal range. */
-static inline vf vexp(vf x) {
-    x = vmax(vmin(x, vset1(88.0f)), vset1(-87.3f));
-    const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
-    vf r = vfma(n, vset1(-0.693359375f), x);
-    r = vfma(n, vset1(2.12194440e-4f), r);
-    vf y = vset1(1.9875691500e-4f);
-    y = vfma(y, r, vset1(1.3981999507e-3f));
-    y = vfma(y, r, vset1(8.3334519073e-3f));
-    y = vfma(y, r, vset1(4.1665795894e-2f));
-    y = vfma(y, r, vset1(1.6666665459e-1f));
-    y = vfma(y, r, vset1(5.0000001201e-1f));
-    return vpow2(vfma(y, vmul(r, r), vadd(r, vset1(1.0f))), n);
-}
-
 /* tanh x (Cephes): an odd polynomial below |x| = 0.625, else 1 - 2 / (e^2|x| + 1) with x's sign;
  * ~1 ulp, so a softcap multiplies no cancellation error into the scores. */
 static inline vf vtanh(vf x) {
@@ -276,16 +110,6 @@ static inline vf vtanh(vf x) {
     const vf signed_large = vselect(vless(x, vzero()), vsub(vzero(), large), large);
     return vselect(vless(a, vset1(0.625f)), small, signed_large);
 }
-
-static inline uint16_t to_bf16(float x) { /* round to nearest even, NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-#if W == 1
-static inline void vstore_bf16(uint16_t *p, vf x, int64_t n) { if (n > 0) *p = to_bf16(x); }
-#endif
 
 /* Lane j = q . k[j] over d float32 values, for the W keys of a tile. */
 static inline vf qk_f32(const float *q, const float *const *k, int64_t d) {
@@ -305,7 +129,7 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
     vf acc[W];
     for (int j = 0; j < W; ++j) acc[j] = vzero();
     for (int64_t i = 0; i < d; i += 32) {
-        const __mmask32 m = d - i >= 32 ? 0xffffffffu : (1u << (d - i)) - 1u;
+        const __mmask32 m = mask32_first(d - i);
         const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + i);
 #pragma GCC unroll 16
         for (int j = 0; j < W; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k[j] + i));
@@ -318,7 +142,7 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
 static void quad_queries(const uint16_t *q, int64_t d, __m512i *qt) {
     for (int64_t c = 0; 32 * c < d; ++c) {
         const int64_t n = d - 32 * c;
-        const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+        const __mmask32 m = mask32_first(n);
         const __m512i x = _mm512_maskz_loadu_epi16(m, q + 32 * c);
         qt[4 * c] = _mm512_shuffle_epi32(x, 0x00), qt[4 * c + 1] = _mm512_shuffle_epi32(x, 0x55);
         qt[4 * c + 2] = _mm512_shuffle_epi32(x, 0xAA), qt[4 * c + 3] = _mm512_shuffle_epi32(x, 0xFF);
@@ -338,7 +162,7 @@ __attribute__((always_inline)) static inline void qk_bf16_quads(const __m512i *q
         for (int g = 0; g < 4; ++g) acc[r][g] = vzero();
     for (int64_t c = 0; 32 * c < d; ++c) {
         const int64_t n = d - 32 * c;
-        const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+        const __mmask32 m = mask32_first(n);
 #pragma GCC unroll 4
         for (int g = 0; g < 4; ++g) {
             __m512i x[4];
@@ -386,7 +210,7 @@ static void transpose_keys(const uint16_t *const *k, int64_t d, uint32_t *kt) {
     const int64_t pairs = (d + 1) / 2;
     for (int64_t c = 0; c < pairs; c += 16) {
         const int64_t n = d - 2 * c;
-        const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+        const __mmask32 m = mask32_first(n);
         __m512i r[16];
         for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_epi16(m, k[j] + 2 * c);
         transpose16(r);
@@ -497,7 +321,7 @@ static inline void key_range(const Args *a, const Item *it, int64_t qi, int64_t 
 static inline void copy_bf16(uint16_t *dst, const uint16_t *src, int64_t n) {
 #if W == 16
     for (int64_t i = 0; i < n; i += 32) {
-        const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1ull << (n - i)) - 1u);
+        const __mmask32 m = mask32_first(n - i);
         _mm512_mask_storeu_epi16(dst + i, m, _mm512_maskz_loadu_epi16(m, src + i));
     }
 #else
@@ -745,7 +569,7 @@ __attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_
 #pragma GCC unroll 2
             for (int c = 0; c < 2; ++c) {
                 const int64_t left = n - 32 * c;
-                const __mmask32 m = left >= 32 ? 0xffffffffu : (__mmask32)((1ull << (left > 0 ? left : 0)) - 1u);
+                const __mmask32 m = mask32_first(left);
                 const __m512i ka = _mm512_maskz_loadu_epi16(m, va + 32 * c), kb = _mm512_maskz_loadu_epi16(m, vb + 32 * c);
                 x[2 * c] = (__m512bh)_mm512_unpacklo_epi16(ka, kb), x[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(ka, kb);
             }
@@ -986,7 +810,7 @@ static void lanes_begin(const Args *a, const Item *it, Scratch *s) {
         for (int g = 0; g < LANE_VECS; ++g) {
             __m512i r[16];
             const int64_t n = d - 2 * c; /* the row's elements from 2c: past d nothing is read */
-            const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+            const __mmask32 m = mask32_first(n);
             for (int j = 0; j < 16; ++j)
                 r[j] = g * W + j < rows ? _mm512_maskz_loadu_epi16(m, src[g * W + j] + 2 * c) : _mm512_setzero_si512();
             transpose16(r);
@@ -997,13 +821,7 @@ static void lanes_begin(const Args *a, const Item *it, Scratch *s) {
 }
 
 /* Lane j = the bf16 bits of x's lane j (in the low half), rounded as vstore_bf16 rounds. */
-static inline __m512i bf16_bits(vf x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_srli_epi32(r, 16);
-}
+static inline __m512i bf16_bits(vf x) { return vi_srli(vbf16_round_hi(x), 16); }
 
 /* Back from lanes to rows: an item of one partition writes its output (each row times 1 / its sum,
  * rounded as store_row rounds), one of several leaves s->acc, s->m, s->l for finish_item. */
@@ -1031,7 +849,7 @@ static void lanes_end(const Args *a, const Item *it, Scratch *s) {
                 }
                 transpose16(r);
                 const int64_t n = min64(32, d - i);
-                const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1u);
+                const __mmask32 m = mask32_first(n);
                 for (int64_t j = 0; j < min64(16, rows - g * W); ++j)
                     _mm512_mask_storeu_epi16((uint16_t *)a->out + dst[g * W + j] + i, m, r[j]);
             }
@@ -1089,7 +907,7 @@ static void attend_lanes(const Args *a, const Item *it, Scratch *s, int64_t k0, 
     for (int64_t j = k_lo; j < k_lo + (k_hi - k_lo + 7) / 8 * 8; ++j) {
         const uint16_t *k = kc + offsets[j < k_hi ? j : k_lo];
         for (int64_t i = 0; i < 2 * pairs; i += 32) {
-            const __mmask32 m = d - i >= 32 ? 0xffffffffu : (__mmask32)((1ull << (d - i)) - 1u);
+            const __mmask32 m = mask32_first(d - i);
             _mm512_storeu_si512(v.kr + (j - k_lo) * LANE_KEY_STRIDE + i / 2, _mm512_maskz_loadu_epi16(m, k + i));
         }
     }
@@ -1163,7 +981,7 @@ static void attend_lanes(const Args *a, const Item *it, Scratch *s, int64_t k0, 
         const uint16_t *va = vc + offsets[2 * p], *vb = vc + offsets[2 * p + 1 < nk ? 2 * p + 1 : 2 * p];
         for (int64_t c = 0; c < cols; c += 32) {
             const int64_t left = d - c;
-            const __mmask32 m = left >= 32 ? 0xffffffffu : (__mmask32)((1ull << left) - 1u);
+            const __mmask32 m = mask32_first(left);
             const __m512i x = _mm512_maskz_loadu_epi16(m, va + c), y = _mm512_maskz_loadu_epi16(m, vb + c);
             _mm512_storeu_si512(v.vp + p * cols + c, _mm512_permutex2var_epi16(x, first, y));
             _mm512_storeu_si512(v.vp + p * cols + c + W, _mm512_permutex2var_epi16(x, second, y));
@@ -1492,7 +1310,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         int quads_ok = 1;
 #ifdef NATIVE_BF16_DOT
         /* qk_bf16_quads' rows: a small GQA group's. Each row's quads take 8 * d bytes; beyond d = 128 an
-         * item's quads crowd its accumulators out of L1 (measured 3-8% slower at d = 256). */
+         * item's quads crowd its accumulators out of L1 (slower at d = 256 than without them). */
         if (is_bf16 && num_heads / num_kv_heads <= 4 && d <= 128)
             quads_ok = (s.qt = aligned_alloc(64, (size_t)(rows_cap * quad_stride(d)) * sizeof(__m512i))) != NULL;
         if (lanes && quads_ok) /* attend_lanes' working set (prefill chunks) */

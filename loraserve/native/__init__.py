@@ -1,1 +1,2 @@
-"""The package's hand-written C kernels' shared build and load machinery."""
+"""The package's native kernels' shared machinery: the C build and load (`build`), the SIMD header the
+C kernels share (`simd.h`), huge-page buffers (`huge_pages`) and the optional Triton modules (`optional`)."""

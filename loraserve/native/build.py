@@ -8,6 +8,9 @@ carries a digest of the source, the flags and this CPU's feature flags, so a cac
 machines never runs code built for another CPU. No compiler or a failed build returns None and the
 caller keeps its torch twin.
 
+Every kernel includes `simd.h` (this package's shared SIMD vocabulary): it is compiled next to a copy
+of it, and the header's bytes are part of every kernel's digest, so a changed header rebuilds them all.
+
 LORASERVE_CPU_KERNEL_ARCH replaces `native` in `-march=` (e.g. `haswell` for the AVX2 paths,
 `x86-64` for the portable C): the tests use it to run every path on one machine.
 """
@@ -31,8 +34,7 @@ from loraserve import envs
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
-
-
+HEADERS = ("simd.h",)  # in this package; every kernel may include them
 
 
 def function_address(fn: Any) -> int:
@@ -52,14 +54,30 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def _build(compiler: str, flags: tuple[str, ...], source: bytes, name: str, target: str) -> None:
+def _headers() -> tuple[tuple[str, bytes], ...]:
+    """The shared headers' (name, bytes), read at each load: an edited header is a new digest at once."""
+    return tuple((name, resources.files("loraserve.native").joinpath(name).read_bytes()) for name in HEADERS)
+
+
+def _build(
+    compiler: str,
+    flags: tuple[str, ...],
+    source: tuple[str, bytes],
+    headers: tuple[tuple[str, bytes], ...],
+    target: str,
+) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    name = source[0]
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
+        # `#include "simd.h"` looks next to the source first: the headers go beside it
+        for file_name, data in (source, *headers):
+            with open(os.path.join(tmp, file_name), "wb") as f:
+                f.write(data)
         src = os.path.join(tmp, name)
-        with open(src, "wb") as f:
-            f.write(source)
         out = os.path.join(tmp, "kernel.so")
-        subprocess.run([compiler, *flags, "-o", out, src, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [compiler, *flags, "-o", out, src, "-lm"], check=True, capture_output=True, timeout=120
+        )
         os.replace(out, target)  # atomic: concurrent builders never load a half-written library
 
 
@@ -77,13 +95,20 @@ def load_library(
         logger.info("no C compiler found: %s runs on its torch twin", source_name)
         return None
     source = resources.files(package).joinpath(source_name).read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+    headers = _headers()
+    parts = [
+        source,
+        *(data for _, data in headers),
+        " ".join(flags).encode(),
+        " ".join(sorted(cpu_flags())).encode(),
+        platform.machine().encode(),
+    ]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     stem = source_name.rsplit(".", 1)[0]
     target = os.path.join(envs.cache_root(), "kernels", f"{stem}_{key}.so")
     try:
         if not os.path.exists(target):
-            _build(compiler, flags, source, source_name, target)
+            _build(compiler, flags, (source_name, source), headers, target)
         return ctypes.CDLL(target)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""

@@ -5,9 +5,9 @@ memory. On 4 KiB pages that is a TLB entry per 4 KiB (about 40k page walks a ste
 with 16 adapters), and the hardware prefetchers stop at every page boundary. `zeros(specs)` carves
 all of a group's tensors from one anonymous mapping advised MADV_HUGEPAGE before its first touch, so
 the kernel backs it with 2 MiB pages where it has them (Linux THP in `madvise` or `always` mode).
-Measured (2 threads, bf16): 16 adapters mixed 3% faster, the base model unchanged. The KV cache stays
-on plain pages: its blocks are first touched while serving, and huge-page faults there made prefill
-18% slower, while prefaulting the whole cache bought nothing measurable. Elsewhere (THP off, not
+That made a many-adapter step faster and left the base model unchanged (benchmarks/README.md). The
+KV cache stays on plain pages: its blocks are first touched while serving, and huge-page faults there
+made prefill slower, while prefaulting the whole cache bought nothing measurable. Elsewhere (THP off, not
 Linux, LORASERVE_CPU_HUGE_PAGES=0) the tensors are plain `torch.zeros`: nothing else changes.
 """
 
@@ -57,8 +57,12 @@ def zeros(specs: Sequence[Spec], device: torch.device | str, touch: bool = False
         torch.frombuffer(memory[start : start + total], dtype=torch.uint8).zero_()
     # One storage per tensor (a slice of its own), not views of one arena: saving, pickling or sharing
     # one of them then moves its own bytes only, and it alone keeps its pages resident.
-    return [_carve(memory[start + offset : start + offset + size], shape, dtype) if size
-            else torch.zeros(shape, dtype=dtype) for offset, size, (shape, dtype) in zip(offsets, sizes, specs, strict=True)]
+    return [
+        _carve(memory[start + offset : start + offset + size], shape, dtype)
+        if size
+        else torch.zeros(shape, dtype=dtype)
+        for offset, size, (shape, dtype) in zip(offsets, sizes, specs, strict=True)
+    ]
 
 
 def _carve(memory: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -72,8 +72,3 @@ def _run_plugin(ep: EntryPoint) -> bool:
         logger.error("Plugin %r (%s) failed and is skipped: %s", ep.name, ep.value, exc)
         return False
     return True
-
-
-def loaded_plugins() -> frozenset[str]:
-    """Names of the plugins already attempted in this process."""
-    return frozenset(_loaded_plugins)

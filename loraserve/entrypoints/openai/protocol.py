@@ -37,17 +37,6 @@ class OpenAIBaseModel(BaseModel):
         return sorted((self.model_extra or {}).keys())
 
 
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
-
-
 class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool | None = False
 

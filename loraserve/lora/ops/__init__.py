@@ -12,7 +12,6 @@ token of another slot, whatever the layout and backend.
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 
 import torch
@@ -21,32 +20,14 @@ import torch.nn.functional as F
 from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.ops import cpu_ops, torch_ops
 from loraserve.lora.ops.buffers import LoRABuffers
+from loraserve.native.optional import triton_module
 
-logger = logging.getLogger(__name__)
-
-_triton_ops: ModuleType | None = None
-_triton_checked = False
-
-
-def triton_available() -> bool:
-    """True when the Triton kernels can be imported (CUDA tensors then use them)."""
-    global _triton_ops, _triton_checked
-    if not _triton_checked:
-        _triton_checked = True
-        try:
-            from loraserve.lora.ops import triton_ops
-        except Exception as e:  # not installed, or installed without a usable backend
-            if not isinstance(e, ImportError):
-                logger.warning("Triton LoRA kernels unavailable (%s); using the torch ops", e)
-            triton_ops = None  # type: ignore[assignment]
-        _triton_ops = triton_ops
-    return _triton_ops is not None
+_TRITON_MODULE = "loraserve.lora.ops.triton_ops"
 
 
 def _backend(tensor: torch.Tensor) -> ModuleType:
-    if tensor.is_cuda and triton_available():
-        assert _triton_ops is not None
-        return _triton_ops
+    if tensor.is_cuda and (triton := triton_module(_TRITON_MODULE)) is not None:
+        return triton
     return torch_ops
 
 
@@ -91,4 +72,4 @@ def lora_expand(
     return _backend(y).lora_expand(y, t, b_stacked, mapping, offset)
 
 
-__all__ = ["LoRABuffers", "add_lora", "lora_expand", "lora_shrink", "triton_available"]
+__all__ = ["LoRABuffers", "add_lora", "lora_expand", "lora_shrink"]

@@ -25,20 +25,17 @@
  * both halves where the CPU has AVX512-BF16, else bf16 -> fp32 widening and fp32 FMAs), AVX2, or
  * scalar code.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define LORA_AVX2 1
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if W == 16 /* simd.h's AVX-512 level (F + BW + VL) */
 #define LORA_AVX512 1 /* bf16: 32 values per vector, tails through masked loads and stores */
 #ifdef __AVX512BF16__
 #define LORA_BF16_DOT 1 /* vdpbf16ps / vcvtne2ps2bf16: the bf16 expand works on pairs of rank */
@@ -47,65 +44,28 @@
 
 /* Expand columns per work item, at most, in a step whose segments are all one token group or less
  * (decode), and in float32: narrow items keep each thread's prefetches running ahead in an even
- * trickle (1.4x the DRAM bandwidth of 256-column items in a many-adapter decode step). A bf16 step
+ * trickle, which draws more DRAM bandwidth than wide items in a many-adapter decode step. A bf16 step
  * with a longer segment reads each block of Bt once for all its token groups (the later ones find it
  * in L1), so the width there is the most (up to 4 * CHUNK) that keeps a [max_rank, width] block within
- * LONG_BLOCK_BYTES: 256 columns at rank 16 cut the per-item work enough for 1 adapter x 32 tokens to
- * run in 1.04 instead of 1.27 ms per step, 16 x 64 tokens in 34.5 instead of 39.0 (one thread, 30
- * layers). float32 16 x 64 measured 87 ms with 64 columns, 91-99 with 128 and 96-113 with 256, so it
- * keeps 64. The width only splits columns among items, each column's sum is the same: results do not
- * change. */
+ * LONG_BLOCK_BYTES: fewer, wider items cut the per-item work. float32 was slower with wider items,
+ * so it keeps 64 (the timings: benchmarks/README.md, "Kernel tuning figures"). The width only splits
+ * columns among items, each column's sum is the same: results do not change. */
 #define CHUNK 64
 #define LONG_BLOCK_BYTES 8192
 
 enum { LORA_F32 = 0, LORA_BF16 = 1 }; /* element type of x, y, A and Bt (and of a write record) */
 typedef uint16_t bf16;
 
-static inline float bf16_to_f32(bf16 v) {
-    const uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch does; a NaN stays a (quiet) NaN instead of rounding into inf. */
-static inline bf16 f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (bf16)((u | 0x400000u) >> 16);
-    return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* Vector bf16 <-> fp32: a 32-bit lane holds values 2i (low half) and 2i+1 (high half); widening
- * each half in place is one shift or one mask, and sums and axpys do not care about the order. */
+/* Vector bf16 <-> fp32: simd.h's pair layout (vbf16_even / vbf16_odd widen, vbf16_narrow rounds back);
+ * sums and axpys do not care about the order. */
 #ifdef LORA_AVX512
-static inline __m512 widen_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-static inline __m512 widen_odd(__m512i v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-/* f32_to_bf16 of each lane, the result in the lane's high half. */
-static inline __m512i round_high(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
-}
-/* The inverse of widen_even / widen_odd: 32 bf16 values. */
-static inline __m512i narrow(__m512 even, __m512 odd) {
-    return _mm512_or_si512(_mm512_srli_epi32(round_high(even), 16),
-                           _mm512_and_si512(round_high(odd), _mm512_set1_epi32((int)0xFFFF0000u)));
-}
 /* acc += the pairwise products of 32 bf16 values, in float32. */
 static inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
 #ifdef __AVX512BF16__
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 #else
-    return _mm512_fmadd_ps(widen_even(a), widen_even(b), _mm512_fmadd_ps(widen_odd(a), widen_odd(b), acc));
+    return _mm512_fmadd_ps(vbf16_even(a), vbf16_even(b), _mm512_fmadd_ps(vbf16_odd(a), vbf16_odd(b), acc));
 #endif
-}
-static inline __mmask32 tail_mask(int64_t n) { /* the first min(n, 32) lanes (none when n <= 0) */
-    return n >= 32 ? 0xFFFFFFFFu : (n <= 0 ? 0u : (1u << n) - 1u);
 }
 #ifdef LORA_BF16_DOT
 /* The pair layout of the dot-product expand. vdpbf16ps multiplies the two bf16 halves of each 32-bit
@@ -131,28 +91,8 @@ static inline __m512i narrow_lohi(__m512 lo, __m512 hi) {
 }
 #endif
 #elif defined(LORA_AVX2)
-static inline __m256 widen_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-static inline __m256 widen_odd(__m256i v) {
-    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-static inline __m256i round_high(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-}
-static inline __m256i narrow(__m256 even, __m256 odd) {
-    return _mm256_or_si256(_mm256_srli_epi32(round_high(even), 16),
-                           _mm256_and_si256(round_high(odd), _mm256_set1_epi32((int)0xFFFF0000u)));
-}
 static inline __m256 dot_pairs(__m256 acc, __m256i a, __m256i b) {
-    return _mm256_fmadd_ps(widen_even(a), widen_even(b), _mm256_fmadd_ps(widen_odd(a), widen_odd(b), acc));
-}
-static inline float sum8(__m256 v) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+    return _mm256_fmadd_ps(vbf16_even(a), vbf16_even(b), _mm256_fmadd_ps(vbf16_odd(a), vbf16_odd(b), acc));
 }
 #endif
 
@@ -242,7 +182,7 @@ ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16
     for (int r = 0; r < R; ++r)
         for (int tk = 0; tk < T; ++tk) acc[r][tk] = _mm512_setzero_ps();
     for (; j < n; j += 32) {
-        const __mmask32 m = tail_mask(n - j);
+        const __mmask32 m = mask32_first(n - j);
         __m512i av[ROW_BLOCK];
         for (int r = 0; r < R; ++r) av[r] = _mm512_maskz_loadu_epi16(m, a + r * n + j);
         for (int tk = 0; tk < T; ++tk) {
@@ -274,7 +214,7 @@ ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = sum8(acc[r][tk]);
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = vhsum(acc[r][tk]);
 #else
     for (int r = 0; r < R; ++r)
         for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = 0.0f;
@@ -296,7 +236,7 @@ ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const floa
     for (int r = 0; r < R; ++r)
         for (int tk = 0; tk < T; ++tk) acc[r][tk] = _mm512_setzero_ps();
     for (; j < n; j += 16) {
-        const __mmask16 m = (__mmask16)tail_mask(n - j);
+        const __mmask16 m = mask16_first(n - j);
         __m512 av[ROW_BLOCK];
         for (int r = 0; r < R; ++r) av[r] = _mm512_maskz_loadu_ps(m, a + r * n + j);
         for (int tk = 0; tk < T; ++tk) {
@@ -320,7 +260,7 @@ ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const floa
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = sum8(acc[r][tk]);
+        for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = vhsum(acc[r][tk]);
 #else
     for (int r = 0; r < R; ++r)
         for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = 0.0f;
@@ -361,7 +301,7 @@ ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const tbf16 *const *ts, in
      * {t[k], t[k + 1]} broadcast against rows k and k + 1 of Bt interleaved (pair layout above); an
      * odd rank's last row pairs with zeros, and no row past the rank is read. */
     for (; j < width; j += 64) {
-        const __mmask32 m0 = tail_mask(width - j), m1 = tail_mask(width - j - 32);
+        const __mmask32 m0 = mask32_first(width - j), m1 = mask32_first(width - j - 32);
         __m512 c[TOKEN_BLOCK][4];
         for (int tk = 0; tk < T; ++tk) {
             const __m512i y0 = _mm512_maskz_loadu_epi16(m0, ys[tk] + j), y1 = _mm512_maskz_loadu_epi16(m1, ys[tk] + j + 32);
@@ -382,24 +322,24 @@ ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const tbf16 *const *ts, in
     }
 #elif defined(LORA_AVX512)
     for (; j < width; j += 64) {
-        const __mmask32 m0 = tail_mask(width - j), m1 = tail_mask(width - j - 32);
+        const __mmask32 m0 = mask32_first(width - j), m1 = mask32_first(width - j - 32);
         __m512 c[TOKEN_BLOCK][4];
         for (int tk = 0; tk < T; ++tk) {
             const __m512i y0 = _mm512_maskz_loadu_epi16(m0, ys[tk] + j), y1 = _mm512_maskz_loadu_epi16(m1, ys[tk] + j + 32);
-            c[tk][0] = widen_even(y0), c[tk][1] = widen_odd(y0), c[tk][2] = widen_even(y1), c[tk][3] = widen_odd(y1);
+            c[tk][0] = vbf16_even(y0), c[tk][1] = vbf16_odd(y0), c[tk][2] = vbf16_even(y1), c[tk][3] = vbf16_odd(y1);
         }
         for (int64_t k = 0; k < rank; ++k) {
             const __m512i b0 = _mm512_maskz_loadu_epi16(m0, b + k * ld + j);
             const __m512i b1 = _mm512_maskz_loadu_epi16(m1, b + k * ld + j + 32);
-            const __m512 w[4] = {widen_even(b0), widen_odd(b0), widen_even(b1), widen_odd(b1)};
+            const __m512 w[4] = {vbf16_even(b0), vbf16_odd(b0), vbf16_even(b1), vbf16_odd(b1)};
             for (int tk = 0; tk < T; ++tk) {
                 const __m512 coef = _mm512_set1_ps(ts[tk][k]);
                 for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_fmadd_ps(coef, w[u], c[tk][u]);
             }
         }
         for (int tk = 0; tk < T; ++tk) {
-            _mm512_mask_storeu_epi16(ys[tk] + j, m0, narrow(c[tk][0], c[tk][1]));
-            _mm512_mask_storeu_epi16(ys[tk] + j + 32, m1, narrow(c[tk][2], c[tk][3]));
+            _mm512_mask_storeu_epi16(ys[tk] + j, m0, vbf16_narrow(c[tk][0], c[tk][1]));
+            _mm512_mask_storeu_epi16(ys[tk] + j + 32, m1, vbf16_narrow(c[tk][2], c[tk][3]));
         }
     }
 #elif defined(LORA_AVX2)
@@ -408,20 +348,20 @@ ALWAYS_INLINE void expand_block_bf16(bf16 *const *ys, const tbf16 *const *ts, in
         for (int tk = 0; tk < T; ++tk) {
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)(ys[tk] + j));
             const __m256i y1 = _mm256_loadu_si256((const __m256i *)(ys[tk] + j + 16));
-            c[tk][0] = widen_even(y0), c[tk][1] = widen_odd(y0), c[tk][2] = widen_even(y1), c[tk][3] = widen_odd(y1);
+            c[tk][0] = vbf16_even(y0), c[tk][1] = vbf16_odd(y0), c[tk][2] = vbf16_even(y1), c[tk][3] = vbf16_odd(y1);
         }
         for (int64_t k = 0; k < rank; ++k) {
             const __m256i b0 = _mm256_loadu_si256((const __m256i *)(b + k * ld + j));
             const __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + k * ld + j + 16));
-            const __m256 w[4] = {widen_even(b0), widen_odd(b0), widen_even(b1), widen_odd(b1)};
+            const __m256 w[4] = {vbf16_even(b0), vbf16_odd(b0), vbf16_even(b1), vbf16_odd(b1)};
             for (int tk = 0; tk < T; ++tk) {
                 const __m256 coef = _mm256_broadcast_ss(ts[tk] + k);
                 for (int u = 0; u < 4; ++u) c[tk][u] = _mm256_fmadd_ps(coef, w[u], c[tk][u]);
             }
         }
         for (int tk = 0; tk < T; ++tk) {
-            _mm256_storeu_si256((__m256i *)(ys[tk] + j), narrow(c[tk][0], c[tk][1]));
-            _mm256_storeu_si256((__m256i *)(ys[tk] + j + 16), narrow(c[tk][2], c[tk][3]));
+            _mm256_storeu_si256((__m256i *)(ys[tk] + j), vbf16_narrow(c[tk][0], c[tk][1]));
+            _mm256_storeu_si256((__m256i *)(ys[tk] + j + 16), vbf16_narrow(c[tk][2], c[tk][3]));
         }
     }
 #endif
@@ -441,7 +381,7 @@ ALWAYS_INLINE void expand_block_f32(float *const *ys, const float *const *ts, in
     for (; j < width; j += 64) {
         __mmask16 m[4];
         __m512 c[TOKEN_BLOCK][4];
-        for (int u = 0; u < 4; ++u) m[u] = (__mmask16)tail_mask(width - j - 16 * u);
+        for (int u = 0; u < 4; ++u) m[u] = mask16_first(width - j - 16 * u);
         for (int tk = 0; tk < T; ++tk)
             for (int u = 0; u < 4; ++u) c[tk][u] = _mm512_maskz_loadu_ps(m[u], ys[tk] + j + 16 * u);
         for (int64_t k = 0; k < rank; ++k) {
@@ -631,8 +571,8 @@ static inline void cursor_next(const Step *s, int64_t per_group, int64_t inner, 
 
 /* Whether a thread whose items start at `lo` has read the cursor's block of weights (A or Bt) for the
  * token group before its own in the same segment: that item is c->item - per_group. A prefetch of it
- * then only costs instructions (a long segment's later groups find the block in cache, ~5% of a
- * prefill step with one thread). */
+ * then only costs instructions (a long segment's later groups find the block in cache), so it is
+ * skipped. */
 static inline int read_before(const Step *s, const Cursor *c, int64_t per_group, int64_t lo) {
     return c->first > s->seg_starts[c->seg] && c->item - per_group >= lo;
 }
@@ -677,7 +617,7 @@ static void first_items(const int64_t *seg_lens, int64_t num_segs, int64_t per_g
 
 /* The calling thread's scratch for calls that need at most SCRATCH_CACHED bytes (t, the chunks and the
  * segments' first items of a decode step need a few KiB): kept between calls (grow-only), where a
- * malloc and a free of each buffer per call cost ~1 us of a ~40 us call. Larger calls allocate their
+ * malloc and a free of each buffer per call was a visible share of a decode call. Larger calls allocate their
  * own. Thread-local, so concurrent callers (the decoder stack, python threads) never share one. */
 #define SCRATCH_CACHED (64 * 1024)
 static __thread void *cached_scratch;
@@ -858,9 +798,8 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
 #else
         const int64_t nth = 1;
 #endif
-        /* Many short segments on several threads: segment-major (2 threads, bf16: 4 x 1 tokens 0.79 ->
-         * 0.70 ms per step, 16 x 4 3.91 -> 3.79, 16 x 2 3.74 -> 3.67; one thread streams DRAM better in
-         * the two-pass order, 16 x 2 4.9 -> 5.4 ms segment-major, so it keeps that). */
+        /* Many short segments on several threads: segment-major, which was faster there; one thread
+         * streams DRAM better in the two-pass order, so it keeps that (benchmarks/README.md). */
         if (segment_major(max_len, row_blocks > 0, nth, num_segs)) {
             int64_t g0, g1;
             thread_range(num_segs, &g0, &g1);
@@ -924,7 +863,7 @@ void lora_write_blocks(int64_t num_records, const int64_t *records, const float 
 }
 
 /* The vector code paths compiled into this build (its -march=native decides): bit 0 AVX2 + FMA,
- * bit 1 AVX-512 F + BW (bf16), bit 2 AVX512-BF16 dot products; 0 is the portable C alone. */
+ * bit 1 AVX-512 F + BW + VL (bf16), bit 2 AVX512-BF16 dot products; 0 is the portable C alone. */
 int lora_code_paths(void) {
     int paths = 0;
 #ifdef LORA_AVX2
