@@ -4,7 +4,8 @@ Runs, in one process (the server trace in a child server), on the SmolLM-135M-sh
 base throughput against transformers and the linear-only ceiling; one adapter, 16 mixed and 64
 distinct adapters (max_loras 16) against the base, PEFT's mixed batch, and the cold-adapter first
 token; the decode step at long contexts against transformers; a live server under a Zipf trace
-over 1000 adapters against 8; the throughput curve over distinct adapters. Prints one table with
+over 1000 adapters against 8; the throughput curve over distinct adapters; the host adapter cache's
+hit rate on a random trace over 12 adapters with 8 cached (a tiny model). Prints one table with
 each ratio beside its target, saves benchmarks/results/all.json and draws the README's plot.
 Usage: python -m benchmarks.all [--dtype auto] [--threads N] [--quick] [--skip-server] [--plot PATH]
 """
@@ -28,6 +29,7 @@ from benchmarks.common import (
     random_prompts,
     save_results,
 )
+from benchmarks.host_cache_trace import HOST_ENTRIES, NUM_ADAPTERS, run_grid
 from benchmarks.long_context import model_for, run_long_context
 from benchmarks.lora_throughput import first_token_latency, run_loraserve, run_peft_mixed, run_swapping
 from benchmarks.plot import make_plot
@@ -43,6 +45,7 @@ TARGETS = [
     ("16 adapters mixed / base", ">=", 0.9),
     ("64 distinct (max_loras=16) / base", ">=", 0.75),
     ("cold adapter first token - warm (ms)", "<=", 20.0),
+    ("host hit rate, 12 adapters over 8", ">=", round(HOST_ENTRIES / NUM_ADAPTERS, 3)),  # LRU's bound
 ]
 
 
@@ -129,6 +132,8 @@ def main() -> None:
     contexts = [128, 1024] if args.quick else [128, 1024, 2048]
     results["long_context"] = run_long_context(model_for(contexts), dtype, contexts)
     results["adapters"] = adapter_curve(build_model(), dtype)
+    results["host_cache"] = run_grid(300 if args.quick else 1200, in_flight=[8], max_loras=[2])
+    results["ratios"]["host hit rate, 12 adapters over 8"] = results["host_cache"][0]["hit_rate"]
     if not args.skip_server:
         shape = TraceShape(num_requests=60) if args.quick else TraceShape()
         results["server_trace"] = run_server_trace(build_model(), dtype, shape)

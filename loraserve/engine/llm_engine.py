@@ -76,6 +76,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
         self.requests: dict[str, Request] = {}
         self.step_failures = StepFailures()
+        if self.lora is not None:  # the host cache keeps the adapters queued requests still need
+            self.lora.follow_demand(self.scheduler.adapters_in_demand)
         self._seq_counter = itertools.count()
         logger.info(
             "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",

@@ -171,6 +171,14 @@ class Scheduler:
     def _active_loras(self) -> set[int]:
         return {seq.lora_id for seq in self.running if seq.lora_id}
 
+    def adapters_in_demand(self) -> list[int]:
+        """The adapters unfinished sequences use, soonest needed first (the LoRA host cache evicts
+        them last, the last first): the running ones', then the waiting ones' by how many sequences
+        wait for each (free slots go to the busiest adapter first), arrival order between equals."""
+        running = dict.fromkeys(seq.lora_id for seq in self.running if seq.lora_id)
+        waiting = Counter(seq.lora_id for seq in self.waiting if seq.lora_id and seq.lora_id not in running)
+        return [*running, *(lora_id for lora_id, _ in waiting.most_common())]
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         loras = self._active_loras()
         blocked_head: Sequence | None = None

@@ -1,6 +1,10 @@
 """`HostCache`: validated adapters in host memory, at most `max_cpu_loras`, each read from disk once.
 
-An LRU of loaded `LoRAModel`s by id. A load reads and validates on the calling thread, outside the
+An LRU of loaded `LoRAModel`s by id, in the order requests asked for them (`hit` on each request's
+arrival, not each step: the steps take adapters in the scheduler's turn order, which cycles through
+them, the pattern that defeats LRU). To make room it evicts first the least recently requested adapter
+no queued request needs (`set_needed`), and an adapter the queue needs only when every one is needed
+(then the one needed last). A load reads and validates on the calling thread, outside the
 manager's lock, so loads never stall a step; concurrent first requests for one adapter wait for a
 single disk read (single flight). Everything is validated before the adapter is registered: a
 failed load leaves no trace. The adapter's content digest is hashed on background threads during
@@ -29,7 +33,7 @@ class HostCounters:
 
     num_loads: int = 0  # adapters read from disk and registered
     num_load_failures: int = 0
-    num_host_hits: int = 0  # a load found the adapter already cached
+    num_host_hits: int = 0  # a request (or a load) found its adapter already cached
     num_host_evictions: int = 0
     load_seconds_total: float = 0.0
 
@@ -52,6 +56,7 @@ class HostCache:
         self._lock = lock
         self._on_evict = on_evict
         self._adapters: LRUCache[int, LoRAModel] = LRUCache(capacity, self._evicted)
+        self._needed: tuple[int, ...] = ()  # adapters queued requests use, soonest needed first
         self._loading: dict[int, threading.Lock] = {}
         self._new_latencies: list[float] = []
 
@@ -78,9 +83,17 @@ class HostCache:
     def peek(self, lora_id: int) -> LoRAModel | None:
         return self._adapters.peek(lora_id)
 
-    def touch(self, lora_id: int) -> LoRAModel | None:
-        """The adapter, now the most recently used."""
-        return self._adapters.get(lora_id)
+    def hit(self, lora_id: int) -> LoRAModel | None:
+        """The adapter, now the most recently used, counted as a host hit; None if not cached."""
+        cached = self._adapters.get(lora_id)
+        if cached is not None:
+            self.counters.num_host_hits += 1
+        return cached
+
+    def set_needed(self, lora_ids: tuple[int, ...]) -> None:
+        """The adapters that queued requests still use, soonest needed first: evicted only when
+        every other adapter is needed or kept."""
+        self._needed = lora_ids
 
     def drain_latencies(self) -> list[float]:
         """Disk load latencies (seconds) observed since the last call, for a histogram."""
@@ -89,11 +102,11 @@ class HostCache:
 
     def add(self, lora_model: LoRAModel, keep: Collection[int]) -> bool:
         """Register a loaded adapter; False if its id is already cached. A full cache first evicts
-        its least recently used adapter not in `keep`."""
+        one adapter not in `keep` (see the module docstring for which)."""
         if lora_model.lora_id in self._adapters:
             return False
         try:
-            self._adapters.put(lora_model.lora_id, lora_model, keep)
+            self._adapters.put(lora_model.lora_id, lora_model, keep, self._needed)
         except CacheFullError:
             raise LoRAAdapterError(
                 f"LoRA adapter '{lora_model.name}': no room in host memory: the host cache (max_cpu_loras="
@@ -118,14 +131,14 @@ class HostCache:
         slot upload), and if it raises the adapter is dropped again and the load fails."""
         lora_id = lora_request.lora_id
         with self._lock:
-            cached = self._hit(lora_id)
+            cached = self.hit(lora_id)
             if cached is not None:
                 return cached
             load_lock = self._loading.setdefault(lora_id, threading.Lock())
         with load_lock:
             try:
                 with self._lock:
-                    cached = self._hit(lora_id)
+                    cached = self.hit(lora_id)
                 if cached is not None:
                     return cached
                 return self._read_and_add(lora_request, keep, admit)
@@ -157,12 +170,6 @@ class HostCache:
         self.counters.num_loads += 1
         self.counters.load_seconds_total += elapsed
         self._new_latencies.append(elapsed)
-
-    def _hit(self, lora_id: int) -> LoRAModel | None:
-        cached = self._adapters.get(lora_id)
-        if cached is not None:
-            self.counters.num_host_hits += 1
-        return cached
 
     def _read_and_add(
         self,

@@ -2,15 +2,20 @@
 
 Both adapter tiers use it: the host cache (adapter id -> loaded adapter) and the slot table
 (adapter id -> compute slot). Entries a caller must keep (pinned, or used by the running step) are
-passed as `keep` and never chosen for eviction. Not thread-safe: the owner holds its lock.
+passed as `keep` and never chosen for eviction. Entries a caller would rather keep (adapters that
+queued requests still need) are passed as `needed`, soonest needed first: they go only when nothing
+else can, the one needed last first (the entry used furthest in the future is the best victim; plain
+LRU would evict the adapter whose requests wait the longest, which is the next one they need). Not
+thread-safe: the owner holds its lock.
 """
 
 from __future__ import annotations
 
+import itertools
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Container, Hashable
+from collections.abc import Callable, Container, Hashable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -63,9 +68,18 @@ class LRUCache(Generic[K, V]):
         self._entries.move_to_end(key)
         return self._entries[key]
 
-    def victim(self, keep: Container[K]) -> K | None:
-        """The least recently used key not in `keep` (what the next eviction would take)."""
-        return next((key for key in self._entries if key not in keep), None)
+    def victim(self, keep: Container[K], needed: Sequence[K] = ()) -> K | None:
+        """What the next eviction would take: the least recently used key in neither `keep` nor
+        `needed`, else the last key of `needed` that is cached and not kept."""
+        return next(self._victims(keep, needed), None)
+
+    def _victims(self, keep: Container[K], needed: Sequence[K]) -> Iterator[K]:
+        """Keys in the order evictions take them (kept keys never)."""
+        later = set(needed)
+        yield from (key for key in self._entries if key not in keep and key not in later)
+        yield from (
+            key for key in reversed(dict.fromkeys(needed)) if key in self._entries and key not in keep
+        )
 
     def evict(self, key: K) -> V:
         """Remove `key` as an eviction: the hook runs."""
@@ -77,21 +91,22 @@ class LRUCache(Generic[K, V]):
             hook(key, value)
         return value
 
-    def make_room(self, keep: Container[K]) -> None:
-        """Evict least recently used entries not in `keep` until one more fits; CacheFullError when
-        only kept entries are left (nothing is evicted then)."""
+    def make_room(self, keep: Container[K], needed: Sequence[K] = ()) -> None:
+        """Evict entries (in `victim` order) until one more fits; CacheFullError when only kept
+        entries are left (nothing is evicted then)."""
         if not self.is_full:
             return
-        victims = [key for key in self._entries if key not in keep][: len(self._entries) - self.capacity + 1]
-        if len(victims) < len(self._entries) - self.capacity + 1:
+        excess = len(self._entries) - self.capacity + 1
+        victims = list(itertools.islice(self._victims(keep, needed), excess))
+        if len(victims) < excess:
             raise CacheFullError(f"all {len(self._entries)} entries are kept")
         for key in victims:
             self.evict(key)
 
-    def put(self, key: K, value: V, keep: Container[K] = ()) -> None:
+    def put(self, key: K, value: V, keep: Container[K] = (), needed: Sequence[K] = ()) -> None:
         """Insert or replace as the most recently used, first making room (see `make_room`)."""
         if key not in self._entries:
-            self.make_room(keep)
+            self.make_room(keep, needed)
         self._entries[key] = value
         self._entries.move_to_end(key)
 

@@ -4,7 +4,10 @@ Three parts, one lock: the registry (adapters the engine serves, digests, remova
 host cache (up to `max_cpu_loras` validated adapters in memory, each read once) and the slot table
 (the `max_loras` compute slots of the wrapped layers). Evicting an adapter from the host also frees
 its slot. The adapters of the current step are never evicted from either tier, pinned adapters never
-leave their slot.
+leave their slot. The host cache's order is that of request arrivals (`register`), and it evicts an
+adapter that queued requests still need only when all are needed: the engine names its queue's
+adapters through `follow_demand` (read on the engine thread; other threads' loads see its latest
+snapshot).
 
 Threads: the engine thread registers, removes, pins and prepares steps; `prefetch` and `stats` may
 run on any thread. Disk reads happen outside the lock. Slot buffers are only written for slots the
@@ -16,7 +19,9 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Collection
+import types
+import weakref
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
 from functools import partial
 
@@ -68,6 +73,21 @@ class LoRAManager:
         # copy may be the only one left (files deleted or overwritten), so the host cache keeps them.
         # Rebound, never mutated, so that other threads' keep() reads it without the lock.
         self._retained: frozenset[int] = frozenset()
+        self._demand: Callable[[], Callable[[], Sequence[int]] | None] | None = None
+
+    def follow_demand(self, source: Callable[[], Sequence[int]]) -> None:
+        """`source()` (called on the engine thread, at each step and before each first load) names
+        the adapters that unfinished requests use, soonest needed first; the host cache evicts
+        them last. A bound method is held weakly: the engine's scheduler holds this manager."""
+        self._demand = weakref.WeakMethod(source) if isinstance(source, types.MethodType) else lambda: source
+
+    def _refresh_needed(self) -> None:
+        """Hand the host cache the queue's adapters as they are now (engine thread)."""
+        source = self._demand() if self._demand is not None else None
+        if source is not None:
+            needed = tuple(source())
+            with self._lock:
+                self._host.set_needed(needed)
 
     # ---- registration (engine thread) -----------------------------------------------------------
     def register(
@@ -79,8 +99,11 @@ class LoRAManager:
         with self._lock:
             lora_request = self._registry.successor(lora_request)
             digest = self._registry.check_can_register(lora_request, explicit)
+            if digest is not None:
+                self._host.hit(lora_request.lora_id)  # a request arrived: most recently used (if cached)
         if digest is not None:
             return digest
+        self._refresh_needed()
         digest = self.load(lora_request, also_keep=also_keep).pending_digest
         with self._lock:
             self._registry.add(lora_request, digest)
@@ -216,6 +239,7 @@ class LoRAManager:
         weights fails that adapter's requests only. Returns (id -> slot for the adapters ready,
         id -> error for the others). The adapters stay protected from eviction until `end_step`.
         """
+        self._refresh_needed()
         with self._lock:
             self._in_use = frozenset(lora_ids)
         failed: dict[int, Exception] = {}
@@ -275,7 +299,7 @@ class LoRAManager:
 
     def activate(self, lora_ids: set[int]) -> dict[int, int]:
         """Put every adapter of a step in a slot; id -> slot. Never evicts an adapter of the step or
-        a pinned one; refreshes both LRU orders."""
+        a pinned one; refreshes the slots' LRU order (the host's follows request arrivals)."""
         with self._lock:
             unknown = sorted(i for i in lora_ids if i not in self._host)
             if unknown:
@@ -290,7 +314,7 @@ class LoRAManager:
             slots: dict[int, int] = {}
             # Adapters already in a slot first, so that a miss never evicts one the step needs.
             for lora_id in sorted(lora_ids, key=lambda i: self._slots.slot_of(i) is None):
-                lora_model = self._host.touch(lora_id)
+                lora_model = self._host.peek(lora_id)
                 assert lora_model is not None
                 slots[lora_id] = self._slots.acquire(lora_model, lora_ids)
             return slots

@@ -260,3 +260,18 @@ def test_a_digest_that_failed_only_costs_its_prefix_caching() -> None:
     blocks.free(seq)
     probe = _seq(13, salt=Salt("x"))
     assert blocks.reuse_cached_prefix(probe, Salt("x")) == []
+
+
+def test_adapters_in_demand_lists_running_then_busiest_waiting() -> None:
+    """What the LoRA host cache keeps longest: adapters of running sequences, then those of waiting
+    ones by how many wait (the order in which free slots go to them), arrival order between equals."""
+    sched = _scheduler(max_seqs=1)  # no slot limit: the first to arrive runs first
+    seqs = [_seq(4, lora_id) for lora_id in (5, 3, 0, 7, 7, 3, 3)]
+    for seq in seqs:
+        sched.add(seq)
+    assert sched.adapters_in_demand() == [3, 7, 5]  # 5, 7 and 3 wait; 0 is the base model
+    assert [seq for seq, _ in _step(sched)] == [seqs[0]]
+    assert sched.adapters_in_demand() == [5, 3, 7]
+    for seq in seqs:
+        sched.finish(seq, "abort")
+    assert sched.adapters_in_demand() == []

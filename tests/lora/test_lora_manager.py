@@ -72,6 +72,23 @@ def test_lru_evicts_least_recent_not_kept_and_runs_the_hook() -> None:
     assert cache.victim(keep={"c"}) is None and cache.peek("c") == 3 and "c" in cache and len(cache) == 1
 
 
+def test_lru_evicts_needed_entries_last_the_one_needed_last_first() -> None:
+    evicted: list[str] = []
+    cache: LRUCache[str, int] = LRUCache(3, lambda k, v: evicted.append(k))
+    for i, key in enumerate("abc"):
+        cache.put(key, i)
+    cache.put("d", 3, needed=["a"])  # a is least recent, but a queued request needs it: b goes
+    assert evicted == ["b"] and cache.keys() == ["a", "c", "d"]
+    # Every entry is needed and c is kept: of the others, a is needed last (plain LRU would take it too).
+    cache.put("e", 4, keep={"c"}, needed=["d", "a", "c"])
+    assert evicted == ["b", "a"] and cache.keys() == ["c", "d", "e"]
+    assert cache.victim(keep={"e"}, needed=["d", "c"]) == "c"  # needed last, though more recent than d
+    assert cache.victim(keep={"c"}, needed=["c", "d", "c"]) == "e"  # repeats change nothing
+    with pytest.raises(CacheFullError):
+        cache.put("f", 5, keep={"c", "d", "e"}, needed=["c"])
+    assert evicted == ["b", "a"] and len(cache) == 3
+
+
 # ---- SlotTable -----------------------------------------------------------------------------------
 def _slot_table(max_loras: int, ids: list[int]) -> tuple[SlotTable, StandInLlama, dict[int, LoRAModel]]:
     model = StandInLlama()
@@ -270,6 +287,38 @@ def test_host_eviction_frees_slot_and_spares_step(adapter_dir) -> None:  # type:
     manager.load(adapter_dir(5), protected={4})
     stats = manager.stats()
     assert stats["lora_num_host_evictions"] == 3 and stats["lora_num_load_failures"] == 2
+
+
+def test_host_cache_keeps_what_the_queue_needs(adapter_dir) -> None:  # type: ignore[no-untyped-def]
+    """The host LRU is ordered by request arrivals (each a counted hit when the adapter is cached),
+    not by the steps that ran them; an adapter queued requests need goes only when all are needed."""
+    manager, _ = _manager(1, 3)
+    queue: list[int] = []  # the adapters the queue needs, soonest first (the scheduler's answer)
+    manager.follow_demand(lambda: queue)
+
+    def host() -> list[str]:
+        return manager.resident_adapters()["host"]
+
+    for i in (1, 2, 3):
+        manager.register(adapter_dir(i))
+    manager.activate({3})  # a step ran 3, and 1 and 2 not at all: no reordering
+    manager.end_step()
+    manager.register(adapter_dir(1))  # a request for 1 arrives: a host hit, 1 is the most recent
+    manager.register(adapter_dir(4))  # 2 is the least recently requested: it goes
+    assert host() == ["ad1", "ad3", "ad4"] and manager.stats()["lora_num_host_hits"] == 1
+    queue[:] = [3]  # a request for 3 waits (plain LRU would take 3, the least recently requested)
+    manager.register(adapter_dir(5))
+    assert host() == ["ad3", "ad4", "ad5"]
+    queue[:] = [4, 5, 3]  # all needed: 3, needed last, goes
+    manager.register(adapter_dir(6))
+    assert host() == ["ad4", "ad5", "ad6"]
+    queue[:] = [4, 2]  # a step needs 2 again: its reload evicts 5 or 6, never 4
+    slots, failed = manager.prepare_step({2})
+    manager.end_step()
+    assert failed == {} and 2 in slots and "ad4" in host() and "ad2" in host()
+    stats = manager.stats()
+    assert stats["lora_num_loads"] == 7 and stats["lora_num_host_evictions"] == 4
+    assert stats["lora_num_host_hits"] == 1
 
 
 def test_load_failure_leaves_nothing(adapter_dir) -> None:  # type: ignore[no-untyped-def]
