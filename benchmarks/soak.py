@@ -3,8 +3,10 @@ server's RSS sampled throughout.
 
 The server is the demo (SmolLM2-135M-Instruct with the french, pirate and sql adapters), started as a
 child process with runtime adapter loading on, so the churn worker loads and unloads copies of `sql`.
-Prints (and saves under benchmarks/results/) the outcome counts, lost requests, and RSS after warm-up,
-at the end and at its peak.
+Alongside, unless --no-hostile, one worker loads the hostile adapters of benchmarks.hostile_adapters
+(each must be a 400) and /health is polled every 0.1 s.
+Prints (and saves under benchmarks/results/) the outcome counts, lost requests, RSS after warm-up,
+at the end and at its peak, and /health's p99 and worst latency.
 Usage: python -m benchmarks.soak [--duration 600] [--concurrency 12] [--dtype auto] [--max-loras 2]
 """
 
@@ -15,10 +17,12 @@ import asyncio
 import contextlib
 import platform
 import subprocess
+import tempfile
 import time
 from typing import Any
 
 from benchmarks.common import save_results
+from benchmarks.hostile_adapters import write_hostile_adapters
 from benchmarks.server_process import start_server, stop_server, wait_healthy
 from benchmarks.soak_traffic import SoakPlan, run_soak_traffic
 
@@ -83,6 +87,8 @@ def main() -> None:
     parser.add_argument("--log", default="/tmp/loraserve-soak.log")
     parser.add_argument("--mix", default="0.7,0.15,0.15", help="shares of valid, disconnecting and bad requests")
     parser.add_argument("--no-churn", action="store_true", help="no adapter load/unload worker")
+    parser.add_argument("--no-hostile", action="store_true",
+                        help="no hostile-adapter loads (regex bomb, 100k-deep config, overflowing alpha)")
     args = parser.parse_args()
 
     from loraserve.demo.run import demo_setup
@@ -94,8 +100,10 @@ def main() -> None:
         wait_healthy(url, process)
         mix = tuple(float(share) for share in args.mix.split(","))
         assert len(mix) == 3, "--mix needs three shares"
+        hostile = None if args.no_hostile else write_hostile_adapters(setup.adapters["sql"], tempfile.mkdtemp())
         plan = SoakPlan(url, setup.served_model_name, list(setup.adapters), args.duration, args.concurrency,
-                        churn_adapter_path=None if args.no_churn else setup.adapters["sql"], mix=mix)  # type: ignore[arg-type]
+                        churn_adapter_path=None if args.no_churn else setup.adapters["sql"], mix=mix,  # type: ignore[arg-type]
+                        hostile_adapters=hostile, watch_health=True)
         started = time.monotonic()
         tally, samples = asyncio.run(soak(plan, process.pid))
         elapsed = time.monotonic() - started
@@ -113,7 +121,8 @@ def main() -> None:
         "rss": rss_report(samples, warmup),
         "rss_samples_mib": [(round(t), round(rss / (1 << 20), 1)) for t, rss in samples[:: max(1, len(samples) // 60)]],
     }
-    for key in ("issued", "outcomes", "num_lost", "num_unexpected", "accounted", "exit_status", "rss"):
+    for key in ("issued", "outcomes", "num_lost", "num_unexpected", "accounted", "exit_status", "rss",
+                "health_p99_ms", "health_max_ms"):
         print(f"{key}: {result[key]}")
     for line in tally.lost[:10] + tally.unexpected[:10]:
         print("  ", line)

@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.hostile_adapters import health_watch, hostile_worker
+
 BAD_BODIES: list[tuple[str, Any]] = [
     ("/v1/completions", {"model": "{base}", "prompt": "x", "n": 0}),
     ("/v1/completions", {"model": "{base}", "prompt": "x", "temperature": -1}),
@@ -48,6 +50,7 @@ class SoakTally:
     outcomes: Counter = field(default_factory=Counter)  # "kind:outcome" -> count
     lost: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    health_latencies_s: list[float] = field(default_factory=list)  # benchmarks.hostile_adapters.health_watch
 
     def record(self, kind: str, outcome: str, detail: str | None = None) -> None:
         self.outcomes[f"{kind}:{outcome}"] += 1
@@ -72,7 +75,15 @@ class SoakTally:
             "lost": self.lost[:20],
             "num_unexpected": len(self.unexpected),
             "unexpected": self.unexpected[:20],
+            **self.health_summary(),
         }
+
+    def health_summary(self) -> dict[str, Any]:
+        if not self.health_latencies_s:
+            return {}
+        ordered = sorted(self.health_latencies_s)
+        return {"health_checks": len(ordered), "health_p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1),
+                "health_max_ms": round(1000 * ordered[-1], 1)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +97,8 @@ class SoakPlan:
     churn_adapter_path: str | None = None  # an adapter folder to load under fresh names
     seed: int = 0
     mix: tuple[float, float, float] = (0.7, 0.15, 0.15)  # shares of valid, disconnecting and bad requests
+    hostile_adapters: dict[str, str] | None = None  # kind -> folder (benchmarks.hostile_adapters), each load a 400
+    watch_health: bool = False  # poll /health throughout, latencies in the tally
 
 
 async def run_soak_traffic(plan: SoakPlan) -> SoakTally:
@@ -96,6 +109,10 @@ async def run_soak_traffic(plan: SoakPlan) -> SoakTally:
         workers = [_worker(client, plan, tally, deadline, random.Random(plan.seed + i)) for i in range(plan.concurrency)]
         if plan.churn_adapter_path is not None:
             workers.append(_churn_worker(client, plan, tally, deadline))
+        if plan.hostile_adapters:
+            workers.append(hostile_worker(client, plan.hostile_adapters, tally, deadline))
+        if plan.watch_health:
+            workers.append(health_watch(client, tally, deadline))
         await asyncio.gather(*workers)
     return tally
 

@@ -1,5 +1,6 @@
 """A bounded soak: the real engine with adapters behind a live server, under valid traffic, client
-disconnects, bad requests and adapter churn at once. Every request is accounted for: no valid one is
+disconnects, bad requests, adapter churn and hostile adapter configs (each a 400) at once, /health polled
+throughout. Every request is accounted for: no valid one is
 lost, no bad one gets anything but a 4xx, and afterwards the engine holds no request and no KV block."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 from support.harness import RunningServer, wait_for
 
+from benchmarks.hostile_adapters import write_hostile_adapters
 from benchmarks.soak_traffic import SoakPlan, run_soak_traffic
 from loraserve.entrypoints.openai.api_server import ServerOptions
 from loraserve.entrypoints.openai.serving_models import LoRAModulePath
@@ -47,16 +49,17 @@ def soak_server(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory):
         yield server, paths
 
 
-def test_soak_loses_nothing(soak_server: Any) -> None:
+def test_soak_loses_nothing(soak_server: Any, tmp_path: Any) -> None:
     server, paths = soak_server
+    hostile = write_hostile_adapters(paths["churn"], tmp_path)
     plan = SoakPlan(server.url, "tiny", ["sql", "mlp"], SOAK_S, concurrency=6, max_tokens=8,
-                    churn_adapter_path=paths["churn"], seed=1)
+                    churn_adapter_path=paths["churn"], seed=1, hostile_adapters=hostile, watch_health=True)
     tally = asyncio.run(run_soak_traffic(plan))
     summary = tally.summary()
     assert tally.num_issued == tally.num_accounted, summary
     assert not tally.lost and not tally.unexpected, summary
     assert not any(key.endswith(":refused") for key in tally.outcomes), summary
-    for kind in ("valid", "valid-stream", "disconnect", "bad", "churn"):
+    for kind in ("valid", "valid-stream", "disconnect", "bad", "churn", "hostile", "health"):
         assert tally.issued[kind] > 0, f"the mix never sent a {kind} request: {summary}"
     stats = server.engine.stats
     wait_for(lambda: (s := stats()) and s["num_running"] == 0 and s["num_waiting"] == 0,
