@@ -52,8 +52,9 @@ def write_hostile_adapters(source: str, root: str | Path) -> dict[str, str]:
     return folders
 
 
-async def hostile_worker(client: httpx.AsyncClient, folders: dict[str, str], tally: Tally, deadline: float,
-                         pause_s: float = 2.0) -> None:
+async def hostile_worker(
+    client: httpx.AsyncClient, folders: dict[str, str], tally: Tally, deadline: float, pause_s: float = 2.0
+) -> None:
     """Load each hostile folder under a fresh name, in turn, until the deadline: each must get a 400."""
     number = 0
     while time.monotonic() < deadline:
@@ -69,11 +70,15 @@ async def hostile_worker(client: httpx.AsyncClient, folders: dict[str, str], tal
             if response.status_code == 400:
                 tally.record("hostile", "ok")
             else:
-                tally.record("hostile", "unexpected", f"{kind} -> {response.status_code} {response.text[:200]}")
+                tally.record(
+                    "hostile", "unexpected", f"{kind} -> {response.status_code} {response.text[:200]}"
+                )
         await asyncio.sleep(pause_s)
 
 
-async def health_watch(client: httpx.AsyncClient, tally: Tally, deadline: float, interval_s: float = 0.1) -> None:
+async def health_watch(
+    client: httpx.AsyncClient, tally: Tally, deadline: float, interval_s: float = 0.1
+) -> None:
     """GET /health every interval_s until the deadline; a failure counts as an unexpected outcome."""
     while time.monotonic() < deadline:
         started = time.monotonic()
