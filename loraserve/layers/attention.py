@@ -17,10 +17,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from loraserve.batch.attention_metadata import AttentionMetadata
 from loraserve.layers import paged_attention_cpu, paged_attention_torch
-from loraserve.layers.attention_metadata import AttentionMetadata, build_attention_metadata
-
-__all__ = ["AttentionMetadata", "PagedAttention", "build_attention_metadata", "attend"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +54,7 @@ def attend(
     that serves it. q [T, H, D] -> [T, H, D]; caches [num_blocks * block_size, KVH, D]."""
     args = (meta.block_tables, meta.context_lens, meta.query_starts, meta.block_size, scale, softcap, window)
     if q.is_cpu:
-        if paged_attention_cpu.applies(q, k_cache, v_cache):
+        if paged_attention_cpu.serves(q, k_cache, v_cache):
             return paged_attention_cpu.paged_attention(q, k_cache, v_cache, *args)
     elif q.is_cuda and triton_available():
         assert _triton is not None

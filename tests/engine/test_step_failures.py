@@ -83,7 +83,7 @@ def test_failed_step_fails_only_its_request(engine: LLMEngine) -> None:
 
 def test_failure_after_the_forward_pass_frees_the_batch(engine: LLMEngine) -> None:
     """A fault in sampling, after the KV cache was written, leaves no block or prefix entry behind."""
-    sample = engine.sampler.__call__
+    sample = engine.runner.sampler.__call__
     armed = [True]
 
     def faulty(logits: torch.Tensor, rows: list[Any]) -> Any:
@@ -92,7 +92,7 @@ def test_failure_after_the_forward_pass_frees_the_batch(engine: LLMEngine) -> No
             raise ValueError("injected fault in the sampler")
         return sample(logits, rows)
 
-    engine.sampler = faulty  # type: ignore[assignment]
+    engine.runner.sampler = faulty  # type: ignore[assignment]
     engine.add_request("victim", PROMPT, GREEDY)
     assert engine.step()[0].error is not None
     assert all_blocks_free(engine) and engine.check_consistency() is None

@@ -13,10 +13,10 @@ import torch
 from transformers import AutoConfig
 
 from loraserve import LLM, SamplingParams
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.layers import fused_ops, gemm_cpu, paged_attention_cpu
-from loraserve.layers.attention import build_attention_metadata
-from loraserve.layers.forward_batch import ForwardBatch
 from loraserve.layers.linear import pack_cpu_linears
 from loraserve.lora.request import LoRARequest
 from loraserve.models.llama import LlamaArgs, LlamaModel

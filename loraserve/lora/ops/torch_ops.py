@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraserve.lora.layout import LoRALayout, PaddedLayout
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_layout import LoRALayout, PaddedLayout
+from loraserve.batch.lora_mapping import LoRABatchMapping
 
 
 def lora_shrink(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.lora.layout import (
+from loraserve.batch.lora_layout import (
     LoRALayout,
     PaddedLayout,
     Runs,
