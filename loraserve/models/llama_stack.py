@@ -239,25 +239,26 @@ class DecoderStack:
         return new[0], residual
 
     def _lora_layers(self, mapping: LoRABatchMapping, num_tokens: int) -> ctypes.Array[ctypes.c_int64] | None:
-        """The LoRA kernel's layer arguments of each linear (0: no term this step), for the linears
-        where `cpu_ops.serves`, as `ops.add_lora` asks it; None when some layer's term needs another path
-        (or a bias term, which the stack does not add)."""
+        """The LoRA kernel's layer arguments of each linear (0: no term this step) where
+        `cpu_ops.serving` says the kernel runs the term, the rule `ops.add_lora` asks too; None when
+        some layer's term needs another path (or has a bias term, which the stack does not add)."""
         if mapping.num_tokens != num_tokens:
             return None
-        values: list[int] = []
+        terms: list[Any] = []  # each linear's kernel args; None: no LoRA term this step
         for group in self.linears:
             for linear in group:
                 buffers = getattr(linear, "lora_buffers", None)
                 if buffers is None or not (buffers.active_mask | buffers.bias_mask) & mapping.active_mask:
-                    values.append(0)
+                    terms.append(None)
                     continue
                 args = buffers.cpu_kernel_args
                 if not self.has_lora_kernel or buffers.bias_mask & mapping.active_mask or args is None \
-                        or not cpu_ops.serves(args, mapping, self.dtype) \
                         or (args.in_features, args.out_features) != (linear.in_features, linear.out_features):
                     return None
-                values.append(ctypes.addressof(args.c_layer))
-        return (ctypes.c_int64 * len(values))(*values)
+                terms.append(args)
+        if not all(cpu_ops.serving([args for args in terms if args is not None], mapping, self.dtype)):
+            return None
+        return (ctypes.c_int64 * len(terms))(*[0 if args is None else ctypes.addressof(args.c_layer) for args in terms])
 
 
 def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:

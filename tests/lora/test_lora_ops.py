@@ -248,6 +248,10 @@ def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
     assert cpu_ops.serves(args, mapping, torch.float32) == cpu_ops.kernel_available()
     assert not cpu_ops.serves(None, mapping, torch.float32)  # buffers the kernel cannot read
     assert not cpu_ops.serves(args, LoRABatchMapping.build([0, L], "cpu"), torch.float32)  # a slot past the layer's
+    far = LoRABatchMapping.build([0, L], "cpu")
+    for step in (mapping, far):  # the batched form (the decoder stack's) answers as `serves` does, layer by layer
+        layers = [args, None, make_buffers(a.bfloat16(), bt.bfloat16(), [0, 56], ranks).cpu_kernel_args]
+        assert cpu_ops.serving(layers, step, torch.float32) == [cpu_ops.serves(x, step, torch.float32) for x in layers]
     for dtype in (torch.float32, torch.bfloat16):
         max_len = cpu_ops.max_segment_len(dtype)
         if max_len == 0:

@@ -182,14 +182,23 @@ def serves(args: LayerArgs | None, mapping: LoRABatchMapping, dtype: torch.dtype
     """Whether the kernel runs the LoRA term of a layer whose buffers have `args` (None: buffers it
     cannot read) for this step, with activations of `dtype`: a CPU step (`mapping.cpu_kernel_args`),
     the buffers' dtype, every segment at most `max_segment_len(dtype)` tokens and every active slot
-    one of the layer's. The one rule: `ops.add_lora` and the decoder stack both ask it."""
-    return (
-        args is not None
-        and mapping.cpu_kernel_args is not None
-        and args.dtype == dtype
-        and mapping.segments.max_len <= max_segment_len(dtype)
-        and (not mapping.active_slots or mapping.active_slots[-1] < args.num_slots)
-    )
+    one of the layer's. The one rule: `ops.add_lora` asks it, the decoder stack asks `serving`."""
+    return args is not None and _step_served(mapping, dtype) and _layer_served(args, mapping, dtype)
+
+
+def serving(layers: list[LayerArgs | None], mapping: LoRABatchMapping, dtype: torch.dtype) -> list[bool]:
+    """`serves` for each of several layers in one step, the step's half asked once (it reads the
+    kernel switch: ~4 us, where the decoder stack asks for every linear of every layer at once)."""
+    step = _step_served(mapping, dtype)
+    return [step and args is not None and _layer_served(args, mapping, dtype) for args in layers]
+
+
+def _step_served(mapping: LoRABatchMapping, dtype: torch.dtype) -> bool:
+    return mapping.cpu_kernel_args is not None and mapping.segments.max_len <= max_segment_len(dtype)
+
+
+def _layer_served(args: LayerArgs, mapping: LoRABatchMapping, dtype: torch.dtype) -> bool:
+    return args.dtype == dtype and (not mapping.active_slots or mapping.active_slots[-1] < args.num_slots)
 
 
 def run(x: torch.Tensor, y: torch.Tensor, args: LayerArgs, mapping: LoRABatchMapping) -> torch.Tensor:
