@@ -113,8 +113,12 @@ def layer_of(module: str) -> str:
 def upward_edges(graph: dict[str, set[str]], layers: list[set[str]]) -> list[tuple[str, str]]:
     """The imports (importer, imported) whose target sits in a higher layer than their source."""
     rank = {name: i for i, names in enumerate(layers) for name in names}
-    return sorted((module, target) for module, targets in graph.items() for target in targets
-                  if rank[layer_of(target)] > rank[layer_of(module)])
+    return sorted(
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if rank[layer_of(target)] > rank[layer_of(module)]
+    )
 
 
 def test_every_package_has_a_layer() -> None:
@@ -129,8 +133,11 @@ def test_no_import_points_up_a_layer() -> None:
 
 
 def test_the_layer_check_finds_an_upward_import() -> None:
-    graph = {"loraserve.batch.a": {"loraserve.layers.b"}, "loraserve.layers.b": {"loraserve.batch.c"},
-             "loraserve.batch.c": set()}
+    graph = {
+        "loraserve.batch.a": {"loraserve.layers.b"},
+        "loraserve.layers.b": {"loraserve.batch.c"},
+        "loraserve.batch.c": set(),
+    }
     assert upward_edges(graph, [{"batch"}, {"layers"}]) == [("loraserve.batch.a", "loraserve.layers.b")]
 
 

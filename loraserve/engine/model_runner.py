@@ -97,7 +97,9 @@ class ModelRunner:
         try:
             lora_slots = None
             if self.lora is not None:
-                lora_slots, step.failed = self.lora.prepare_step({s.seq.lora_id for s in scheduled if s.seq.lora_id})
+                lora_slots, step.failed = self.lora.prepare_step(
+                    {s.seq.lora_id for s in scheduled if s.seq.lora_id}
+                )
                 if step.failed:
                     step.scheduled = [s for s in scheduled if s.seq.lora_id not in step.failed]
             if step.scheduled:
@@ -147,7 +149,10 @@ class ModelRunner:
     def _mapping(self, token_slots: list[int]) -> LoRABatchMapping:
         key = tuple(token_slots)
         if self._lora_mapping is None or self._lora_mapping[0] != key:
-            self._lora_mapping = (key, LoRABatchMapping.build(token_slots, self.device, max_loras=self.max_loras))
+            self._lora_mapping = (
+                key,
+                LoRABatchMapping.build(token_slots, self.device, max_loras=self.max_loras),
+            )
         return self._lora_mapping[1]
 
     def sample(self, result: StepResult) -> SamplerOutput:
@@ -178,8 +183,11 @@ class ModelRunner:
                 sample_rows.append(offset + n - 1)
                 sample_seqs.append(seq)
             offset += n
-        logits = self.model.compute_logits(hidden[sample_rows], float32=False) if sample_rows \
+        logits = (
+            self.model.compute_logits(hidden[sample_rows], float32=False)
+            if sample_rows
             else hidden.new_empty(0, 0)
+        )
         chunks = [
             PromptLogprobChunk(seq, start, self.model.compute_logits(hidden[first : first + rows]))
             for seq, first, rows, start in prompt_spans

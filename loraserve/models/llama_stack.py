@@ -13,7 +13,7 @@ for every step the C call does not serve (`run` returns None):
 - LORASERVE_CPU_DECODER_STACK=0, a fused or attention kernel switched off, or no C compiler.
 Which kernel serves a call is never decided here: each op family's own predicate says it, the one
 its Python wrapper asks too (`gemm_cpu.serves`, `fused_ops.norm_weight_serves` and
-`rotary_tables_serve`, `paged_attention_cpu.serves`, `cpu_ops.serves`), so changing a kernel's rule
+`rotary_tables_serve`, `paged_attention_cpu.serves`, `cpu_ops.serving`), so changing a kernel's rule
 changes the stack's with it. What stays here is what the stack itself can run (its fixed op order,
 one layout for every layer, no LoRA bias term).
 
