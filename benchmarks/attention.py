@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from loraserve.layers.attention import PagedAttention, build_attention_metadata
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.layers.attention import PagedAttention
 
 
 def make_step(

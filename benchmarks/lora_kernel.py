@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import cpu_class
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora.ops import LoRABuffers, cpu_ops, torch_ops
 
 HIDDEN, INTERMEDIATE, KV, LAYERS, RANK, SLOTS = 576, 1536, 192, 30, 16, 16

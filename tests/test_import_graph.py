@@ -1,4 +1,5 @@
-"""The package's import graph has no cycle, counting every import: top-level, function-level and TYPE_CHECKING.
+"""The package's import graph has no cycle and no upward edge between the layers docs/DESIGN.md names,
+counting every import: top-level, function-level and TYPE_CHECKING.
 
 Edges go from a module to each loraserve module it names (`from pkg import sub` names `pkg.sub` when
 that is a module, else `pkg`). Parent packages' `__init__` files, which Python runs implicitly, are
@@ -13,6 +14,20 @@ from pathlib import Path
 import loraserve
 
 ROOT = Path(loraserve.__file__).parent
+
+# docs/DESIGN.md's layers, lowest first: a package imports only from its own layer and those below.
+# "" is loraserve/__init__.py (the public facade) and the top-level modules' layer is their own name.
+LAYERS: list[set[str]] = [
+    {"envs", "errors", "config", "sampling_params", "outputs"},  # settings, errors, value types
+    {"native"},  # building and loading the C kernels, huge pages
+    {"batch"},  # the per-step batch types
+    {"layers"},  # model building blocks and their kernels
+    {"lora", "plugins"},
+    {"models"},
+    {"model_loader"},
+    {"engine"},
+    {"entrypoints", "demo", ""},
+]
 
 
 def module_names() -> dict[str, Path]:
@@ -87,6 +102,43 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     found.append(sorted(component))
     return found
+
+
+def layer_of(module: str) -> str:
+    """The layer name of a loraserve module: its package under loraserve (or "" for the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_edges(graph: dict[str, set[str]], layers: list[set[str]]) -> list[tuple[str, str]]:
+    """The imports (importer, imported) whose target sits in a higher layer than their source."""
+    rank = {name: i for i, names in enumerate(layers) for name in names}
+    return sorted(
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if rank[layer_of(target)] > rank[layer_of(module)]
+    )
+
+
+def test_every_package_has_a_layer() -> None:
+    placed = set().union(*LAYERS)
+    assert {layer_of(module) for module in import_graph()} <= placed
+
+
+def test_no_import_points_up_a_layer() -> None:
+    graph = import_graph()
+    assert "loraserve.batch.forward_batch" in graph and graph["loraserve.models.llama_stack"]
+    assert upward_edges(graph, LAYERS) == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {
+        "loraserve.batch.a": {"loraserve.layers.b"},
+        "loraserve.layers.b": {"loraserve.batch.c"},
+        "loraserve.batch.c": set(),
+    }
+    assert upward_edges(graph, [{"batch"}, {"layers"}]) == [("loraserve.batch.a", "loraserve.layers.b")]
 
 
 def test_the_package_has_no_import_cycle() -> None:

@@ -20,10 +20,9 @@ from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.engine_stats import engine_stats, residency_levels
-from loraserve.engine.model_runner import ModelRunner, StepResult, kv_cache_block_bytes
+from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
-from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from loraserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from loraserve.engine.scheduler import SampledToken, ScheduledSeq, Scheduler
 from loraserve.engine.sequence import Request, Sequence
 from loraserve.engine.step_failures import StepFailures, request_error
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
@@ -67,12 +66,11 @@ class LLMEngine:
             config.lora.max_loras if config.lora else None,
             self.lora.can_activate if self.lora is not None else None,
         )
+        self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.runner = ModelRunner(
             self.model, num_blocks, config.cache.block_size, config.model.dtype, config.device,
-            config.lora.max_loras if config.lora else None,
+            config.lora.max_loras if config.lora else None, self.lora, self.eos_ids.eos_token_id,
         )
-        self.sampler = Sampler()
-        self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
         self.requests: dict[str, Request] = {}
         self.step_failures = StepFailures()
@@ -94,7 +92,7 @@ class LLMEngine:
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
-            per_block = kv_cache_block_bytes(self.model.kv_cache_spec(), cache.block_size, self.model_config.dtype)
+            per_block = self.model.kv_cache_spec().block_bytes(cache.block_size, self.model_config.dtype)
             num_blocks = cache.kv_cache_memory_bytes // per_block
         needed = -(-self.model_config.max_model_len // cache.block_size)
         if num_blocks < needed:
@@ -211,53 +209,45 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch. If it raises, its requests fail and the engine goes on (`_fail_step`);
-        StepFailureLimitError when it cannot."""
+        """Run one batch: schedule -> run -> update -> outputs. If it raises, its requests fail and the
+        engine goes on (`_fail_step`); StepFailureLimitError when it cannot."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        run = self.runner.run(batch.scheduled)
         outputs: list[RequestOutput] = []
         try:
-            self._run(batch, outputs)
+            outputs += self._fail_adapter_requests(run.failed)
+            if run.error is not None:
+                raise run.error
+            if run.result is not None:
+                sampled = self.outputs.process(run.result, run.sampled)
+                self.scheduler.update(run.scheduled, sampled)
+                outputs += self._request_outputs(sampled)
         except Exception as exc:
-            outputs += self._fail_step(batch, exc)
+            outputs += self._fail_step(run.scheduled, exc)
         else:
             self.step_failures.succeeded()
         self._finish_lora_removals()
         return outputs
 
-    def _run(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> None:
-        result = self._execute(batch, outputs)
-        if result is not None:
-            sampled = self.outputs.process(result, self._sample(result))
-            self.scheduler.update(batch.scheduled, sampled)
-            outputs += self._request_outputs(sampled)
+    def _fail_adapter_requests(self, failed: dict[int, Exception]) -> list[RequestOutput]:
+        """Every request on an adapter that could not be activated ends with that adapter's error
+        (its 4xx when the client's adapter is at fault), whether or not it was in the step."""
+        outputs: list[RequestOutput] = []
+        if not failed:
+            return outputs
+        for request in list(self.requests.values()):
+            error = failed.get(request.lora_request.lora_id) if request.lora_request else None
+            if error is not None:
+                cause = error if isinstance(error, LoRAAdapterError) else None
+                outputs += self._fail_requests([request], str(error), "abort", cause)
+        return outputs
 
-    def _execute(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> StepResult | None:
-        """Activate the batch's adapters and run the model; None when nothing is left to run.
-
-        Requests whose adapter could not be reloaded fail here and leave the batch; their outputs go
-        to `outputs` at once, so they are delivered even if the forward pass then raises.
-        """
-        lora_slots = None
-        try:
-            if self.lora is not None:
-                lora_slots, failed = self.lora.prepare_step({s.seq.lora_id for s in batch.scheduled if s.seq.lora_id})
-                for request in list(self.requests.values()):  # only the failed adapters' requests fail
-                    error = failed.get(request.lora_request.lora_id) if request.lora_request else None
-                    if error is not None:
-                        cause = error if isinstance(error, LoRAAdapterError) else None
-                        outputs += self._fail_requests([request], str(error), "abort", cause)
-                batch.scheduled = [s for s in batch.scheduled if s.seq.lora_id not in failed]
-            return self.runner.execute(batch.scheduled, lora_slots) if batch.scheduled else None
-        finally:
-            if self.lora is not None:
-                self.lora.end_step()  # also after a failed step: no adapter stays marked in use
-
-    def _fail_step(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """The batch raised: fail exactly its requests, then check that the queues, KV blocks and
-        adapter slots are whole again; StepFailureLimitError if not, or after too many in a row."""
-        requests = list(dict.fromkeys(item.seq.request for item in batch.scheduled))
+    def _fail_step(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
+        """The step raised: fail exactly the requests of `scheduled`, then check that the queues, KV
+        blocks and adapter slots are whole again; StepFailureLimitError if not, or after too many in a row."""
+        requests = list(dict.fromkeys(item.seq.request for item in scheduled))
         logger.error("Engine step failed; failing its %d request(s), the others go on", len(requests), exc_info=exc)
         outputs = self._fail_requests(requests, request_error(exc), "error")
         self.step_failures.failed(exc, self.check_consistency())
@@ -287,19 +277,6 @@ class LLMEngine:
         if problem is None and self.lora is not None:
             problem = self.lora.check_consistency()
         return problem
-
-    def _sample(self, result: StepResult) -> SamplerOutput:
-        if not result.sample_seqs:  # only prefill chunks ran: there is no row to sample
-            return SamplerOutput([], [], [])
-        return self.sampler(result.logits, [self._sampling_row(seq) for seq in result.sample_seqs])
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        """Token history is copied only for rows whose penalties or min_tokens read it: the copies
-        grow with the context, and most requests use neither."""
-        params = seq.params
-        prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
-        output_ids = seq.output_token_ids if params.has_penalties or params.min_tokens > 0 else []
-        return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_ids.eos_token_id)
 
     def _request_outputs(self, sampled: list[SampledToken]) -> list[RequestOutput]:
         """One output per request that got a token; finished requests leave the table."""

@@ -1,21 +1,29 @@
-"""Turns a scheduled step into tensors, runs the model once, and returns the logits rows to sample.
+"""`ModelRunner.run`: one step's model work, from the scheduled sequences to one sampled token each.
 
-Owns the paged KV cache (allocated once) and builds the per-step metadata: flat input ids and
-positions, attention indices, and the token -> LoRA-slot mapping. Sequences are ordered by adapter so
-each adapter's tokens are contiguous for the multi-LoRA ops.
+It activates the batch's adapters, turns the step into tensors (flat input ids and positions, the
+attention indices, the token -> LoRA-slot mapping: `loraserve.batch`), runs the model once over the
+paged KV cache it owns (allocated once), and samples the rows whose context is complete. Sequences are
+ordered by adapter so each adapter's tokens are contiguous for the multi-LoRA ops. It reads sequences
+and never writes them: the scheduler applies the step (`Scheduler.update`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache_spec import KVCacheSpec
+from loraserve.batch.lora_mapping import LoRABatchMapping
+from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from loraserve.engine.scheduler import ScheduledSeq
 from loraserve.engine.sequence import Sequence
-from loraserve.layers.attention import build_attention_metadata
-from loraserve.layers.forward_batch import ForwardBatch, KVCacheSpec
+
+if TYPE_CHECKING:
+    from loraserve.lora.manager import LoRAManager
 
 
 @dataclass(slots=True)
@@ -34,9 +42,23 @@ class StepResult:
     prompt_chunks: list[PromptLogprobChunk]
 
 
-def kv_cache_block_bytes(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+def _no_tokens() -> SamplerOutput:
+    return SamplerOutput([], [], [])
+
+
+@dataclass(slots=True)
+class StepRun:
+    """What `ModelRunner.run` did with one scheduled batch.
+
+    `scheduled` is what ran (or, with `error`, what the failure takes down): the batch less the
+    sequences whose adapter could not be activated, which `failed` lists (lora_id -> why) so that their
+    requests end with their own error, even when the step then raised."""
+
+    scheduled: list[ScheduledSeq]
+    failed: dict[int, Exception] = field(default_factory=dict)
+    result: StepResult | None = None  # None when nothing ran (every sequence's adapter failed)
+    sampled: SamplerOutput = field(default_factory=_no_tokens)  # one token per result.sample_seqs
+    error: Exception | None = None
 
 
 class ModelRunner:
@@ -48,20 +70,47 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_loras: int | None = None,
+        lora: LoRAManager | None = None,
+        eos_token_id: int | None = None,
     ) -> None:
         self.model = model
         self.max_loras = max_loras
+        self.lora = lora
+        self.eos_token_id = eos_token_id  # what min_tokens masks
         self.block_size = block_size
         self.device = device
+        self.sampler = Sampler()
         self.spec: KVCacheSpec = self.model.kv_cache_spec()
         # The last step's LoRA mapping and the token slots it was built from: decode steps of an
         # unchanged batch reuse it (it is immutable, and its index tensors are only read).
-        self._lora_mapping: tuple[tuple[int, ...], Any] | None = None
+        self._lora_mapping: tuple[tuple[int, ...], LoRABatchMapping] | None = None
         shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(self.spec.num_layers)
         ]
+
+    def run(self, scheduled: list[ScheduledSeq]) -> StepRun:
+        """Activate the adapters, run the model and sample. Never raises: what raised comes back as
+        `error`, with the sequences it takes down, so the caller fails exactly those requests."""
+        step = StepRun(scheduled)
+        try:
+            lora_slots = None
+            if self.lora is not None:
+                lora_slots, step.failed = self.lora.prepare_step(
+                    {s.seq.lora_id for s in scheduled if s.seq.lora_id}
+                )
+                if step.failed:
+                    step.scheduled = [s for s in scheduled if s.seq.lora_id not in step.failed]
+            if step.scheduled:
+                step.result = self.execute(step.scheduled, lora_slots)
+                step.sampled = self.sample(step.result)
+        except Exception as exc:
+            step.error = exc
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()  # also after a failed step: no adapter stays marked in use
+        return step
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], lora_slots: dict[int, int] | None) -> StepResult:
@@ -89,21 +138,36 @@ class ModelRunner:
         attn = build_attention_metadata(
             query_lens, context_lens, block_tables, self.block_size, self.device, self.spec.sliding_window
         )
-        lora = None
-        if lora_slots is not None:
-            from loraserve.lora.mapping import LoRABatchMapping
-
-            key = tuple(token_slots)
-            if self._lora_mapping is None or self._lora_mapping[0] != key:
-                self._lora_mapping = (key, LoRABatchMapping.build(token_slots, self.device, max_loras=self.max_loras))
-            lora = self._lora_mapping[1]
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
-            ForwardBatch(attn=attn, lora=lora),
+            ForwardBatch(attn=attn, lora=None if lora_slots is None else self._mapping(token_slots)),
         )
         return self._select_logits(scheduled, hidden)
+
+    def _mapping(self, token_slots: list[int]) -> LoRABatchMapping:
+        key = tuple(token_slots)
+        if self._lora_mapping is None or self._lora_mapping[0] != key:
+            self._lora_mapping = (
+                key,
+                LoRABatchMapping.build(token_slots, self.device, max_loras=self.max_loras),
+            )
+        return self._lora_mapping[1]
+
+    def sample(self, result: StepResult) -> SamplerOutput:
+        """One token for each of `result.sample_seqs` (none when only prefill chunks ran)."""
+        if not result.sample_seqs:
+            return _no_tokens()
+        return self.sampler(result.logits, [self._sampling_row(seq) for seq in result.sample_seqs])
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        """Token history is copied only for rows whose penalties or min_tokens read it: the copies
+        grow with the context, and most requests use neither."""
+        params = seq.params
+        prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
+        output_ids = seq.output_token_ids if params.has_penalties or params.min_tokens > 0 else []
+        return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_token_id)
 
     def _select_logits(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> StepResult:
         sample_rows: list[int] = []
@@ -119,8 +183,11 @@ class ModelRunner:
                 sample_rows.append(offset + n - 1)
                 sample_seqs.append(seq)
             offset += n
-        logits = self.model.compute_logits(hidden[sample_rows], float32=False) if sample_rows \
+        logits = (
+            self.model.compute_logits(hidden[sample_rows], float32=False)
+            if sample_rows
             else hidden.new_empty(0, 0)
+        )
         chunks = [
             PromptLogprobChunk(seq, start, self.model.compute_logits(hidden[first : first + rows]))
             for seq, first, rows, start in prompt_spans

@@ -85,9 +85,6 @@ class Scheduler:
         seq.waiting_since_step = self.num_steps
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def queue_load(self) -> QueueLoad:
         """Sequences in flight and the prompt tokens they still have to prefill (admission control)."""
         seqs = [*self.waiting, *self.running]
@@ -218,8 +215,7 @@ class Scheduler:
         running = self._active_loras()
         places = [i for i, seq in enumerate(order) if seq.lora_id and seq.lora_id not in running]
         wanted = running | {order[i].lora_id for i in places}
-        fits = self.can_activate(wanted) if self.can_activate is not None else len(wanted) <= self.max_loras
-        if fits:  # pinned adapters hold their slots: can_activate counts them
+        if self._adapters_fit(wanted):
             return order
         demand = Counter(lora_id for lora_id, _ in {(order[i].lora_id, order[i].request.turn_key) for i in places})
         first_place: dict[int, int] = {}
@@ -254,12 +250,18 @@ class Scheduler:
         return [seq for _, _, seq in ranked]
 
     def _lora_fits(self, loras: set[int], lora_id: int) -> bool:
-        if self.max_loras is None or not lora_id or lora_id in loras:
+        """Whether a sequence of adapter `lora_id` (0: none) can join a step that uses `loras`."""
+        return not lora_id or lora_id in loras or self._adapters_fit(loras | {lora_id})
+
+    def _adapters_fit(self, lora_ids: set[int]) -> bool:
+        """The scheduler's one capacity rule for adapters: whether `lora_ids` can hold compute slots
+        at once. The LoRA manager's `can_activate` decides (pinned adapters hold their slots), else
+        `max_loras` alone."""
+        if self.max_loras is None:
             return True
-        wanted = loras | {lora_id}
         if self.can_activate is not None:
-            return self.can_activate(wanted)
-        return len(wanted) <= self.max_loras
+            return self.can_activate(lora_ids)
+        return len(lora_ids) <= self.max_loras
 
     def _admit_tokens(self, seq: Sequence, budget: int) -> int:
         """Attach cached prefix blocks and allocate for the first chunk; 0 if it cannot start now."""

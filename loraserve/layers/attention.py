@@ -14,11 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loraserve.batch.attention_metadata import AttentionMetadata
 from loraserve.layers import paged_attention_cpu, paged_attention_torch
-from loraserve.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from loraserve.native.optional import triton_module
-
-__all__ = ["AttentionMetadata", "PagedAttention", "build_attention_metadata", "attend"]
 
 _TRITON_MODULE = "loraserve.layers.paged_attention_triton"
 
@@ -36,7 +34,7 @@ def attend(
     that serves it. q [T, H, D] -> [T, H, D]; caches [num_blocks * block_size, KVH, D]."""
     args = (meta.block_tables, meta.context_lens, meta.query_starts, meta.block_size, scale, softcap, window)
     if q.is_cpu:
-        if paged_attention_cpu.applies(q, k_cache, v_cache):
+        if paged_attention_cpu.serves(q, k_cache, v_cache):
             return paged_attention_cpu.paged_attention(q, k_cache, v_cache, *args)
     elif q.is_cuda and (triton := triton_module(_TRITON_MODULE)) is not None:
         return triton.paged_attention(q, k_cache, v_cache, *args, max_query_len=meta.max_query_len)

@@ -79,13 +79,19 @@ def rms_norm(
     norm reads it; out = weight * (h * rsqrt(mean(h^2) + eps)).to(dtype) with h the row in float32.
     Returns (out, residual). Shape: x, residual [T, D]; weight [D] -> out [T, D]."""
     if not (_served(x) and (residual is None or (_served(x, residual) and residual.shape == x.shape))
-            and weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == (x.shape[-1],)):
+            and norm_weight_serves(weight, x.dtype, x.shape[-1])):
         return rms_norm_twin(x, weight, eps, residual)
     out = torch.empty_like(x)
     res_ptr, res_ld = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
     _lib.rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_ld, out.data_ptr(), out.stride(0), weight.data_ptr(),
                   x.shape[0], x.shape[1], eps, _DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out, residual
+
+
+def norm_weight_serves(weight: torch.Tensor, dtype: torch.dtype, width: int) -> bool:
+    """Whether the RMSNorm kernel reads `weight` for rows of `dtype` and `width`: of that dtype,
+    contiguous, [width]. `rms_norm` and the decoder stack both ask it."""
+    return weight.dtype == dtype and weight.is_contiguous() and weight.shape == (width,)
 
 
 def rms_norm_twin(
@@ -122,13 +128,9 @@ def rotary_(
     """Semantics: rope (half-split layout) on the first num_heads heads of each row of x, in place:
     x_h = x_h * cos[pos] + rotate_half(x_h) * sin[pos], the float32 tables cast to x's dtype first.
     Shape: x [T, >= num_heads * head_dim] (row stride free); positions [T] int64; tables [P, head_dim]."""
-    tables = (cos_table, sin_table)
     if not (_served(x) and positions.dtype == torch.int64 and positions.is_contiguous()
-            and positions.shape == (x.shape[0],) and head_dim % 2 == 0 and head_dim <= MAX_ROTARY_HEAD_DIM
-            and x.shape[1] >= num_heads * head_dim
-            and all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == head_dim
-                    and t.device.type == "cpu" for t in tables)
-            and sin_table.shape == cos_table.shape):
+            and positions.shape == (x.shape[0],) and x.shape[1] >= num_heads * head_dim
+            and rotary_tables_serve(cos_table, sin_table, head_dim)):
         rotary_twin_(x, positions, cos_table, sin_table, num_heads, head_dim)
         return
     status = _lib.rotary_inplace(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_table.data_ptr(),
@@ -138,6 +140,15 @@ def rotary_(
         raise IndexError(f"a position is outside the rotary tables ({cos_table.shape[0]} positions)")
     if status != 0:
         raise ValueError(f"the rotary kernel refused head_dim={head_dim} (status {status})")
+
+
+def rotary_tables_serve(cos_table: torch.Tensor, sin_table: torch.Tensor, head_dim: int) -> bool:
+    """Whether the rope kernel takes these tables for heads of `head_dim`: float32 [P, head_dim]
+    contiguous CPU tables of one shape, an even head_dim within MAX_ROTARY_HEAD_DIM. `rotary_` and the
+    decoder stack both ask it."""
+    return (head_dim % 2 == 0 and head_dim <= MAX_ROTARY_HEAD_DIM and sin_table.shape == cos_table.shape
+            and all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == head_dim
+                    and t.device.type == "cpu" for t in (cos_table, sin_table)))
 
 
 def rotary_twin_(

@@ -127,12 +127,18 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(data.contiguous(), out_features, in_features)
 
 
+def serves(weight: PackedWeight | None, dtype: torch.dtype) -> bool:
+    """Whether `linear` runs a layer whose kernel weight is `weight` (None: `pack` did not serve it)
+    for activations of `dtype`. The one rule: `Linear.base_forward` and the decoder stack both ask it."""
+    return weight is not None and weight.data.dtype == dtype
+
+
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """Semantics: F.linear(x, W, bias) with W the packed weight's dense [out, in]: float32 sums, one
     rounding to x's dtype at the end, the bias added before it; in bf16, denormal inputs and results
     count as zero (vdpbf16ps). Shape: x [..., in] -> [..., out]; bias [out] or None."""
     data, in_features, out_features = weight.data, weight.in_features, weight.out_features
-    if x.dtype != data.dtype or not x.is_cpu:
+    if not serves(weight, x.dtype) or not x.is_cpu:
         raise TypeError(f"linear: x is {x.dtype} on {x.device}, the packed weight {data.dtype} on CPU")
     if x.shape[-1] != in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the weight takes {in_features}")

@@ -13,17 +13,13 @@ copy is then released (except where the tensor is shared, e.g. tied embeddings).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.layers import gemm_cpu
 from loraserve.native import huge_pages
-
-if TYPE_CHECKING:
-    from loraserve.layers.forward_batch import ForwardBatch
 
 
 class Linear(nn.Module):
@@ -70,6 +66,7 @@ class Linear(nn.Module):
         target.copy_(tensor)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A weight packed for the C kernel has no other copy: `linear` raises where it does not serve x.
         if self.kernel_weight is not None:
             return gemm_cpu.linear(x, self.kernel_weight, self.bias)
         if self.packed_weight is not None:

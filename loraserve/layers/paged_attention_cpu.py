@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from loraserve import envs
-from loraserve.layers.attention_metadata import AttentionMetadata
+from loraserve.batch.attention_metadata import AttentionMetadata
 from loraserve.native.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -66,16 +66,28 @@ def kernel_function() -> Any:
     return _kernel if kernel_available() else None
 
 
-def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel can serve these tensors: CPU, one dtype of float32 / bf16, contiguous caches,
-    q's heads packed ([T, H, D] with unit head-dim stride), and a built kernel."""
-    return (
-        q.is_cpu and k_cache.is_cpu and v_cache.is_cpu
-        and q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
-        and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-        and k_cache.is_contiguous() and v_cache.is_contiguous()
-        and kernel_available()
-    )
+def serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+    """Whether the kernel takes this call: CPU, one dtype of float32 / bf16, contiguous caches, q's
+    heads packed ([T, H, D] with unit head-dim stride), a built kernel and, with `new_kv` (k, v,
+    slot_mapping: the rows `write_and_attend` writes first), those rows as [T, KVH * D] with unit
+    column stride and int64 slots. The one rule: `attend`, `write_and_attend` and the decoder stack
+    (`models/llama_stack.py`) all ask it."""
+    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu
+            and q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+            and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and kernel_available()):
+        return False
+    if new_kv is None:
+        return True
+    k, v, slots = new_kv
+    num_tokens = q.shape[0]
+    row = k_cache.shape[1] * k_cache.shape[2] if k_cache.dim() == 3 else -1
+    return (all(t.is_cpu and t.dtype == q.dtype and t.dim() == 2 and t.shape == (num_tokens, row)
+                and t.stride(1) == 1 for t in (k, v))
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (num_tokens,)
+            and slots.is_cpu)
 
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: tuple[torch.Tensor, ...],
@@ -114,7 +126,7 @@ def paged_attention(
     Semantics: those of `paged_attention_torch.paged_attention` (sequence b's tokens
     query_starts[b]..query_starts[b+1]-1 at positions ending at context_lens[b] - 1, causal, keys
     k > p - window with a window, GQA, optional softcap), accumulated in float32 with an online
-    softmax; call only when `applies`. Raises ValueError for metadata that points outside the cache
+    softmax; call only where `serves`. Raises ValueError for metadata that points outside the cache
     (a block id past its end, a query longer than its context) before reading anything.
 
     Shape: q [T, H, D] (token stride free) -> [T, H, D] contiguous, q's dtype; k_cache, v_cache
@@ -199,21 +211,9 @@ def write_and_attend(
               meta.block_size, *map(id, index), *(t.dtype for t in index), *(t.shape for t in index),
               *(t.stride() for t in index))
     if meta.cpu_checked != layout:
-        if not _serves(q, k, v, k_cache, v_cache, slots):
+        if not serves(q, k_cache, v_cache, (k, v, slots)):
             return None
         check_inputs(q, k_cache, v_cache, index, meta.block_size)
         meta.cpu_checked = layout
     new_kv = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
     return run_kernel(_kernel, q, k_cache, v_cache, *index, meta.block_size, scale, softcap, window, new_kv, True)
-
-
-def _serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            slots: torch.Tensor) -> bool:
-    """`applies`, and the step's new rows and slots in the layout `write_and_attend` passes on."""
-    num_tokens = q.shape[0]
-    row = k_cache.shape[1] * k_cache.shape[2] if k_cache.dim() == 3 else -1
-    return (applies(q, k_cache, v_cache) and all(
-            t.is_cpu and t.dtype == q.dtype and t.dim() == 2 and t.shape == (num_tokens, row)
-            and t.stride(1) == 1 for t in (k, v))
-            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (num_tokens,)
-            and slots.is_cpu)

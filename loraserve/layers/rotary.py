@@ -23,10 +23,6 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return scaling
 
 
-def is_supported_rope(hf_config: Any) -> bool:
-    return rope_parameters(hf_config).get("rope_type", "default") in _STATIC_ROPE_TYPES
-
-
 class RotaryEmbedding(nn.Module):
     """Applies rope to q/k given absolute positions; cos/sin come from a precomputed table."""
 

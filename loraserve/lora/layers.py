@@ -8,11 +8,11 @@ wrapped is `targets.py`'s call, which backend computes the LoRA term `ops.add_lo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.config import LoRAConfig
 from loraserve.layers.linear import Linear
 from loraserve.lora import ops
@@ -21,9 +21,6 @@ from loraserve.lora.ops.buffers import LoRABuffers
 from loraserve.lora.targets import lora_target_modules
 from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
 from loraserve.native import huge_pages
-
-if TYPE_CHECKING:
-    from loraserve.layers.forward_batch import ForwardBatch
 
 
 class LinearWithLoRA(Linear):

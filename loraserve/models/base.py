@@ -8,7 +8,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from loraserve.layers.forward_batch import KVCacheSpec
+from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.linear import Linear
 
 

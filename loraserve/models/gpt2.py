@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
-from loraserve.layers.forward_batch import ForwardBatch, KVCacheSpec
 from loraserve.layers.linear import Linear
 from loraserve.models.base import NativeCausalLM
 

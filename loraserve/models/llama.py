@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve import envs
+from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
-from loraserve.layers.forward_batch import ForwardBatch, KVCacheSpec
 from loraserve.layers.fused_ops import silu_and_mul
 from loraserve.layers.linear import Linear
 from loraserve.layers.norm import RMSNorm

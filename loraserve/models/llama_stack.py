@@ -1,6 +1,7 @@
 """`DecoderStack`: a Llama-family model's decoder layers for one step in one C call on CPU.
 
-`layers/decoder_stack.c` runs, layer after layer, the very kernels the Python path (`llama.py`) calls:
+`decoder_stack.c` (beside this file) runs, layer after layer, the very kernels the Python path
+(`llama.py`) calls:
 the fused RMSNorm, the C linear kernel (plus the LoRA kernel), rope, paged attention and SiLU-and-mul,
 with the same arguments, in the same order, so the hidden states come out bit for bit the same. What
 goes is the Python between them: ~270 wrapper and ctypes calls and ~200 allocations per step, about
@@ -10,6 +11,11 @@ for every step the C call does not serve (`run` returns None):
   that the C linear kernel does not serve (e.g. fp32 and bf16 on AVX2-only CPUs: oneDNN runs those);
 - LoRA steps that the LoRA kernel does not serve (a bias term, long prefill segments, another dtype);
 - LORASERVE_CPU_DECODER_STACK=0, a fused or attention kernel switched off, or no C compiler.
+Which kernel serves a call is never decided here: each op family's own predicate says it, the one
+its Python wrapper asks too (`gemm_cpu.serves`, `fused_ops.norm_weight_serves` and
+`rotary_tables_serve`, `paged_attention_cpu.serves`, `cpu_ops.serving`), so changing a kernel's rule
+changes the stack's with it. What stays here is what the stack itself can run (its fixed op order,
+one layout for every layer, no LoRA bias term).
 
 The fixed half of the arguments (weights, caches, tables: raw pointers) is bound once; the caller
 builds a new stack whenever `BoundObjects` shows one of those objects replaced, and the caches are
@@ -27,16 +33,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from loraserve.batch.attention_metadata import AttentionMetadata
+from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.layers import fused_ops, gemm_cpu, paged_attention_cpu
-from loraserve.layers.attention_metadata import AttentionMetadata
-from loraserve.layers.forward_batch import ForwardBatch
-from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.ops import cpu_ops
 from loraserve.native.build import function_address, load_library
 
 # decoder_stack.c's field counts, the model fields read back here, and its error ops.
 MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 19, 13, 21
-M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 9, 10, 11, 14, 18
+M_HIDDEN, M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 8, 9, 10, 11, 14, 18
 OP_GEMM, OP_ROPE, OP_ATTENTION, OP_LORA = 1, 2, 3, 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -49,7 +55,7 @@ def _library() -> Any:
     if not _loaded:
         with _lock:
             if not _loaded:
-                lib = load_library("loraserve.layers", "decoder_stack.c")
+                lib = load_library("loraserve.models", "decoder_stack.c")
                 if lib is not None:
                     i64p = ctypes.POINTER(ctypes.c_int64)
                     lib.decoder_stack.argtypes = [i64p, i64p, i64p, ctypes.c_float, ctypes.c_float]
@@ -152,15 +158,15 @@ class DecoderStack:
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[ctypes.c_int64] | None:
         """Every layer's fixed fields with these caches, bound again whenever a cache tensor moved; None
-        when they are not what the kernel takes for this model (the loop then serves the step)."""
+        when the layers' caches differ in layout (the loop then serves the step)."""
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._layer_args is not None and key == self._caches_key:
             return self._layer_args
-        attn0 = self.layers[0].self_attn
-        shape = kv_caches[0][0].shape if kv_caches else None
-        if len(kv_caches) != len(self.layers) or shape is None or shape[1:] != (attn0.num_kv_heads, attn0.head_dim) \
-                or any(c.shape != shape or c.dtype != self.dtype or not c.is_contiguous() or not c.is_cpu
-                       for pair in kv_caches for c in pair):
+        # One layout for every layer (the stack binds one set of sizes): the first layer's, which
+        # `_attention_serves` asked the attention kernel about.
+        first = kv_caches[0][0]
+        layout = (first.shape, first.stride(), first.dtype, first.device)
+        if any((c.shape, c.stride(), c.dtype, c.device) != layout for pair in kv_caches for c in pair):
             return None
         values: list[int] = []
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -178,34 +184,47 @@ class DecoderStack:
         if residual.dtype != self.dtype or not residual.is_cpu or not residual.is_contiguous() or num_tokens == 0 \
                 or positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (num_tokens,):
             return None
-        if not paged_attention_cpu.kernel_available():  # its switch is read every step, as the loop reads it
-            return None
         lora_layers = None
         if batch.lora is not None:
             lora_layers = self._lora_layers(batch.lora, num_tokens)
             if lora_layers is None:
                 return None
+        buffers = self._buffers(num_tokens)
+        if len(kv_caches) != len(self.layers) or not self._attention_serves(buffers[2], kv_caches[0], meta):
+            return None
         layer_args = self._bind_caches(kv_caches)
         if layer_args is None:
             return None
         k_cache = kv_caches[0][0]
+        return self._call(residual, positions, layer_args, meta, lora_layers, batch.lora, k_cache, buffers)
+
+    def _buffers(self, num_tokens: int) -> list[torch.Tensor]:
+        """The step's work buffers x, h, qkv, a, g, s, laid out as the loop's tensors of the same names."""
+        m = self.model_args
+        q, kv, inter, hidden = m[M_Q], m[M_KV], m[M_INTER], m[M_HIDDEN]
+        return [torch.empty(num_tokens, width, dtype=self.dtype)
+                for width in (hidden, hidden, q + 2 * kv, q, 2 * inter, inter)]
+
+    def _attention_serves(self, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                          meta: AttentionMetadata) -> bool:
+        """Whether the attention kernel takes the first layer's call, asked as the loop's `PagedAttention`
+        asks it (q, k, v: views of the packed qkv rows); the kernel's switch is read every step, as the
+        loop reads it. Raises what the loop's first layer raises for metadata that does not fit."""
         attn0 = self.layers[0].self_attn
-        q_view = torch.empty(0, attn0.num_heads, attn0.head_dim, dtype=self.dtype)  # what the check reads of q
+        q, k, v = qkv.split(attn0.split_sizes, dim=-1)
+        q_heads = q.view(qkv.shape[0], attn0.num_heads, attn0.head_dim)
+        k_cache, v_cache = kv_cache
+        if not paged_attention_cpu.serves(q_heads, k_cache, v_cache, (k, v, meta.slot_mapping)):
+            return False
         index = (meta.block_tables, meta.context_lens, meta.query_starts)
-        paged_attention_cpu.check_inputs(q_view, k_cache, kv_caches[0][1], index, meta.block_size)
-        slots = meta.slot_mapping
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (num_tokens,) or not slots.is_cpu:
-            return None
-        return self._call(residual, positions, layer_args, meta, lora_layers, batch.lora, k_cache)
+        paged_attention_cpu.check_inputs(q_heads, k_cache, v_cache, index, meta.block_size)
+        return True
 
     def _call(self, residual: torch.Tensor, positions: torch.Tensor, layer_args: ctypes.Array[ctypes.c_int64],
               meta: AttentionMetadata, lora_layers: ctypes.Array[ctypes.c_int64] | None, lora: LoRABatchMapping | None,
-              k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens, hidden = residual.shape
+              k_cache: torch.Tensor, new: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = residual.shape[0]
         m = self.model_args
-        q, kv, inter = m[M_Q], m[M_KV], m[M_INTER]
-        new = [torch.empty(num_tokens, width, dtype=self.dtype)
-               for width in (hidden, hidden, q + 2 * kv, q, 2 * inter, inter)]  # x, h, qkv, a, g, s
         step = (ctypes.c_int64 * STEP_FIELDS)(
             num_tokens, torch.get_num_threads(), positions.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.shape[1], meta.context_lens.data_ptr(), meta.query_starts.data_ptr(),
@@ -220,25 +239,26 @@ class DecoderStack:
         return new[0], residual
 
     def _lora_layers(self, mapping: LoRABatchMapping, num_tokens: int) -> ctypes.Array[ctypes.c_int64] | None:
-        """The LoRA kernel's layer arguments of each linear (0: no term this step), as `ops.add_lora`
-        would pick the kernel for each; None when some layer's term needs another path."""
-        if not self.has_lora_kernel or mapping.cpu_kernel_args is None or mapping.num_tokens != num_tokens \
-                or mapping.segments.max_len > cpu_ops.max_segment_len(self.dtype):
+        """The LoRA kernel's layer arguments of each linear (0: no term this step) where
+        `cpu_ops.serving` says the kernel runs the term, the rule `ops.add_lora` asks too; None when
+        some layer's term needs another path (or has a bias term, which the stack does not add)."""
+        if mapping.num_tokens != num_tokens:
             return None
-        values: list[int] = []
+        terms: list[Any] = []  # each linear's kernel args; None: no LoRA term this step
         for group in self.linears:
             for linear in group:
                 buffers = getattr(linear, "lora_buffers", None)
                 if buffers is None or not (buffers.active_mask | buffers.bias_mask) & mapping.active_mask:
-                    values.append(0)
+                    terms.append(None)
                     continue
                 args = buffers.cpu_kernel_args
-                if buffers.bias_mask & mapping.active_mask or args is None or args.dtype != self.dtype \
-                        or (args.in_features, args.out_features) != (linear.in_features, linear.out_features) \
-                        or (mapping.active_slots and mapping.active_slots[-1] >= args.num_slots):
+                if not self.has_lora_kernel or buffers.bias_mask & mapping.active_mask or args is None \
+                        or (args.in_features, args.out_features) != (linear.in_features, linear.out_features):
                     return None
-                values.append(ctypes.addressof(args.c_layer))
-        return (ctypes.c_int64 * len(values))(*values)
+                terms.append(args)
+        if not all(cpu_ops.serving([args for args in terms if args is not None], mapping, self.dtype)):
+            return None
+        return (ctypes.c_int64 * len(terms))(*[0 if args is None else ctypes.addressof(args.c_layer) for args in terms])
 
 
 def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
@@ -253,18 +273,15 @@ def _layer_serves(layer: Any, first: Any, rotary: Any, dtype: torch.dtype) -> bo
             and attn.rotary is rotary and attn.attn.scale == ref.attn.scale and mlp.size == first.mlp.size
             and (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (ref.num_heads, ref.num_kv_heads, ref.head_dim)
             and attn.split_sizes == [attn.num_heads * attn.head_dim] + [attn.num_kv_heads * attn.head_dim] * 2
-            and all(lin.kernel_weight is not None and lin.kernel_weight.data.dtype == dtype
+            and all(gemm_cpu.serves(lin.kernel_weight, dtype)  # the bias is bound raw: of the dtype, contiguous
                     and (lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous()))
                     for lin in _linears(layer))
-            and all(n.weight.dtype == dtype and n.weight.is_contiguous() and n.eps == first.input_layernorm.eps
-                    for n in norms))
+            and all(fused_ops.norm_weight_serves(n.weight, dtype, attn.qkv_proj.in_features)
+                    and n.eps == first.input_layernorm.eps for n in norms))
 
 
 def _tables_serve(rotary: Any, head_dim: int) -> bool:
-    tables = (rotary.cos_table, rotary.sin_table)
-    return (head_dim % 2 == 0 and head_dim <= fused_ops.MAX_ROTARY_HEAD_DIM and rotary.head_dim == head_dim
-            and all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu and t.dim() == 2
-                    and t.shape == tables[0].shape and t.shape[1] == head_dim for t in tables))
+    return rotary.head_dim == head_dim and fused_ops.rotary_tables_serve(rotary.cos_table, rotary.sin_table, head_dim)
 
 
 def _layer_fields(layer: Any, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:

@@ -19,8 +19,10 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from loraserve.layers.attention import AttentionMetadata, PagedAttention
-from loraserve.layers.forward_batch import ForwardBatch, KVCacheSpec
+from loraserve.batch.attention_metadata import AttentionMetadata
+from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache_spec import KVCacheSpec
+from loraserve.layers.attention import PagedAttention
 
 ATTN_IMPLEMENTATION = "loraserve_paged"
 _STEP_KWARG = "loraserve_step"

@@ -83,7 +83,7 @@ def test_failed_step_fails_only_its_request(engine: LLMEngine) -> None:
 
 def test_failure_after_the_forward_pass_frees_the_batch(engine: LLMEngine) -> None:
     """A fault in sampling, after the KV cache was written, leaves no block or prefix entry behind."""
-    sample = engine.sampler.__call__
+    sample = engine.runner.sampler.__call__
     armed = [True]
 
     def faulty(logits: torch.Tensor, rows: list[Any]) -> Any:
@@ -92,7 +92,7 @@ def test_failure_after_the_forward_pass_frees_the_batch(engine: LLMEngine) -> No
             raise ValueError("injected fault in the sampler")
         return sample(logits, rows)
 
-    engine.sampler = faulty  # type: ignore[assignment]
+    engine.runner.sampler = faulty  # type: ignore[assignment]
     engine.add_request("victim", PROMPT, GREEDY)
     assert engine.step()[0].error is not None
     assert all_blocks_free(engine) and engine.check_consistency() is None
@@ -157,3 +157,38 @@ def test_failed_adapter_request_releases_the_adapter(
     assert engine.check_consistency() is None and all_blocks_free(engine)
     engine.add_request("after", PROMPT, GREEDY, LoRARequest("b", 2, adapter))
     assert run(engine)["after"].error is None and engine.check_consistency() is None
+
+
+def test_a_failed_adapter_keeps_its_own_error_when_the_forward_pass_then_fails(
+    tiny_model: Any, hf_model: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One step where an adapter fails to activate and the forward pass then raises: that adapter's
+    request ends with the adapter's error (its 4xx cause), the request that ran with the step's."""
+    from loraserve.demo.random_model import save_peft_adapter
+    from loraserve.errors import LoRAAdapterError
+    from loraserve.lora.request import LoRARequest
+
+    path = tiny_model("llama")
+    adapter = str(tmp_path_factory.mktemp("two-failures") / "a")
+    save_peft_adapter(hf_model(path), adapter, seed=91, base_name=path, r=4, lora_alpha=8,
+                      target_modules=["q_proj", "v_proj"])
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=4, max_num_seqs=2)
+    )
+    assert engine.lora is not None
+    prepare, gone = engine.lora.prepare_step, LoRAAdapterError("LoRA adapter 'b' failed to reload (injected)")
+
+    def adapter_two_fails(lora_ids: set[int]) -> Any:
+        slots, failed = prepare(lora_ids - {2})
+        return slots, {**failed, 2: gone}
+
+    engine.lora.prepare_step = adapter_two_fails  # type: ignore[method-assign]
+    raised = inject(engine, lambda ids: True)
+    engine.add_request("ran", PROMPT, GREEDY, LoRARequest("a", 1, adapter))
+    engine.add_request("refused", PROMPT, GREEDY, LoRARequest("b", 2, adapter))
+    outputs = {out.request_id: out for out in engine.step()}
+    assert raised == [len(PROMPT)]  # only the request whose adapter was activated ran
+    assert outputs["refused"].error_cause is gone and outputs["refused"].outputs[0].finish_reason == "abort"
+    ran = outputs["ran"]
+    assert ran.error is not None and "injected fault in the forward pass" in ran.error and ran.error_cause is None
+    assert engine.requests == {} and engine.check_consistency() is None and all_blocks_free(engine)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from support.attention_reference import AttentionCase, AttentionInputs, reference_attention, tolerance
 
-from loraserve.layers.attention import PagedAttention, build_attention_metadata
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.layers.attention import PagedAttention
 
 BLOCK_SIZE = 4
 

@@ -152,7 +152,7 @@ def test_q_rows_may_be_strided_views() -> None:
     inputs = make_inputs(case, seed=3)
     qkv = torch.cat([inputs.q.flatten(1), torch.randn(inputs.q.shape[0], 2 * 2 * 64)], dim=1)
     q_view = qkv[:, : 8 * 64].view(-1, 8, 64)
-    assert not q_view.is_contiguous() and paged_attention_cpu.applies(q_view, inputs.k_cache, inputs.v_cache)
+    assert not q_view.is_contiguous() and paged_attention_cpu.serves(q_view, inputs.k_cache, inputs.v_cache)
     out = paged_attention_cpu.paged_attention(
         q_view, inputs.k_cache, inputs.v_cache, inputs.block_tables, inputs.context_lens, inputs.query_starts,
         case.block_size, case.scale,
@@ -191,10 +191,15 @@ def test_kernel_does_not_serve_what_it_cannot_read() -> None:
     _needs_kernel()
     inputs = make_inputs(_case("decode", (4, 4), (64, 16), torch.float32, "plain"), seed=5)
     q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
-    assert paged_attention_cpu.applies(q, k, v)
-    assert not paged_attention_cpu.applies(q.half(), k.half(), v.half())
-    assert not paged_attention_cpu.applies(q.bfloat16(), k, v)
-    assert not paged_attention_cpu.applies(q.transpose(0, 1).contiguous().transpose(0, 1), k, v)
+    assert paged_attention_cpu.serves(q, k, v)
+    assert not paged_attention_cpu.serves(q.half(), k.half(), v.half())
+    assert not paged_attention_cpu.serves(q.bfloat16(), k, v)
+    assert not paged_attention_cpu.serves(q.transpose(0, 1).contiguous().transpose(0, 1), k, v)
+    rows, slots = torch.zeros(q.shape[0], k.shape[1] * k.shape[2]), torch.zeros(q.shape[0], dtype=torch.long)
+    assert paged_attention_cpu.serves(q, k, v, (rows, rows, slots))  # write_and_attend's new rows
+    assert not paged_attention_cpu.serves(q, k, v, (rows, rows, slots.int()))
+    assert not paged_attention_cpu.serves(q, k, v, (rows[:, 1:], rows, slots))
+    assert not paged_attention_cpu.serves(q, k, v, (rows.t().contiguous().t(), rows, slots))
 
 
 # The other CPU classes' code paths, built here: AVX2 (8 lanes) and portable C (x86-64 has no AVX).

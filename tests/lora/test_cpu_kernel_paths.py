@@ -17,7 +17,7 @@ from support.lora_reference import (
     run_cpu_kernel,
 )
 
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora.ops import cpu_ops, torch_ops
 from loraserve.lora.ops.block_writer import BlockWriter
 from loraserve.native.build import cpu_flags

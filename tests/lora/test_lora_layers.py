@@ -9,13 +9,13 @@ import torch
 from support.lora_reference import assert_within_bf16_ulps
 from torch import nn
 
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.lora_layout import LoRALayout
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.config import LoRAConfig
-from loraserve.layers.attention import build_attention_metadata
-from loraserve.layers.forward_batch import ForwardBatch
 from loraserve.layers.linear import Linear
 from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
-from loraserve.lora.layout import LoRALayout
-from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.ops import cpu_ops, torch_ops
 from loraserve.lora.targets import LoRATargets, lora_target_modules
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights

@@ -21,8 +21,8 @@ from support.lora_reference import (
     tolerance,
 )
 
-from loraserve.lora.layout import LoRALayout
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_layout import LoRALayout
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora.ops import cpu_ops, torch_ops
 
 LAYOUTS = [None, "runs", "grouped", "padded", "padded_all"]
@@ -136,8 +136,9 @@ def _add_lora(
     kernel: bool, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, mapping: LoRABatchMapping
 ) -> torch.Tensor:
     """What a LoRA layer runs: the C kernel when on and it serves the step, else the torch ops."""
-    if kernel and cpu_ops.applies(x, y, mapping):
-        return run_cpu_kernel(y, x, make_buffers(a, bt, [0, OUT], torch.full((a.shape[0], 1), R, dtype=torch.int32)), mapping)
+    buffers = make_buffers(a, bt, [0, OUT], torch.full((a.shape[0], 1), R, dtype=torch.int32))
+    if kernel and cpu_ops.serves(buffers.cpu_kernel_args, mapping, x.dtype):
+        return run_cpu_kernel(y, x, buffers, mapping)
     return torch_ops.add_lora(y, x, a, bt.transpose(1, 2), mapping)
 
 

@@ -13,13 +13,13 @@ import pytest
 import safetensors.torch
 import torch
 
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.config import LoRAConfig
 from loraserve.errors import LoRAAdapterError
-from loraserve.layers.attention import build_attention_metadata
-from loraserve.layers.forward_batch import ForwardBatch
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.manager import LoRAManager
-from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights

@@ -23,9 +23,9 @@ from support.lora_reference import (
     tolerance,
 )
 
+from loraserve.batch.lora_layout import LoRALayout
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora import ops
-from loraserve.lora.layout import LoRALayout
-from loraserve.lora.mapping import LoRABatchMapping
 from loraserve.lora.ops import LoRABuffers, cpu_ops, torch_ops
 
 
@@ -242,16 +242,24 @@ def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
     buffers = make_buffers(a, bt, [0, 56], ranks)
     mapping = LoRABatchMapping.build([0, 1], "cpu", max_loras=L)
     x, y = torch.randn(2, IN), torch.zeros(2, 56)
-    assert not cpu_ops.applies(x.double(), y, mapping) and not cpu_ops.applies(x, y.double(), mapping)
-    assert not cpu_ops.applies(x.half(), y.half(), mapping) and not cpu_ops.applies(x.bfloat16(), y, mapping)
+    args = buffers.cpu_kernel_args
+    for other in (torch.float64, torch.float16, torch.bfloat16):  # activations of another dtype than the buffers'
+        assert not cpu_ops.serves(args, mapping, other)
+    assert cpu_ops.serves(args, mapping, torch.float32) == cpu_ops.kernel_available()
+    assert not cpu_ops.serves(None, mapping, torch.float32)  # buffers the kernel cannot read
+    assert not cpu_ops.serves(args, LoRABatchMapping.build([0, L], "cpu"), torch.float32)  # a slot past the layer's
+    far = LoRABatchMapping.build([0, L], "cpu")
+    for step in (mapping, far):  # the batched form (the decoder stack's) answers as `serves` does, layer by layer
+        layers = [args, None, make_buffers(a.bfloat16(), bt.bfloat16(), [0, 56], ranks).cpu_kernel_args]
+        assert cpu_ops.serving(layers, step, torch.float32) == [cpu_ops.serves(x, step, torch.float32) for x in layers]
     for dtype in (torch.float32, torch.bfloat16):
         max_len = cpu_ops.max_segment_len(dtype)
         if max_len == 0:
             continue
+        typed = make_buffers(a.to(dtype), bt.to(dtype), [0, 56], ranks).cpu_kernel_args
         long_segment = LoRABatchMapping.build([0] * (max_len + 1), "cpu", max_loras=L)
-        x_long, y_long = torch.zeros(max_len + 1, IN, dtype=dtype), torch.zeros(max_len + 1, 56, dtype=dtype)
-        assert not cpu_ops.applies(x_long, y_long, long_segment)
-        assert cpu_ops.applies(x_long[1:], y_long[1:], LoRABatchMapping.build([0] * max_len, "cpu", max_loras=L))
+        assert not cpu_ops.serves(typed, long_segment, dtype)
+        assert cpu_ops.serves(typed, LoRABatchMapping.build([0] * max_len, "cpu", max_loras=L), dtype)
     offsets = torch.tensor([0, 56])
     assert make_buffers(a.double(), bt.double(), [0, 56], ranks).cpu_kernel_args is None
     assert make_buffers(a.half(), bt.half(), [0, 56], ranks).cpu_kernel_args is None
@@ -262,11 +270,13 @@ def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
     if cpu_ops.kernel_available():
         with pytest.raises(ValueError, match="do not fit"):
             run_cpu_kernel(torch.zeros(3, 56), torch.randn(3, IN), buffers, mapping)
-        with pytest.raises(ValueError, match="not of the LoRA buffers' dtype"):
-            run_cpu_kernel(y.bfloat16(), x.bfloat16(), buffers, mapping)
+        with pytest.raises(ValueError, match="not of the LoRA buffers' dtype"):  # run's own checks
+            cpu_ops.run(x.bfloat16(), y.bfloat16(), args, mapping)
         far = LoRABatchMapping.build([0, 100_000], "cpu")  # no max_loras: the mapping cannot check
         with pytest.raises(ValueError, match="out of range"):
-            run_cpu_kernel(y, x, buffers, far)
+            cpu_ops.run(x, y, args, far)
+        with pytest.raises(ValueError, match="2-D CPU rows"):
+            cpu_ops.run(x, y.t().contiguous().t(), args, mapping)
         # Ranks past max_rank are clamped by the kernel, never read past the buffers.
         wild = make_buffers(a, bt, [0, 56], torch.full((L, 1), 10**6, dtype=torch.int32))
         expected = run_cpu_kernel(torch.zeros(2, 56), x, buffers, mapping)

@@ -13,11 +13,12 @@ import torch
 from transformers import AutoConfig
 
 from loraserve import LLM, SamplingParams
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.layers import fused_ops, gemm_cpu, paged_attention_cpu
-from loraserve.layers.attention import build_attention_metadata
-from loraserve.layers.forward_batch import ForwardBatch
 from loraserve.layers.linear import pack_cpu_linears
+from loraserve.lora.ops import cpu_ops
 from loraserve.lora.request import LoRARequest
 from loraserve.models.llama import LlamaArgs, LlamaModel
 from loraserve.models.llama_stack import DecoderStack
@@ -135,6 +136,34 @@ def test_stack_leaves_steps_with_a_lora_bias_to_the_loop(tiny_model: Any, hf_mod
         stacked = _outputs(llm, prompts, monkeypatch, stack=True, loras=[lora, lora])
         assert stacked == loop
         assert stack_runs[start:] and all(run is (lora.lora_name == "plain") for run in stack_runs[start:])
+
+
+def test_stack_takes_the_lora_steps_the_lora_kernel_rule_gives_it(tiny_model: Any, adapters: list[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which LoRA steps the stack runs is the LoRA kernel's own rule (`cpu_ops`), not a copy of it: with
+    the kernel's segment limit cut to one token, adapter prefills go to the loop and decodes (one token
+    per adapter) stay in the stack, and the outputs are the loop's."""
+    if not _serves(torch.float32):
+        pytest.skip("the C linear kernel does not serve float32 on this CPU")
+    monkeypatch.setattr(cpu_ops, "max_segment_len", lambda dtype: 1)
+    seen: list[tuple[int, bool]] = []  # (the step's longest adapter segment, whether the stack ran it)
+    run = DecoderStack.run
+
+    def recorded(self: DecoderStack, residual: Any, positions: Any, kv_caches: Any, batch: Any) -> Any:
+        out = run(self, residual, positions, kv_caches, batch)
+        seen.append((batch.lora.segments.max_len, out is not None))
+        return out
+
+    monkeypatch.setattr(DecoderStack, "run", recorded)
+    llm = LLM(tiny_model("llama"), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_num_seqs=4, enable_prefix_caching=False)
+    loras: list[LoRARequest | None] = [LoRARequest("a0", 1, adapters[0]), LoRARequest("a1", 2, adapters[1])]
+    prompts = _prompts(2, seed=3, max_len=12)
+    loop = _outputs(llm, prompts, monkeypatch, stack=False, loras=loras)
+    stacked = _outputs(llm, prompts, monkeypatch, stack=True, loras=loras)
+    assert stacked == loop
+    assert {ran for _, ran in seen} == {True, False}
+    assert all(ran == (longest <= 1) for longest, ran in seen)
 
 
 def _model(tiny_model: Any, arch: str, dtype: torch.dtype, qk_norm: bool = False,

@@ -15,8 +15,8 @@ import pytest
 import torch
 import transformers
 
-from loraserve.layers.attention import build_attention_metadata
-from loraserve.layers.forward_batch import ForwardBatch
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.model_loader.config import create_model_config
 from loraserve.model_loader.loader import get_model
 from loraserve.models.transformers_fallback import TransformersForCausalLM, kv_cache_spec_from_config
@@ -167,7 +167,7 @@ def test_model_without_attention_backend_support_is_refused() -> None:
 
 
 def test_active_lora_batches_are_refused_and_config_is_not_mutated() -> None:
-    from loraserve.lora.mapping import LoRABatchMapping
+    from loraserve.batch.lora_mapping import LoRABatchMapping
 
     config = _configs()["opt"]
     config.architectures = ["OPTForCausalLM"]

@@ -14,8 +14,8 @@ import transformers
 from conftest import MINI_LLAMA
 from safetensors.torch import save_file
 
-from loraserve.layers.attention import build_attention_metadata
-from loraserve.layers.forward_batch import ForwardBatch
+from loraserve.batch.attention_metadata import build_attention_metadata
+from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.model_loader.config import create_model_config, load_hf_config
 from loraserve.model_loader.loader import get_model
 from loraserve.model_loader.weights import iterate_weights

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.lora.layout import LoRALayout
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_layout import LoRALayout
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora.ops import LoRABuffers, cpu_ops
 
 L, R, IN, OUT = 6, 8, 40, 56
@@ -34,7 +34,7 @@ def make_buffers(
 
 def run_cpu_kernel(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> torch.Tensor:
     """The C kernel alone; ValueError when it cannot serve these tensors or this step."""
-    if buffers.cpu_kernel_args is None or not cpu_ops.applies(x, y, mapping):
+    if not cpu_ops.serves(buffers.cpu_kernel_args, mapping, x.dtype):
         raise ValueError("the CPU LoRA kernel serves float32 / bfloat16 CPU tensors with short segments only")
     return cpu_ops.run(x, y, buffers.cpu_kernel_args, mapping)
 

@@ -1,5 +1,6 @@
-"""The LoRA ops, and the one place that picks their backend: the fused C kernel (float32 or bfloat16 CPU,
-short segments), Triton kernels (CUDA with Triton installed) or torch (everywhere else).
+"""The LoRA ops, and the one place that picks their backend: the fused C kernel where `cpu_ops.serves`
+(float32 or bfloat16 CPU, short segments; the decoder stack asks the same predicate), Triton kernels
+(CUDA with Triton installed) or torch (everywhere else).
 
 `add_lora(y, x, buffers, mapping)` is what a LoRA layer runs. The tensor-level ops share the
 semantics documented in `torch_ops`:
@@ -17,7 +18,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora.ops import cpu_ops, torch_ops
 from loraserve.lora.ops.buffers import LoRABuffers
 from loraserve.native.optional import triton_module
@@ -46,8 +47,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: Lo
     delta = y2 if same_dtype else torch.zeros(y2.shape, dtype=lora_dtype, device=y2.device)
     if use_ab:
         x2 = x2.to(lora_dtype)
-        if buffers.cpu_kernel_args is not None and cpu_ops.applies(x2, delta, mapping):
-            cpu_ops.run(x2, delta, buffers.cpu_kernel_args, mapping)
+        args = buffers.cpu_kernel_args
+        if args is not None and cpu_ops.serves(args, mapping, lora_dtype):
+            cpu_ops.run(x2, delta, args, mapping)
         else:
             _backend(x2).add_lora(delta, x2, buffers.lora_a, buffers.lora_b, mapping)
     if use_bias:

@@ -3,7 +3,9 @@
 Built for this CPU on first use by `loraserve.native.build`. No compiler, a failed build, or
 LORASERVE_CPU_LORA_KERNEL=0 leaves the torch ops in charge; the result is the same either way.
 
-`applies` sends it every step whose segments are at most `max_segment_len(dtype)` tokens long: with
+`serves` is the one rule for when it runs a layer's LoRA term, asked by `ops.add_lora` and by the
+decoder stack (`models/llama_stack.py`) alike: every step whose segments are at most
+`max_segment_len(dtype)` tokens long, with
 AVX-512 (bf16: AVX512-BF16) the kernel beat torch's batched matmuls at every length measured, 8 to
 2048 tokens per adapter, with two threads; the AVX2 and plain AVX-512 bf16 paths lost to them past
 128 (fp32) and 32 (bf16) tokens when last measured (benchmarks/README.md).
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from loraserve import envs
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.native.build import load_library
 
 logger = logging.getLogger(__name__)
@@ -96,12 +98,14 @@ def kernel_build() -> KernelBuild | None:
     global _build, _loaded
     if not envs.cpu_lora_kernel():
         return None
-    with _lock:
-        if not _loaded:
-            _build = build_kernels()
-            _loaded = True
-            if _build is not None:
-                logger.info("CPU LoRA kernel ready (code paths: %s)", ", ".join(sorted(_build.code_paths)) or "C")
+    if not _loaded:  # the lock only until the load: `serves` asks for every layer of every step
+        with _lock:
+            if not _loaded:
+                _build = build_kernels()
+                _loaded = True
+                if _build is not None:
+                    logger.info("CPU LoRA kernel ready (code paths: %s)",
+                                ", ".join(sorted(_build.code_paths)) or "C")
     return _build
 
 
@@ -174,20 +178,32 @@ def max_segment_len(dtype: torch.dtype) -> int:
     return with_path if path in build.code_paths else without
 
 
-def applies(x: torch.Tensor, y: torch.Tensor, mapping: LoRABatchMapping) -> bool:
-    """Whether the kernel serves this step for x/y (given buffers of their dtype whose `layer_args` are set)."""
-    return (
-        mapping.cpu_kernel_args is not None
-        and x.dtype == y.dtype
-        and mapping.segments.max_len <= max_segment_len(x.dtype)
-        and x.is_cpu and y.is_cpu
-        and x.dim() == 2 and y.dim() == 2 and x.stride(1) == 1 and y.stride(1) == 1
-    )
+def serves(args: LayerArgs | None, mapping: LoRABatchMapping, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs the LoRA term of a layer whose buffers have `args` (None: buffers it
+    cannot read) for this step, with activations of `dtype`: a CPU step (`mapping.cpu_kernel_args`),
+    the buffers' dtype, every segment at most `max_segment_len(dtype)` tokens and every active slot
+    one of the layer's. The one rule: `ops.add_lora` asks it, the decoder stack asks `serving`."""
+    return args is not None and _step_served(mapping, dtype) and _layer_served(args, mapping, dtype)
+
+
+def serving(layers: list[LayerArgs | None], mapping: LoRABatchMapping, dtype: torch.dtype) -> list[bool]:
+    """`serves` for each of several layers in one step, the step's half asked once (it reads the
+    kernel switch: ~4 us, where the decoder stack asks for every linear of every layer at once)."""
+    step = _step_served(mapping, dtype)
+    return [step and args is not None and _layer_served(args, mapping, dtype) for args in layers]
+
+
+def _step_served(mapping: LoRABatchMapping, dtype: torch.dtype) -> bool:
+    return mapping.cpu_kernel_args is not None and mapping.segments.max_len <= max_segment_len(dtype)
+
+
+def _layer_served(args: LayerArgs, mapping: LoRABatchMapping, dtype: torch.dtype) -> bool:
+    return args.dtype == dtype and (not mapping.active_slots or mapping.active_slots[-1] < args.num_slots)
 
 
 def run(x: torch.Tensor, y: torch.Tensor, args: LayerArgs, mapping: LoRABatchMapping) -> torch.Tensor:
     """y[i] += Bt[s_i]^T A[s_i] x[i], slice by slice over each slot's ranks, for tokens with slot
-    s_i >= 0; `args` from `layer_args`; call only when `applies`. Row i reads only slot s_i's blocks
+    s_i >= 0; `args` from `layer_args`; call only where `serves`. Row i reads only slot s_i's blocks
     (a NaN slot reaches only its own tokens); rows of slot -1 are left alone. Same result as
     `torch_ops.add_lora` up to float summation order. In bfloat16: float32 sums and each element of y
     rounded once (to nearest even), where torch rounds the product and then the sum; t = A x is rounded
@@ -197,6 +213,10 @@ def run(x: torch.Tensor, y: torch.Tensor, args: LayerArgs, mapping: LoRABatchMap
 
     x [T, in]; y [T, out], updated in place and returned; both of the buffers' dtype."""
     assert mapping.cpu_kernel_args is not None and _build is not None
+    if not (x.is_cpu and y.is_cpu and x.dim() == 2 and y.dim() == 2 and y.stride(1) == 1):
+        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} must be 2-D CPU rows, y's unit-stride")
+    if x.stride(1) != 1:
+        x = x.contiguous()
     if x.shape[0] != mapping.num_tokens or y.shape[0] != mapping.num_tokens \
             or (x.shape[1], y.shape[1]) != (args.in_features, args.out_features):
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} do not fit {mapping.num_tokens} tokens "

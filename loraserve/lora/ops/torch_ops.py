@@ -1,7 +1,7 @@
 """Multi-LoRA shrink/expand in plain torch (CPU, and CUDA without Triton).
 
 No op gathers a weight matrix per token: tokens are grouped by slot using the step's
-`LoRABatchMapping`, whose layout (runs / grouped / padded, `layout.py`) was chosen once per step.
+`LoRABatchMapping`, whose layout (runs / grouped / padded, `batch/lora_layout.py`) was chosen once per step.
 Per-op dispatch (~10-30 us for a small matmul) dominates on CPU, hence one matmul per run, per slot
 or one bmm for all slots; the measurements behind the choice are in benchmarks/README.md.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraserve.lora.layout import LoRALayout, PaddedLayout
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_layout import LoRALayout, PaddedLayout
+from loraserve.batch.lora_mapping import LoRABatchMapping
 
 
 def lora_shrink(

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.mapping import LoRABatchMapping
+from loraserve.batch.lora_mapping import LoRABatchMapping
 
 _BLOCK_M = 16
 _BLOCK_K = 64

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.layers.paged_attention_torch import GatherIndex, build_gather_index
+from loraserve.batch.gather_index import GatherIndex, build_gather_index
 
 
 @dataclass(slots=True)

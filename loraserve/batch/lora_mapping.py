@@ -3,7 +3,7 @@
 The model runner builds one `LoRABatchMapping` per step from the slot of each token (-1 = no adapter);
 every LoRA layer of every transformer layer reuses it, so per-layer work is a few tensor ops. What
 each backend reads is grouped: `segments` (Triton, the C kernel, the torch GROUPED layout),
-`torch_plan` (the torch ops' layout, see `layout.py`) and `cpu_kernel_args` (the C kernel's raw
+`torch_plan` (the torch ops' layout, see `lora_layout.py`) and `cpu_kernel_args` (the C kernel's raw
 pointers into `segments`, computed here once per step instead of once per layer).
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.lora.layout import (
+from loraserve.batch.lora_layout import (
     LoRALayout,
     PaddedLayout,
     Runs,
