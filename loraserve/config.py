@@ -111,6 +111,20 @@ class SchedulerConfig:
     # prompt tokens still to prefill. A request beyond either limit now waits nowhere: it gets a 503.
     max_num_queued_reqs: int = 1024
     max_num_queued_tokens: int = 1 << 18
+    # Fair admission (loraserve's own; vLLM has none): one request, and one API key's requests
+    # together, may hold at most this fraction of each queue limit, so one client never fills the queue.
+    max_queued_share: float = 0.5
+    # A request that finds the queue full waits this long for room, in a fair order by client, before
+    # its 503 (0: at once), so a big request is not turned away forever by a stream of small ones.
+    queue_wait_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_queued_share <= 1:
+            raise ValueError(f"max_queued_share must be in (0, 1], got {self.max_queued_share}.")
+        if not 0 <= self.queue_wait_timeout_s < float("inf"):
+            raise ValueError(
+                f"queue_wait_timeout_s must be a finite number >= 0, got {self.queue_wait_timeout_s}."
+            )
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraserve.entrypoints.openai.cli_types import non_negative_seconds, positive_int, positive_seconds
+from loraserve.entrypoints.openai.cli_types import (
+    non_negative_seconds,
+    positive_int,
+    positive_seconds,
+    queue_share,
+)
 
 
 def add_limit_args(limits: Any) -> None:
@@ -23,6 +28,21 @@ def add_limit_args(limits: Any) -> None:
         default=None,
         help="Most prompt tokens waiting to be processed, e.g. 256k; beyond it requests get 503 with "
         "Retry-After (default: 262144).",
+    )
+    limits.add_argument(
+        "--max-queued-share",
+        type=queue_share,
+        default=None,
+        help="loraserve only: the fraction (0 < f <= 1) of each queue limit that one request, and all the "
+        "requests of one API key together, may hold; a request larger than its share gets 400, so one "
+        "client never fills the queue for everyone (default: 0.5).",
+    )
+    limits.add_argument(
+        "--queue-wait-timeout",
+        type=non_negative_seconds,
+        default=None,
+        help="loraserve only: seconds a request that finds the queue full waits for room (in turn, "
+        "round-robin by API key) before its 503; 0 answers 503 at once (default: 5).",
     )
     limits.add_argument(
         "--max-request-body-size",

@@ -49,3 +49,14 @@ def positive_seconds(value: str) -> float:
     if seconds == 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value!r}")
     return seconds
+
+
+def queue_share(value: str) -> float:
+    """A fraction of the queue: 0 < f <= 1."""
+    try:
+        share = float(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.5, got {value!r}") from exc
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1, got {value!r}")
+    return share
