@@ -4,13 +4,16 @@ A live `loraserve serve` (the SmolLM-135M-shaped random model). Client A runs `-
 each sending one request of as many sequences as one request may queue (prompts x n, ignore_eos)
 after another, retrying a 503 after its Retry-After; client B sends a short streamed request every
 `--every` seconds. Admission happens before a request's first token, so B's time to first token
-bounds its admission wait from above; the run prints its p50/p99, B's 503s and A's completed
-requests. Three servers, one after another:
+bounds its admission wait from above (the batch has seats beyond A's share, so B's requests do not
+wait for seats); the server's own histogram `loraserve:admission_wait_seconds` (every admitted call,
+A's and B's) gives the share admitted within 1 s and 2.5 s and its p99 to a bucket. The run prints
+those, B's 503s and A's completed requests. Three servers, one after another:
 - `before`: `--max-queued-share 1 --queue-wait-timeout 0`, the admission this project had (one
   request may take the whole queue; a full queue is a 503 at once),
 - `no-keys`: the defaults (one request holds at most half the queue; a full queue waits up to 5 s),
 - `keys`: the defaults with two API keys, A's and B's (one key holds at most half the queue).
 Usage: python -m benchmarks.admission_wait [--duration 30] [--queue 256] [--modes before,no-keys,keys]
+(`benchmarks.all --with-admission` adds these rows to the combined run; they are not in its default.)
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import asyncio
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -34,6 +37,16 @@ MODES: dict[str, tuple[list[str], bool]] = {  # server flags, whether the client
     "no-keys": ([], False),
     "keys": (["--api-key", KEY_A, KEY_B], True),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionShape:
+    duration: float = 30.0  # seconds of load per server
+    queue: int = 128  # the servers' --max-num-queued-reqs (their --max-num-seqs stays 128)
+    big_prompts: int = 4  # prompts of one big request (n fills its share)
+    big_tokens: int = 32
+    big_loops: int = 2  # client A's concurrent loops
+    every: float = 0.25  # seconds between client B's short requests
 
 
 @dataclass(slots=True)
@@ -79,7 +92,7 @@ async def _short(http: httpx.AsyncClient, model: str, counts: Counts) -> None:
             counts.short_ttft_s.append(first)
 
 
-async def _drive(url: str, model: str, args: argparse.Namespace, share: float, keys: bool) -> Counts:
+async def _drive(url: str, model: str, args: AdmissionShape, share: float, keys: bool) -> Counts:
     counts = Counts()
     big_seqs = max(1, int(args.queue * share))
     n = max(1, big_seqs // args.big_prompts)
@@ -101,16 +114,18 @@ async def _drive(url: str, model: str, args: argparse.Namespace, share: float, k
     return counts
 
 
-def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_mode(mode: str, model: str, dtype: str, args: AdmissionShape) -> dict[str, Any]:
+    """One server in `mode` under the two clients; B's counts and TTFT percentiles, A's counts."""
     flags, keys = MODES[mode]
     share = 1.0 if mode == "before" else 0.5
-    server = [model, "--dtype", args.dtype, "--max-num-queued-reqs", str(args.queue), *flags]
+    server = [model, "--dtype", dtype, "--max-num-queued-reqs", str(args.queue), *flags]
     log_path = os.path.join(tempfile.gettempdir(), f"loraserve-admission-{mode}.log")
     with running_server(server, log_path) as url:
         warm = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2}
         headers = {"Authorization": f"Bearer {KEY_A}"} if keys else {}
         httpx.post(url + "/v1/completions", json=warm, headers=headers, timeout=600).raise_for_status()
         counts = asyncio.run(_drive(url, model, args, share, keys))
+        waits = _admission_histogram(httpx.get(url + "/metrics", headers=headers, timeout=60).text)
     ttft = counts.short_ttft_s
     return {
         "mode": mode,
@@ -121,30 +136,67 @@ def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
         "short_ttft_p99_s": _percentile(ttft, 0.99),
         "big_done": counts.big_done,
         "big_503": counts.big_503,
+        **waits,
     }
 
 
+def _admission_histogram(text: str) -> dict[str, Any]:
+    """From /metrics: how many calls were admitted, the share within 1 s and 2.5 s, the p99 bucket."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "loraserve:admission_wait_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    buckets[float(sample.labels["le"])] = sample.value
+    total = buckets.get(float("inf"), 0.0)
+    if not total:
+        return {"admitted_calls": 0}
+    p99 = min(le for le, count in buckets.items() if count >= 0.99 * total)
+    return {
+        "admitted_calls": int(total),
+        "admitted_within_1s": buckets.get(1.0, 0.0) / total,
+        "admitted_within_2_5s": buckets.get(2.5, 0.0) / total,
+        "admission_wait_p99_at_most_s": p99,
+    }
+
+
+def run_admission_wait(model: str, dtype: str, shape: AdmissionShape, modes: list[str]) -> dict[str, Any]:
+    return {"shape": asdict(shape), "rows": [run_mode(mode, model, dtype, shape) for mode in modes]}
+
+
+def print_admission_wait(result: dict[str, Any]) -> None:
+    print(f"{'mode':8} {'short sent':>10} {'admitted':>8} {'503':>5} {'TTFT p50 s':>10} {'TTFT p99 s':>10} "
+          f"{'big done':>8} {'big 503':>7} {'server: calls':>13} {'<=1s':>6} {'<=2.5s':>6} {'p99<=s':>6}")
+    for r in result["rows"]:
+        print(f"{r['mode']:8} {r['short_sent']:>10} {r['short_admitted']:>8} {r['short_503']:>5} "
+              f"{r['short_ttft_p50_s']:>10.3f} {r['short_ttft_p99_s']:>10.3f} {r['big_done']:>8} {r['big_503']:>7} "
+              f"{r['admitted_calls']:>13} {r.get('admitted_within_1s', float('nan')):>6.3f} "
+              f"{r.get('admitted_within_2_5s', float('nan')):>6.3f} "
+              f"{r.get('admission_wait_p99_at_most_s', float('nan')):>6}")
+
+
 def main() -> None:
+    defaults = AdmissionShape()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds of load per server")
-    parser.add_argument("--queue", type=int, default=256, help="the servers' --max-num-queued-reqs")
-    parser.add_argument("--big-prompts", type=int, default=8, help="prompts of one big request (n fills it)")
-    parser.add_argument("--big-tokens", type=int, default=32)
-    parser.add_argument("--big-loops", type=int, default=2, help="client A's concurrent loops")
-    parser.add_argument("--every", type=float, default=0.25, help="seconds between client B's short requests")
-    parser.add_argument("--modes", default="before,no-keys,keys")
+    parser.add_argument("--duration", type=float, default=defaults.duration, help="seconds of load per server")
+    parser.add_argument("--queue", type=int, default=defaults.queue, help="the servers' --max-num-queued-reqs")
+    parser.add_argument("--big-prompts", type=int, default=defaults.big_prompts,
+                        help="prompts of one big request (n fills its share)")
+    parser.add_argument("--big-tokens", type=int, default=defaults.big_tokens)
+    parser.add_argument("--big-loops", type=int, default=defaults.big_loops, help="client A's concurrent loops")
+    parser.add_argument("--every", type=float, default=defaults.every,
+                        help="seconds between client B's short requests")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="compute threads (1 on shared cores)")
     args = parser.parse_args()
     limit_threads(args.threads)
-    model = build_model()
-    rows = [run_mode(mode, model, args) for mode in args.modes.split(",")]
-    print(f"{'mode':8} {'short sent':>10} {'admitted':>8} {'503':>5} {'TTFT p50 s':>10} {'TTFT p99 s':>10} "
-          f"{'big done':>8} {'big 503':>7}")
-    for r in rows:
-        print(f"{r['mode']:8} {r['short_sent']:>10} {r['short_admitted']:>8} {r['short_503']:>5} "
-              f"{r['short_ttft_p50_s']:>10.3f} {r['short_ttft_p99_s']:>10.3f} {r['big_done']:>8} {r['big_503']:>7}")
-    save_results("admission_wait", {"args": vars(args), "rows": rows})
+    shape = AdmissionShape(args.duration, args.queue, args.big_prompts, args.big_tokens, args.big_loops, args.every)
+    result = run_admission_wait(build_model(), args.dtype, shape, args.modes.split(","))
+    print_admission_wait(result)
+    save_results("admission_wait", {"dtype": args.dtype, "threads": args.threads, **result})
 
 
 if __name__ == "__main__":

@@ -293,9 +293,10 @@ class AsyncLLMEngine:
     def stats(self) -> dict[str, Any]:
         """The engine's stats; its lists (adapter load latencies) are new since the previous scrape."""
         try:
-            return dict(self.engine.stats())
+            stats = dict(self.engine.stats())
         except RuntimeError:  # dict changed size while the engine thread runs: report next scrape
-            return {}
+            stats = {}
+        return {**stats, **self.admission.stats()}  # the gate lives on this (the event loop's) side
 
 
 def _settle(future: concurrent.futures.Future[None], error: BaseException | None) -> None:

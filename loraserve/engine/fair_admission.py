@@ -18,6 +18,7 @@ ones); a waiter held back only by its own client's share does not hold up anyone
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from loraserve.config import SchedulerConfig
 from loraserve.engine.admission import RETRY_AFTER_S, check_request_size, share_limits
 from loraserve.errors import EngineOverloadedError
+
+MAX_RECORDED_WAITS = 4096  # admission waits kept for the next stats scrape (the oldest go first)
 
 
 @dataclass(slots=True)
@@ -81,6 +84,7 @@ class _Waiter:
     num_seqs: int
     num_tokens: int
     future: asyncio.Future[AdmissionHold] = field(repr=False)
+    arrival: float = field(default_factory=time.monotonic)
 
 
 class FairAdmission:
@@ -92,6 +96,19 @@ class FairAdmission:
         self._waiting: OrderedDict[Hashable, deque[_Waiter]] = OrderedDict()  # first: the next turn
         self.num_waited = 0  # calls that found no room at once
         self.num_timed_out = 0  # ... and got their 503 after waiting
+        self._waits: deque[float] = deque(maxlen=MAX_RECORDED_WAITS)  # seconds, per admitted call
+
+    def stats(self) -> dict[str, object]:
+        """For /metrics: the admitted calls' waits since the last call (a histogram), and gauges."""
+        waits = []
+        while self._waits:  # popleft is atomic: a scrape on another thread loses nothing
+            waits.append(self._waits.popleft())
+        return {
+            "admission_wait_seconds": waits,
+            "num_admission_waiting": self.num_waiting,
+            "num_admission_waited": self.num_waited,
+            "num_admission_timeouts": self.num_timed_out,
+        }
 
     @property
     def num_waiting(self) -> int:
@@ -165,6 +182,7 @@ class FairAdmission:
         holding = self._by_client.setdefault(waiter.client, Holding())
         holding.num_seqs += waiter.num_seqs
         holding.num_prefill_tokens += waiter.num_tokens
+        self._waits.append(time.monotonic() - waiter.arrival)
         waiter.future.set_result(AdmissionHold(self, waiter.client, waiter.num_seqs, waiter.num_tokens))
 
     def _give_back(self, client: Hashable, num_seqs: int, num_tokens: int) -> None:

@@ -187,3 +187,20 @@ def test_pieces_given_back_make_room() -> None:
         assert (gate.total.num_seqs, gate.total.num_prefill_tokens) == (1, 10)  # the waiter's own
 
     _run(main())
+
+
+def test_stats_report_each_admitted_calls_wait_once() -> None:
+    async def main() -> None:
+        gate = _gate(reqs=2, share=1.0)
+        blocker = await gate.admit(2, 2)
+        waiting = asyncio.create_task(gate.admit(1, 1))
+        await _settle()
+        assert gate.stats()["num_admission_waiting"] == 1
+        blocker.release()
+        await waiting
+        stats = gate.stats()
+        assert len(stats["admission_wait_seconds"]) == 1  # the waiter's (the first was drained before)
+        assert stats["num_admission_waited"] == 1 and stats["num_admission_timeouts"] == 0
+        assert gate.stats()["admission_wait_seconds"] == []
+
+    _run(main())
