@@ -71,6 +71,10 @@ def test_flags_map_to_engine_args() -> None:
             "--kv-cache-memory",
             "64MiB",
             "--no-enable-prefix-caching",
+            "--max-queued-share",
+            "0.25",
+            "--queue-wait-timeout",
+            "2",
             "--api-key",
             "k",
             "--port",
@@ -104,6 +108,8 @@ def test_flags_map_to_engine_args() -> None:
         block_size=32,
         kv_cache_memory_bytes=64 << 20,
         enable_prefix_caching=False,
+        max_queued_share=0.25,
+        queue_wait_timeout=2.0,
     )
     assert {k: getattr(engine_args, k) for k in expected} == expected
     assert [human_int(v) for v in ("4096", "8k", "8K", "1GiB", "1G", "2GB")] == [
@@ -129,6 +135,8 @@ def test_flags_map_to_engine_args() -> None:
             "--max-cpu-loras (2) must be >= --max-loras (4)",
         ),
         (["serve", "m", "--dtype", "int3"], "invalid choice"),
+        (["serve", "m", "--max-queued-share", "0"], "must be more than 0 and at most 1"),
+        (["serve", "m", "--queue-wait-timeout", "-1"], "must be a finite number of seconds >= 0"),
     ],
 )
 def test_bad_flags_are_one_line(argv: list[str], fragment: str) -> None:
