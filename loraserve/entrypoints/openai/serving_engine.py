@@ -261,12 +261,13 @@ class OpenAIServing:
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, cumulative output) from one engine request per prompt, interleaved; with
         `group_id` the prompts take scheduling turns as one request."""
+        arrival = time.perf_counter()  # time to first token counts the wait for admission too
         hold = await self.engine.admit(
             sum(p.sampling_params.n for p in prompts),
             sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
             current_client().api_key,
         )  # all or none: no prompt starts unless the whole call has room
-        run = self._run(prompts, lora_request, model_name, group_id, hold)
+        run = self._run(prompts, lora_request, model_name, group_id, hold, arrival)
         async with hold, aclosing(run) as outputs:
             async for item in outputs:
                 yield item
@@ -278,8 +279,9 @@ class OpenAIServing:
         model_name: str,
         group_id: str | None,
         hold: AdmissionHold,
+        arrival: float,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        timings = [_Timing(time.perf_counter()) for _ in prompts]
+        timings = [_Timing(arrival) for _ in prompts]
         unfinished = {prompt.request_id: i for i, prompt in enumerate(prompts)}
         unprefilled = set(range(len(prompts)))
         iterators = [
