@@ -55,7 +55,7 @@ class EngineArgs:
     max_num_queued_reqs: int = 1024
     max_num_queued_tokens: int = 1 << 18
     max_queued_share: float = 0.5
-    queue_wait_timeout: float = 5.0
+    queue_wait_timeout_s: float = 5.0
     enable_lora: bool = False
     max_loras: int = 1
     max_cpu_loras: int | None = None
@@ -139,7 +139,7 @@ class EngineArgs:
                 max_num_queued_reqs=self.max_num_queued_reqs,
                 max_num_queued_tokens=self.max_num_queued_tokens,
                 max_queued_share=self.max_queued_share,
-                queue_wait_timeout_s=self.queue_wait_timeout,
+                queue_wait_timeout_s=self.queue_wait_timeout_s,
             ),
             device=device,
             lora=lora_config,

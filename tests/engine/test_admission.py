@@ -102,7 +102,7 @@ def test_async_engine_admits_through_the_fair_gate(tiny_model: Any) -> None:
     from loraserve.engine.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(model=tiny_model("llama"), dtype="float32", max_num_queued_reqs=8, queue_wait_timeout=0)
+        EngineArgs(model=tiny_model("llama"), dtype="float32", max_num_queued_reqs=8, queue_wait_timeout_s=0)
     )
 
     async def main() -> None:

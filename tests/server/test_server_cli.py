@@ -109,7 +109,7 @@ def test_flags_map_to_engine_args() -> None:
         kv_cache_memory_bytes=64 << 20,
         enable_prefix_caching=False,
         max_queued_share=0.25,
-        queue_wait_timeout=2.0,
+        queue_wait_timeout_s=2.0,
     )
     assert {k: getattr(engine_args, k) for k in expected} == expected
     assert [human_int(v) for v in ("4096", "8k", "8K", "1GiB", "1G", "2GB")] == [

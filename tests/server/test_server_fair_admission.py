@@ -136,7 +136,7 @@ def real_server(tiny_model: Any):
     from loraserve.engine.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(model=tiny_model("llama"), dtype="float32", max_num_queued_reqs=16, queue_wait_timeout=0)
+        EngineArgs(model=tiny_model("llama"), dtype="float32", max_num_queued_reqs=16, queue_wait_timeout_s=0)
     )
     with RunningServer(engine, ServerOptions(served_model_names=["base"], api_keys=KEYS)) as server:
         yield server

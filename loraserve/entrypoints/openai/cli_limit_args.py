@@ -39,6 +39,7 @@ def add_limit_args(limits: Any) -> None:
     )
     limits.add_argument(
         "--queue-wait-timeout",
+        dest="queue_wait_timeout_s",  # the EngineArgs / SchedulerConfig field
         type=non_negative_seconds,
         default=None,
         help="loraserve only: seconds a request that finds the queue full waits for room (in turn, "
