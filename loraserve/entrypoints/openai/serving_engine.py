@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 
 from loraserve.engine.admission import check_request_size
 from loraserve.engine.fair_admission import AdmissionHold
-from loraserve.engine.tokenization import max_chars_per_token, tokens_at_least
 from loraserve.entrypoints.openai.client_identity import current_client
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception
 from loraserve.entrypoints.openai.metrics import ServerMetrics
+from loraserve.entrypoints.openai.prompt_length import PromptLengthGuard
 from loraserve.entrypoints.openai.protocol import SamplingRequest
 from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.streams import merge_async_iterators
@@ -37,7 +37,6 @@ from loraserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-PROBE_ABOVE_CHARS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +71,7 @@ class OpenAIServing:
         # these workers (shared by the endpoints, in turn by client), never on the event loop that
         # serves every other connection.
         self.tokenizer_pool = tokenizer_pool or FairTokenizerPool()
-        self._chars_per_token: int | None = None
+        self._length_guard: PromptLengthGuard | None = None
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self._background: set[asyncio.Task] = set()
 
@@ -124,46 +123,16 @@ class OpenAIServing:
                 HTTPStatus.BAD_REQUEST,
                 param,
             ) from exc
-        if len(text) > self.max_prompt_chars:
-            raise APIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your {param} "
-                f"has {len(text)} characters, more than that many tokens can hold. Please reduce the length "
-                "of the input.",
-                HTTPStatus.BAD_REQUEST,
-                param,
-            )
-        if len(text) > self.probe_above_chars:  # long enough to be costly: count in pieces first
-            bound, probed = await self.in_tokenizer_thread(
-                tokens_at_least, self.tokenizer, text, self.max_model_len, self.chars_per_token
-            )
-            if bound >= self.max_model_len:
-                raise APIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                    f"{param} has at least {bound} tokens ({len(text)} characters, {probed} of them tokenized to tell). "
-                    "Please reduce the length of the input.",
-                    HTTPStatus.BAD_REQUEST,
-                    param,
-                )
+        await self.length_guard.check(text, param, self.in_tokenizer_thread)
         ids = await self.in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return list(ids)
 
     @property
-    def probe_above_chars(self) -> int:
-        """Texts longer than this are counted in pieces before they are tokenized whole: shorter ones
-        cost little and nearly always fit (few tokens cover more than 4 characters)."""
-        return max(PROBE_ABOVE_CHARS, 4 * self.max_model_len)
-
-    @property
-    def max_prompt_chars(self) -> int:
-        """A text longer than this cannot fit in max_model_len tokens, so it is refused untokenized."""
-        return self.max_model_len * self.chars_per_token
-
-    @property
-    def chars_per_token(self) -> int:
-        """The most characters one token of this vocabulary covers (`max_chars_per_token`)."""
-        if self._chars_per_token is None:
-            self._chars_per_token = max_chars_per_token(self.tokenizer)
-        return self._chars_per_token
+    def length_guard(self) -> PromptLengthGuard:
+        """Built on first use: the tokenizer's vocabulary is read once."""
+        if self._length_guard is None:
+            self._length_guard = PromptLengthGuard(self.tokenizer, self.max_model_len)
+        return self._length_guard
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.engine.model_config.vocab_size
