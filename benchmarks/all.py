@@ -8,6 +8,7 @@ over 1000 adapters against 8; the throughput curve over distinct adapters; the h
 hit rate on a random trace over 12 adapters with 8 cached (a tiny model). Prints one table with
 each ratio beside its target, saves benchmarks/results/all.json and draws the README's plot.
 Usage: python -m benchmarks.all [--dtype auto] [--threads N] [--quick] [--skip-server] [--plot PATH]
+  [--with-admission]  (also the admission-wait rows of benchmarks.admission_wait: three more servers)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.adapter_curve import adapter_curve
+from benchmarks.admission_wait import MODES, AdmissionShape, print_admission_wait, run_admission_wait
 from benchmarks.common import (
     build_adapters,
     build_model,
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="shorter generations, two contexts, 60 requests")
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--with-admission", action="store_true", help="also the admission-wait rows (not default)")
     parser.add_argument("--plot", default=PLOT_PATH)
     args = parser.parse_args()
     limit_threads(args.threads)
@@ -137,8 +140,12 @@ def main() -> None:
     if not args.skip_server:
         shape = TraceShape(num_requests=60) if args.quick else TraceShape()
         results["server_trace"] = run_server_trace(build_model(), dtype, shape)
+    if args.with_admission:
+        results["admission_wait"] = run_admission_wait(build_model(), results["dtype"], AdmissionShape(), list(MODES))
     results["seconds"] = time.perf_counter() - start
     print_report(cpu, dtype, results)
+    if "admission_wait" in results:
+        print_admission_wait(results["admission_wait"])
     save_results("all", results)
     print(f"\nplot: {make_plot(results, args.plot)}; {results['seconds']:.0f} s in all")
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from loraserve.option_types import positive_int
+from loraserve.option_types import non_negative_seconds, positive_int, queue_share
 from loraserve.options import at_least, check_options, option
 
 if TYPE_CHECKING:
@@ -174,6 +174,14 @@ class CacheConfig:
 _LIMITS = "limits and shutdown"
 
 
+def _a_queue_share(share: float) -> str | None:
+    return None if 0 < share <= 1 else f"must be in (0, 1], got {share}."
+
+
+def _finite_seconds(seconds: float) -> str | None:
+    return None if 0 <= seconds < float("inf") else f"must be a finite number >= 0, got {seconds}."
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits for one engine step."""
@@ -208,6 +216,24 @@ class SchedulerConfig:
         "Retry-After (default: 262144).",
     )
 
+    max_queued_share: float = option(
+        0.5,
+        type=queue_share,
+        group=_LIMITS,
+        help="loraserve only: the fraction (0 < f <= 1) of each queue limit that one request, and all the "
+        "requests of one API key together, may hold; a request larger than its share gets 400, so one "
+        "client never fills the queue for everyone (default: 0.5).",
+        check=_a_queue_share,
+    )
+    queue_wait_timeout_s: float = option(
+        5.0,
+        flag="--queue-wait-timeout",
+        type=non_negative_seconds,
+        group=_LIMITS,
+        help="loraserve only: seconds a request that finds the queue full waits for room (in turn, "
+        "round-robin by API key) before its 503; 0 answers 503 at once (default: 5).",
+        check=_finite_seconds,
+    )
 
 def _cpu_loras_hold_the_batch(config: Any) -> str | None:
     if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:

@@ -76,3 +76,14 @@ def json_object(value: str) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return parsed
+
+
+def queue_share(value: str) -> float:
+    """A fraction of the queue: 0 < f <= 1."""
+    try:
+        share = float(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.5, got {value!r}") from exc
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1, got {value!r}")
+    return share

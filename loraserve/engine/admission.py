@@ -6,6 +6,11 @@ still to prefill (the backlog in front of a new request's first token). A reques
 on its own can never run (RequestTooLargeError, HTTP 400); one that only overflows the current queue
 is turned away with EngineOverloadedError (HTTP 503 with Retry-After), so a load balancer can send it
 elsewhere instead of letting it wait unboundedly here.
+
+Fair shares: one request may hold at most `max_queued_share` of each limit (`share_limits`); a larger
+one is refused like one larger than the whole queue (400, naming both flags), so no single request
+can fill the queue and turn every other client away. The per-client share and the bounded wait for
+room are `fair_admission.py`'s (the server's side, where clients are known).
 """
 
 from __future__ import annotations
@@ -26,17 +31,37 @@ class QueueLoad:
     num_prefill_tokens: int  # prompt tokens not computed yet
 
 
+@dataclass(frozen=True, slots=True)
+class ShareLimits:
+    """The most one request (or one client) may hold: `max_queued_share` of each queue limit."""
+
+    num_seqs: int
+    num_prefill_tokens: int
+
+
+def share_limits(config: SchedulerConfig) -> ShareLimits:
+    # At least one sequence and one prompt's tokens, so a tiny queue or share still serves something.
+    return ShareLimits(
+        max(1, int(config.max_num_queued_reqs * config.max_queued_share)),
+        max(1, int(config.max_num_queued_tokens * config.max_queued_share)),
+    )
+
+
 def check_request_size(config: SchedulerConfig, num_seqs: int, num_prefill_tokens: int) -> None:
-    """RequestTooLargeError when the request alone exceeds a limit (an empty server would refuse it)."""
-    if num_seqs > config.max_num_queued_reqs:
+    """RequestTooLargeError when the request alone exceeds its share of a limit (an empty server would
+    refuse it)."""
+    share = share_limits(config)
+    if num_seqs > share.num_seqs:
         raise RequestTooLargeError(
-            f"This request needs {num_seqs} sequences (prompts x n), more than this server queues at once "
-            f"({config.max_num_queued_reqs}, --max-num-queued-reqs). Send fewer prompts or a smaller n."
+            f"This request needs {num_seqs} sequences (prompts x n), more than one request may queue at once "
+            f"({share.num_seqs}: --max-queued-share {config.max_queued_share:g} of --max-num-queued-reqs "
+            f"{config.max_num_queued_reqs}). Send fewer prompts or a smaller n."
         )
-    if num_prefill_tokens > config.max_num_queued_tokens:
+    if num_prefill_tokens > share.num_prefill_tokens:
         raise RequestTooLargeError(
             f"This request has {num_prefill_tokens} prompt tokens to process (summed over prompts x n), "
-            f"more than this server queues at once ({config.max_num_queued_tokens}, --max-num-queued-tokens). "
+            f"more than one request may queue at once ({share.num_prefill_tokens}: --max-queued-share "
+            f"{config.max_queued_share:g} of --max-num-queued-tokens {config.max_num_queued_tokens}). "
             "Send fewer or shorter prompts, or a smaller n."
         )
 

@@ -6,6 +6,10 @@ validation errors surface in the caller's coroutine. A step that raises fails on
 (`LLMEngine.step` drops them and returns their error outputs); only when the engine cannot continue
 (StepFailureLimitError, or anything else escaping `step`) does every request fail, the engine is
 marked dead and /health reports it.
+
+Admission: the serving layer asks `admit` for each API call before its requests start; the
+`FairAdmission` gate (on the event loop) gives out the queue's room fairly by client and lets a call
+wait a bounded time for room; `add_request`'s own check on the engine thread stays the exact net.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from loraserve.engine.arg_utils import EngineArgs
+from loraserve.engine.fair_admission import AdmissionHold, FairAdmission
 from loraserve.engine.heap_trim import HeapTrimmer
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.step_failures import StepFailureLimitError
@@ -51,6 +56,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.lora_config = engine.lora_config
         self.scheduler_config = engine.config.scheduler
+        self.admission = FairAdmission(self.scheduler_config)
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -207,6 +213,17 @@ class AsyncLLMEngine:
             if not finished:
                 await self.abort(request_id)
 
+    async def admit(
+        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+    ) -> AdmissionHold:
+        """Room in the queue for one API call (prompts x n sequences, their prompt tokens), held until
+        the hold is released: at once, or after a bounded wait in turn by client (`FairAdmission`)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"The engine is dead: {self.dead_error}")
+        if self._closed:
+            raise EngineShutdownError("The server is shutting down and accepts no new requests.")
+        return await self.admission.admit(num_seqs, num_prefill_tokens, client_id)
+
     async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """EngineOverloadedError unless a request of this size fits the queue now (on the engine thread,
         so it sees the queue as the next adds will)."""
@@ -276,9 +293,10 @@ class AsyncLLMEngine:
     def stats(self) -> dict[str, Any]:
         """The engine's stats; its lists (adapter load latencies) are new since the previous scrape."""
         try:
-            return dict(self.engine.stats())
+            stats = dict(self.engine.stats())
         except RuntimeError:  # dict changed size while the engine thread runs: report next scrape
-            return {}
+            stats = {}
+        return {**stats, **self.admission.stats()}  # the gate lives on this (the event loop's) side
 
 
 def _settle(future: concurrent.futures.Future[None], error: BaseException | None) -> None:

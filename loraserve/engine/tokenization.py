@@ -1,8 +1,10 @@
-"""Tokenizer loading, the model's end-of-sequence ids, and prompt normalisation (text, {"prompt"},
-{"prompt_token_ids"}) with validation."""
+"""Tokenizer loading, the model's end-of-sequence ids, prompt normalisation (text, {"prompt"},
+{"prompt_token_ids"}) with validation, and `tokens_at_least`: a text's token count bounded from
+below in pieces, stopping once it is too long, so a huge text is refused without tokenizing it all."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +12,12 @@ from loraserve.config import ModelConfig
 from loraserve.errors import PromptTooLongError
 
 PromptInput = str | list[int] | dict[str, Any]
+_RUN_START = re.compile(r"\S\s")  # a whitespace run starts after its match's first character
+PROBE_CHUNK_CHARS = 8192
+# A piece tokenized alone can give a token or two more than inside the whole text (a word-start
+# marker added to it); pieces are cut where pre-tokenizers split anyway: before a whitespace run.
+BOUNDARY_SLACK_TOKENS = 4
+_UNKNOWN_LONGEST = 64
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
@@ -65,6 +73,59 @@ def _generation_eos_ids(model_config: ModelConfig) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The most characters of a text one token can cover: its longest vocabulary entry (byte-level
+    BPE and SentencePiece entries are at least as long as the text they match), 4x that when the
+    tokenizer normalizes its input (a normalizer may drop or merge characters)."""
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    except (AttributeError, NotImplementedError, TypeError):
+        longest = _UNKNOWN_LONGEST
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizes = backend is None or backend.normalizer is not None
+    return max(longest, 1) * (4 if normalizes else 1)
+
+
+def tokens_at_least(
+    tokenizer: Any,
+    text: str,
+    limit: int,
+    chars_per_token: int,
+    chunk_chars: int = PROBE_CHUNK_CHARS,
+) -> tuple[int, int]:
+    """(a lower bound on the text's token count, the characters tokenized to find it), stopping once
+    the bound reaches `limit`: the work is about `limit` tokens' worth, whatever the text's length.
+
+    The text is cut before whitespace runs (where pre-tokenizers split) into pieces of about
+    `chunk_chars`; each piece is tokenized without special tokens, less `BOUNDARY_SLACK_TOKENS` per
+    cut. A run without whitespace longer than a piece is not tokenized: it needs at least its length
+    over `chars_per_token` (`max_chars_per_token`) tokens."""
+    bound = tokenized = start = 0
+    while start < len(text) and bound < limit:
+        end = _cut(text, start, chunk_chars)
+        if end - start > chunk_chars:  # one long run without whitespace: its length bounds it
+            bound += -(-(end - start) // chars_per_token)
+        else:
+            tokens = len(tokenizer.encode(text[start:end], add_special_tokens=False))
+            bound += max(tokens - (BOUNDARY_SLACK_TOKENS if start else 0), 0)
+            tokenized += end - start
+        start = end
+    return bound, tokenized
+
+
+def _cut(text: str, start: int, chunk_chars: int) -> int:
+    """Where the piece from `start` ends: at the last start of a whitespace run within `chunk_chars`,
+    else at the first one after it, else at the text's end."""
+    end = start + chunk_chars
+    if end >= len(text):
+        return len(text)
+    for i in range(end, start, -1):
+        if text[i].isspace() and not text[i - 1].isspace():
+            return i
+    match = _RUN_START.search(text, end)
+    return match.start() + 1 if match is not None else len(text)
 
 
 def prepare_prompt(prompt: PromptInput, tokenizer: Any, model_config: ModelConfig) -> tuple[str | None, list[int]]:

@@ -16,7 +16,9 @@ from loraserve.sampling_params import SamplingParams
 PROMPT = [5, 6, 7, 8]
 
 
-def _engine(tiny_model: Any, **limits: int) -> LLMEngine:
+def _engine(tiny_model: Any, **limits: Any) -> LLMEngine:
+    """The whole queue open to one request (share 1) unless a test sets a share."""
+    limits.setdefault("max_queued_share", 1.0)
     return LLMEngine.from_engine_args(
         EngineArgs(model=tiny_model("llama"), dtype="float32", max_num_seqs=2, **limits)
     )
@@ -73,3 +75,45 @@ def test_check_admission_sees_the_queue_as_the_next_add_will(tiny_model: Any) ->
         engine.check_admission(5, 20)
     _run_to_completion(engine)
     engine.check_admission(4, 16)
+
+
+def test_one_request_may_hold_only_its_share_of_the_queue(tiny_model: Any) -> None:
+    """--max-queued-share: a request larger than its share is refused outright (400), naming the flag;
+    one at its share fits, and so do others beside it."""
+    engine = _engine(tiny_model, max_num_queued_reqs=8, max_num_queued_tokens=64, max_queued_share=0.5)
+    with pytest.raises(
+        RequestTooLargeError, match=r"5 sequences.*\(4: --max-queued-share 0.5 of --max-num-queued-reqs 8\)"
+    ):
+        engine.add_request("a", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2, n=5))
+    with pytest.raises(RequestTooLargeError, match=r"36 prompt tokens.*\(32: --max-queued-share 0.5"):
+        engine.add_request("b", {"prompt_token_ids": PROMPT * 3}, SamplingParams(max_tokens=2, n=3))
+    assert not engine.requests
+    engine.add_request("c", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2, n=4))  # its share
+    engine.add_request("d", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2, n=4))  # the rest
+    with pytest.raises(EngineOverloadedError):
+        engine.add_request("e", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2))
+    _run_to_completion(engine)
+
+
+def test_async_engine_admits_through_the_fair_gate(tiny_model: Any) -> None:
+    """AsyncLLMEngine.admit: per-key shares over the engine's limits; released holds make room."""
+    import asyncio
+
+    from loraserve.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=tiny_model("llama"), dtype="float32", max_num_queued_reqs=8, queue_wait_timeout_s=0)
+    )
+
+    async def main() -> None:
+        hold = await engine.admit(4, 16, "key-0")
+        with pytest.raises(EngineOverloadedError, match="one key's share"):
+            await engine.admit(1, 4, "key-0")
+        other = await engine.admit(4, 16, "key-1")
+        hold.release()
+        await engine.admit(4, 16, "key-0")
+        other.release()
+        with pytest.raises(RequestTooLargeError, match="--max-queued-share"):
+            await engine.admit(5, 20, "key-2")
+
+    asyncio.run(main())

@@ -73,6 +73,10 @@ def test_flags_map_to_engine_args() -> None:
             "--kv-cache-memory",
             "64MiB",
             "--no-enable-prefix-caching",
+            "--max-queued-share",
+            "0.25",
+            "--queue-wait-timeout",
+            "2",
             "--api-key",
             "k",
             "--port",
@@ -106,6 +110,8 @@ def test_flags_map_to_engine_args() -> None:
         block_size=32,
         kv_cache_memory_bytes=64 << 20,
         enable_prefix_caching=False,
+        max_queued_share=0.25,
+        queue_wait_timeout_s=2.0,
     )
     assert {k: getattr(engine_args, k) for k in expected} == expected
     assert [human_int(v) for v in ("4096", "8k", "8K", "1GiB", "1G", "2GB")] == [
@@ -137,6 +143,8 @@ def test_flags_map_to_engine_args() -> None:
         ),
         (["serve", "m", "--port", "70000"], "--port must be in 0..65535, got 70000"),
         (["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules names 'a' twice"),
+        (["serve", "m", "--max-queued-share", "0"], "must be more than 0 and at most 1"),
+        (["serve", "m", "--queue-wait-timeout", "-1"], "must be a finite number of seconds >= 0"),
     ],
 )
 def test_bad_flags_are_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture) -> None:

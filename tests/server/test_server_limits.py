@@ -34,7 +34,7 @@ def test_prompts_times_n_beyond_the_queue_is_400(server: RunningServer) -> None:
 
 
 def test_prompt_tokens_beyond_the_queue_is_400(tokenizer) -> None:
-    engine = FakeEngine(tokenizer, scheduler_config=SchedulerConfig(max_num_queued_tokens=20))
+    engine = FakeEngine(tokenizer, scheduler_config=SchedulerConfig(max_num_queued_tokens=20, max_queued_share=1))
     with RunningServer(engine, ServerOptions(served_model_names=["base"])) as server:
         body = {"model": "base", "prompt": [[5, 6, 7, 8, 9]] * 2, "n": 3, "max_tokens": 2}
         error = _error(server.http.post("/v1/completions", json=body), 400)
@@ -203,7 +203,8 @@ def test_a_multi_prompt_request_is_admitted_whole_or_not_at_all(tokenizer) -> No
     from support.fake_engine import hold_generation, release_generation
     from support.harness import wait_for
 
-    engine = FakeEngine(tokenizer, scheduler_config=SchedulerConfig(max_num_queued_reqs=3))
+    config = SchedulerConfig(max_num_queued_reqs=3, max_queued_share=1, queue_wait_timeout_s=0)
+    engine = FakeEngine(tokenizer, scheduler_config=config)
     with RunningServer(engine, ServerOptions(served_model_names=["base"])) as server:
         hold_generation(server)
         result: dict[str, int] = {}

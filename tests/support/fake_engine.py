@@ -17,6 +17,7 @@ from typing import Any
 
 from loraserve.config import LoRAConfig, SchedulerConfig
 from loraserve.engine.admission import QueueLoad, check_admission
+from loraserve.engine.fair_admission import AdmissionHold, FairAdmission
 from loraserve.errors import (
     EngineDeadError,
     EngineShutdownError,
@@ -87,6 +88,8 @@ class FakeEngine:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     shutdown_error: BaseException | None = None
     waiting: dict[str, int] = field(default_factory=dict)  # reported as waiting_by_adapter (adapter -> count)
+    admitted_clients: list[str | None] = field(default_factory=list)  # the client id of every admit()
+    _admission: FairAdmission | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.model_config = FakeModelConfig(
@@ -216,6 +219,15 @@ class FakeEngine:
                 self.aborted_event.set()
             async with self._changed:
                 self._changed.notify_all()
+
+    async def admit(
+        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+    ) -> AdmissionHold:
+        """The real gate (`FairAdmission`) over `scheduler_config`, as `AsyncLLMEngine.admit`."""
+        if self._admission is None:
+            self._admission = FairAdmission(self.scheduler_config)
+        self.admitted_clients.append(client_id)
+        return await self._admission.admit(num_seqs, num_prefill_tokens, client_id)
 
     async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """Like the real engine's, against `scheduler_config` and the requests running now."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -19,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraserve import __version__, envs
 from loraserve.entrypoints.openai.auth import APIKeyMiddleware
+from loraserve.entrypoints.openai.client_identity import ClientIdentityMiddleware
 from loraserve.entrypoints.openai.disconnect import ClientDisconnected, run_until_disconnect
 from loraserve.entrypoints.openai.engine_client import EngineClient, ReplicaStatsSource
 from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception, error_response, sse_error
@@ -43,6 +43,7 @@ from loraserve.entrypoints.openai.protocol import (
 from loraserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from loraserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from loraserve.entrypoints.openai.serving_models import BaseModelPath, LoRAModulePath, OpenAIServingModels
+from loraserve.entrypoints.openai.tokenizer_pool import FairTokenizerPool
 
 logger = logging.getLogger("loraserve.server")
 
@@ -89,8 +90,8 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     _add_error_handlers(app)
     _add_info_routes(app, engine, models, metrics)
     frontend = options.frontend
-    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="loraserve-tokenizer")
-    app.router.on_shutdown.append(lambda: tokenizer_pool.shutdown(wait=False, cancel_futures=True))
+    tokenizer_pool = FairTokenizerPool()  # a few workers, shared by both endpoints, in turn by client
+    app.router.on_shutdown.append(tokenizer_pool.shutdown)
     completion = OpenAIServingCompletion(
         engine, models, metrics, tokenizer_pool, return_tokens_as_token_ids=frontend.return_tokens_as_token_ids
     )
@@ -106,6 +107,7 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     _add_generation_routes(app, completion, chat)
     if runtime_updating:
         _add_lora_routes(app, models)
+    app.add_middleware(ClientIdentityMiddleware, api_keys=options.api_keys)  # whose turn, whose share
     app.add_middleware(
         RequestGuardMiddleware,
         max_body_bytes=options.max_request_body_bytes,

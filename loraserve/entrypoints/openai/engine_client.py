@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from loraserve.config import LoRAConfig, SchedulerConfig
+    from loraserve.engine.fair_admission import AdmissionHold
     from loraserve.lora.request import LoRARequest
     from loraserve.outputs import RequestOutput
     from loraserve.sampling_params import SamplingParams
@@ -77,6 +78,14 @@ class EngineClient(Protocol):
 
     async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """EngineOverloadedError (503) unless a request of this size fits the queue now."""
+        ...
+
+    async def admit(
+        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+    ) -> AdmissionHold:
+        """Room for one API call (all its prompts x n), held until the hold is released; waits a
+        bounded time in turn by client (`client_id`: the API key's, None: a client of its own), then
+        EngineOverloadedError (503); RequestTooLargeError (400) beyond one request's share."""
         ...
 
     async def add_lora(self, lora_request: LoRARequest) -> bool: ...

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -27,6 +26,7 @@ from loraserve.entrypoints.openai.protocol import (
 )
 from loraserve.entrypoints.openai.serving_engine import EnginePrompt, OpenAIServing
 from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
+from loraserve.entrypoints.openai.tokenizer_pool import FairTokenizerPool
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         models: OpenAIServingModels,
         metrics: ServerMetrics | None = None,
         trust_request_chat_template: bool = False,
-        tokenizer_pool: Executor | None = None,
+        tokenizer_pool: FairTokenizerPool | None = None,
         response_role: str = "assistant",  # --response-role
         return_tokens_as_token_ids: bool = False,
     ) -> None:

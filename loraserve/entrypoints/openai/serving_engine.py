@@ -1,30 +1,34 @@
 """OpenAIServing: what completions and chat share between a parsed request and the engine's outputs.
 
-It tokenizes and checks prompts against max_model_len, builds SamplingParams, routes `model` to the base
-model or an adapter, runs one engine request per prompt and records metrics. Every engine request that
-has not finished when its consumer stops (client gone, error elsewhere) is aborted.
+It tokenizes and checks prompts against max_model_len (a long text first in bounded pieces, so one
+that cannot fit is refused without tokenizing it all), builds SamplingParams, routes `model` to the
+base model or an adapter, is admitted to the engine's queue as one call (`EngineClient.admit`, by API
+key), runs one engine request per prompt and records metrics. Every engine request that has not
+finished when its consumer stops (client gone, error elsewhere) is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
 
 from loraserve.engine.admission import check_request_size
+from loraserve.engine.fair_admission import AdmissionHold
+from loraserve.entrypoints.openai.client_identity import current_client
 from loraserve.entrypoints.openai.engine_client import EngineClient
 from loraserve.entrypoints.openai.errors import APIError, api_error_from_exception
 from loraserve.entrypoints.openai.metrics import ServerMetrics
+from loraserve.entrypoints.openai.prompt_length import PromptLengthGuard
 from loraserve.entrypoints.openai.protocol import SamplingRequest
 from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.streams import merge_async_iterators
+from loraserve.entrypoints.openai.tokenizer_pool import FairTokenizerPool
 from loraserve.entrypoints.openai.vllm_extras import refuse_unsupported_extras
 from loraserve.errors import EngineDeadError
 from loraserve.lora.request import LoRARequest
@@ -57,17 +61,17 @@ class OpenAIServing:
         engine: EngineClient,
         models: OpenAIServingModels,
         metrics: ServerMetrics | None = None,
-        tokenizer_pool: Executor | None = None,
+        tokenizer_pool: FairTokenizerPool | None = None,
         return_tokens_as_token_ids: bool = False,  # --return-tokens-as-token-ids: every request's default
     ) -> None:
         self.engine = engine
         self.models = models
         self.metrics = metrics
         # Tokenizing and rendering chat templates take CPU time that grows with the input; they run on
-        # this one worker thread (shared by the endpoints, so the tokenizer is never used by two of them
-        # at once), never on the event loop that serves every other connection.
-        self.tokenizer_pool = tokenizer_pool or ThreadPoolExecutor(1, thread_name_prefix="loraserve-tokenizer")
-        self._max_prompt_chars: int | None = None
+        # these workers (shared by the endpoints, in turn by client), never on the event loop that
+        # serves every other connection.
+        self.tokenizer_pool = tokenizer_pool or FairTokenizerPool()
+        self._length_guard: PromptLengthGuard | None = None
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self._background: set[asyncio.Task] = set()
 
@@ -98,10 +102,8 @@ class OpenAIServing:
             logger.debug("Ignoring unknown request fields: %s", request.unknown_fields())
 
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn` on the tokenizer worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_pool, functools.partial(fn, *args, **kwargs)
-        )
+        """Run `fn` on a tokenizer worker, in the turn of the request's client."""
+        return await self.tokenizer_pool.run(current_client().fairness_key, fn, *args, **kwargs)
 
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of `text` (tokenized off the event loop); 400 for text that is not valid Unicode or
@@ -121,32 +123,16 @@ class OpenAIServing:
                 HTTPStatus.BAD_REQUEST,
                 param,
             ) from exc
-        if len(text) > self.max_prompt_chars:
-            raise APIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your {param} "
-                f"has {len(text)} characters, more than that many tokens can hold. Please reduce the length "
-                "of the input.",
-                HTTPStatus.BAD_REQUEST,
-                param,
-            )
+        await self.length_guard.check(text, param, self.in_tokenizer_thread)
         ids = await self.in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return list(ids)
 
     @property
-    def max_prompt_chars(self) -> int:
-        """A text longer than this cannot fit in max_model_len tokens, so it is refused untokenized.
-
-        No token covers more characters than the longest vocabulary entry (byte-level BPE and
-        SentencePiece entries are at least as long as the text they match); 4x more allows for
-        normalizers that drop or merge characters.
-        """
-        if self._max_prompt_chars is None:
-            try:
-                longest = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
-            except (AttributeError, NotImplementedError, TypeError):
-                longest = 64
-            self._max_prompt_chars = self.max_model_len * max(longest, 1) * 4
-        return self._max_prompt_chars
+    def length_guard(self) -> PromptLengthGuard:
+        """Built on first use: the tokenizer's vocabulary is read once."""
+        if self._length_guard is None:
+            self._length_guard = PromptLengthGuard(self.tokenizer, self.max_model_len)
+        return self._length_guard
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.engine.model_config.vocab_size
@@ -244,13 +230,29 @@ class OpenAIServing:
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, cumulative output) from one engine request per prompt, interleaved; with
         `group_id` the prompts take scheduling turns as one request."""
-        if len(prompts) > 1:  # all or none: no prompt runs when a later one would find the queue full
-            await self.engine.check_admission(
-                sum(p.sampling_params.n for p in prompts),
-                sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
-            )
-        timings = [_Timing(time.perf_counter()) for _ in prompts]
+        arrival = time.perf_counter()  # time to first token counts the wait for admission too
+        hold = await self.engine.admit(
+            sum(p.sampling_params.n for p in prompts),
+            sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
+            current_client().api_key,
+        )  # all or none: no prompt starts unless the whole call has room
+        run = self._run(prompts, lora_request, model_name, group_id, hold, arrival)
+        async with hold, aclosing(run) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def _run(
+        self,
+        prompts: list[EnginePrompt],
+        lora_request: LoRARequest | None,
+        model_name: str,
+        group_id: str | None,
+        hold: AdmissionHold,
+        arrival: float,
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        timings = [_Timing(arrival) for _ in prompts]
         unfinished = {prompt.request_id: i for i, prompt in enumerate(prompts)}
+        unprefilled = set(range(len(prompts)))
         iterators = [
             self.engine.generate(
                 p.prompt_ids, p.sampling_params, p.request_id, lora_request=lora_request, group_id=group_id
@@ -265,6 +267,7 @@ class OpenAIServing:
                             raise api_error_from_exception(output.error_cause)
                         raise APIError(output.error, HTTPStatus.INTERNAL_SERVER_ERROR)
                     self._record(timings[index], prompts[index], output, model_name)
+                    _give_back(hold, prompts[index], output, index, unprefilled)
                     if output.finished:
                         unfinished.pop(prompts[index].request_id, None)
                     yield index, output
@@ -305,3 +308,18 @@ class OpenAIServing:
         task = asyncio.get_running_loop().create_task(abort_all())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _give_back(
+    hold: AdmissionHold, prompt: EnginePrompt, output: RequestOutput, index: int, unprefilled: set[int]
+) -> None:
+    """Return a prompt's part of the admission: its tokens once every choice has one (prefilled), its
+    sequences once it finished."""
+    n = prompt.sampling_params.n
+    tokens = n * len(prompt.prompt_ids)
+    done_prefill = len(output.outputs) >= n and all(seq.token_ids for seq in output.outputs)
+    if index in unprefilled and (done_prefill or output.finished):
+        unprefilled.discard(index)
+        hold.prefilled(tokens)
+    if output.finished:
+        hold.finished(n)

@@ -22,6 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import RequestCancelledError
 
 from loraserve import envs
+from loraserve.engine.fair_admission import AdmissionHold, unlimited_hold
 from loraserve.entrypoints.ray.deployment import ReplicaHello, ReplicaInfo
 from loraserve.entrypoints.ray.known_replicas import known_replica_ids
 from loraserve.entrypoints.ray.replica_header import note_replica
@@ -124,6 +125,19 @@ class ReplicaClient:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.cancel()
+
+    async def admit(
+        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+    ) -> AdmissionHold:
+        """Each replica's engine checks every request it is given (the per-request share included);
+        a call of more than one sequence asks the least loaded replica first (advisory: its prompts
+        go where the router sends them). That replica served nothing, so it is not in the replica
+        header. Per-key shares and the wait for room are one engine's (`FairAdmission`): across
+        replicas there is no one queue."""
+        self._check_open()
+        if num_seqs > 1:
+            await self._call(self._handle.check_admission.remote(num_seqs, num_prefill_tokens))
+        return unlimited_hold()
 
     async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """Asks the least loaded replica: the prompts of one call then go where the router sends them
