@@ -15,6 +15,17 @@ class LoRAAdapterGoneError(LoRAAdapterNotFoundError):
     """A registered adapter must be read again but its folder is gone from disk (HTTP 404)."""
 
 
+class LoRAAdapterBaseMismatchError(LoRAAdapterError):
+    """A resolver found an adapter, but its adapter_config.json names another base model than the one
+    it was asked for (HTTP 400, unless the server also answers to that name: `adapter_base` is the
+    config's base_model_name_or_path, `lora_path` the folder found)."""
+
+    def __init__(self, message: str, lora_path: str, adapter_base: str | None) -> None:
+        super().__init__(message)
+        self.lora_path = lora_path
+        self.adapter_base = adapter_base
+
+
 class LoRAAdapterUnavailableError(LoRAAdapterError):
     """The store that holds an adapter cannot be read right now (HTTP 503 with Retry-After): the same
     request may succeed later. The message names the adapter and the reason, never the store's address."""

@@ -7,7 +7,8 @@ per request. An entry holds the error and a fingerprint of the adapter's files, 
 size, mtime_ns, ctime_ns) of the folder, adapter_config.json and each weights file name, taken
 *before* the read. While the fingerprint is unchanged the same error is raised again after a few
 stat calls; any change (a fixed file, a replaced folder) makes the next load read the files again.
-Keys are client input, so the memory is a bounded LRU.
+Keys are client input, so the memory is a bounded LRU. The manager calls `check` before a read and
+`record` after a failed one; nothing here reads an adapter or calls back.
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from loraserve.errors import LoRAAdapterError
 from loraserve.lora.checkpoint import WEIGHT_FILES
-from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.peft_helper import CONFIG_NAME
-from loraserve.lora.request import LoRARequest
 
 MAX_REMEMBERED = 256
 _FILES = ("", CONFIG_NAME, *WEIGHT_FILES)  # "" is the folder itself
@@ -53,21 +52,13 @@ class _Failure:
 class FailedLoads:
     """Failed adapter loads by key (any thread)."""
 
-    def __init__(
-        self, locate: Callable[[LoRARequest], str | None] | None = None, capacity: int = MAX_REMEMBERED
-    ) -> None:
-        # The local folder behind a request's lora_path (`~` expanded, a Hub download's snapshot), or
-        # None when there is none yet: a failure before any local files exist is not remembered.
-        self._locate = locate or (lambda lora_request: lora_request.lora_path)
+    def __init__(self, capacity: int = MAX_REMEMBERED) -> None:
         self._capacity = capacity
         self._failures: OrderedDict[Hashable, _Failure] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._failures)
-
-    def folder_of(self, lora_request: LoRARequest) -> str | None:
-        return self._locate(lora_request)
 
     def check(self, key: Hashable, folder: str) -> Fingerprint:
         """Raise the remembered error if `key` failed on exactly these files; else their fingerprint,
@@ -94,18 +85,3 @@ class FailedLoads:
     def forget(self, key: Hashable) -> None:
         with self._lock:
             self._failures.pop(key, None)
-
-    def read(self, read: Callable[[LoRARequest], LoRAModel], lora_request: LoRARequest) -> LoRAModel:
-        """`read(lora_request)`, unless the same name and path failed on the same files before; an
-        adapter error is remembered (other errors, like a full cache, are not the files' fault)."""
-        key = (lora_request.lora_name, lora_request.lora_path)
-        folder = self._locate(lora_request)
-        files = self.check(key, folder) if folder is not None else None
-        try:
-            lora_model = read(lora_request)
-        except LoRAAdapterError as error:
-            if files is not None:
-                self.record(key, files, error)
-            raise
-        self.forget(key)
-        return lora_model

@@ -2,7 +2,8 @@
 
 Everything is checked before the adapter is registered anywhere: the weights file (`checkpoint.py`),
 then every key, module, shape, rank and value (`adapter_checks.py`). Sub-module weights (q_proj,
-k_proj, v_proj) are packed into the model's packed modules (qkv_proj).
+k_proj, v_proj) are packed into the model's packed modules (qkv_proj). The model is seen only through
+its `LoRATargets`, built once per model; `adapter_read.read_adapter` is the whole read in order.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from loraserve.errors import LoRAAdapterError
 from loraserve.lora.adapter_checks import ValueCheck, check_supported, group_keys, layer_weights
@@ -62,14 +62,14 @@ class LoRAModel:
         lora_dir: str | Path,
         lora_request: LoRARequest,
         peft_helper: PEFTHelper,
-        model: nn.Module,
+        targets: LoRATargets,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         max_file_bytes: int | None = None,
     ) -> LoRAModel:
         """The adapter in folder `lora_dir`; a weights file over `max_file_bytes` is refused unread."""
         adapter = read_adapter_file(Path(lora_dir), lora_request.lora_name, max_file_bytes)
-        return cls.from_tensors(adapter, lora_request, peft_helper, model, dtype, device, str(lora_dir))
+        return cls.from_tensors(adapter, lora_request, peft_helper, targets, dtype, device, str(lora_dir))
 
     @classmethod
     def from_tensors(
@@ -77,12 +77,13 @@ class LoRAModel:
         tensors: dict[str, torch.Tensor] | AdapterFile,
         lora_request: LoRARequest,
         peft_helper: PEFTHelper,
-        model: nn.Module,
+        targets: LoRATargets,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         path: str = "",
     ) -> LoRAModel:
-        """An adapter from its tensors (a dict, or a file read by `read_adapter_file`)."""
+        """An adapter from its tensors (a dict, or a file read by `read_adapter_file`), checked and
+        shaped for `targets` (`LoRATargets.from_model(model)`)."""
         adapter = tensors if isinstance(tensors, AdapterFile) else AdapterFile(
             lora_request.lora_name, Path(path or lora_request.lora_path), tensors
         )
@@ -93,7 +94,7 @@ class LoRAModel:
         try:
             bound = adapter.max_abs()  # of the stored values: the check below is against the target dtype
             tensors = adapter.tensors_in(dtype)
-            loras, num_bytes = _build_loras(tensors, name, peft_helper, model, dtype, device, bound)
+            loras, num_bytes = _build_loras(tensors, name, peft_helper, targets, dtype, device, bound)
         except BaseException:
             with contextlib.suppress(Exception):
                 pending.result()  # never leave hashing threads behind a failed load
@@ -113,7 +114,7 @@ def _build_loras(
     tensors: dict[str, torch.Tensor],
     name: str,
     peft_helper: PEFTHelper,
-    model: nn.Module,
+    targets: LoRATargets,
     dtype: torch.dtype,
     device: torch.device | str,
     bound: float | None = None,
@@ -122,7 +123,6 @@ def _build_loras(
     stays beside B: slots fold it in as they copy B (`LoRABuffers.write`), saving a pass here.
     `bound`: the largest |value| of all tensors when the caller has found it in one pass (else each
     tensor is checked on its own)."""
-    targets = LoRATargets.from_model(model)
     by_module = group_keys(tensors, name, peft_helper.bias != "none")
     if not by_module:
         raise LoRAAdapterError(f"LoRA adapter '{name}' has no LoRA weights")
@@ -136,12 +136,10 @@ def _build_loras(
         )
     loras: dict[str, ModuleLoRA] = {}
     packed: dict[str, list[LoRALayerWeights | None]] = {}
-    # With --lora-target-modules only some layers take LoRA: weights for the others are skipped.
-    restricted = any(hasattr(m, "lora_a_stacked") for m in targets.modules.values())
     skipped = []
     for module_name, parts in sorted(by_module.items()):
         base, packed_name, index = targets.locate(module_name)
-        if restricted and not hasattr(base, "lora_a_stacked"):
+        if not targets.takes_lora(packed_name or module_name):  # --lora-target-modules left it out
             skipped.append(module_name.rpartition(".")[2])
             continue
         offsets = base.slice_offsets() if packed_name else [0, base.out_features]

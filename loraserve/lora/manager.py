@@ -2,9 +2,11 @@
 
 Three parts, one lock: the registry (adapters the engine serves, digests, removals in progress), the
 host cache (up to `max_cpu_loras` validated adapters in memory, each read once) and the slot table
-(the `max_loras` compute slots of the wrapped layers). Evicting an adapter from the host also frees
-its slot. The adapters of the current step are never evicted from either tier, pinned adapters never
-leave their slot. The host cache's order is that of request arrivals (`register`), and it evicts an
+(the `max_loras` compute slots of the wrapped layers). A load goes one way: the folder
+(`AdapterLocations`), the memory of broken files (`FailedLoads`), `adapter_read.read_adapter` with the
+model's `LoRATargets` (built once, here), then the host cache and a free slot; the parts never call
+back. Evicting an adapter from the host also frees its slot. The adapters of the current step are
+never evicted from either tier, pinned adapters never leave their slot. The host cache's order is that of request arrivals (`register`), and it evicts an
 adapter that queued requests still need only when all are needed: the engine names its queue's
 adapters through `follow_demand` (read on the engine thread; other threads' loads see its latest
 snapshot).
@@ -19,11 +21,11 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import time
 import types
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
-from functools import partial
 
 import torch
 from torch import nn
@@ -36,14 +38,15 @@ from loraserve.errors import (
     LoRAAdapterNotFoundError,
 )
 from loraserve.lora.adapter_path import AdapterLocations
+from loraserve.lora.adapter_read import ReadLimits, read_adapter
 from loraserve.lora.digest import PendingDigest
 from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
-from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.registry import AdapterRegistry
 from loraserve.lora.request import LoRARequest
+from loraserve.lora.single_flight import SingleFlight
 from loraserve.lora.slot_table import SlotTable
 from loraserve.lora.targets import LoRATargets
 
@@ -56,18 +59,21 @@ class LoRAManager:
         self._lora_dtype = lora_config.lora_dtype or dtype
         self._lock = threading.RLock()
         self._registry = AdapterRegistry()
-        _check_target_modules(model, lora_config)
-        self._slots = SlotTable(wrap_model_for_lora(model, lora_config), lora_config.max_loras)
-        # A weights file larger than any valid adapter for this model and max_lora_rank is refused by size.
-        max_file_bytes = LoRATargets.from_model(model).max_adapter_bytes(lora_config.max_lora_rank)
+        targets = LoRATargets.from_model(model)  # the one look at the model's modules
+        targets.check_target_modules(lora_config.target_modules)
+        wrapped = wrap_model_for_lora(model, lora_config)
+        self._slots = SlotTable(wrapped, lora_config.max_loras)
+        self._targets = targets.restricted_to(wrapped)
+        self._limits = ReadLimits.for_targets(
+            targets, lora_config.max_lora_rank, lora_config.enable_lora_bias, self._lora_dtype
+        )
         # No bound method of the manager goes into its parts: a cycle would keep every cached adapter
         # alive after the engine is dropped, until a garbage-collector pass (seconds of freeing GBs).
         self._locations = AdapterLocations()  # lora_path (maybe ~ or a Hub repo id) -> local folder
         # The same broken files fail fast, without another read; fingerprinted where they really are.
-        self._failed = FailedLoads(self._locations.known_folder)
-        read_files = partial(read_adapter, model, lora_config, self._lora_dtype, max_file_bytes, self._locations)
-        read = partial(self._failed.read, read_files)
-        self._host = HostCache(lora_config.cpu_capacity, read, self._lock, self._slots.release)
+        self._failed = FailedLoads()
+        self._host = HostCache(lora_config.cpu_capacity)
+        self._flights = SingleFlight()  # one disk read per adapter however many threads ask
         self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
         # Adapters being removed (unloaded or replaced in place) whose requests still run: their cached
         # copy may be the only one left (files deleted or overwritten), so the host cache keeps them.
@@ -156,13 +162,12 @@ class LoRAManager:
                 "it in place once they finish, or under a new id."
             )
         self._locations.forget(old_id)  # a Hub repo id is looked up again: the point is new weights
-        fresh = self._host.read_fresh(lora_request)
+        fresh, elapsed = self._read(lora_request)
         digest = fresh.pending_digest
         with self._lock:
             pinned = old_id in self._slots.pinned_ids
             self._drop(old_id)
-            self._host.add(fresh, self._slots.pinned_ids | self._in_use)
-            self._admit(fresh)
+            self._put(fresh, self._slots.pinned_ids | self._in_use, elapsed)
             if pinned:
                 self._slots.pin(fresh, self._in_use)
             self._registry.add(lora_request, digest)
@@ -259,7 +264,7 @@ class LoRAManager:
                 return
             lora_request, digest = self._registry.requests[lora_id], self._registry.digests[lora_id]
         name, key = lora_request.lora_name, _changed_key(lora_id)
-        folder = self._failed.folder_of(lora_request) or lora_request.lora_path
+        folder = self._locations.known_folder(lora_request) or lora_request.lora_path
         files = self._failed.check(key, folder)
         try:
             reloaded = self.load(lora_request, protected=step_ids)
@@ -326,13 +331,60 @@ class LoRAManager:
         """The adapter from the host cache, else read, validated and cached (and written into a free
         slot, if any). To make room the cache evicts no pinned adapter, no `protected` one (default:
         the adapters of the current step), no retained one (being removed while requests run) and
-        none of `also_keep`."""
+        none of `also_keep`. The read runs outside the lock; concurrent loads of one id read once."""
+        lora_id = lora_request.lora_id
+        with self._flights.hold(lora_id):  # a per-id lock: loads of other adapters go on
+            with self._lock:
+                cached = self._host.hit(lora_id)  # maybe read by the thread this one waited for
+            if cached is not None:
+                return cached
+            lora_model, elapsed = self._read(lora_request)
+            with self._lock:
+                step = self._in_use if protected is None else frozenset(protected)
+                keep = self._slots.pinned_ids | step | self._retained | frozenset(also_keep)
+                return self._put(lora_model, keep, elapsed)
 
-        def keep() -> frozenset[int]:
-            step = self._in_use if protected is None else frozenset(protected)
-            return self._slots.pinned_ids | step | self._retained | frozenset(also_keep)
+    def _read(self, lora_request: LoRARequest) -> tuple[LoRAModel, float]:
+        """The adapter read and validated (`read_adapter`), and the seconds it took, in one line:
+        its local folder (`~` expanded, a Hub repo downloaded), the memory of broken files (the same
+        files fail again at once, after a few stats), the read. A failure is counted and leaves no
+        trace, its location included; a failure of these files is remembered."""
+        key = (lora_request.lora_name, lora_request.lora_path)
+        start = time.perf_counter()
+        try:
+            folder = self._locations.local_path(lora_request)
+            files = self._failed.check(key, folder)  # passing it drops any memory of other files
+            try:
+                lora_model = read_adapter(folder, lora_request, self._targets, self._limits)
+            except LoRAAdapterError as error:
+                self._failed.record(key, files, error)
+                raise
+        except BaseException:
+            self._locations.forget(lora_request.lora_id)
+            with self._lock:
+                self._host.count_failure()
+            raise
+        return lora_model, time.perf_counter() - start
 
-        return self._host.load(lora_request, keep, self._admit)
+    def _put(self, lora_model: LoRAModel, keep: Collection[int], elapsed: float) -> LoRAModel:
+        """Cache a fresh read (evicted adapters leave their slots) and upload it to a free slot; the
+        adapter already cached under its id if another load got there first (under the lock)."""
+        try:
+            evicted = self._host.add(lora_model, keep)
+            if evicted is None:
+                return self._host.peek(lora_model.lora_id) or lora_model
+            for lora_id in evicted:
+                self._slots.release(lora_id)
+            try:
+                self._admit(lora_model)
+            except Exception:
+                self._host.remove(lora_model.lora_id)
+                raise
+        except Exception:
+            self._host.count_failure()
+            raise
+        self._host.count_load(elapsed)
+        return lora_model
 
     def get_adapter(self, lora_id: int) -> LoRAModel | None:
         with self._lock:
@@ -374,48 +426,11 @@ class LoRAManager:
             counters = {**asdict(self._host.counters), **asdict(self._slots.counters)}
             out: dict[str, int | float | list[float]] = {f"lora_{k}": v for k, v in counters.items()}
             out["lora_num_cached"] = self._host.num_cached
-            out["lora_num_loading"] = self._host.num_loading
+            out["lora_num_loading"] = len(self._flights)
             out["lora_num_active_slots"] = self._slots.num_used
             out["lora_num_pinned"] = len(self._slots.pinned_ids)
             out["lora_load_seconds"] = self._host.drain_latencies()
             return out
-
-
-def read_adapter(
-    model: nn.Module,
-    lora_config: LoRAConfig,
-    lora_dtype: torch.dtype,
-    max_file_bytes: int | None,
-    locations: AdapterLocations,
-    lora_request: LoRARequest,
-) -> LoRAModel:
-    """Read and validate the adapter of `lora_request` for `model` (host memory, `lora_dtype`); its
-    path may start with `~` or be a Hugging Face repo id (`adapter_path.py`)."""
-    try:
-        folder = locations.local_path(lora_request)
-        helper = PEFTHelper.from_local_dir(
-            folder, lora_request.lora_name, lora_config.max_lora_rank, lora_config.enable_lora_bias
-        )
-        return LoRAModel.from_local_checkpoint(folder, lora_request, helper, model, lora_dtype, "cpu", max_file_bytes)
-    except OSError as e:  # the files are the client's (or a resolver's): never a 500, never a path
-        locations.forget(lora_request.lora_id)
-        raise LoRAAdapterError(f"LoRA adapter '{lora_request.lora_name}': its files cannot be read ({e.strerror})") from None
-    except BaseException:
-        locations.forget(lora_request.lora_id)  # a failed load leaves no trace, its location included
-        raise
-
-
-def _check_target_modules(model: nn.Module, lora_config: LoRAConfig) -> None:
-    """--lora-target-modules may only name modules this model can put LoRA on."""
-    if lora_config.target_modules is None:
-        return
-    supported = LoRATargets.from_model(model).supported_leaf_names()
-    unknown = sorted(set(lora_config.target_modules) - set(supported))
-    if unknown:
-        raise ValueError(
-            f"--lora-target-modules names {unknown}, which this model has no LoRA-capable module for; "
-            f"choose among {supported}"
-        )
 
 
 def _changed_key(lora_id: int) -> tuple[str, int]:

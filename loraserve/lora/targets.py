@@ -1,9 +1,12 @@
 """Which modules of a model take LoRA: every `Linear` but the vocab projection, and the checkpoint
-names (q_proj, k_proj, ...) of the slices of its packed modules (qkv_proj, gate_up_proj)."""
+names (q_proj, k_proj, ...) of the slices of its packed modules (qkv_proj, gate_up_proj). Built once
+per model (by the manager) and handed to every adapter read."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from torch import nn
@@ -24,10 +27,13 @@ class LoRATargets:
     modules:     full module name -> Linear (a LinearWithLoRA once wrapped).
     sub_modules: checkpoint sub-module name -> (packed module name, slice index), e.g.
                  "model.layers.0.self_attn.k_proj" -> ("model.layers.0.self_attn.qkv_proj", 1).
+    applied:     the modules that take LoRA when --lora-target-modules leaves some out (`restricted_to`);
+                 None: all of them. An adapter's weights for the others are skipped, not refused.
     """
 
     modules: dict[str, Linear]
     sub_modules: dict[str, tuple[str, int]]
+    applied: frozenset[str] | None = None
 
     @classmethod
     def from_model(cls, model: nn.Module) -> LoRATargets:
@@ -41,6 +47,27 @@ class LoRATargets:
                 for i, sub in enumerate(subs):
                     sub_modules[f"{prefix}.{sub}" if prefix else sub] = (name, i)
         return cls(modules=modules, sub_modules=sub_modules)
+
+    def restricted_to(self, module_names: Iterable[str]) -> LoRATargets:
+        """These targets with LoRA applied to `module_names` only (the layers actually wrapped)."""
+        applied = frozenset(module_names)
+        return dataclasses.replace(self, applied=None if applied >= self.modules.keys() else applied)
+
+    def takes_lora(self, module_name: str) -> bool:
+        """Whether `module_name` (a full name in `modules`) carries LoRA in this server."""
+        return self.applied is None or module_name in self.applied
+
+    def check_target_modules(self, target_modules: Collection[str] | None) -> None:
+        """--lora-target-modules may only name modules this model can put LoRA on."""
+        if target_modules is None:
+            return
+        supported = self.supported_leaf_names()
+        unknown = sorted(set(target_modules) - set(supported))
+        if unknown:
+            raise ValueError(
+                f"--lora-target-modules names {unknown}, which this model has no LoRA-capable module for; "
+                f"choose among {supported}"
+            )
 
     def supported_leaf_names(self) -> list[str]:
         """Module names an adapter may target (e.g. q_proj, v_proj, qkv_proj, down_proj)."""

@@ -216,54 +216,49 @@ def test_registered_adapter_changed_on_disk_never_serves_the_new_weights(
 def test_failed_loads_under_a_home_path_are_retried_once_fixed(tmp_path, monkeypatch) -> None:
     """A `~/...` adapter is fingerprinted at its real folder: fixing its files lets the next load read
     them again (keyed on the raw path, every fingerprint was 'missing' and the error stuck forever)."""
-    import os
-
-    from loraserve.errors import LoRAAdapterError
-    from loraserve.lora.adapter_path import AdapterLocations
-    from loraserve.lora.failed_loads import FailedLoads
-    from loraserve.lora.request import LoRARequest
+    import loraserve.lora.manager as manager_module
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    folder = tmp_path / "ad"
-    folder.mkdir()
+    folder = write_stand_in_adapter(tmp_path / "ad", 1)
     config = folder / "adapter_config.json"
+    good_config = config.read_text()
     config.write_text("{broken")
     reads: list[str] = []
+    real_read = manager_module.read_adapter
 
-    def read(request: LoRARequest) -> str:
-        reads.append(request.lora_path)
-        if config.read_text() == "{broken":
-            raise LoRAAdapterError("LoRA adapter 'ad': adapter_config.json is not valid JSON")
-        return "loaded"
+    def counting_read(folder: str, *args: object) -> object:
+        reads.append(folder)
+        return real_read(folder, *args)  # type: ignore[arg-type]
 
-    failed = FailedLoads(AdapterLocations().known_folder)
+    monkeypatch.setattr(manager_module, "read_adapter", counting_read)
+    manager = LoRAManager(StandInLlama(), LoRAConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=8),
+                          torch.float32, "cpu")  # fmt: skip
     request = LoRARequest("ad", 1, "~/ad")
     for _ in range(2):
         with pytest.raises(LoRAAdapterError, match="not valid JSON"):
-            failed.read(read, request)  # type: ignore[arg-type]
-    assert len(reads) == 1  # the second failure came from memory
-    config.write_text("{}")
+            manager.register(request)
+    assert reads == [str(folder)]  # the real folder; the second failure came from memory
+    config.write_text(good_config)
     os.utime(config, ns=(1, 1))  # a new mtime even on a coarse clock
-    assert failed.read(read, request) == "loaded"  # type: ignore[arg-type]
-    assert len(reads) == 2
+    manager.register(request)
+    assert len(reads) == 2 and manager.is_registered(1)
 
 
 def test_hub_ids_not_downloaded_are_not_remembered(tmp_path, monkeypatch) -> None:
     """A failure before any local files exist (a Hub download that failed) is retried next time."""
-    from loraserve.errors import LoRAAdapterError
-    from loraserve.lora.adapter_path import AdapterLocations
-    from loraserve.lora.failed_loads import FailedLoads
-    from loraserve.lora.request import LoRARequest
+    import loraserve.lora.adapter_path as adapter_path
 
     monkeypatch.chdir(tmp_path)
-    calls: list[int] = []
+    calls: list[str] = []
 
-    def read(request: LoRARequest) -> str:
-        calls.append(1)
-        raise LoRAAdapterError("LoRA adapter 'hub': downloading failed")
+    def failing_download(repo_id: str, subfolder: str, lora_path: str, lora_name: str) -> str:
+        calls.append(repo_id)
+        raise LoRAAdapterError(f"LoRA adapter '{lora_name}': downloading failed")
 
-    failed = FailedLoads(AdapterLocations().known_folder)
+    monkeypatch.setattr(adapter_path, "_download", failing_download)
+    manager = LoRAManager(StandInLlama(), LoRAConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=8),
+                          torch.float32, "cpu")  # fmt: skip
     for _ in range(3):
-        with pytest.raises(LoRAAdapterError):
-            failed.read(read, LoRARequest("hub", 2, "some-org/some-adapter"))  # type: ignore[arg-type]
-    assert len(calls) == 3 and len(failed) == 0
+        with pytest.raises(LoRAAdapterError, match="downloading failed"):
+            manager.register(LoRARequest("hub", 2, "some-org/some-adapter"))
+    assert calls == ["some-org/some-adapter"] * 3

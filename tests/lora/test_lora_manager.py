@@ -5,6 +5,7 @@ in-step protection), all through their public APIs."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,14 +24,18 @@ from loraserve.lora.lru import CacheFullError, LRUCache
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
+from loraserve.lora.single_flight import SingleFlight
 from loraserve.lora.slot_table import SlotTable
+from loraserve.lora.targets import LoRATargets
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
 
 
 def _adapter(model: nn.Module, lora_id: int) -> LoRAModel:
     name = f"ad{lora_id}"
     helper = PEFTHelper.from_dict(CONFIG, name, max_lora_rank=8)
-    return LoRAModel.from_tensors(_tensors(lora_id), LoRARequest(name, lora_id, ""), helper, model, torch.float32)
+    targets = LoRATargets.from_model(model)
+    request = LoRARequest(name, lora_id, "")
+    return LoRAModel.from_tensors(_tensors(lora_id), request, helper, targets, torch.float32)
 
 
 def _holds(model: StandInLlama, slot: int, lora_id: int | None) -> bool:
@@ -158,45 +163,56 @@ def test_write_refused_midway_leaves_a_clean_free_slot(cpu_kernel: str, monkeypa
     assert table.acquire(adapters[2], keep={2}) == victim_slot  # the slot is free again
 
 
-# ---- HostCache -----------------------------------------------------------------------------------
-def test_host_cache_single_flight_and_failures() -> None:
+# ---- HostCache and SingleFlight -----------------------------------------------------------------
+def test_host_cache_is_a_plain_lru_that_reports_evictions() -> None:
     model = StandInLlama()
-    reads: list[int] = []
-    barrier = threading.Barrier(6)
+    host = HostCache(2)
+    assert host.add(_adapter(model, 1), keep=()) == [] and host.add(_adapter(model, 2), keep=()) == []
+    assert host.add(_adapter(model, 1), keep=()) is None  # already cached: nothing changes
+    assert host.hit(1) is not None and host.hit(7) is None and host.counters.num_host_hits == 1
+    assert host.add(_adapter(model, 3), keep=()) == [2]  # 2 is the least recently used
+    assert host.add(_adapter(model, 4), keep={3}) == [1] and host.ids() == [3, 4]
+    host.set_needed((4,))
+    assert host.add(_adapter(model, 5), keep=()) == [3]  # the queue needs 4: 3 goes though newer
+    with pytest.raises(LoRAAdapterError, match="no room in host memory"):
+        host.add(_adapter(model, 6), keep={4, 5})
+    assert host.ids() == [4, 5] and host.counters.num_host_evictions == 3
+    host.count_load(0.5)
+    host.count_failure()
+    assert host.counters.num_loads == 1 and host.counters.num_load_failures == 1
+    assert host.drain_latencies() == [0.5] and host.drain_latencies() == []
 
-    def read(request: LoRARequest) -> LoRAModel:
-        reads.append(request.lora_id)
-        if request.lora_id == 9:
-            raise LoRAAdapterError("LoRA adapter 'ad9': broken")
-        return _adapter(model, request.lora_id)
 
-    evicted: list[int] = []
-    host = HostCache(2, read, threading.RLock(), evicted.append)
-    results: list[LoRAModel] = []
+def test_single_flight_runs_one_holder_per_key() -> None:
+    flights = SingleFlight()
+    inside, most_inside, entered, lock = [0], [0], [0], threading.Lock()
+    in_two = threading.Event()
 
-    def load() -> None:
-        barrier.wait()
-        results.append(host.load(LoRARequest("ad1", 1, ""), frozenset, lambda m: None))
+    def hold_one() -> None:
+        with flights.hold(1):
+            with lock:
+                inside[0] += 1
+                entered[0] += 1
+                most_inside[0] = max(most_inside[0], inside[0])
+                first = entered[0] == 1
+            if first:  # the others all queue up behind the first holder before it lets go
+                deadline = time.monotonic() + 60
+                while flights.waiting(1) < 4 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            assert in_two.wait(timeout=60)  # key 2 is never held up by key 1
+            with lock:
+                inside[0] -= 1
 
-    threads = [threading.Thread(target=load) for _ in range(6)]
+    def hold_two() -> None:
+        with flights.hold(2):
+            in_two.set()
+
+    threads = [threading.Thread(target=hold_one) for _ in range(4)] + [threading.Thread(target=hold_two)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert reads == [1] and all(r is results[0] for r in results) and host.num_loading == 0
-    assert host.counters.num_loads == 1 and host.counters.num_host_hits == 5
-    with pytest.raises(LoRAAdapterError, match="ad9"):
-        host.load(LoRARequest("ad9", 9, ""), frozenset, lambda m: None)
-    with pytest.raises(RuntimeError, match="refused"):  # an admit that fails unregisters the adapter
-
-        def refuse(lora_model: LoRAModel) -> None:
-            raise RuntimeError("refused")
-
-        host.load(LoRARequest("ad2", 2, ""), frozenset, refuse)
-    assert host.ids() == [1] and host.counters.num_load_failures == 2 and len(host.drain_latencies()) == 1
-    host.load(LoRARequest("ad3", 3, ""), frozenset, lambda m: None)
-    host.load(LoRARequest("ad4", 4, ""), lambda: frozenset({1}), lambda m: None)  # 3 goes, 1 is kept
-    assert host.ids() == [1, 4] and evicted == [3] and host.counters.num_host_evictions == 1
+    assert entered[0] == 4 and most_inside[0] == 1 and len(flights) == 0 and flights.waiting(1) == 0
 
 
 # ---- LoRAManager ---------------------------------------------------------------------------------
@@ -237,6 +253,36 @@ def test_register_remove_and_list(adapter_dir) -> None:  # type: ignore[no-untyp
         manager.register(adapter_dir(2))  # a request that resolved it before the unload
     manager.register(adapter_dir(2), explicit=True)  # an explicit add lifts the unload
     assert manager.is_registered(2)
+
+
+def test_concurrent_first_loads_read_once(adapter_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Six threads ask for one cold adapter at once: one disk read, the others wait for it (hits)."""
+    import loraserve.lora.manager as manager_module
+
+    manager, _ = _manager(2, 3)
+    request, reads = adapter_dir(1), []
+    real_read = manager_module.read_adapter
+
+    def counting_read(*args: object) -> LoRAModel:
+        reads.append(1)
+        return real_read(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(manager_module, "read_adapter", counting_read)
+    barrier, results = threading.Barrier(6), []
+
+    def load() -> None:
+        barrier.wait()
+        results.append(manager.load(request))
+
+    threads = [threading.Thread(target=load) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = manager.stats()
+    assert len(reads) == 1 and len(results) == 6 and all(r is results[0] for r in results)
+    assert stats["lora_num_loads"] == 1 and stats["lora_num_host_hits"] == 5
+    assert stats["lora_num_loading"] == 0
 
 
 def test_deferred_removal_completes_when_unused(adapter_dir) -> None:  # type: ignore[no-untyped-def]

@@ -18,10 +18,11 @@ from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.config import LoRAConfig
 from loraserve.errors import LoRAAdapterError
+from loraserve.lora.adapter_read import ReadLimits, read_adapter
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.manager import LoRAManager
-from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
+from loraserve.lora.targets import LoRATargets
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
 
 ALL_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -194,10 +195,8 @@ def llama_and_adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, An
 
 
 def _load(folder: Path, model: Any, name: str = "a", enable_bias: bool = False) -> LoRAModel:
-    helper = PEFTHelper.from_local_dir(folder, name, max_lora_rank=16, enable_lora_bias=enable_bias)
-    return LoRAModel.from_local_checkpoint(
-        folder, LoRARequest(name, 1, str(folder)), helper, model, torch.float32
-    )
+    limits = ReadLimits(max_lora_rank=16, enable_lora_bias=enable_bias, dtype=torch.float32)
+    return read_adapter(folder, LoRARequest(name, 1, str(folder)), LoRATargets.from_model(model), limits)
 
 
 def _copy_adapter(
@@ -358,12 +357,11 @@ def test_overflowing_lora_terms_are_refused_in_bfloat16(
         tensors[q_a] = tensors[q_a].clone()
         tensors[q_a][1, 3] = -3e38
     target = _copy_adapter(folder, tmp_path / case, tensors, **config)
-    helper = PEFTHelper.from_local_dir(target, "big", max_lora_rank=16)
+    limits = ReadLimits(max_lora_rank=16, enable_lora_bias=False, dtype=torch.bfloat16)
 
     def load() -> LoRAModel:
-        return LoRAModel.from_local_checkpoint(
-            target, LoRARequest("big", 1, str(target)), helper, native, torch.bfloat16
-        )
+        request = LoRARequest("big", 1, str(target))
+        return read_adapter(target, request, LoRATargets.from_model(native), limits)
 
     if case == "fine":
         assert load().loras

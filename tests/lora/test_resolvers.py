@@ -12,6 +12,7 @@ import shutil
 import pytest
 from support.adapter_files import unsafe_configs
 
+from loraserve.errors import LoRAAdapterBaseMismatchError, LoRAAdapterError
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
 from loraserve.lora.resolvers.filesystem_resolver import FilesystemResolver, register_filesystem_resolver
@@ -79,29 +80,46 @@ def test_filesystem_resolver_accepts_matching_lora(tmp_path) -> None:
     assert found is not None and found.lora_name == "sql"
     assert os.path.realpath(found.lora_path) == os.path.realpath(path) and found.base_model_name == BASE
     assert resolve(resolver, "team/nested") is not None
-    assert resolve(resolver, "sql", base="other/base") is None  # trained for another model
-    assert resolve(resolver, "missing") is None
+    assert resolve(resolver, "missing") is None  # no such folder: not here (404)
+    (tmp_path / "empty").mkdir()
+    assert resolve(resolver, "empty") is None  # a folder without adapter_config.json: no adapter here
+
+
+def test_filesystem_resolver_refuses_an_adapter_for_another_base(tmp_path) -> None:
+    """Found, but trained for another model: said (400), with the base it names, never skipped silently."""
+    path = make_adapter(str(tmp_path / "sql"))
+    with pytest.raises(LoRAAdapterBaseMismatchError, match="trained for base model 'org/base-model'") as info:
+        resolve(FilesystemResolver(str(tmp_path)), "sql", base="other/base")
+    assert "base_model_name_or_path" in str(info.value) and "'sql'" in str(info.value)
+    assert info.value.adapter_base == BASE
+    assert os.path.realpath(info.value.lora_path) == os.path.realpath(path)
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("config", "reason"),
     [
-        '{"peft_type": "PREFIX_TUNING", "base_model_name_or_path": "org/base-model"}',
-        "not json",
-        "[1, 2]",
-        '{"base_model_name_or_path": "org/base-model"}',
+        ('{"peft_type": "PREFIX_TUNING", "base_model_name_or_path": "org/base-model"}', "'PREFIX_TUNING'"),
+        ("not json", "is not valid JSON"),
+        ("[1, 2]", "must hold a JSON object, got list"),
+        ('{"base_model_name_or_path": "org/base-model"}', "got None .field 'peft_type'"),
+        ("[" * 40 + "]" * 40, "nests 40 levels deep"),
     ],
 )
-def test_filesystem_resolver_rejects_bad_configs(tmp_path, config: str) -> None:
+def test_filesystem_resolver_refuses_bad_configs_saying_why(tmp_path, config: str, reason: str) -> None:
+    """A folder that exists with a config that does not read or is no LoRA: a refusal naming the
+    adapter and the problem (the client's 400), not "no such adapter"."""
     os.makedirs(tmp_path / "bad")
     (tmp_path / "bad" / "adapter_config.json").write_text(config)
-    assert resolve(FilesystemResolver(str(tmp_path)), "bad") is None
+    with pytest.raises(LoRAAdapterError, match=f"LoRA adapter 'bad': .*{reason}") as info:
+        resolve(FilesystemResolver(str(tmp_path)), "bad")
+    assert not isinstance(info.value, LoRAAdapterBaseMismatchError)
 
 
-def test_filesystem_resolver_skips_unsafe_config_files(tmp_path) -> None:
+def test_filesystem_resolver_refuses_unsafe_config_files_unread(tmp_path) -> None:
     resolver = FilesystemResolver(str(tmp_path))
-    for name in unsafe_configs(tmp_path):
-        assert resolve(resolver, name) is None
+    for name, (_, why) in unsafe_configs(tmp_path).items():
+        with pytest.raises(LoRAAdapterError, match=f"LoRA adapter '{name}': .*{why}"):
+            resolve(resolver, name)
 
 
 def test_filesystem_resolver_names_stay_inside(tmp_path) -> None:
@@ -213,7 +231,8 @@ def test_hf_hub_resolver(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
         "org/lorasx/a",
     ):
         assert resolve(resolver, name) is None, name
-    assert resolve(resolver, "org/loras/adapters/chat", base="another/base") is None  # base mismatch
+    with pytest.raises(LoRAAdapterBaseMismatchError):  # found, for another base: said, not skipped
+        resolve(resolver, "org/loras/adapters/chat", base="another/base")
     assert len(hub.downloads) == num_downloads + 1  # only the base-mismatch lookup downloaded
 
 

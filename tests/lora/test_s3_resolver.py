@@ -18,7 +18,7 @@ import pytest
 from support.harness import wait_for
 from support.moto_s3 import FAKE_AWS_ENV, MotoS3, closed_port_url, moto_s3_server, upload_adapter
 
-from loraserve.errors import LoRAAdapterError, LoRAAdapterUnavailableError
+from loraserve.errors import LoRAAdapterBaseMismatchError, LoRAAdapterError, LoRAAdapterUnavailableError
 from loraserve.lora.resolver import LoRAResolverRegistry
 from loraserve.lora.resolvers.s3_config import S3StoreConfig
 from loraserve.lora.resolvers.s3_resolver import RESOLVER_NAME, S3Resolver, register_s3_resolver
@@ -98,8 +98,9 @@ def test_found_then_served_from_cache(store: Store, peft_adapter: dict[str, str]
     again = resolve(S3Resolver(s3_store), "sql", peft_adapter["base"])
     assert again is not None and again.lora_path == found.lora_path
     assert (s3_store.num_listings, s3_store.num_downloads) == (1, 1)
-    # Another base model: the adapter is not for it.
-    assert resolve(S3Resolver(s3_store), "sql", "org/other-base") is None
+    # Another base model: the adapter is found but not for it (the client's 400 says so).
+    with pytest.raises(LoRAAdapterBaseMismatchError, match="base_model_name_or_path"):
+        resolve(S3Resolver(s3_store), "sql", "org/other-base")
 
 
 def test_new_process_reuses_complete_copy_and_replaces_broken_one(store: Store, peft_adapter: dict[str, str]) -> None:

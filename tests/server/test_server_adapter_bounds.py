@@ -126,8 +126,8 @@ def test_hostile_adapters_are_4xx_with_bounded_memory_and_a_live_server(adapter_
                 _expect(
                     load("deep-by-path", "deep-config"), 400, "'deep-by-path'", "nests 100001 levels deep"
                 )
-                # The resolver skips a config it cannot read (logged): no such adapter, a 404.
-                _expect(complete("deep-config"), 404, "'deep-config'")
+                # The resolver found the folder: its unreadable config is a 400 saying why, not a 404.
+                _expect(complete("deep-config"), 400, "'deep-config'", "nests 100001 levels deep")
                 _expect(complete("huge-alpha"), 400, "'huge-alpha'", "has weights whose LoRA term")
             assert complete("good").status_code == 200 and complete("tiny").status_code == 200
         peak_kb = _status_kb(pid, "VmHWM") if peak_reset else max(watch.rss_kb)

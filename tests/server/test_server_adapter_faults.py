@@ -4,7 +4,8 @@
 Covered: a 2 GB sparse weights file, a catastrophic `target_modules` / `layers_pattern` regex, a path
 component too long for the file system, an evicted adapter whose folder was deleted (404) or whose
 files changed (409, until unloaded and loaded again, which serves the new weights with no stale KV),
-and broken adapters found by a resolver in a server directory.
+and broken adapters found by a resolver in a server directory (a config that does not read, no LoRA or
+another base model: a 400 saying why; an adapter naming the served name instead of the model path loads).
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ def _write_resolver_adapters(root: Path, model_dir: str) -> None:
             weights.unlink()
     torch.save({"x": _Exploit()}, resolver / "pickled" / "adapter_model.bin")
     (resolver / "garbage" / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 64) + b"\xff" * 64)
+    bases = {"other-base": "org/other-base", "other-local-base": "/models/other", "by-name": "tiny"}
+    for name, base in bases.items():
+        shutil.copytree(root / "v1", resolver / name)
+        config = resolver / name / "adapter_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": base}))
+    for name, text in (("deep", "[" * 50 + "]" * 50), ("not-lora", '{"peft_type": "IA3"}')):
+        (resolver / name).mkdir()
+        (resolver / name / "adapter_config.json").write_text(text)
     assert json.loads((resolver / "pickled" / "adapter_config.json").read_text())["base_model_name_or_path"] == model_dir
 
 
@@ -199,3 +208,31 @@ def test_resolved_broken_adapters_show_no_server_paths(faults, name: str, phrase
     by_path = load(server, f"{name}-by-path", str(root / "resolver" / name))
     assert "weights_only" not in assert_error(by_path, 400, phrase, root=root)
     assert_error(load(server, "missing", str(root / "nowhere")), 404, "No adapter found for LoRA adapter 'missing'", root=root)
+
+
+@pytest.mark.parametrize(
+    ("name", "phrases"),
+    [
+        ("other-base", ("trained for base model 'org/other-base'", "base_model_name_or_path")),
+        ("other-local-base", ("trained for base model a local model path", "base_model_name_or_path")),
+        ("deep", ("adapter_config.json nests 50 levels deep",)),
+        ("not-lora", ("only LORA adapters are supported, got 'IA3'", "field 'peft_type'")),
+    ],
+)
+def test_resolved_adapter_with_a_bad_config_is_a_400_saying_why(faults, name: str, phrases: tuple) -> None:
+    """The resolver found the folder: the client learns what is wrong with it, not "no such adapter"."""
+    server, root = faults
+    found = f"The lora adapter '{name}' was found but failed to load"
+    message = assert_error(complete(server, name), 400, found, *phrases, root=root)
+    assert "/models/other" not in message
+    assert_error(complete(server, "no-such-folder"), 404, "'no-such-folder' cannot be found", root=root)
+
+
+def test_resolved_adapter_may_name_the_served_name_as_its_base(faults) -> None:
+    """base_model_name_or_path "tiny" (the served name) while the server serves a folder: it loads."""
+    server, _ = faults
+    response = complete(server, "by-name")
+    assert response.status_code == 200, response.text
+    models = server.http.get("/v1/models").json()["data"]
+    card = next(m for m in models if m["id"] == "by-name")
+    assert card["parent"] == "tiny"

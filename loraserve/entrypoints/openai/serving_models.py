@@ -31,7 +31,12 @@ from loraserve.entrypoints.openai.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
 )
-from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError, LoRAAdapterUnavailableError
+from loraserve.errors import (
+    LoRAAdapterBaseMismatchError,
+    LoRAAdapterError,
+    LoRAAdapterNotFoundError,
+    LoRAAdapterUnavailableError,
+)
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
@@ -160,6 +165,13 @@ class OpenAIServingModels:
                 found = await resolver.resolve_lora(self.base_model_name, name)
             except LoRAAdapterNotFoundError:
                 continue
+            except LoRAAdapterBaseMismatchError as exc:
+                if not self._serves_base(exc.adapter_base):  # another model's adapter: a 400 saying so
+                    logger.warning("LoRA resolver %s refused %r: %s", type(resolver).__name__, name, exc)
+                    load_error = load_error or exc
+                    continue
+                # Resolvers match the model path; the adapter names a served name instead (the demo's do).
+                found = LoRARequest(name, 1, exc.lora_path, exc.adapter_base)  # id: `_add_lora` assigns one
             except LoRAAdapterError as exc:  # found but refused, or its store unreachable: said, not hidden
                 logger.warning(
                     "LoRA resolver %s could not provide %r: %s", type(resolver).__name__, name, exc
@@ -190,6 +202,13 @@ class OpenAIServingModels:
                 param="model",
             )
         raise APIError(not_found_message(name), HTTPStatus.NOT_FOUND, param="model")
+
+    def _serves_base(self, adapter_base: str | None) -> bool:
+        """Whether an adapter's base_model_name_or_path is a name or model path this server serves."""
+        if adapter_base is None:
+            return False
+        paths = {self.base_model_name, *(path.model_path for path in self.base_model_paths)}
+        return adapter_base in paths or self.is_base_model(adapter_base)
 
     async def _add_lora(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
         """Register one adapter in the engine under a fresh id; nothing is kept if the engine refuses it."""

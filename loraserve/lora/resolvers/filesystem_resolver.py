@@ -2,7 +2,11 @@
 
 `<LORASERVE_LORA_RESOLVER_CACHE_DIR>/<lora_name>/adapter_config.json` must describe a PEFT LoRA adapter
 trained for the served base model. Names never escape the directory: absolute names, `..` components and
-symlinks pointing outside it resolve to nothing.
+symlinks pointing outside it resolve to nothing. A name with no such folder, or a folder without an
+adapter_config.json, is "not here" (None: 404); a folder whose config cannot be read, is no JSON object,
+is no LoRA or names another base model is found but refused: a `LoRAAdapterError` naming the adapter and
+the problem (400), so the client learns why (`LoRAAdapterBaseMismatchError` for the base model, which the
+server may still accept when the name is one it serves under).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import logging
 import os
 
 from loraserve import envs
-from loraserve.errors import LoRAAdapterError
+from loraserve.errors import LoRAAdapterBaseMismatchError, LoRAAdapterError
+from loraserve.lora.config_fields import CONFIG_NAME, shown
 from loraserve.lora.peft_helper import read_adapter_config
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry
@@ -47,35 +52,34 @@ def path_inside(root: str, name: str) -> str | None:
     return candidate
 
 
-def usable_adapter_config(lora_name: str, lora_path: str) -> dict | None:
-    """The parsed adapter_config.json in `lora_path`, or None when missing, unsafe to read (not a
-    regular file, too large) or not a JSON object."""
-    try:
-        config = read_adapter_config(lora_path, lora_name)
-    except LoRAAdapterError as exc:
-        logger.info("Adapter %r skipped: %s", lora_name, exc)
-        return None
-    return config if isinstance(config, dict) else None
-
-
 def lora_request_from_path(lora_name: str, lora_path: str, base_model_name: str) -> LoRARequest | None:
-    """A LoRARequest for a PEFT LoRA adapter at `lora_path` made for `base_model_name`; else None."""
-    if not os.path.isdir(lora_path):
+    """A LoRARequest for the PEFT LoRA adapter at `lora_path` made for `base_model_name`; None when
+    there is no adapter folder there; LoRAAdapterError (LoRAAdapterBaseMismatchError for another base
+    model) when the folder holds one that cannot be served."""
+    if not os.path.isdir(lora_path) or not os.path.lexists(os.path.join(lora_path, CONFIG_NAME)):
         return None
-    config = usable_adapter_config(lora_name, lora_path)
-    if config is None:
-        return None
-    if config.get("peft_type") != "LORA":
-        logger.info("Adapter %r skipped: peft_type is %r, not 'LORA'.", lora_name, config.get("peft_type"))
-        return None
-    if config.get("base_model_name_or_path") != base_model_name:
-        logger.info(
-            "Adapter %r skipped: base_model_name_or_path %r is not the served model %r.",
-            lora_name,
-            config.get("base_model_name_or_path"),
-            base_model_name,
+    config = read_adapter_config(lora_path, lora_name)  # bounded; a LoRAAdapterError names the problem
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(
+            f"LoRA adapter '{lora_name}': {CONFIG_NAME} must hold a JSON object, got {type(config).__name__}"
         )
-        return None
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise LoRAAdapterError(
+            f"LoRA adapter '{lora_name}': only LORA adapters are supported, got {shown(peft_type)} "
+            f"(field 'peft_type' in {CONFIG_NAME})"
+        )
+    adapter_base = config.get("base_model_name_or_path")
+    if adapter_base != base_model_name:
+        # A local path of another model is a server path: named as such, not echoed.
+        local = isinstance(adapter_base, str) and os.path.isabs(adapter_base)
+        named = "a local model path" if local else None
+        raise LoRAAdapterBaseMismatchError(
+            f"LoRA adapter '{lora_name}': it was trained for base model {named or shown(adapter_base)}, which is not "
+            f"the model this server serves (field 'base_model_name_or_path' in {CONFIG_NAME})",
+            lora_path,
+            adapter_base if isinstance(adapter_base, str) else None,
+        )
     return LoRARequest(
         lora_name=lora_name,
         lora_int_id=UNASSIGNED_LORA_INT_ID,

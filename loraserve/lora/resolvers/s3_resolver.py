@@ -35,8 +35,8 @@ MAX_DOWNLOAD_THREADS = 8
 class S3Resolver(LoRAResolver):
     """Resolves `lora_name` to a verified local copy of `<prefix>/<lora_name>/` from `store`.
 
-    None when the store does not hold the name (or it is not a LoRA adapter for the served model);
-    LoRAAdapterError when it holds it but too large or failing a check (HTTP 400), and
+    None when the store does not hold the name; LoRAAdapterError when it holds it but too large,
+    failing a check, no LoRA adapter or made for another base model (HTTP 400), and
     LoRAAdapterUnavailableError when the store cannot be read (HTTP 503)."""
 
     def __init__(self, store: S3AdapterStore) -> None:
