@@ -21,6 +21,7 @@ most about MAX_LORA_REORDER_STEPS + MAX_LORA_BYPASS_STEPS steps for its turn at 
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -199,6 +200,9 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.request.first_scheduled_time is None:  # vLLM's queue time; usage's cached_tokens
+                seq.request.first_scheduled_time = time.time()
+                seq.request.num_cached_tokens = seq.num_computed_tokens
             admitted.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

@@ -109,6 +109,8 @@ class Request:
     error: str | None = None
     error_cause: Exception | None = None  # a client-caused failure (RequestOutput.error_cause)
     group_id: str | None = None  # requests of one API call (its prompts) share it and take turns as one
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
+    first_scheduled_time: float | None = None  # time.time() of its first admission (queue time's end)
 
     @property
     def turn_key(self) -> str:
