@@ -146,6 +146,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
         where = ".".join(loc)
         message = first.get("msg", "Invalid request")
+        if first.get("type"):  # pydantic's error type, which vLLM's message carries (clients match it)
+            message += f" [type={first['type']}]"
         num_fields = len({tuple(e.get("loc", ())[:2]) for e in errors})
         if num_fields > 1:
             message += f" (and {num_fields - 1} more problem(s))"
