@@ -223,3 +223,26 @@ def test_vllm_metrics_count_what_was_served(stack: Any) -> None:
     assert _value(after, "vllm:num_requests_running") == 0 and _value(after, "vllm:num_requests_waiting") == 0
     assert 0.0 <= _value(after, "vllm:kv_cache_usage_perc") <= 1.0
     assert ("vllm:kv_cache_usage_perc", (("engine", "0"), ("model_name", "tiny"))) in after
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_cache_salt_separates_prefix_caches(stack: Any, model: str) -> None:
+    server, _, _ = stack
+    prompt = _prompt(60 + len(model))
+    cached = (len(prompt) - 1) // BLOCK * BLOCK
+
+    def details(**extra: Any) -> Any:
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, **extra}
+        reply = server.http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]
+
+    assert details(cache_salt="tenant-a") is None
+    assert details(cache_salt="tenant-a") == {"cached_tokens": cached}  # the same salt shares blocks
+    assert details(cache_salt="tenant-b") is None  # another salt does not
+    assert details() is None  # nor a request without one
+    assert details() == {"cached_tokens": cached}
+    chat = {"model": model, "messages": [{"role": "user", "content": "salted question here"}], "max_tokens": 1}
+    first = server.http.post("/v1/chat/completions", json={**chat, "cache_salt": "s"}).json()["usage"]
+    second = server.http.post("/v1/chat/completions", json={**chat, "cache_salt": "s"}).json()["usage"]
+    assert first["prompt_tokens_details"] is None and second["prompt_tokens_details"] is not None

@@ -233,3 +233,24 @@ def test_validation_texts_are_vllms(server: RunningServer, client: openai.OpenAI
         "/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 2, "priority": 0}
     )
     assert ok.status_code == 200
+
+
+def test_priority_and_cache_salt_reach_the_engine(tokenizer, adapter_dir: str) -> None:
+    from loraserve.config import SchedulerConfig
+    from loraserve.entrypoints.openai.serving_models import LoRAModulePath
+
+    engine = FakeEngine(tokenizer)
+    engine.scheduler_config = SchedulerConfig(scheduling_policy="priority")
+    options = ServerOptions(served_model_names=["base"], lora_modules=[LoRAModulePath("sql", adapter_dir)])
+    with RunningServer(engine, options) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0)
+        for model in ("base", "sql"):
+            client.completions.create(
+                model=model, prompt=["a", "b"], max_tokens=2, extra_body={"priority": -3, "cache_salt": "t1"}
+            )
+            assert engine.priorities_seen[-2:] == [-3, -3] and engine.salts_seen[-2:] == ["t1", "t1"]
+            client.chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=2, extra_body={"priority": 7}
+            )
+            assert engine.priorities_seen[-1] == 7
+            assert len(engine.salts_seen) == 2 * (1 + (model == "sql"))  # no salt: a plain prompt

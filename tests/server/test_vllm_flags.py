@@ -214,7 +214,7 @@ VLLM_0_11_FLAGS: dict[str, str] = {
     "--max-long-partial-prefills": N,
     "--long-prefill-token-threshold": N,
     "--num-lookahead-slots": N,
-    "--scheduling-policy": N,
+    "--scheduling-policy": W,
     "--enable-chunked-prefill": W,
     "--disable-chunked-mm-input": N,
     "--scheduler-cls": R,

@@ -105,7 +105,9 @@ class OpenAIServingChat(OpenAIServing):
             num_top = logprob_count(request.top_logprobs or 0, self.engine.model_config.vocab_size)
         params = self.sampling_params(request, max_tokens, num_top, request.prompt_logprobs)
         request_id = response_id("chatcmpl", request)
-        prompt = EnginePrompt(engine_request_id(request_id, request), prompt_ids, params)
+        prompt = EnginePrompt(
+            engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt
+        )
         self.check_request_size([prompt])
         return _ChatJob(
             request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request), request

@@ -17,6 +17,7 @@ from loraserve.entrypoints.openai.errors import APIError
 from loraserve.entrypoints.openai.logprobs import completion_logprobs
 from loraserve.entrypoints.openai.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
@@ -31,7 +32,7 @@ from loraserve.entrypoints.openai.vllm_fields import (
     usage,
 )
 from loraserve.lora.request import LoRARequest
-from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
+from loraserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 
 @dataclass(slots=True)
@@ -80,7 +81,9 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_ids = truncate_prompt(prompt_ids, request, self.max_model_len)
             max_tokens = self.max_tokens_for(len(prompt_ids), request.max_tokens, "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
-            prompts.append(EnginePrompt(f"{engine_id}-{i}", prompt_ids, params))
+            prompts.append(
+                EnginePrompt(f"{engine_id}-{i}", prompt_ids, params, request.priority, request.cache_salt)
+            )
         self.check_request_size(prompts)
         job = _Job(
             request_id,
@@ -136,19 +139,9 @@ class OpenAIServingCompletion(OpenAIServing):
         """The part of `seq` after `start` (all of it for a full response) as a choice; the first part
         of a choice carries the echoed prompt."""
         first = not start.started
-        echo_text = job.echo_texts[prompt_index] if job.echo_texts and first else ""
-        token_ids, positions = seq.token_ids[start.num_tokens :], list(seq.logprobs or [])[start.num_tokens :]
-        if echo_text and job.num_top_logprobs is not None:
-            token_ids = [*output.prompt_token_ids, *token_ids]
-            positions = [*(output.prompt_logprobs or [None] * len(output.prompt_token_ids)), *positions]
-        logprobs = None
-        if job.num_top_logprobs is not None and (seq.logprobs is not None or echo_text):
-            offset = (
-                0 if first else start.num_chars + len(job.echo_texts[prompt_index] if job.echo_texts else "")
-            )
-            logprobs = completion_logprobs(
-                token_ids, positions, job.num_top_logprobs, job.render_token, offset
-            )
+        echo = bool(job.echo_texts) and first
+        echo_text = job.echo_texts[prompt_index] if echo else ""
+        logprobs = self._logprobs(job, output, prompt_index, seq, start, echo)
         with_ids = bool(job.request.return_token_ids)
         return CompletionChoice(
             index=prompt_index * n + seq.index,
@@ -164,6 +157,29 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_token_ids=list(output.prompt_token_ids) if with_ids and first else None,
             token_ids=list(seq.token_ids[start.num_tokens :]) if with_ids else None,
         )
+
+    @staticmethod
+    def _logprobs(
+        job: _Job,
+        output: RequestOutput,
+        prompt_index: int,
+        seq: CompletionOutput,
+        start: _ChoiceState,
+        echo: bool,
+    ) -> CompletionLogprobs | None:
+        """The logprobs of `seq` after `start`; an echoed prompt's tokens first (the first None)."""
+        if job.num_top_logprobs is None or (seq.logprobs is None and not echo):
+            return None
+        token_ids = seq.token_ids[start.num_tokens :]
+        positions: list[PositionLogprobs | None] = [*(seq.logprobs or [])[start.num_tokens :]]
+        offset = start.num_chars + (
+            len(job.echo_texts[prompt_index]) if job.echo_texts and start.started else 0
+        )
+        if echo:
+            num_prompt = len(output.prompt_token_ids)
+            token_ids = [*output.prompt_token_ids, *token_ids]
+            positions = [*(output.prompt_logprobs or [None] * num_prompt)[:num_prompt], *positions]
+        return completion_logprobs(token_ids, positions, job.num_top_logprobs, job.render_token, offset)
 
     async def _collect(self, job: _Job, n: int) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}

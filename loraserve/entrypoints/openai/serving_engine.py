@@ -42,6 +42,14 @@ class EnginePrompt:
     request_id: str
     prompt_ids: list[int]
     sampling_params: SamplingParams
+    priority: int = 0  # vLLM's, with --scheduling-policy priority
+    cache_salt: str | None = None  # vLLM's: this request's prefix-cache blocks are keyed by it too
+
+    def engine_input(self) -> list[int] | dict[str, Any]:
+        """The prompt as the engine takes it: a dict when it carries a cache salt (vLLM's form)."""
+        if self.cache_salt is None:
+            return self.prompt_ids
+        return {"prompt_token_ids": self.prompt_ids, "cache_salt": self.cache_salt}
 
 
 @dataclass(slots=True)
@@ -101,18 +109,12 @@ class OpenAIServing:
                 "logit_bias is not supported by this server.", HTTPStatus.BAD_REQUEST, "logit_bias"
             )
         check_vllm_fields(request)
-        if request.priority != 0:  # vLLM's text; the scheduler serves arrival order, taking turns
+        policy = getattr(self.engine.scheduler_config, "scheduling_policy", "fcfs")
+        if request.priority != 0 and policy != "priority":  # vLLM's text
             raise APIError(
                 f"Got priority {request.priority} but Priority scheduling is not enabled.",
                 HTTPStatus.BAD_REQUEST,
                 "priority",
-            )
-        if request.cache_salt is not None:
-            raise APIError(
-                "cache_salt is not supported by this server: per-request prefix-cache salts are not "
-                "implemented (adapters salt the cache).",
-                HTTPStatus.BAD_REQUEST,
-                "cache_salt",
             )
         # vLLM's extras that would change the result are refused by name; other unknown fields are ignored.
         refuse_unsupported_extras(request.model_extra or {}, is_chat=hasattr(request, "messages"))
@@ -280,7 +282,12 @@ class OpenAIServing:
         unfinished = {prompt.request_id: i for i, prompt in enumerate(prompts)}
         iterators = [
             self.engine.generate(
-                p.prompt_ids, p.sampling_params, p.request_id, lora_request=lora_request, group_id=group_id
+                p.engine_input(),
+                p.sampling_params,
+                p.request_id,
+                lora_request=lora_request,
+                group_id=group_id,
+                priority=p.priority,
             )
             for p in prompts
         ]

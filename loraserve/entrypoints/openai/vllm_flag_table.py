@@ -230,7 +230,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--max-long-partial-prefills", "every prefill that fits the token budget runs in the step"),
     notice("--long-prefill-token-threshold", "every prefill that fits the token budget runs in the step"),
     notice("--num-lookahead-slots", "there is no speculative decoding to reserve slots for"),
-    notice("--scheduling-policy", "requests are scheduled first come, first served", harmless=_among("fcfs")),
     notice("--disable-chunked-mm-input", _NO_MULTIMODAL, "bool"),
     refused("--scheduler-cls", "the scheduler cannot be replaced"),
     notice("--disable-hybrid-kv-cache-manager", "there is one KV-cache manager", "bool"),
