@@ -48,6 +48,8 @@ def test_tokenize_messages_as_chat_would(server: RunningServer, tokenizer) -> No
     no_prompt = server.http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False})
     closed = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
     assert no_prompt.json()["tokens"] == tokenizer.encode(closed, add_special_tokens=False)
+    tools = server.http.post("/tokenize", json={"messages": MESSAGES, "tools": [{"type": "function"}]})
+    assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
     both = server.http.post("/tokenize", json={"messages": MESSAGES, "continue_final_message": True})
     assert both.status_code == 400
     assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True." in both.text

@@ -76,6 +76,8 @@ class OpenAIServingTokenization:
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         chat = self.chat
         await self._resolve(request.model)
+        if (request.model_extra or {}).get("tools"):
+            raise APIError("tools are not supported by this server.", HTTPStatus.BAD_REQUEST, "tools")
         if isinstance(request, TokenizeChatRequest):
             rendered = ChatCompletionRequest.model_validate(
                 request.model_dump(exclude={"add_special_tokens", "return_token_strs"}, exclude_none=True)
