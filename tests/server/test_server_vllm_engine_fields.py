@@ -242,7 +242,11 @@ def test_cache_salt_separates_prefix_caches(stack: Any, model: str) -> None:
     assert details(cache_salt="tenant-b") is None  # another salt does not
     assert details() is None  # nor a request without one
     assert details() == {"cached_tokens": cached}
-    chat = {"model": model, "messages": [{"role": "user", "content": "salted question here"}], "max_tokens": 1}
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": "salted question here"}],
+        "max_tokens": 1,
+    }
     first = server.http.post("/v1/chat/completions", json={**chat, "cache_salt": "s"}).json()["usage"]
     second = server.http.post("/v1/chat/completions", json={**chat, "cache_salt": "s"}).json()["usage"]
     assert first["prompt_tokens_details"] is None and second["prompt_tokens_details"] is not None
