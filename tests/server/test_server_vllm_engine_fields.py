@@ -158,6 +158,18 @@ def test_echo_with_logprobs_covers_the_prompt(stack: Any, model: str) -> None:
     for i in range(1, len(tokens)):
         assert abs(logprobs.token_logprobs[i] - reference[i - 1, tokens[i]].item()) < TOL
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    # max_tokens 0: the prompt's logprobs alone (lm-eval's loglikelihood form).
+    only = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=0,
+        echo=True,
+        logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    scored = only.choices[0].logprobs
+    assert [int(t.removeprefix("token_id:")) for t in scored.tokens] == prompt
+    assert scored.token_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1 : len(prompt)], abs=1e-5)
 
 
 def test_minus_one_is_the_whole_vocabulary(stack: Any) -> None:

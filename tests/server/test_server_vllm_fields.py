@@ -254,3 +254,18 @@ def test_priority_and_cache_salt_reach_the_engine(tokenizer, adapter_dir: str) -
             )
             assert engine.priorities_seen[-1] == 7
             assert len(engine.salts_seen) == 2 * (1 + (model == "sql"))  # no salt: a plain prompt
+
+
+@pytest.mark.parametrize("model", ["base", "sql"])
+def test_echo_with_max_tokens_zero_returns_the_prompt_alone(
+    server: RunningServer, client: openai.OpenAI, model: str
+) -> None:
+    """vLLM's echo-only form (lm-eval's loglikelihood requests): the prompt, no generated token."""
+    out = client.completions.create(model=model, prompt="just this", max_tokens=0, echo=True)
+    assert out.choices[0].text == "just this" and out.usage.completion_tokens == 0
+    streamed = client.completions.create(
+        model=model, prompt="just this", max_tokens=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "just this"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=model, prompt="just this", max_tokens=0)

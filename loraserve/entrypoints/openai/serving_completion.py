@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
 from loraserve.engine.admission import check_request_size
@@ -55,6 +55,7 @@ class _Job:
     render_token: Callable[[int, Logprob | None], str]
     request: CompletionRequest
     echo_texts: list[str] = field(default_factory=list)  # per prompt, when echo
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (vLLM generates one token, unsent)
     states: dict[int, _ChoiceState] = field(default_factory=dict)
 
 
@@ -79,7 +80,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for i, prompt_ids in enumerate(await self._prompt_ids(request)):
             prompt_ids = truncate_prompt(prompt_ids, request, self.max_model_len)
-            max_tokens = self.max_tokens_for(len(prompt_ids), request.max_tokens, "prompt")
+            echo_only = bool(request.echo) and request.max_tokens == 0
+            requested = 1 if echo_only else request.max_tokens
+            max_tokens = self.max_tokens_for(len(prompt_ids), requested, "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
             prompts.append(
                 EnginePrompt(f"{engine_id}-{i}", prompt_ids, params, request.priority, request.cache_salt)
@@ -94,6 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.token_renderer(request),
             request,
         )
+        job.echo_only = bool(request.echo) and request.max_tokens == 0
         if request.echo:
             job.echo_texts = [
                 await self._prompt_text(request, i, p.prompt_ids) for i, p in enumerate(prompts)
@@ -187,6 +191,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.generate(job.prompts, job.lora_request, job.model_name, job.request_id)
         ) as outputs:
             async for index, output in outputs:
+                output = _visible(job, output)
                 finals[index] = output
         choices = [
             self._choice(job, finals[index], index, n, seq, _ChoiceState())
@@ -213,6 +218,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.generate(job.prompts, job.lora_request, job.model_name, job.request_id)
         ) as outputs:
             async for index, output in outputs:
+                output = _visible(job, output)
                 finals[index] = output
                 for seq in output.outputs:  # one choice per chunk, as OpenAI and vLLM send them
                     state = job.states.setdefault(index * n + seq.index, _ChoiceState())
@@ -233,3 +239,14 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _visible(job: _Job, output: RequestOutput) -> RequestOutput:
+    """What the response shows of `output`: for an echo of max_tokens 0, no generated token."""
+    if not job.echo_only:
+        return output
+    hidden = [
+        replace(seq, text="", token_ids=[], logprobs=[] if seq.logprobs is not None else None)
+        for seq in output.outputs
+    ]
+    return replace(output, outputs=hidden)
