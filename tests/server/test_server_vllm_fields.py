@@ -4,6 +4,7 @@ empty model name, and vLLM's validation texts (priority, cache_salt, seed, top_l
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -48,6 +49,12 @@ def test_chat_echo_repeats_a_final_assistant_message(server: RunningServer, mode
     reply = server.http.post("/v1/chat/completions", json=body).json()
     plain = server.http.post("/v1/chat/completions", json={**body, "echo": False}).json()
     assert reply["choices"][0]["message"]["content"] == "Yes, and" + plain["choices"][0]["message"]["content"]
+    streamed = server.http.post("/v1/chat/completions", json={**body, "stream": True}).text
+    deltas = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert (
+        "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas)
+        == reply["choices"][0]["message"]["content"]
+    )
     user_last = server.http.post(
         "/v1/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2, "echo": True}
     ).json()

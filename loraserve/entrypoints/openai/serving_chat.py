@@ -257,6 +257,22 @@ class OpenAIServingChat(OpenAIServing):
             job.finished.add(seq.index)
         return choice
 
+    def _role_chunks(self, job: _ChatJob, first: RequestOutput, continuous: bool) -> list[str]:
+        """Each choice's role chunk (the first with return_token_ids' prompt_token_ids), then its
+        echoed text, as vLLM sends them."""
+        ids = list(first.prompt_token_ids) if job.request.return_token_ids else None
+        running = usage(len(job.prompt.prompt_ids), 0, None, False) if continuous else None
+        echo = self._echo(job)
+        lines = []
+        for i in range(job.prompt.sampling_params.n):
+            role = ChatStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))
+            lines.append(self._chunk(job, [role], running, ids if i == 0 else None))
+            if echo:
+                lines.append(
+                    self._chunk(job, [ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))], running)
+                )
+        return lines
+
     async def _stream(self, job: _ChatJob) -> AsyncIterator[str]:
         options = job.request.stream_options
         include_usage = bool(options and options.include_usage)
@@ -265,19 +281,9 @@ class OpenAIServingChat(OpenAIServing):
         final: RequestOutput | None = None
         async with aclosing(self.generate([job.prompt], job.lora_request, job.model_name)) as outputs:
             async for _, output in outputs:
-                if final is None:
-                    # The role chunks wait for the first output so that early engine errors get a status.
-                    ids = list(output.prompt_token_ids) if job.request.return_token_ids else None
-                    for i in range(job.prompt.sampling_params.n):
-                        role = ChatStreamChoice(
-                            index=i, delta=DeltaMessage(role=self.response_role, content="")
-                        )
-                        running = usage(num_prompt, 0, None, False) if continuous else None
-                        yield self._chunk(job, [role], running, ids if i == 0 else None)
-                        if echo := self._echo(job):  # vLLM sends the echoed text as its own chunk
-                            yield self._chunk(
-                                job, [ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))], running
-                            )
+                if final is None:  # the role chunks wait for the first output: early errors get a status
+                    for line in self._role_chunks(job, output, continuous):
+                        yield line
                 final = output
                 for seq in output.outputs:  # one choice per chunk, as OpenAI and vLLM send them
                     choice = self._delta(job, seq)
