@@ -70,6 +70,12 @@ def test_request_id_names_the_response(server: RunningServer, client: openai.Ope
     )
     assert chat.id == "chatcmpl-abc-1"
     assert client.completions.create(model=model, prompt="x", max_tokens=2).id.startswith("cmpl-")
+    # vLLM: the X-Request-Id header, when sent, names the response over the body's request_id.
+    body = {"model": model, "prompt": "x", "max_tokens": 2, "request_id": "from-body"}
+    headed = server.http.post("/v1/completions", json=body, headers={"X-Request-Id": "from-header"})
+    assert headed.json()["id"] == "cmpl-from-header"
+    bad = server.http.post("/v1/completions", json={**body, "request_id": "a\nb"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
 
 
 def test_two_requests_may_share_a_request_id(server: RunningServer) -> None:

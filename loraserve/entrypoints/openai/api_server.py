@@ -217,10 +217,12 @@ def _add_generation_routes(
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        _take_request_id_header(body, raw_request)
         return await _respond(raw_request, lambda: completion.create_completion(body), tracker)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        _take_request_id_header(body, raw_request)
         return await _respond(raw_request, lambda: chat.create_chat_completion(body), tracker)
 
     return [(ChatCompletionRequest, create_chat_completion), (CompletionRequest, create_completion)]
@@ -234,6 +236,13 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         return await _plain(models.unload_lora_adapter(body))
+
+
+def _take_request_id_header(body: CompletionRequest | ChatCompletionRequest, raw_request: Request) -> None:
+    """vLLM names the response after the X-Request-Id header when there is one, over `request_id`."""
+    header = raw_request.headers.get("x-request-id")
+    if header:
+        body.request_id = header
 
 
 async def _plain(result: Awaitable[str]) -> Response:

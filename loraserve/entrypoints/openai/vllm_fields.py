@@ -15,6 +15,7 @@ from http import HTTPStatus
 from typing import Any
 
 from loraserve.entrypoints.openai.errors import APIError
+from loraserve.entrypoints.openai.names import check_name
 from loraserve.entrypoints.openai.protocol import PromptTokenUsageInfo, SamplingRequest, UsageInfo
 from loraserve.outputs import Logprob, PositionLogprobs
 
@@ -28,6 +29,8 @@ def check_vllm_fields(request: SamplingRequest) -> None:
     def refuse(message: str, param: str) -> None:
         raise APIError(message, HTTPStatus.BAD_REQUEST, param)
 
+    if request.request_id is not None:  # it names the response and goes into logs: a plain name
+        check_name(request.request_id, "request_id")
     options = request.stream_options
     if options is not None and options.model_dump(exclude_unset=True) and not request.stream:
         refuse("Stream options can only be defined when `stream=True`.", "stream_options")
