@@ -196,6 +196,13 @@ class SchedulerConfig:
         help="Most tokens processed in one engine step, prefill chunks included (default: %(default)s).",
     )
     max_model_len: int = 2048  # resolved from the model (EngineArgs.max_model_len)
+    scheduling_policy: str = option(
+        "fcfs",
+        choices=("fcfs", "priority"),
+        group=_CACHE,
+        help="fcfs: arrival order, requests taking turns; priority: lower `priority` first (then arrival), "
+        "the same turns within a level (default: fcfs).",
+    )
     enable_chunked_prefill: bool = option(
         True, action="bool", group="model", help="Split long prompts across steps (default: on)."
     )

@@ -30,6 +30,12 @@ def _switch(name: str) -> bool:
     return (get_env(name) or "1").strip().lower() not in ("0", "false")
 
 
+def allow_long_max_model_len() -> bool:
+    """vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: a max_model_len beyond the model config's is served
+    (with a warning) instead of refused; "1" or "true"."""
+    return _is_true(get_env("ALLOW_LONG_MAX_MODEL_LEN"))
+
+
 def allow_runtime_lora_updating() -> bool:
     """Runtime load/unload routes and resolvers are on only for "1" or "true" (any case)."""
     return _is_true(get_env("ALLOW_RUNTIME_LORA_UPDATING", "0"))

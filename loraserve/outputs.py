@@ -45,4 +45,6 @@ class RequestOutput:
     # The client-caused exception behind `error` (an adapter that cannot be read again: a
     # LoRAAdapterError, which the server answers with its 4xx); None when the server failed (500).
     error_cause: Exception | None = None
+    # arrival_time and, once admitted, first_scheduled_time (time.time() seconds)
     metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)

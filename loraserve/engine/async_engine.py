@@ -184,14 +184,18 @@ class AsyncLLMEngine:
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until finished; aborts the request if the consumer stops early.
-        Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one."""
+        Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one;
+        `priority` (lower first) needs scheduling_policy "priority"."""
         stream = _Stream(asyncio.get_running_loop())
         await self._prefetch(lora_request)
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, sampling_params, lora_request, group_id=group_id)
+            engine.add_request(
+                request_id, prompt, sampling_params, lora_request, group_id=group_id, priority=priority
+            )
             self._streams[request_id] = stream
 
         try:

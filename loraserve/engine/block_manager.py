@@ -57,6 +57,8 @@ class BlockManager:
         self.seq_hashes: dict[int, list[bytes]] = {}  # seq id -> hashes of its full computed blocks
         self.num_prefix_hits = 0
         self.num_prefix_queries = 0
+        self.num_prefix_query_tokens = 0  # vLLM's units: prompt tokens looked up, and found
+        self.num_prefix_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -108,6 +110,8 @@ class BlockManager:
             hashes.append(h)
             parent = h
         self.seq_hashes[seq.seq_id] = hashes
+        self.num_prefix_query_tokens += seq.num_tokens
+        self.num_prefix_hit_tokens += len(block_ids) * self.block_size
         if hashes:
             self.num_prefix_hits += 1
         return block_ids

@@ -30,6 +30,8 @@ def engine_stats(
         "num_step_failures": num_step_failures,
         "prefix_cache_queries": block_manager.num_prefix_queries,
         "prefix_cache_hits": block_manager.num_prefix_hits,
+        "prefix_cache_query_tokens": block_manager.num_prefix_query_tokens,
+        "prefix_cache_hit_tokens": block_manager.num_prefix_hit_tokens,
         "kv_blocks_free": block_manager.num_free_blocks,
         "kv_blocks_total": block_manager.num_blocks,
     }

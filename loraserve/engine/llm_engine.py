@@ -23,7 +23,7 @@ from loraserve.engine.engine_stats import engine_stats, residency_levels
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.scheduler import SampledToken, ScheduledSeq, Scheduler
-from loraserve.engine.sequence import Request, Sequence
+from loraserve.engine.sequence import CacheSalt, Request, RequestSalt, Sequence
 from loraserve.engine.step_failures import StepFailures, request_error
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.errors import LoRAAdapterError
@@ -112,17 +112,21 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request. Raises ValueError (bad prompt/params), LoRAAdapterError, or
-        EngineOverloadedError (the queue is full: retry later)."""
+        EngineOverloadedError (the queue is full: retry later). A dict prompt may carry vLLM's
+        `cache_salt`; `priority` needs scheduling_policy "priority"."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":  # vLLM's text
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
         params = self._sampling_params(params, len(prompt_ids))
         check_admission(
             self.config.scheduler, self.scheduler.queue_load(), params.n, params.n * len(prompt_ids)
         )
-        salt = None
+        salt: CacheSalt | None = None
         if lora_request is not None:
             if self.lora is None:
                 raise LoRAAdapterError(
@@ -130,8 +134,19 @@ class LLMEngine:
                 )
             lora_request = self.lora.successor(lora_request)  # replaced in place meanwhile: the new one
             salt = self.lora.register(lora_request)
+        request_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if request_salt:
+            salt = RequestSalt(salt, str(request_salt))
         request = Request(
-            request_id, text, prompt_ids, params, lora_request, arrival_time or time.time(), salt, group_id=group_id
+            request_id,
+            text,
+            prompt_ids,
+            params,
+            lora_request,
+            arrival_time or time.time(),
+            salt,
+            group_id=group_id,
+            priority=priority,
         )
         for i in range(params.n):
             request.seqs.append(self._new_sequence(request, i))

@@ -125,4 +125,14 @@ class OutputProcessor:
             lora_name=request.lora_name,
             error=request.error,
             error_cause=request.error_cause,
+            metrics=_timing(request),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+
+
+def _timing(request: Request) -> dict[str, float]:
+    """The engine-side times the serving layer's vLLM latency metrics (queue, prefill) need."""
+    times = {"arrival_time": request.arrival_time}
+    if request.first_scheduled_time is not None:
+        times["first_scheduled_time"] = request.first_scheduled_time
+    return times

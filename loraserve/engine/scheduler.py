@@ -17,10 +17,15 @@ slots go first to the adapters with the most waiting requests (one slot then ser
 so fewer swaps serve the same traffic), except that a sequence waiting for MAX_LORA_REORDER_STEPS
 steps keeps its arrival-order place; with the bypass above, a sequence held back by adapters waits at
 most about MAX_LORA_REORDER_STEPS + MAX_LORA_BYPASS_STEPS steps for its turn at a slot.
+
+With `scheduling_policy="priority"` (vLLM's) the waiting queue is served level by level, lower
+`Request.priority` first, the turns and adapter-demand order above applying within a level; running
+sequences are kept in (priority, arrival) order, so the one preempted is the lowest-priority latest.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -196,16 +201,34 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.request.first_scheduled_time is None:  # vLLM's queue time; usage's cached_tokens
+                seq.request.first_scheduled_time = time.time()
+                seq.request.num_cached_tokens = seq.num_computed_tokens
             admitted.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             if lora_id:
                 loras.add(lora_id)
         self.running.extend(admitted)
+        if self._by_priority:  # running in priority order: the last one, preempted first, is the lowest
+            self.running.sort(key=_priority_key)
+
+    @property
+    def _by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
 
     def _admission_order(self) -> list[Sequence]:
+        """The turn order; with the priority policy, level by level (lower first), each level in its
+        own turn order and adapter-demand order."""
         order = self._turn_order()
-        return self._by_adapter_demand(order) if self.max_loras is not None else order
+        if self.max_loras is None:
+            return order
+        if not self._by_priority:
+            return self._by_adapter_demand(order)
+        levels: dict[int, list[Sequence]] = {}
+        for seq in order:  # `order` is sorted by priority already
+            levels.setdefault(seq.request.priority, []).append(seq)
+        return [seq for level in levels.values() for seq in self._by_adapter_demand(level)]
 
     def _by_adapter_demand(self, order: list[Sequence]) -> list[Sequence]:
         """`order` with its sequences that need a new slot reordered among their own places: busiest
@@ -244,10 +267,11 @@ class Scheduler:
         ranked = []
         for position, seq in enumerate(self.waiting):
             key = seq.request.turn_key
-            ranked.append((taken[key], position, seq))
+            level = seq.request.priority if self._by_priority else 0
+            ranked.append((level, taken[key], position, seq))
             taken[key] += 1
-        ranked.sort(key=lambda item: (item[0], item[1]))
-        return [seq for _, _, seq in ranked]
+        ranked.sort(key=lambda item: (item[0], item[1], item[2]))
+        return [seq for *_, seq in ranked]
 
     def _lora_fits(self, loras: set[int], lora_id: int) -> bool:
         """Whether a sequence of adapter `lora_id` (0: none) can join a step that uses `loras`."""
@@ -304,3 +328,8 @@ def _append(token: SampledToken) -> None:
         if seq.logprobs is None:
             seq.logprobs = []
         seq.logprobs.append(token.top_logprobs)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float]:
+    """vLLM's priority order: lower `priority` first, then earlier arrival."""
+    return seq.request.priority, seq.request.arrival_time

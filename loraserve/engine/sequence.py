@@ -28,6 +28,21 @@ class CacheSalt(Protocol):
     def result(self) -> str: ...
 
 
+@dataclass(frozen=True, slots=True)
+class RequestSalt:
+    """A request's own `cache_salt` joined to its adapter's digest (None: the base model's ""), so its
+    prefix-cache blocks are shared only with requests that send the same salt (vLLM's cache_salt)."""
+
+    adapter: CacheSalt | None
+    salt: str
+
+    def done(self) -> bool:
+        return self.adapter is None or self.adapter.done()
+
+    def result(self) -> str:
+        return f"{'' if self.adapter is None else self.adapter.result()}|cache_salt:{self.salt}"
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -109,6 +124,9 @@ class Request:
     error: str | None = None
     error_cause: Exception | None = None  # a client-caused failure (RequestOutput.error_cause)
     group_id: str | None = None  # requests of one API call (its prompts) share it and take turns as one
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
+    first_scheduled_time: float | None = None  # time.time() of its first admission (queue time's end)
+    priority: int = 0  # lower is served first under scheduling_policy "priority" (vLLM's)
 
     @property
     def turn_key(self) -> str:

@@ -44,11 +44,23 @@ class RotaryEmbedding(nn.Module):
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         self.head_dim = head_dim
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.float().cpu())
+        self._inv_freq, self._scaling = inv_freq.float().cpu(), scaling
+        cos, sin = self._tables(max_positions)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    def _tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), self._inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos_table", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_table", emb.sin() * scaling, persistent=False)
+        return emb.cos() * self._scaling, emb.sin() * self._scaling
+
+    def cover(self, num_positions: int) -> None:
+        """Tables for at least `num_positions` positions: a max_model_len beyond the config's (vLLM's
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN) extends the same frequencies. Called before the first forward."""
+        if num_positions > self.cos_table.shape[0]:
+            cos, sin = self._tables(num_positions)
+            device = self.cos_table.device
+            self.cos_table, self.sin_table = cos.to(device), sin.to(device)
 
     def apply_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
         """Rope on the first num_heads heads of every row of x, in place (the half-split layout).

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from loraserve import envs
 from loraserve.config import ModelConfig, resolve_device, resolve_dtype
 from loraserve.model_loader import mistral
 from loraserve.model_loader.gguf import find_gguf_file, gguf_folder
@@ -297,10 +298,17 @@ def create_model_config(
     elif max_model_len <= 0:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}.")
     elif max_model_len > derived_len:
-        raise ValueError(
-            f"max_model_len={max_model_len} is larger than the model's maximum length {derived_len} "
-            "(from its config: max_position_embeddings or equivalent, with rope scaling). Lower max_model_len."
+        message = (  # vLLM's first sentence, which its users know
+            f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+            f"({derived_len}, from the model's config: max_position_embeddings or equivalent, with rope "
+            "scaling)."
         )
+        if not envs.allow_long_max_model_len():
+            raise ValueError(
+                f"{message} Lower max_model_len, or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve it anyway "
+                "(positions beyond the model's training length give unreliable output)."
+            )
+        logger.warning("%s Serving it as VLLM_ALLOW_LONG_MAX_MODEL_LEN asks; make sure it is right.", message)
     download_weights(source, model_path, revision, fmt, load_format, download_dir)
     return ModelConfig(
         model=model,

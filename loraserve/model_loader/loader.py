@@ -15,6 +15,7 @@ from torch import nn
 from loraserve import envs
 from loraserve.config import ModelConfig
 from loraserve.layers.linear import Linear, pack_cpu_linears
+from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.model_loader.weights import iterate_weights
 from loraserve.models.registry import resolve_model_cls
 
@@ -56,6 +57,9 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
         weights = iterate_weights(model_config.model_path, model_config.config_format, model_config.load_format)
         model.load_weights(_count_tensors(weights, num_tensors))
     model.eval()
+    for module in model.modules():  # rope tables as long as max_model_len (VLLM_ALLOW_LONG_MAX_MODEL_LEN)
+        if isinstance(module, RotaryEmbedding):
+            module.cover(model_config.max_model_len)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "Loaded %s as %s (%s) on %s in %s: %d checkpoint tensors, %.1fM parameters, %.2fs.",

@@ -76,6 +76,8 @@ class FakeEngine:
     running: dict[str, int] = field(default_factory=dict)  # request id -> lora id (0 = base)
     aborted: list[str] = field(default_factory=list)
     prompts_seen: list[list[int]] = field(default_factory=list)
+    priorities_seen: list[int] = field(default_factory=list)
+    salts_seen: list[str | None] = field(default_factory=list)
     removing: set[int] = field(default_factory=set)
     gate: asyncio.Event | None = None  # when set to an unset Event, every token waits for it
     num_free_tokens: int = 0  # ... except the first num_free_tokens of each request
@@ -178,7 +180,12 @@ class FakeEngine:
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
+        self.priorities_seen.append(priority)
+        if isinstance(prompt, dict):  # {"prompt_token_ids": ids, "cache_salt": salt}
+            self.salts_seen.append(prompt.get("cache_salt"))
+            prompt = prompt["prompt_token_ids"]
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         lora_id = self._check(ids, lora_request)
         if request_id in self.running:

@@ -43,7 +43,9 @@ from loraserve.entrypoints.openai.protocol import (
 from loraserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from loraserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from loraserve.entrypoints.openai.serving_models import BaseModelPath, LoRAModulePath, OpenAIServingModels
+from loraserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from loraserve.entrypoints.openai.tokenizer_pool import FairTokenizerPool
+from loraserve.entrypoints.openai.vllm_routes import Handler, LoadTracker, add_vllm_routes
 
 logger = logging.getLogger("loraserve.server")
 
@@ -72,7 +74,7 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     if runtime_updating is None:
         runtime_updating = envs.allow_runtime_lora_updating()
     replica_stats = engine.replica_stats if isinstance(engine, ReplicaStatsSource) else None
-    metrics = ServerMetrics(engine.stats, replica_stats)
+    metrics = ServerMetrics(engine.stats, replica_stats, model_name=names[0])
     models = OpenAIServingModels(
         engine,
         [BaseModelPath(name, model_config.model) for name in names],
@@ -93,7 +95,12 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     tokenizer_pool = FairTokenizerPool()  # a few workers, shared by both endpoints, in turn by client
     app.router.on_shutdown.append(tokenizer_pool.shutdown)
     completion = OpenAIServingCompletion(
-        engine, models, metrics, tokenizer_pool, return_tokens_as_token_ids=frontend.return_tokens_as_token_ids
+        engine,
+        models,
+        metrics,
+        tokenizer_pool,
+        return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
     )
     chat = OpenAIServingChat(
         engine,
@@ -103,8 +110,18 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
         tokenizer_pool,
         response_role=frontend.response_role,
         return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
     )
-    _add_generation_routes(app, completion, chat)
+    tracker = LoadTracker(frontend.enable_server_load_tracking)
+    handlers = _add_generation_routes(app, completion, chat, tracker)
+    add_vllm_routes(
+        app,
+        lambda: _health(engine),
+        tracker,
+        OpenAIServingTokenization(chat),
+        handlers,
+        frontend.enable_tokenizer_info_endpoint,
+    )
     if runtime_updating:
         _add_lora_routes(app, models)
     app.add_middleware(ClientIdentityMiddleware, api_keys=options.api_keys)  # whose turn, whose share
@@ -131,6 +148,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
         where = ".".join(loc)
         message = first.get("msg", "Invalid request")
+        if first.get("type"):  # pydantic's error type, which vLLM's message carries (clients match it)
+            message += f" [type={first['type']}]"
         num_fields = len({tuple(e.get("loc", ())[:2]) for e in errors})
         if num_fields > 1:
             message += f" (and {num_fields - 1} more problem(s))"
@@ -162,10 +181,7 @@ def _add_info_routes(
 ) -> None:
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> Response:
-        if engine.is_healthy():
-            return Response(status_code=200)
-        reason = engine.dead_error or "the engine loop is not running"
-        return error_response(f"The engine is dead: {reason}", 500)
+        return await _health(engine)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -189,16 +205,29 @@ def _add_info_routes(
         raise APIError(f"The model `{model_id}` does not exist.", 404, "model")
 
 
+async def _health(engine: EngineClient) -> Response:
+    if engine.is_healthy():
+        return Response(status_code=200)
+    reason = engine.dead_error or "the engine loop is not running"
+    return error_response(f"The engine is dead: {reason}", 500)
+
+
 def _add_generation_routes(
-    app: FastAPI, completion: OpenAIServingCompletion, chat: OpenAIServingChat
-) -> None:
+    app: FastAPI, completion: OpenAIServingCompletion, chat: OpenAIServingChat, tracker: LoadTracker
+) -> list[tuple[type[BaseModel], Handler]]:
+    """The generation routes; returns their handlers in /invocations' order (chat first, as vLLM)."""
+
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        return await _respond(raw_request, lambda: completion.create_completion(body))
+        _take_request_id_header(body, raw_request)
+        return await _respond(raw_request, lambda: completion.create_completion(body), tracker)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await _respond(raw_request, lambda: chat.create_chat_completion(body))
+        _take_request_id_header(body, raw_request)
+        return await _respond(raw_request, lambda: chat.create_chat_completion(body), tracker)
+
+    return [(ChatCompletionRequest, create_chat_completion), (CompletionRequest, create_completion)]
 
 
 def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
@@ -211,6 +240,13 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
         return await _plain(models.unload_lora_adapter(body))
 
 
+def _take_request_id_header(body: CompletionRequest | ChatCompletionRequest, raw_request: Request) -> None:
+    """vLLM names the response after the X-Request-Id header when there is one, over `request_id`."""
+    header = raw_request.headers.get("x-request-id")
+    if header:
+        body.request_id = header
+
+
 async def _plain(result: Awaitable[str]) -> Response:
     """A route's text, or its error as a response (the global handler would log a shutdown's 503 as a
     traceback: Starlette re-raises what reaches its `Exception` handler)."""
@@ -221,23 +257,34 @@ async def _plain(result: Awaitable[str]) -> Response:
 
 
 async def _respond(
-    raw_request: Request, handle: Callable[[], Awaitable[BaseModel | AsyncIterator[str]]]
+    raw_request: Request,
+    handle: Callable[[], Awaitable[BaseModel | AsyncIterator[str]]],
+    tracker: LoadTracker,
 ) -> Response:
-    """Run a generation handler; a stream starts only once its first chunk (or first error) is known."""
+    """Run a generation handler; a stream starts only once its first chunk (or first error) is known.
+    The request counts in `tracker` (/load) until its response or stream is done."""
 
     async def produce() -> Response:
         result = await handle()
         if isinstance(result, BaseModel):
             return JSONResponse(result.model_dump(exclude_none=False))
         first = await anext(result)
-        return StreamingResponse(_continue_stream(first, result), media_type="text/event-stream")
+        return StreamingResponse(
+            tracker.until_done(_continue_stream(first, result)), media_type="text/event-stream"
+        )
 
+    tracker.begin()
+    response: Response | None = None
     try:
-        return await run_until_disconnect(raw_request, produce())
+        response = await run_until_disconnect(raw_request, produce())
+        return response
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:
         return api_error_from_exception(exc).response()
+    finally:
+        if not isinstance(response, StreamingResponse):  # a stream ends its count when it ends
+            tracker.end()
 
 
 async def _continue_stream(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -64,14 +64,17 @@ class EngineClient(Protocol):
 
     def generate(
         self,
-        prompt: list[int],
+        prompt: list[int] | dict[str, Any],
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes; closing the iterator aborts it.
-        Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one."""
+        Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one;
+        `priority` orders them under scheduling_policy "priority". `prompt` may be a dict
+        {"prompt_token_ids": ids, "cache_salt": salt} (vLLM's per-request prefix-cache salt)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

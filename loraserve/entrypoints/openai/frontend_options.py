@@ -73,6 +73,17 @@ class FrontendOptions:
     return_tokens_as_token_ids: bool = _front(
         False, 'Logprob tokens as "token_id:<id>" for every request.', action="bool"
     )
+    enable_prompt_tokens_details: bool = _front(
+        False,
+        "usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache.",
+        action="bool",
+    )
+    enable_server_load_tracking: bool = _front(
+        False, "GET /load counts the generation requests in flight.", action="bool"
+    )
+    enable_tokenizer_info_endpoint: bool = _front(
+        False, "GET /tokenizer_info returns the tokenizer's configuration.", action="bool"
+    )
     ssl_keyfile: str | None = _front(None)
     ssl_certfile: str | None = _front(None)
     ssl_ca_certs: str | None = _front(None)

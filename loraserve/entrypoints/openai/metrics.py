@@ -1,5 +1,7 @@
 """Prometheus metrics of one server: request and token counters, latency histograms, engine gauges.
 
+vLLM's names and label sets are exported beside loraserve's (`vllm_metrics.py`).
+
 Each server owns its own CollectorRegistry, so several servers (tests) can live in one process. The
 engine's `stats()` is read once per scrape and exported by `engine_metrics.stats_families` (gauges,
 counters, per-adapter gauges, the LoRA metrics routers read); its lists are new observations (seconds,
@@ -24,6 +26,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from loraserve.entrypoints.openai.engine_metrics import PREFIX, merge_families, metric_name, stats_families
+from loraserve.entrypoints.openai.vllm_metrics import ENGINE, VllmRequestMetrics, vllm_engine_families
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +41,16 @@ Snapshot = tuple[dict[str, str], dict[str, Any]]  # (extra labels, one engine's 
 class _EngineStatsCollector(Collector):
     """The families of the latest engine stats snapshots (one per engine), merged by name."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, model_name: str = "") -> None:
         self._clock = clock
+        self.model_name = model_name
         self.snapshots: list[Snapshot] = []
 
     def collect(self) -> Iterator[Metric]:
         now = float(self._clock())
-        families = (f for extra, stats in self.snapshots for f in stats_families(stats, now, extra))
+        families = [f for extra, stats in self.snapshots for f in stats_families(stats, now, extra)]
+        for extra, stats in self.snapshots:  # vLLM's names: engine "0", or the replica's id
+            families.extend(vllm_engine_families(stats, self.model_name, extra.get(REPLICA_LABEL, ENGINE)))
         return iter(merge_families(families))
 
     def describe(self) -> Iterator[Metric]:
@@ -58,6 +64,7 @@ class ServerMetrics:
         self,
         get_stats: Callable[[], dict[str, Any]] | None = None,
         get_replica_stats: Callable[[], Awaitable[ReplicaStats]] | None = None,
+        model_name: str = "",  # vLLM's `model_name` label: the first served name
     ) -> None:
         self.get_stats = get_stats
         self.registry = CollectorRegistry(auto_describe=True)
@@ -94,7 +101,8 @@ class ServerMetrics:
             buckets=_LOAD_BUCKETS,
             registry=self.registry,
         )
-        self._engine_stats = _EngineStatsCollector()
+        self.vllm = VllmRequestMetrics(self.registry, model_name)
+        self._engine_stats = _EngineStatsCollector(model_name=model_name)
         self.registry.register(self._engine_stats)
         self._local: dict[str, Any] = {}  # the last stats get_stats returned, lists left out
         # Histograms of the engines' list entries: stats key -> (histogram, its label names).

@@ -39,6 +39,7 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # usage in every chunk (vLLM)
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -68,14 +69,23 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     return_tokens_as_token_ids: StrictBool = False  # logprobs tokens as "token_id:<id>" (exact, for clients)
+    # vLLM's request fields of the serving layer (vllm_fields.py applies them).
+    prompt_logprobs: StrictInt | None = None  # -1: the whole vocabulary
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = (
+        None  # keep the last k; -1: max_model_len
+    )
+    return_token_ids: StrictBool | None = None  # prompt_token_ids and token_ids in the response
+    request_id: str | None = None  # the response id's suffix (vLLM: "<prefix>-<request_id>")
+    priority: StrictInt = 0  # lower runs first, with --scheduling-policy priority
+    cache_salt: str | None = None  # salts this request's prefix-cache keys
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = Field(
-        default=None, ge=0
-    )  # at most the engine's max_logprobs (--max-logprobs)
+        default=None, ge=-1
+    )  # -1: the whole vocabulary; capped by --max-logprobs
     echo: StrictBool | None = False
     suffix: str | None = None
 
@@ -90,18 +100,26 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0)
+    top_logprobs: StrictInt | None = None  # -1: the whole vocabulary (vLLM)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     chat_template: str | None = None  # refused unless the server trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: StrictBool = False  # the last (assistant) message is continued, not closed
+    echo: StrictBool = False  # vLLM: the reply starts with the last message when its role is the reply's
+    documents: list[dict[str, Any]] | None = None  # passed to the chat template (RAG templates)
+
+
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
 
 
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # with --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(OpenAIBaseModel):
@@ -117,6 +135,11 @@ class CompletionChoice(OpenAIBaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM: prompt_logprobs (token id -> {logprob, rank, decoded_token} per prompt position, the first
+    # None) and, with return_token_ids, the token ids.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -153,6 +176,7 @@ class ChatCompletionChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -162,6 +186,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -175,6 +201,7 @@ class ChatStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new tokens
 
 
 class ChatCompletionChunk(OpenAIBaseModel):
@@ -184,6 +211,7 @@ class ChatCompletionChunk(OpenAIBaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(OpenAIBaseModel):

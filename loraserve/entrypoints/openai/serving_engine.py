@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -30,6 +30,8 @@ from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.streams import merge_async_iterators
 from loraserve.entrypoints.openai.tokenizer_pool import FairTokenizerPool
 from loraserve.entrypoints.openai.vllm_extras import refuse_unsupported_extras
+from loraserve.entrypoints.openai.vllm_fields import check_vllm_fields, logprob_count
+from loraserve.entrypoints.openai.vllm_metrics import FinishedRequest
 from loraserve.errors import EngineDeadError
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import Logprob, RequestOutput
@@ -44,6 +46,14 @@ class EnginePrompt:
     request_id: str
     prompt_ids: list[int]
     sampling_params: SamplingParams
+    priority: int = 0  # vLLM's, with --scheduling-policy priority
+    cache_salt: str | None = None  # vLLM's: this request's prefix-cache blocks are keyed by it too
+
+    def engine_input(self) -> list[int] | dict[str, Any]:
+        """The prompt as the engine takes it: a dict when it carries a cache salt (vLLM's form)."""
+        if self.cache_salt is None:
+            return self.prompt_ids
+        return {"prompt_token_ids": self.prompt_ids, "cache_salt": self.cache_salt}
 
 
 @dataclass(slots=True)
@@ -51,6 +61,8 @@ class _Timing:
     arrival: float
     last_token_time: float | None = None
     num_tokens: int = 0
+    arrival_wall: float = field(default_factory=time.time)  # vLLM's phase times are wall clock
+    first_token_wall: float | None = None
 
 
 class OpenAIServing:
@@ -63,6 +75,7 @@ class OpenAIServing:
         metrics: ServerMetrics | None = None,
         tokenizer_pool: FairTokenizerPool | None = None,
         return_tokens_as_token_ids: bool = False,  # --return-tokens-as-token-ids: every request's default
+        enable_prompt_tokens_details: bool = False,  # usage.prompt_tokens_details.cached_tokens
     ) -> None:
         self.engine = engine
         self.models = models
@@ -73,6 +86,7 @@ class OpenAIServing:
         self.tokenizer_pool = tokenizer_pool or FairTokenizerPool()
         self._length_guard: PromptLengthGuard | None = None
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -87,6 +101,8 @@ class OpenAIServing:
         """(name to report in responses, adapter or None); 404/400 APIError for unknown or broken names."""
         if self.engine.errored:
             raise EngineDeadError(str(self.engine.dead_error or "the engine loop stopped"))
+        if request.model == "":  # vLLM serves the default model for an empty name
+            request.model = None
         lora_request = await self.models.resolve_model(request.model)
         name = request.model if request.model is not None else self.models.served_model_name
         return name, lora_request
@@ -95,6 +111,14 @@ class OpenAIServing:
         if request.logit_bias:
             raise APIError(
                 "logit_bias is not supported by this server.", HTTPStatus.BAD_REQUEST, "logit_bias"
+            )
+        check_vllm_fields(request)
+        policy = getattr(self.engine.scheduler_config, "scheduling_policy", "fcfs")
+        if request.priority != 0 and policy != "priority":  # vLLM's text
+            raise APIError(
+                f"Got priority {request.priority} but Priority scheduling is not enabled.",
+                HTTPStatus.BAD_REQUEST,
+                "priority",
             )
         # vLLM's extras that would change the result are refused by name; other unknown fields are ignored.
         refuse_unsupported_extras(request.model_extra or {}, is_chat=hasattr(request, "messages"))
@@ -171,7 +195,11 @@ class OpenAIServing:
         return requested
 
     def sampling_params(
-        self, request: SamplingRequest, max_tokens: int, logprobs: int | None
+        self,
+        request: SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams from the request (unset fields: the generation config's defaults, else vLLM's);
         its ValueErrors (which name the field) become 400s."""
@@ -194,7 +222,8 @@ class OpenAIServing:
             stop_token_ids=request.stop_token_ids,
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
-            logprobs=logprobs,
+            logprobs=logprob_count(logprobs, self.engine.model_config.vocab_size),
+            prompt_logprobs=logprob_count(prompt_logprobs, self.engine.model_config.vocab_size),
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
@@ -255,7 +284,12 @@ class OpenAIServing:
         unprefilled = set(range(len(prompts)))
         iterators = [
             self.engine.generate(
-                p.prompt_ids, p.sampling_params, p.request_id, lora_request=lora_request, group_id=group_id
+                p.engine_input(),
+                p.sampling_params,
+                p.request_id,
+                lora_request=lora_request,
+                group_id=group_id,
+                priority=p.priority,
             )
             for p in prompts
         ]
@@ -283,8 +317,11 @@ class OpenAIServing:
         if num_tokens > timing.num_tokens:
             if timing.last_token_time is None:
                 self.metrics.time_to_first_token.labels(model_name).observe(now - timing.arrival)
+                self.metrics.vllm.observe_tokens(True, now - timing.arrival)
+                timing.first_token_wall = time.time()
             else:
                 self.metrics.inter_token_latency.labels(model_name).observe(now - timing.last_token_time)
+                self.metrics.vllm.observe_tokens(False, now - timing.last_token_time)
             timing.last_token_time = now
             timing.num_tokens = num_tokens
         if output.finished:
@@ -292,6 +329,9 @@ class OpenAIServing:
             self.metrics.requests.labels(model_name, reason or "unknown").inc()
             self.metrics.prompt_tokens.labels(model_name).inc(len(prompt.prompt_ids))
             self.metrics.generation_tokens.labels(model_name).inc(num_tokens)
+            self.metrics.vllm.observe_finished(
+                _finished(timing, prompt, output, reason or "unknown", num_tokens)
+            )
 
     def _abort_in_background(self, request_ids: list[str], model_name: str) -> None:
         # The caller may be inside a cancelled scope where any await is cancelled again: abort in a task.
@@ -323,3 +363,20 @@ def _give_back(
         hold.prefilled(tokens)
     if output.finished:
         hold.finished(n)
+
+
+def _finished(
+    timing: _Timing, prompt: EnginePrompt, output: RequestOutput, reason: str, num_tokens: int
+) -> FinishedRequest:
+    params = prompt.sampling_params
+    return FinishedRequest(
+        num_prompt_tokens=len(prompt.prompt_ids),
+        num_generation_tokens=num_tokens,
+        finish_reason=reason,
+        n=params.n,
+        max_tokens=params.max_tokens or 0,
+        arrival=min(output.metrics.get("arrival_time", timing.arrival_wall), timing.arrival_wall),
+        first_scheduled=output.metrics.get("first_scheduled_time"),
+        first_token=timing.first_token_wall,
+        finished=time.time(),
+    )

@@ -91,12 +91,9 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     refused("--tool-parser-plugin", _NO_TOOLS),
     refused("--tool-server", _NO_TOOLS),
     notice("--max-log-len", "loraserve never logs prompts, so there is nothing to shorten"),
-    notice("--enable-prompt-tokens-details", "usage carries no prompt_tokens_details", "bool"),
-    refused("--enable-server-load-tracking", "there is no /load endpoint", "bool"),
     refused(
         "--enable-force-include-usage", "usage is sent only when stream_options.include_usage asks", "bool"
     ),
-    refused("--enable-tokenizer-info-endpoint", "there is no /get_tokenizer_info endpoint", "bool"),
     notice("--enable-log-outputs", "loraserve never logs generated text", "bool"),
     notice(
         "--h11-max-header-count",
@@ -233,7 +230,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--max-long-partial-prefills", "every prefill that fits the token budget runs in the step"),
     notice("--long-prefill-token-threshold", "every prefill that fits the token budget runs in the step"),
     notice("--num-lookahead-slots", "there is no speculative decoding to reserve slots for"),
-    notice("--scheduling-policy", "requests are scheduled first come, first served", harmless=_among("fcfs")),
     notice("--disable-chunked-mm-input", _NO_MULTIMODAL, "bool"),
     refused("--scheduler-cls", "the scheduler cannot be replaced"),
     notice("--disable-hybrid-kv-cache-manager", "there is one KV-cache manager", "bool"),

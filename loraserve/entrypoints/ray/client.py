@@ -82,17 +82,20 @@ class ReplicaClient:
 
     async def generate(
         self,
-        prompt: list[int],
+        prompt: list[int] | dict[str, Any],
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         model_id = lora_request.lora_name if lora_request is not None else ""
         for attempt in range(2):
             self._check_open()
             handle = self._handle.options(stream=True, multiplexed_model_id=model_id)
-            stream = handle.generate.remote(prompt, sampling_params, request_id, lora_request, group_id)
+            stream = handle.generate.remote(
+                prompt, sampling_params, request_id, lora_request, group_id, priority
+            )
             self._streams[request_id] = stream
             replica_id: str | None = None
             has_output = finished = False

@@ -63,11 +63,12 @@ class EngineReplica:
 
     async def generate(
         self,
-        prompt: list[int],
+        prompt: list[int] | dict[str, Any],
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[ReplicaHello | RequestOutput]:
         yield ReplicaHello(self.replica_id)
         if lora_request is not None:
@@ -75,7 +76,10 @@ class EngineReplica:
         name = lora_request.lora_name if lora_request is not None else ""
         self._in_flight[name] += 1  # counted as resident from now: the router sends its next ones here
         try:
-            async for output in self.engine.generate(prompt, sampling_params, request_id, lora_request, group_id):
+            outputs = self.engine.generate(
+                prompt, sampling_params, request_id, lora_request, group_id, priority
+            )
+            async for output in outputs:
                 yield output
         finally:
             self._in_flight[name] -= 1
