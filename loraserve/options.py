@@ -2,7 +2,7 @@
 
 `option(default, help=..., ...)` is a `dataclasses.field` whose metadata holds an `Option`. Whatever
 needs the option reads it from the field: the `serve` flags are generated from these fields
-(`entrypoints/openai/cli_options.py`), `LLM(**kwargs)` takes exactly the fields, and `check_options`
+(`entrypoints/openai/cli/cli_options.py`), `LLM(**kwargs)` takes exactly the fields, and `check_options`
 runs the checks wherever such a dataclass is built. A check error names fields by their names; the
 command line shows the same error with flag names (`OptionError.with_names`).
 

@@ -104,20 +104,28 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def layer_of(module: str) -> str:
-    """The layer name of a loraserve module: its package under loraserve (or "" for the root)."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
+# The OpenAI server's rooms, lowest first (DESIGN.md): metrics < request handlers < HTTP app < CLI.
+OPENAI = "loraserve.entrypoints.openai"
+OPENAI_LAYERS: list[set[str]] = [{"metrics"}, {"serving"}, {"server"}, {"cli"}]
 
 
-def upward_edges(graph: dict[str, set[str]], layers: list[set[str]]) -> list[tuple[str, str]]:
-    """The imports (importer, imported) whose target sits in a higher layer than their source."""
+def layer_of(module: str, package: str = "loraserve") -> str:
+    """The layer name of a module of `package`: its sub-package (or "" for the package's own modules)."""
+    parts = module[len(package) + 1 :].split(".") if module.startswith(package + ".") else []
+    return parts[0] if len(parts) > 1 or (parts and package == "loraserve") else ""
+
+
+def upward_edges(
+    graph: dict[str, set[str]], layers: list[set[str]], package: str = "loraserve"
+) -> list[tuple[str, str]]:
+    """The imports (importer, imported) within `package` whose target sits in a higher layer than their source."""
     rank = {name: i for i, names in enumerate(layers) for name in names}
+    inside = {module for module in graph if module.startswith(package + ".")}
     return sorted(
         (module, target)
-        for module, targets in graph.items()
-        for target in targets
-        if rank[layer_of(target)] > rank[layer_of(module)]
+        for module in inside
+        for target in graph[module] & inside
+        if rank[layer_of(target, package)] > rank[layer_of(module, package)]
     )
 
 
@@ -130,6 +138,13 @@ def test_no_import_points_up_a_layer() -> None:
     graph = import_graph()
     assert "loraserve.batch.forward_batch" in graph and graph["loraserve.models.llama_stack"]
     assert upward_edges(graph, LAYERS) == []
+
+
+def test_the_openai_server_rooms_import_downward_only() -> None:
+    graph = import_graph()
+    rooms = {layer_of(module, OPENAI) for module in graph if module.startswith(OPENAI + ".")} - {""}
+    assert rooms == set().union(*OPENAI_LAYERS)
+    assert upward_edges(graph, OPENAI_LAYERS + [{""}], OPENAI) == []
 
 
 def test_the_layer_check_finds_an_upward_import() -> None:

@@ -9,8 +9,13 @@ import argparse
 import sys
 
 from loraserve import __version__
-from loraserve.entrypoints.openai.cli_args import EPILOG, OneLineErrorParser, add_serve_args, check_serve_args
-from loraserve.entrypoints.openai.vllm_compat import expand_config_file
+from loraserve.entrypoints.openai.cli.cli_args import (
+    EPILOG,
+    OneLineErrorParser,
+    add_serve_args,
+    check_serve_args,
+)
+from loraserve.entrypoints.openai.cli.vllm_compat import expand_config_file
 
 
 def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -61,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         check_serve_args(serve_parser, args)
         if args.replicas > 1:
             return _serve_replicas(args)
-        from loraserve.entrypoints.openai.launcher import serve_main
+        from loraserve.entrypoints.openai.cli.launcher import serve_main
 
         return serve_main(args, "loraserve serve")
     from loraserve.demo.run import run_demo
-    from loraserve.entrypoints.openai.launcher import configure_logging, one_line
+    from loraserve.entrypoints.openai.cli.launcher import configure_logging, one_line
 
     configure_logging()
     try:

@@ -25,7 +25,7 @@ class LLM:
         their defaults; vLLM keywords without an effect here (`gpu_memory_utilization=0.9`,
         `tensor_parallel_size=1`, ...) are accepted with a warning and refused (ValueError) when their
         value cannot be honoured; any other keyword is a TypeError."""
-        from loraserve.entrypoints.openai.vllm_compat import llm_engine_kwargs
+        from loraserve.entrypoints.openai.cli.vllm_compat import llm_engine_kwargs
 
         kwargs = llm_engine_kwargs(kwargs)
         # Offline, every prompt given is wanted: the queue limits that protect a server do not apply.

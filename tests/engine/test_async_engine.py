@@ -11,7 +11,7 @@ from loraserve.demo.random_model import save_peft_adapter
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
 from loraserve.engine.step_failures import MAX_CONSECUTIVE_STEP_FAILURES
-from loraserve.entrypoints.openai.engine_client import EngineClient
+from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.errors import EngineDeadError, LoRAAdapterNotFoundError
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams

@@ -18,7 +18,7 @@ from support.harness import RunningServer
 from test_resolvers import StandInHub, make_adapter
 
 from loraserve import plugins
-from loraserve.entrypoints.openai.api_server import ServerOptions
+from loraserve.entrypoints.openai.server.api_server import ServerOptions
 from loraserve.lora.resolver import LoRAResolverRegistry
 
 PLUGIN_PKG = Path(__file__).parent.parent / "support" / "plugin_pkg"

@@ -22,7 +22,7 @@ from support.oracles import assert_matches_peft
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.demo.smollm import SERVED_MODEL_NAME, find_smollm2_gguf
-from loraserve.entrypoints.openai.api_server import ServerOptions
+from loraserve.entrypoints.openai.server.api_server import ServerOptions
 
 GGUF_PATH = find_smollm2_gguf()
 pytestmark = pytest.mark.skipif(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from loraserve.entrypoints.openai.api_server import ServerOptions
-from loraserve.entrypoints.openai.serving_models import LoRAModulePath
+from loraserve.entrypoints.openai.server.api_server import ServerOptions
+from loraserve.entrypoints.openai.serving.serving_models import LoRAModulePath
 from loraserve.sampling_params import SamplingParams
 from support.fake_engine import FakeEngine, write_adapter
 from support.harness import RunningServer

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from loraserve.entrypoints.openai.api_server import ServerOptions, build_app
-from loraserve.entrypoints.openai.http_server import LoraserveServer, build_server
+from loraserve.entrypoints.openai.server.api_server import ServerOptions, build_app
+from loraserve.entrypoints.openai.server.http_server import LoraserveServer, build_server
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:

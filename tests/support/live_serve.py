@@ -21,7 +21,8 @@ from support.harness import wait_for
 def live_serve(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Run `loraserve serve *argv` until the block ends; yields the started uvicorn server."""
     from loraserve.entrypoints import cli
-    from loraserve.entrypoints.openai import http_server, launcher
+    from loraserve.entrypoints.openai.cli import launcher
+    from loraserve.entrypoints.openai.server import http_server
 
     servers: list[Any] = []
     real_build = http_server.build_server

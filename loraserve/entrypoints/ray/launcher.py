@@ -24,20 +24,20 @@ from ray.serve.config import RequestRouterConfig
 
 from loraserve import envs
 from loraserve.engine.arg_utils import EngineArgs
-from loraserve.entrypoints.openai.api_server import build_app
-from loraserve.entrypoints.openai.frontend import (
-    FrontendOptions,
-    bind_unix_socket,
-    uvicorn_options,
-)
-from loraserve.entrypoints.openai.http_server import serve_app
-from loraserve.entrypoints.openai.launcher import (
+from loraserve.entrypoints.openai.cli.launcher import (
     bind_socket,
     log_startup,
     run_main,
     server_options,
     use_demo_model,
 )
+from loraserve.entrypoints.openai.server.api_server import build_app
+from loraserve.entrypoints.openai.server.frontend import (
+    FrontendOptions,
+    bind_unix_socket,
+    uvicorn_options,
+)
+from loraserve.entrypoints.openai.server.http_server import serve_app
 from loraserve.entrypoints.ray.client import ReplicaClient
 from loraserve.entrypoints.ray.deployment import EngineReplica
 from loraserve.entrypoints.ray.replica_header import ReplicaHeaderMiddleware

@@ -1,0 +1,49 @@
+"""--api-key enforcement: a raw ASGI middleware, so no routing quirk can skip it.
+
+The decision uses the raw request path exactly as received: only `/health` is open. Percent-encoding,
+double slashes or `..` segments never match it, so they are checked like any other path. Keys are
+compared in constant time against every configured key.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from loraserve.entrypoints.openai.server.http_guard import app_path, send_json_error
+
+OPEN_PATHS = frozenset({b"/health"})
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        if not api_keys or any(not key for key in api_keys):
+            raise ValueError("api_keys must be a non-empty list of non-empty keys.")
+        self.app = app
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    def is_authorized(self, scope: Scope) -> bool:
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name.lower() == b"authorization":
+                given = value
+                break
+        matched = False
+        for expected in self.expected:
+            # No short-circuit: the time taken does not reveal which key, or how much of one, matched.
+            matched |= hmac.compare_digest(given, expected)
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        raw_path = app_path(scope)
+        if raw_path in OPEN_PATHS or self.is_authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await send_json_error(send, 401, "Unauthorized", "AuthenticationError", [(b"www-authenticate", b"Bearer")])

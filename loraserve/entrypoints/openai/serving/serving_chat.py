@@ -1,0 +1,295 @@
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template, streamed or not.
+
+A stream sends one choice per chunk (as OpenAI and vLLM do), starting with each choice's role chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
+from loraserve.entrypoints.openai.serving.chat_roles import allowed_roles, check_roles, templates_of
+from loraserve.entrypoints.openai.serving.engine_client import EngineClient
+from loraserve.entrypoints.openai.serving.errors import APIError
+from loraserve.entrypoints.openai.serving.logprobs import chat_logprobs
+from loraserve.entrypoints.openai.serving.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
+from loraserve.entrypoints.openai.serving.serving_engine import EnginePrompt, OpenAIServing
+from loraserve.entrypoints.openai.serving.serving_models import OpenAIServingModels
+from loraserve.entrypoints.openai.serving.tokenizer_pool import FairTokenizerPool
+from loraserve.entrypoints.openai.serving.vllm_fields import (
+    engine_request_id,
+    logprob_count,
+    prompt_logprobs_json,
+    response_id,
+    truncate_prompt,
+    usage,
+)
+from loraserve.lora.request import LoRARequest
+from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass(slots=True)
+class _ChatJob:
+    request_id: str
+    model_name: str
+    prompt: EnginePrompt
+    lora_request: LoRARequest | None
+    num_top_logprobs: int | None
+    render_token: Callable[[int, Logprob | None], str]
+    request: ChatCompletionRequest
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        engine: EngineClient,
+        models: OpenAIServingModels,
+        metrics: ServerMetrics | None = None,
+        trust_request_chat_template: bool = False,
+        tokenizer_pool: FairTokenizerPool | None = None,
+        response_role: str = "assistant",  # --response-role
+        return_tokens_as_token_ids: bool = False,
+        enable_prompt_tokens_details: bool = False,
+    ) -> None:
+        super().__init__(
+            engine, models, metrics, tokenizer_pool, return_tokens_as_token_ids, enable_prompt_tokens_details
+        )
+        self.trust_request_chat_template = trust_request_chat_template
+        self.response_role = response_role
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """A full response, or (stream=true) an iterator of SSE lines whose first item waits for output."""
+        job = await self._prepare(request)
+        if request.stream:
+            return self._stream(job)
+        return await self._collect(job)
+
+    async def _prepare(self, request: ChatCompletionRequest) -> _ChatJob:
+        self.check_request(request)
+        if request.tools:
+            raise APIError("tools are not supported by this server.", HTTPStatus.BAD_REQUEST, "tools")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise APIError(
+                "Only response_format {'type': 'text'} is supported.",
+                HTTPStatus.BAD_REQUEST,
+                "response_format",
+            )
+        model_name, lora_request = await self.resolve_model(request)
+        text = await self.in_tokenizer_thread(self._render, request)
+        prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
+        prompt_ids = truncate_prompt(prompt_ids, request, self.max_model_len)
+        requested = (
+            request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        )
+        max_tokens = self.max_tokens_for(len(prompt_ids), requested, "messages")
+        num_top = None
+        if request.logprobs:  # -1: the whole vocabulary (then --max-logprobs applies, vLLM's text)
+            num_top = logprob_count(request.top_logprobs or 0, self.engine.model_config.vocab_size)
+        params = self.sampling_params(request, max_tokens, num_top, request.prompt_logprobs)
+        request_id = response_id("chatcmpl", request)
+        prompt = EnginePrompt(
+            engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt
+        )
+        self.check_request_size([prompt])
+        return _ChatJob(
+            request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request), request
+        )
+
+    def _render(self, request: ChatCompletionRequest) -> str:
+        """The prompt text from the tokenizer's chat template; 400 for messages the template refuses.
+        Runs on the tokenizer thread: a template is a program whose cost grows with the messages."""
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.chat_template is not None:
+            kwargs["chat_template"] = request.chat_template
+        if request.documents is not None:  # RAG templates read them (transformers' `documents`)
+            kwargs["documents"] = request.documents
+        if request.continue_final_message:  # prefill the assistant's turn: the template leaves it open
+            kwargs["continue_final_message"] = True
+        # A template is code run on the server (loops, allocations): only the operator may allow it.
+        if "chat_template" in kwargs and not self.trust_request_chat_template:
+            raise APIError(
+                "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                "Refused request with untrusted chat template.",
+                HTTPStatus.BAD_REQUEST,
+                "chat_template",
+            )
+        if not kwargs.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(
+                "The model's tokenizer has no chat template, so chat completions are unavailable; "
+                "use /v1/completions.",
+                HTTPStatus.BAD_REQUEST,
+                "messages",
+            )
+        # A role is printed into the prompt: only known roles, never template control text.
+        own = getattr(self.tokenizer, "chat_template", None)
+        templates = [*templates_of(kwargs.get("chat_template")), *templates_of(own)]
+        check_roles([m.role for m in request.messages], allowed_roles(templates))
+        messages = [
+            {"role": m.role, "content": self._text(m.content, i)} for i, m in enumerate(request.messages)
+        ]
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as exc:  # jinja2 errors (raise_exception in templates) and bad kwargs
+            raise APIError(
+                f"The chat template rejected the messages: {exc}", HTTPStatus.BAD_REQUEST, "messages"
+            ) from exc
+        return str(rendered)
+
+    @staticmethod
+    def _text(content: str | list[dict[str, Any]] | None, index: int) -> str:
+        if content is None or isinstance(content, str):
+            return content or ""
+        parts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(
+                    f"messages[{index}].content: only text parts are supported, got type {part.get('type')!r}.",
+                    HTTPStatus.BAD_REQUEST,
+                    "messages",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+    def _echo(self, job: _ChatJob) -> str:
+        """vLLM's chat `echo`: the last message's text when its role is the reply's, else ""."""
+        last = job.request.messages[-1]
+        if not job.request.echo or last.role != self.response_role:
+            return ""
+        return self._text(last.content, len(job.request.messages) - 1)
+
+    def _logprobs(self, job: _ChatJob, seq: CompletionOutput, start: int) -> Any:
+        if job.num_top_logprobs is None or seq.logprobs is None:
+            return None
+        return chat_logprobs(
+            seq.token_ids[start:], list(seq.logprobs[start:]), job.num_top_logprobs, job.render_token
+        )
+
+    def _usage(self, job: _ChatJob, final: RequestOutput | None) -> UsageInfo:
+        completion_tokens = sum(len(seq.token_ids) for seq in final.outputs) if final is not None else 0
+        cached = final.num_cached_tokens if final is not None else None
+        return usage(len(job.prompt.prompt_ids), completion_tokens, cached, self.enable_prompt_tokens_details)
+
+    async def _collect(self, job: _ChatJob) -> ChatCompletionResponse:
+        final: RequestOutput | None = None
+        async with aclosing(self.generate([job.prompt], job.lora_request, job.model_name)) as outputs:
+            async for _, output in outputs:
+                final = output
+        assert final is not None, "the engine finished a request without any output"
+        choices = [
+            ChatCompletionChoice(
+                index=seq.index,
+                message=ChatResponseMessage(role=self.response_role, content=self._echo(job) + seq.text),
+                logprobs=self._logprobs(job, seq, 0),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                token_ids=list(seq.token_ids) if job.request.return_token_ids else None,
+            )
+            for seq in sorted(final.outputs, key=lambda s: s.index)
+        ]
+        return ChatCompletionResponse(
+            id=job.request_id,
+            model=job.model_name,
+            choices=choices,
+            usage=self._usage(job, final),
+            prompt_logprobs=(
+                prompt_logprobs_json(final.prompt_logprobs, job.render_token)
+                if job.request.prompt_logprobs is not None
+                else None
+            ),
+            prompt_token_ids=list(final.prompt_token_ids) if job.request.return_token_ids else None,
+        )
+
+    def _chunk(
+        self,
+        job: _ChatJob,
+        choices: list[ChatStreamChoice],
+        usage_info: UsageInfo | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        chunk = ChatCompletionChunk(
+            id=job.request_id,
+            model=job.model_name,
+            choices=choices,
+            usage=usage_info,
+            prompt_token_ids=prompt_token_ids,
+        )
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+    def _delta(self, job: _ChatJob, seq: CompletionOutput) -> ChatStreamChoice | None:
+        """What `seq` adds since the last chunk; None when nothing new."""
+        sent_tokens = job.sent_tokens.get(seq.index, 0)
+        if seq.index in job.finished or (len(seq.token_ids) == sent_tokens and not seq.finished()):
+            return None
+        sent_chars = job.sent_chars.get(seq.index, 0)
+        choice = ChatStreamChoice(
+            index=seq.index,
+            delta=DeltaMessage(content=seq.text[sent_chars:]),
+            logprobs=self._logprobs(job, seq, sent_tokens),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            token_ids=list(seq.token_ids[sent_tokens:]) if job.request.return_token_ids else None,
+        )
+        job.sent_chars[seq.index], job.sent_tokens[seq.index] = len(seq.text), len(seq.token_ids)
+        if seq.finished():
+            job.finished.add(seq.index)
+        return choice
+
+    def _role_chunks(self, job: _ChatJob, first: RequestOutput, continuous: bool) -> list[str]:
+        """Each choice's role chunk (the first with return_token_ids' prompt_token_ids), then its
+        echoed text, as vLLM sends them."""
+        ids = list(first.prompt_token_ids) if job.request.return_token_ids else None
+        running = usage(len(job.prompt.prompt_ids), 0, None, False) if continuous else None
+        echo = self._echo(job)
+        lines = []
+        for i in range(job.prompt.sampling_params.n):
+            role = ChatStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))
+            lines.append(self._chunk(job, [role], running, ids if i == 0 else None))
+            if echo:
+                lines.append(
+                    self._chunk(job, [ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))], running)
+                )
+        return lines
+
+    async def _stream(self, job: _ChatJob) -> AsyncIterator[str]:
+        options = job.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        num_prompt = len(job.prompt.prompt_ids)
+        final: RequestOutput | None = None
+        async with aclosing(self.generate([job.prompt], job.lora_request, job.model_name)) as outputs:
+            async for _, output in outputs:
+                if final is None:  # the role chunks wait for the first output: early errors get a status
+                    for line in self._role_chunks(job, output, continuous):
+                        yield line
+                final = output
+                for seq in output.outputs:  # one choice per chunk, as OpenAI and vLLM send them
+                    choice = self._delta(job, seq)
+                    if choice is not None:
+                        running = usage(num_prompt, len(seq.token_ids), None, False) if continuous else None
+                        yield self._chunk(job, [choice], running)
+        if include_usage:
+            yield self._chunk(job, [], self._usage(job, final))
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,86 @@
+"""vLLM's extra request fields that this server does not honour: refused by name, never ignored.
+
+The OpenAI-style models accept unknown fields (clients send new OpenAI fields all the time, and those
+are logged and ignored). vLLM's own extras are another matter: a client that sends
+`use_beam_search: true` or `guided_json` expects a different result, so such a request gets a 400 that
+names the field. Each entry lists the values that mean "off" (vLLM's defaults), which are accepted.
+Fields loraserve honours (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
+return_tokens_as_token_ids, chat_template, chat_template_kwargs, add_generation_prompt, echo,
+prompt_logprobs, truncate_prompt_tokens, continue_final_message, documents, request_id,
+return_token_ids; priority and cache_salt are checked by the serving layer) are declared in
+`protocol.py` and never reach this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from loraserve.entrypoints.openai.serving.errors import APIError
+
+_OFF: tuple[Any, ...] = (None, False, [], {}, "")
+
+
+@dataclass(frozen=True, slots=True)
+class Extra:
+    why: str  # what the server lacks, completing "<field> is not supported: ..."
+    off: tuple[Any, ...] = _OFF  # values that ask for nothing (vLLM's default among them)
+    chat_off: tuple[Any, ...] | None = None  # chat completions' "off" values, when they differ
+
+
+_GUIDED = "structured (guided) decoding is not implemented"
+EXTRAS: dict[str, Extra] = {
+    "use_beam_search": Extra("beam search is not implemented; use temperature=0 or n > 1 sampling"),
+    "length_penalty": Extra("it only applies to beam search, which is not implemented", (*_OFF, 1.0, 1)),
+    "early_stopping": Extra("it only applies to beam search, which is not implemented"),
+    "best_of": Extra("best-of-n selection is not implemented; use n", (None, 1)),
+    "allowed_token_ids": Extra("restricting the vocabulary is not implemented"),
+    "bad_words": Extra("banning words is not implemented"),
+    "logits_processors": Extra("custom logits processors are not supported"),
+    "guided_json": Extra(_GUIDED),
+    "guided_regex": Extra(_GUIDED),
+    "guided_choice": Extra(_GUIDED),
+    "guided_grammar": Extra(_GUIDED),
+    "guided_decoding_backend": Extra(_GUIDED),
+    "guided_whitespace_pattern": Extra(_GUIDED),
+    "structured_outputs": Extra(_GUIDED),
+    "structural_tag": Extra(_GUIDED),
+    "kv_transfer_params": Extra("KV transfer between instances is not implemented"),
+    "vllm_xargs": Extra("no extra arguments are read"),
+    "prompt_embeds": Extra("prompts are text or token ids"),
+    "add_special_tokens": Extra(
+        "prompts are always tokenized with the endpoint's default (completions add them, chat does not)",
+        (None, True),
+        chat_off=(None, False),
+    ),
+    "mm_processor_kwargs": Extra("multimodal inputs are not supported"),
+    "media_io_kwargs": Extra("multimodal inputs are not supported"),
+    "tool_choice": Extra("tool calling is not supported", (None, "none")),
+    "parallel_tool_calls": Extra("tool calling is not supported", (None, False, True)),
+    "reasoning_effort": Extra("reasoning parsers are not supported"),
+    "include_reasoning": Extra("reasoning parsers are not supported", (None, True)),
+}
+
+
+def refuse_unsupported_extras(extra_fields: dict[str, Any], is_chat: bool) -> None:
+    """APIError 400 naming the first vLLM extra field whose value asks for something not served."""
+    for name, value in extra_fields.items():
+        extra = EXTRAS.get(name)
+        if extra is None:
+            continue
+        off = extra.chat_off if is_chat and extra.chat_off is not None else extra.off
+        if not any(_same(value, ok) for ok in off):
+            raise APIError(
+                f"{name} is not supported by this server: {extra.why}.", HTTPStatus.BAD_REQUEST, name
+            )
+
+
+def _same(value: Any, ok: Any) -> bool:
+    """JSON equality where a flag is not a number (false is not 0) but 1 is 1.0."""
+    if isinstance(value, bool) or isinstance(ok, bool) or value is None or ok is None:
+        return value is ok
+    if isinstance(value, (int, float)) and isinstance(ok, (int, float)):
+        return value == ok
+    return type(value) is type(ok) and value == ok

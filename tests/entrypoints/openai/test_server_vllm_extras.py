@@ -1,0 +1,89 @@
+"""vLLM's extra request fields: honoured, or refused with a 400 that names the field, never ignored.
+
+Every field of the table gets a value that asks for something (refused) and its "off" value (vLLM's
+default, accepted), on both endpoints; new OpenAI fields stay accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from loraserve.entrypoints.openai.serving.vllm_extras import EXTRAS
+
+ASKING: dict[str, Any] = {
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "early_stopping": True,
+    "best_of": 3,
+    "allowed_token_ids": [7, 8],
+    "bad_words": ["no"],
+    "logits_processors": ["my.module:Processor"],
+    "guided_json": {"type": "object"},
+    "guided_regex": "[0-9]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": "root ::= 'x'",
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "structured_outputs": {"json": {"type": "object"}},
+    "structural_tag": "{}",
+    "kv_transfer_params": {"do_remote_prefill": True},
+    "vllm_xargs": {"k": 1},
+    "prompt_embeds": "AAAA",
+    "add_special_tokens": "flip",  # the endpoint's own default is accepted, see below
+    "mm_processor_kwargs": {"fps": 1},
+    "media_io_kwargs": {"video": {}},
+    "tool_choice": "auto",
+    "parallel_tool_calls": "sometimes",
+    "reasoning_effort": "high",
+    "include_reasoning": False,
+}
+BODIES = {
+    "/v1/completions": {"model": "base", "prompt": "hello", "max_tokens": 2},
+    "/v1/chat/completions": {
+        "model": "base",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    },
+}
+
+
+def test_every_extra_has_a_case() -> None:
+    assert set(ASKING) == set(EXTRAS)
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+@pytest.mark.parametrize("name", sorted(EXTRAS))
+def test_an_extra_that_asks_for_something_is_refused_by_name(server, path: str, name: str) -> None:
+    value = ASKING[name]
+    if name == "add_special_tokens":
+        value = "chat" in path  # the other endpoint's default
+    response = server.http.post(path, json={**BODIES[path], name: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name and error["message"].startswith(f"{name} is not supported")
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_off_values_and_new_openai_fields_are_accepted(server, path: str) -> None:
+    is_chat = "chat" in path
+    off = {
+        name: (extra.chat_off if is_chat and extra.chat_off else extra.off)[-1]
+        for name, extra in EXTRAS.items()
+    }
+    off.update(length_penalty=1, store=False, metadata={"team": "x"}, spaces_between_special_tokens=False)
+    response = server.http.post(path, json={**BODIES[path], **off})
+    assert response.status_code == 200, response.text
+
+
+def test_beam_search_through_the_openai_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="use_beam_search is not supported"):
+        client.completions.create(
+            model="base",
+            prompt="hi",
+            max_tokens=2,
+            n=2,
+            extra_body={"use_beam_search": True, "length_penalty": 1.0},
+        )
