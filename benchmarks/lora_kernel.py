@@ -1,8 +1,8 @@
 """The fused C LoRA kernel against the torch ops, per step of a SmolLM-135M-shaped model.
 
 30 layers x 4 LoRA layers (qkv, o, gate_up, down: the 7 projections), rank 16 in all 16 slots; one
-"step" is the LoRA term of every layer, computed by `cpu_ops.run` (the kernel, whatever
-max_segment_len says) or `torch_ops.add_lora` (the layout the mapping picks). Best of --repeats.
+"step" is the LoRA term of every layer, computed by `lora_cpu.run` (the kernel, whatever
+max_segment_len says) or `lora_torch.add_lora` (the layout the mapping picks). Best of --repeats.
 Usage: python -m benchmarks.lora_kernel [--dtype bfloat16] [--repeats 9] [--sweep]
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.common import cpu_class
 from loraserve.batch.lora_mapping import LoRABatchMapping
-from loraserve.lora.ops import LoRABuffers, cpu_ops, torch_ops
+from loraserve.lora.ops import LoRABuffers, lora_cpu, lora_torch
 
 HIDDEN, INTERMEDIATE, KV, LAYERS, RANK, SLOTS = 576, 1536, 192, 30, 16, 16
 # (in_features, slice sizes) of each LoRA layer of one transformer layer.
@@ -66,12 +66,12 @@ def measure(layers: list[LoRABuffers], dtype: torch.dtype, adapters: int, per_ad
 
     def torch_step() -> None:
         for b in layers:
-            torch_ops.add_lora(outputs[b.lora_b_t.shape[2]], inputs[b.lora_a.shape[2]], b.lora_a, b.lora_b, mapping)
+            lora_torch.add_lora(outputs[b.lora_b_t.shape[2]], inputs[b.lora_a.shape[2]], b.lora_a, b.lora_b, mapping)
 
     def kernel_step() -> None:
         for b in layers:
             assert b.cpu_kernel_args is not None
-            cpu_ops.run(inputs[b.lora_a.shape[2]], outputs[b.lora_b_t.shape[2]], b.cpu_kernel_args, mapping)
+            lora_cpu.run(inputs[b.lora_a.shape[2]], outputs[b.lora_b_t.shape[2]], b.cpu_kernel_args, mapping)
 
     return best_ms(torch_step, repeats), best_ms(kernel_step, repeats)
 
@@ -83,9 +83,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="segment lengths around the crossover instead")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    if not cpu_ops.kernel_available():
+    if not lora_cpu.kernel_available():
         raise SystemExit("the C kernel is not available here (no compiler, or LORASERVE_CPU_LORA_KERNEL=0)")
-    build = cpu_ops.kernel_build()
+    build = lora_cpu.kernel_build()
     assert build is not None
     print(f"{cpu_class()}, {args.dtype}, "
           f"kernel code paths: {', '.join(sorted(build.code_paths)) or 'C'}")

@@ -1,7 +1,7 @@
-/* Fused elementwise ops of a decoder layer on CPU, loaded through ctypes by fused_ops.py.
+/* Fused elementwise ops of a decoder layer on CPU, loaded through ctypes by fused_cpu.py.
  *
  * Each op replaces 4-12 torch ops (and their temporaries) with one pass over the rows. The torch
- * twins in fused_ops.py define the semantics; for bfloat16 this file rounds to bf16 at the same
+ * twins in fused_cpu.py define the semantics; for bfloat16 this file rounds to bf16 at the same
  * points the twins do (each torch op's result is a bf16 tensor), so results match them up to float
  * summation order and the exp approximation (< 2 ulp of float32).
  *

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraserve.layers.fused_ops import rms_norm
+from loraserve.layers.fused_cpu import rms_norm
 
 
 class RMSNorm(nn.Module):

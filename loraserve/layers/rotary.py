@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraserve.layers.fused_ops import rotary_
+from loraserve.layers.fused_cpu import rotary_
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -18,7 +18,7 @@ from loraserve import envs
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
-from loraserve.layers.fused_ops import silu_and_mul
+from loraserve.layers.fused_cpu import silu_and_mul
 from loraserve.layers.linear import Linear
 from loraserve.layers.norm import RMSNorm
 from loraserve.layers.rotary import RotaryEmbedding

@@ -12,8 +12,8 @@ for every step the C call does not serve (`run` returns None):
 - LoRA steps that the LoRA kernel does not serve (a bias term, long prefill segments, another dtype);
 - LORASERVE_CPU_DECODER_STACK=0, a fused or attention kernel switched off, or no C compiler.
 Which kernel serves a call is never decided here: each op family's own predicate says it, the one
-its Python wrapper asks too (`gemm_cpu.serves`, `fused_ops.norm_weight_serves` and
-`rotary_tables_serve`, `paged_attention_cpu.serves`, `cpu_ops.serving`), so changing a kernel's rule
+its Python wrapper asks too (`gemm_cpu.serves`, `fused_cpu.norm_weight_serves` and
+`rotary_tables_serve`, `paged_attention_cpu.serves`, `lora_cpu.serving`), so changing a kernel's rule
 changes the stack's with it. What stays here is what the stack itself can run (its fixed op order,
 one layout for every layer, no LoRA bias term).
 
@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from loraserve.batch.attention_metadata import AttentionMetadata
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.lora_mapping import LoRABatchMapping
-from loraserve.layers import fused_ops, gemm_cpu, paged_attention_cpu
-from loraserve.lora.ops import cpu_ops
+from loraserve.layers import fused_cpu, gemm_cpu, paged_attention_cpu
+from loraserve.lora.ops import lora_cpu
 from loraserve.native.build import function_address, load_library
 
 # decoder_stack.c's field counts, the model fields read back here, and its error ops.
@@ -72,12 +72,12 @@ def _kernel_addresses() -> list[int] | None:
     """gemm_linear_prefetch, rms_norm, silu_and_mul, rotary_inplace, paged_attention, then lora_fused and
     lora_weight_ranges (0 when the LoRA kernel is missing: LoRA steps then take the Python path); None
     if one of the others is."""
-    gemm, fused = gemm_cpu.kernel_library(), fused_ops.kernel_library()
+    gemm, fused = gemm_cpu.kernel_library(), fused_cpu.kernel_library()
     attention = paged_attention_cpu.kernel_function()
     if gemm is None or fused is None or attention is None:
         return None
-    lora = cpu_ops.fused_function()
-    ranges = cpu_ops.weight_ranges_function()
+    lora = lora_cpu.fused_function()
+    ranges = lora_cpu.weight_ranges_function()
     return [function_address(fn) for fn in (gemm.gemm_linear_prefetch, fused.rms_norm, fused.silu_and_mul,
                                             fused.rotary_inplace, attention)] + [
         0 if lora is None else function_address(lora), 0 if ranges is None else function_address(ranges)]
@@ -118,7 +118,7 @@ class BoundObjects:
 
 
 def _libraries() -> tuple[Any, Any, Any]:
-    return gemm_cpu.kernel_library(), fused_ops.kernel_library(), cpu_ops.fused_function()
+    return gemm_cpu.kernel_library(), fused_cpu.kernel_library(), lora_cpu.fused_function()
 
 
 class DecoderStack:
@@ -140,7 +140,7 @@ class DecoderStack:
     @classmethod
     def build(cls, layers: list[Any], rotary: Any) -> DecoderStack | None:
         """For `layers` (LlamaDecoderLayer) sharing `rotary`; None when some op is not a C kernel here."""
-        if not layers or not fused_ops.kernel_available() or _library() is None:
+        if not layers or not fused_cpu.kernel_available() or _library() is None:
             return None
         attn0, mlp0, norm0 = layers[0].self_attn, layers[0].mlp, layers[0].input_layernorm
         dtype = attn0.qkv_proj.weight.dtype
@@ -240,7 +240,7 @@ class DecoderStack:
 
     def _lora_layers(self, mapping: LoRABatchMapping, num_tokens: int) -> ctypes.Array[ctypes.c_int64] | None:
         """The LoRA kernel's layer arguments of each linear (0: no term this step) where
-        `cpu_ops.serving` says the kernel runs the term, the rule `ops.add_lora` asks too; None when
+        `lora_cpu.serving` says the kernel runs the term, the rule `ops.add_lora` asks too; None when
         some layer's term needs another path (or has a bias term, which the stack does not add)."""
         if mapping.num_tokens != num_tokens:
             return None
@@ -256,7 +256,7 @@ class DecoderStack:
                         or (args.in_features, args.out_features) != (linear.in_features, linear.out_features):
                     return None
                 terms.append(args)
-        if not all(cpu_ops.serving([args for args in terms if args is not None], mapping, self.dtype)):
+        if not all(lora_cpu.serving([args for args in terms if args is not None], mapping, self.dtype)):
             return None
         return (ctypes.c_int64 * len(terms))(*[0 if args is None else ctypes.addressof(args.c_layer) for args in terms])
 
@@ -276,12 +276,12 @@ def _layer_serves(layer: Any, first: Any, rotary: Any, dtype: torch.dtype) -> bo
             and all(gemm_cpu.serves(lin.kernel_weight, dtype)  # the bias is bound raw: of the dtype, contiguous
                     and (lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous()))
                     for lin in _linears(layer))
-            and all(fused_ops.norm_weight_serves(n.weight, dtype, attn.qkv_proj.in_features)
+            and all(fused_cpu.norm_weight_serves(n.weight, dtype, attn.qkv_proj.in_features)
                     and n.eps == first.input_layernorm.eps for n in norms))
 
 
 def _tables_serve(rotary: Any, head_dim: int) -> bool:
-    return rotary.head_dim == head_dim and fused_ops.rotary_tables_serve(rotary.cos_table, rotary.sin_table, head_dim)
+    return rotary.head_dim == head_dim and fused_cpu.rotary_tables_serve(rotary.cos_table, rotary.sin_table, head_dim)
 
 
 def _layer_fields(layer: Any, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:

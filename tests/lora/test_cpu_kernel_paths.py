@@ -18,7 +18,7 @@ from support.lora_reference import (
 )
 
 from loraserve.batch.lora_mapping import LoRABatchMapping
-from loraserve.lora.ops import cpu_ops, torch_ops
+from loraserve.lora.ops import lora_cpu, lora_torch
 from loraserve.lora.ops.block_writer import BlockWriter
 from loraserve.native.build import cpu_flags
 
@@ -50,16 +50,16 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     """Swaps the named build in for the process's own one."""
     name = request.param
     flags, needs, paths = BUILDS[name]
-    if not cpu_ops.kernel_available():
+    if not lora_cpu.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     if name != "native" and (platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags()):
         pytest.skip(f"the {name} build needs an x86-64 CPU with {sorted(needs)}")
-    built = cpu_ops.build_kernels(flags)
+    built = lora_cpu.build_kernels(flags)
     assert built is not None, f"the {name} build failed"
     assert paths is None or built.code_paths == paths  # the flags really selected that path
     if "avx512_bf16" in built.code_paths:
         assert "avx512_bf16" in cpu_flags()
-    monkeypatch.setattr(cpu_ops, "_build", built)
+    monkeypatch.setattr(lora_cpu, "_build", built)
     return name
 
 
@@ -87,15 +87,15 @@ def test_every_build_matches_reference(build: str, mix: str, dtype: torch.dtype)
     x = torch.randn(len(slots), IN + 5, generator=g)[:, 2 : 2 + IN].to(dtype)  # strided rows
     y0 = torch.randn(len(slots), offsets[-1], generator=g).to(dtype)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=NUM_SLOTS)
-    if mapping.segments.max_len > cpu_ops.max_segment_len(dtype):
+    if mapping.segments.max_len > lora_cpu.max_segment_len(dtype):
         pytest.skip(f"the {build} build leaves {mapping.segments.max_len}-token {dtype} segments to torch")
     y = run_cpu_kernel(y0.clone(), x, buffers, mapping)
     none_rows = [i for i, s in enumerate(slots) if s < 0]
     assert torch.equal(y[none_rows], y0[none_rows])
-    assert cpu_ops._build is not None
-    t_dtype = cpu_ops._build.t_dtype(dtype)  # bf16 in the AVX512-BF16 build: the reference rounds t as it does
+    assert lora_cpu._build is not None
+    t_dtype = lora_cpu._build.t_dtype(dtype)  # bf16 in the AVX512-BF16 build: the reference rounds t as it does
     _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=t_dtype)
-    y_torch = torch_ops.add_lora(y0.clone(), x.contiguous(), a, bt.transpose(1, 2), mapping)
+    y_torch = lora_torch.add_lora(y0.clone(), x.contiguous(), a, bt.transpose(1, 2), mapping)
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(y, y_torch, atol=1e-4, rtol=1e-4)
@@ -145,8 +145,8 @@ def test_every_build_matches_reference_at_high_ranks(build: str, case: str, dtyp
     y0 = torch.randn(len(slots), offsets[-1], generator=g).to(dtype)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=4)
     y = run_cpu_kernel(y0.clone(), x, make_buffers(a_nan, bt_nan, offsets, ranks, max_rank), mapping)
-    assert cpu_ops._build is not None
-    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=cpu_ops._build.t_dtype(dtype))
+    assert lora_cpu._build is not None
+    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=lora_cpu._build.t_dtype(dtype))
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
     else:
@@ -162,7 +162,7 @@ def test_every_build_gives_the_same_bits_with_any_thread_count(build: str, dtype
     buffers = make_buffers(a, bt, offsets, ranks)
     slots = MIXES["long_runs"] + [3] * 2048
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=NUM_SLOTS)
-    if mapping.segments.max_len > cpu_ops.max_segment_len(dtype):
+    if mapping.segments.max_len > lora_cpu.max_segment_len(dtype):
         pytest.skip(f"the {build} build leaves {mapping.segments.max_len}-token {dtype} segments to torch")
     g = torch.Generator().manual_seed(4)
     x = torch.randn(len(slots), IN, generator=g).to(dtype)

@@ -13,7 +13,7 @@ import torch
 from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.errors import LoRAAdapterError
-from loraserve.lora.ops import cpu_ops
+from loraserve.lora.ops import lora_cpu
 from loraserve.lora.request import LoRARequest
 
 LLAMA_ADAPTERS: dict[str, dict[str, Any]] = {
@@ -145,8 +145,8 @@ def test_mixed_batch_in_bf16_matches_peft(tiny_model: Any, llama_adapters: dict[
     near-ties, which bf16 may break the other way, so greedy sequences are not compared exactly)."""
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
     kernel_dtypes = []
-    run = cpu_ops.run
-    monkeypatch.setattr(cpu_ops, "run", lambda *args: kernel_dtypes.append(args[0].dtype) or run(*args))
+    run = lora_cpu.run
+    monkeypatch.setattr(lora_cpu, "run", lambda *args: kernel_dtypes.append(args[0].dtype) or run(*args))
     path = tiny_model("llama")
     prompts = _prompts(3)
     # 32-token steps: prefill chunks have segments as short as decode's, so both reach the kernel.
@@ -157,7 +157,7 @@ def test_mixed_batch_in_bf16_matches_peft(tiny_model: Any, llama_adapters: dict[
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": prompts[i]} for _, i in cases], params,
                            lora_request=[requests[n] if n else None for n, _ in cases], use_tqdm=False)
-    assert set(kernel_dtypes) == ({torch.bfloat16} if cpu_kernel == "1" and cpu_ops.kernel_available() else set())
+    assert set(kernel_dtypes) == ({torch.bfloat16} if cpu_kernel == "1" and lora_cpu.kernel_available() else set())
     peft = _peft_model(path, llama_adapters)
     for out, (name, i) in zip(outputs, cases):
         completion, num_prompt = out.outputs[0], len(prompts[i])

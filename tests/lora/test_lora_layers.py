@@ -16,7 +16,7 @@ from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.config import LoRAConfig
 from loraserve.layers.linear import Linear
 from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
-from loraserve.lora.ops import cpu_ops, torch_ops
+from loraserve.lora.ops import lora_cpu, lora_torch
 from loraserve.lora.targets import LoRATargets, lora_target_modules
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
 
@@ -69,10 +69,10 @@ def _batch(slots: list[int], layout: LoRALayout | None = None) -> ForwardBatch:
 def test_packed_layer_matches_dense(layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every compute path: the fused CPU kernel, and each layout of the torch ops (kernel off), in
     float32 and in bfloat16 (the layer, its slot buffers and the adapters' weights)."""
-    if layout == "kernel" and not cpu_ops.kernel_available():
+    if layout == "kernel" and not lora_cpu.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     calls = {"kernel": 0, "torch": 0}
-    run, add = cpu_ops.run, torch_ops.add_lora
+    run, add = lora_cpu.run, lora_torch.add_lora
 
     def count(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def wrapper(*args: object) -> torch.Tensor:
@@ -80,8 +80,8 @@ def test_packed_layer_matches_dense(layout: str, dtype: torch.dtype, monkeypatch
             return fn(*args)
         return wrapper
 
-    monkeypatch.setattr(cpu_ops, "run", count("kernel", run))
-    monkeypatch.setattr(torch_ops, "add_lora", count("torch", add))
+    monkeypatch.setattr(lora_cpu, "run", count("kernel", run))
+    monkeypatch.setattr(lora_torch, "add_lora", count("torch", add))
     if layout != "kernel":
         monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", "0")
     sizes = [16, 8, 8]  # q, k, v
@@ -154,8 +154,8 @@ def test_no_adapter_tokens_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None
     def fail(*args: object) -> None:
         raise AssertionError("LoRA op called for a batch that needs none")
 
-    monkeypatch.setattr(torch_ops, "add_lora", fail)
-    monkeypatch.setattr(cpu_ops, "run", fail)
+    monkeypatch.setattr(lora_torch, "add_lora", fail)
+    monkeypatch.setattr(lora_cpu, "run", fail)
     x = torch.randn(4, IN)
     for batch in (
         None,

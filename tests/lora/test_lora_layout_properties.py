@@ -23,7 +23,7 @@ from support.lora_reference import (
 
 from loraserve.batch.lora_layout import LoRALayout
 from loraserve.batch.lora_mapping import LoRABatchMapping
-from loraserve.lora.ops import cpu_ops, torch_ops
+from loraserve.lora.ops import lora_cpu, lora_torch
 
 LAYOUTS = [None, "runs", "grouped", "padded", "padded_all"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -96,11 +96,11 @@ def _check_torch_ops(
     """shrink, expand and the fused add_lora against the reference (t, delta) of scale 0.5."""
     t_ref, delta_ref = reference
     dtype, window = x.dtype, slice(OFFSET, OFFSET + OUT)
-    t = torch_ops.lora_shrink(x, a, mapping, scale=0.5)
+    t = lora_torch.lora_shrink(x, a, mapping, scale=0.5)
     _assert_window(t, torch.zeros_like(t), t_ref, slots, dtype, poisoned)
-    y = torch_ops.lora_expand(y0.clone(), t, b, mapping, offset=OFFSET)
+    y = lora_torch.lora_expand(y0.clone(), t, b, mapping, offset=OFFSET)
     _assert_window(y[:, window], y0[:, window], delta_ref, slots, dtype, poisoned)
-    y_fused = torch_ops.add_lora(y0.clone(), x, a, b, mapping, offset=OFFSET)
+    y_fused = lora_torch.add_lora(y0.clone(), x, a, b, mapping, offset=OFFSET)
     _assert_window(y_fused[:, window], y0[:, window], 2 * delta_ref, slots, dtype, poisoned)  # no 0.5
     for out in (y, y_fused):
         assert torch.equal(out[:, :OFFSET], y0[:, :OFFSET]) and torch.equal(out[:, OFFSET + OUT :],
@@ -137,9 +137,9 @@ def _add_lora(
 ) -> torch.Tensor:
     """What a LoRA layer runs: the C kernel when on and it serves the step, else the torch ops."""
     buffers = make_buffers(a, bt, [0, OUT], torch.full((a.shape[0], 1), R, dtype=torch.int32))
-    if kernel and cpu_ops.serves(buffers.cpu_kernel_args, mapping, x.dtype):
+    if kernel and lora_cpu.serves(buffers.cpu_kernel_args, mapping, x.dtype):
         return run_cpu_kernel(y, x, buffers, mapping)
-    return torch_ops.add_lora(y, x, a, bt.transpose(1, 2), mapping)
+    return lora_torch.add_lora(y, x, a, bt.transpose(1, 2), mapping)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -151,7 +151,7 @@ def test_cpu_kernel_on_and_off_match_naive(
     layout: str | None, dtype: torch.dtype, kernel: bool, mix: tuple[list[int], int], seed: int
 ) -> None:
     """In bf16 both paths stay within 2 ulps of what they sum (the kernel within half of one)."""
-    if kernel and not cpu_ops.kernel_available():
+    if kernel and not lora_cpu.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots, max_loras = mix
     mapping = build_mapping(slots, max_loras, layout)
@@ -198,7 +198,7 @@ def test_non_finite_slot_stays_isolated_with_kernel_on_and_off(
     layout: str | None, dtype: torch.dtype, kernel: bool, mix: tuple[list[int], int], value: float, seed: int,
     data: st.DataObject,
 ) -> None:
-    if kernel and not cpu_ops.kernel_available():
+    if kernel and not lora_cpu.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots, max_loras = mix
     poisoned = data.draw(st.integers(0, max_loras - 1), label="poisoned slot")
@@ -232,7 +232,7 @@ def test_grid_one_cell_short_regression(slots: list[int], dtype: torch.dtype) ->
     g = torch.Generator().manual_seed(0)
     x = torch.randn(len(slots), 128, generator=g).to(dtype)
     a, b = torch.randn(4, R, 128, generator=g).to(dtype), torch.randn(4, 64, R, generator=g).to(dtype)
-    y = torch_ops.add_lora(torch.zeros(len(slots), 64, dtype=dtype), x, a, b, mapping)
+    y = lora_torch.add_lora(torch.zeros(len(slots), 64, dtype=dtype), x, a, b, mapping)
     _, delta = naive_lora(x, a, b, slots, scale=1.0)
     torch.testing.assert_close(y.double(), delta, **tolerance(dtype))
 
@@ -242,7 +242,7 @@ def test_grid_one_cell_short_regression(slots: list[int], dtype: torch.dtype) ->
 def test_nan_slot_leaves_other_tokens_unaffected(layout: str | None, backend: str) -> None:
     """Slot 1 filled with NaN: its grid has empty cells (which used to be added into token 0, of
     slot 0), and tokens of slot 0 and without an adapter must come out exactly as without the NaN."""
-    if backend.startswith("kernel") and not cpu_ops.kernel_available():
+    if backend.startswith("kernel") and not lora_cpu.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots = [0, 0, 0, 1, -1, 2, 2]
     dtype = torch.bfloat16 if backend.endswith("bf16") else torch.float32
@@ -252,7 +252,7 @@ def test_nan_slot_leaves_other_tokens_unaffected(layout: str | None, backend: st
     def run(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
         if backend.startswith("kernel"):
             return run_cpu_kernel(y0.clone(), x, make_buffers(a, bt, [0, OUT], torch.full((4, 1), R, dtype=torch.int32)), mapping)
-        return torch_ops.add_lora(y0.clone(), x, a, bt.transpose(1, 2), mapping)
+        return lora_torch.add_lora(y0.clone(), x, a, bt.transpose(1, 2), mapping)
 
     clean = run(a, bt)
     a[1], bt[1] = float("nan"), float("nan")

@@ -26,7 +26,7 @@ from support.lora_reference import (
 from loraserve.batch.lora_layout import LoRALayout
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora import ops
-from loraserve.lora.ops import LoRABuffers, cpu_ops, torch_ops
+from loraserve.lora.ops import LoRABuffers, lora_cpu, lora_torch
 
 
 def _zipf_slots(num_tokens: int, num_slots: int, seed: int) -> list[int]:
@@ -68,15 +68,15 @@ def test_torch_ops_match_naive(mix: str, layout: str | None, dtype: torch.dtype)
     t_ref, delta_ref = naive_lora(x, a, b, slots, scale=0.5)
     for max_loras in (L, None):
         mapping = build_mapping(slots, max_loras, layout)
-        t = torch_ops.lora_shrink(x, a, mapping, scale=0.5)
+        t = lora_torch.lora_shrink(x, a, mapping, scale=0.5)
         torch.testing.assert_close(t.double(), t_ref, **tolerance(dtype))
         y0 = torch.randn(len(slots), OUT + 10, generator=torch.Generator().manual_seed(3)).to(dtype)
-        y = torch_ops.lora_expand(y0.clone(), t, b, mapping, offset=4)
+        y = lora_torch.lora_expand(y0.clone(), t, b, mapping, offset=4)
         torch.testing.assert_close(
             y[:, 4 : 4 + OUT].double(), y0[:, 4 : 4 + OUT].double() + delta_ref, **tolerance(dtype)
         )
         assert torch.equal(y[:, :4], y0[:, :4]) and torch.equal(y[:, 4 + OUT :], y0[:, 4 + OUT :])
-        y_fused = torch_ops.add_lora(y0.clone(), x, a, b, mapping, offset=4)
+        y_fused = lora_torch.add_lora(y0.clone(), x, a, b, mapping, offset=4)
         fused_ref = y0[:, 4 : 4 + OUT].double() + 2 * delta_ref  # add_lora has no scale (0.5 above)
         torch.testing.assert_close(y_fused[:, 4 : 4 + OUT].double(), fused_ref, **tolerance(dtype))
         # Rows without an adapter are left bit-for-bit alone.
@@ -90,8 +90,8 @@ def test_contiguous_weights_and_dispatch_match(kernel: str, dtype: torch.dtype, 
     """`ops.add_lora` (the C kernel when on and built, else the torch ops) against shrink then expand."""
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", kernel)
     kernel_calls = []
-    run = cpu_ops.run
-    monkeypatch.setattr(cpu_ops, "run", lambda *args: kernel_calls.append(1) or run(*args))
+    run = lora_cpu.run
+    monkeypatch.setattr(lora_cpu, "run", lambda *args: kernel_calls.append(1) or run(*args))
     slots = MIXES["zipf"]
     x = torch.randn(len(slots), IN).to(dtype)
     a, b = _weights(dtype)
@@ -99,7 +99,7 @@ def test_contiguous_weights_and_dispatch_match(kernel: str, dtype: torch.dtype, 
     y1 = torch.zeros(len(slots), OUT, dtype=dtype)
     buffers = make_buffers(a, b.transpose(1, 2).contiguous(), [0, OUT], torch.full((L, 1), R, dtype=torch.int32))
     ops.add_lora(y1, x, buffers, mapping)
-    assert len(kernel_calls) == (kernel == "1" and cpu_ops.kernel_available())
+    assert len(kernel_calls) == (kernel == "1" and lora_cpu.kernel_available())
     y2 = ops.lora_expand(
         torch.zeros(len(slots), OUT, dtype=dtype), ops.lora_shrink(x, a.contiguous(), mapping), b.contiguous(), mapping
     )
@@ -150,7 +150,7 @@ def _triton_device() -> str | None:
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_matches_torch(mix: str, dtype: torch.dtype) -> None:
-    from loraserve.lora.ops import triton_ops
+    from loraserve.lora.ops import lora_triton
 
     device = _triton_device()
     assert device is not None
@@ -163,15 +163,15 @@ def test_triton_matches_torch(mix: str, dtype: torch.dtype) -> None:
     mapping = LoRABatchMapping.build(slots, device, max_loras=L)
     x, a, b = x.to(device), a.to(device), b.to(device)
     tol = tolerance(torch.float32 if dtype == torch.float32 else torch.bfloat16)
-    t = triton_ops.lora_shrink(x, a, mapping, scale=0.5)
+    t = lora_triton.lora_shrink(x, a, mapping, scale=0.5)
     torch.testing.assert_close(t.double().cpu(), t_ref, **tol)
     y0 = torch.randn(len(slots), OUT + 10).to(dtype).to(device)
-    y = triton_ops.lora_expand(y0.clone(), t, b, mapping, offset=4)
+    y = lora_triton.lora_expand(y0.clone(), t, b, mapping, offset=4)
     torch.testing.assert_close(
         y[:, 4 : 4 + OUT].double().cpu(), y0[:, 4 : 4 + OUT].double().cpu() + delta_ref, **tol
     )
     assert torch.equal(y[:, :4], y0[:, :4])
-    y_fused = triton_ops.add_lora(y0.clone(), x, a, b, mapping, offset=4)
+    y_fused = lora_triton.add_lora(y0.clone(), x, a, b, mapping, offset=4)
     fused_ref = y0[:, 4 : 4 + OUT].double().cpu() + 2 * delta_ref
     torch.testing.assert_close(y_fused[:, 4 : 4 + OUT].double().cpu(), fused_ref, **tol)
 
@@ -206,7 +206,7 @@ def test_cpu_kernel_matches_naive(mix: str, sizes: list[int], dtype: torch.dtype
     kernel rounds each output once, to nearest (half an ulp of the magnitude it sums, plus float32
     noise), from t as its build rounds it (the reference rounds t alike), and the twin rounds t, the
     product and the sum (at most 1.5 ulps)."""
-    if not cpu_ops.kernel_available():
+    if not lora_cpu.kernel_available():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     slots = MIXES[mix]
     g = torch.Generator().manual_seed(4)
@@ -220,13 +220,13 @@ def test_cpu_kernel_matches_naive(mix: str, sizes: list[int], dtype: torch.dtype
     y0 = torch.randn(len(slots), sum(sizes), generator=g).to(dtype)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=L)
     y = run_cpu_kernel(y0.clone(), x, buffers, mapping)
-    build = cpu_ops.kernel_build()
+    build = lora_cpu.kernel_build()
     assert build is not None
     _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=build.t_dtype(dtype))
     none_rows = [i for i, s in enumerate(slots) if s < 0]
     assert torch.equal(y[none_rows], y0[none_rows])
     # The torch twin gives the same answer from the same block-diagonal buffers.
-    y_torch = torch_ops.add_lora(y0.clone(), x.contiguous(), a, bt.transpose(1, 2), mapping)
+    y_torch = lora_torch.add_lora(y0.clone(), x.contiguous(), a, bt.transpose(1, 2), mapping)
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(y, y_torch, atol=1e-4, rtol=1e-4)
@@ -244,39 +244,39 @@ def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
     x, y = torch.randn(2, IN), torch.zeros(2, 56)
     args = buffers.cpu_kernel_args
     for other in (torch.float64, torch.float16, torch.bfloat16):  # activations of another dtype than the buffers'
-        assert not cpu_ops.serves(args, mapping, other)
-    assert cpu_ops.serves(args, mapping, torch.float32) == cpu_ops.kernel_available()
-    assert not cpu_ops.serves(None, mapping, torch.float32)  # buffers the kernel cannot read
-    assert not cpu_ops.serves(args, LoRABatchMapping.build([0, L], "cpu"), torch.float32)  # a slot past the layer's
+        assert not lora_cpu.serves(args, mapping, other)
+    assert lora_cpu.serves(args, mapping, torch.float32) == lora_cpu.kernel_available()
+    assert not lora_cpu.serves(None, mapping, torch.float32)  # buffers the kernel cannot read
+    assert not lora_cpu.serves(args, LoRABatchMapping.build([0, L], "cpu"), torch.float32)  # a slot past the layer's
     far = LoRABatchMapping.build([0, L], "cpu")
     for step in (mapping, far):  # the batched form (the decoder stack's) answers as `serves` does, layer by layer
         layers = [args, None, make_buffers(a.bfloat16(), bt.bfloat16(), [0, 56], ranks).cpu_kernel_args]
-        assert cpu_ops.serving(layers, step, torch.float32) == [cpu_ops.serves(x, step, torch.float32) for x in layers]
+        assert lora_cpu.serving(layers, step, torch.float32) == [lora_cpu.serves(x, step, torch.float32) for x in layers]
     for dtype in (torch.float32, torch.bfloat16):
-        max_len = cpu_ops.max_segment_len(dtype)
+        max_len = lora_cpu.max_segment_len(dtype)
         if max_len == 0:
             continue
         typed = make_buffers(a.to(dtype), bt.to(dtype), [0, 56], ranks).cpu_kernel_args
         long_segment = LoRABatchMapping.build([0] * (max_len + 1), "cpu", max_loras=L)
-        assert not cpu_ops.serves(typed, long_segment, dtype)
-        assert cpu_ops.serves(typed, LoRABatchMapping.build([0] * max_len, "cpu", max_loras=L), dtype)
+        assert not lora_cpu.serves(typed, long_segment, dtype)
+        assert lora_cpu.serves(typed, LoRABatchMapping.build([0] * max_len, "cpu", max_loras=L), dtype)
     offsets = torch.tensor([0, 56])
     assert make_buffers(a.double(), bt.double(), [0, 56], ranks).cpu_kernel_args is None
     assert make_buffers(a.half(), bt.half(), [0, 56], ranks).cpu_kernel_args is None
     assert make_buffers(a.bfloat16(), bt, [0, 56], ranks).cpu_kernel_args is None  # one dtype for both
-    assert cpu_ops.layer_args(a.transpose(1, 2), bt, offsets, ranks, R) is None  # not contiguous
+    assert lora_cpu.layer_args(a.transpose(1, 2), bt, offsets, ranks, R) is None  # not contiguous
     with pytest.raises(ValueError, match="do not cut"):
-        cpu_ops.layer_args(a, bt, torch.tensor([0, 4096]), ranks, R)
-    if cpu_ops.kernel_available():
+        lora_cpu.layer_args(a, bt, torch.tensor([0, 4096]), ranks, R)
+    if lora_cpu.kernel_available():
         with pytest.raises(ValueError, match="do not fit"):
             run_cpu_kernel(torch.zeros(3, 56), torch.randn(3, IN), buffers, mapping)
         with pytest.raises(ValueError, match="not of the LoRA buffers' dtype"):  # run's own checks
-            cpu_ops.run(x.bfloat16(), y.bfloat16(), args, mapping)
+            lora_cpu.run(x.bfloat16(), y.bfloat16(), args, mapping)
         far = LoRABatchMapping.build([0, 100_000], "cpu")  # no max_loras: the mapping cannot check
         with pytest.raises(ValueError, match="out of range"):
-            cpu_ops.run(x, y, args, far)
+            lora_cpu.run(x, y, args, far)
         with pytest.raises(ValueError, match="2-D CPU rows"):
-            cpu_ops.run(x, y.t().contiguous().t(), args, mapping)
+            lora_cpu.run(x, y.t().contiguous().t(), args, mapping)
         # Ranks past max_rank are clamped by the kernel, never read past the buffers.
         wild = make_buffers(a, bt, [0, 56], torch.full((L, 1), 10**6, dtype=torch.int32))
         expected = run_cpu_kernel(torch.zeros(2, 56), x, buffers, mapping)
@@ -286,15 +286,15 @@ def test_cpu_kernel_refuses_what_it_cannot_serve() -> None:
 def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", "0")
-    assert not cpu_ops.kernel_available()
+    assert not lora_cpu.kernel_available()
     monkeypatch.delenv("LORASERVE_CPU_LORA_KERNEL")
     # A compiler that fails: the kernel is reported unavailable (with the reason), nothing raises.
-    monkeypatch.setattr(cpu_ops, "_loaded", False)
-    monkeypatch.setattr(cpu_ops, "_build", None)
+    monkeypatch.setattr(lora_cpu, "_loaded", False)
+    monkeypatch.setattr(lora_cpu, "_build", None)
     monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    assert not cpu_ops.kernel_available() and not cpu_ops.write_kernel_available()
-    assert "C kernel cpu_kernel.c unavailable" in caplog.text
+    assert not lora_cpu.kernel_available() and not lora_cpu.write_kernel_available()
+    assert "C kernel lora_kernel.c unavailable" in caplog.text
 
 
 # Property tests: random steps against the naive reference. Each layout the builder can pick is
@@ -308,7 +308,7 @@ def test_cpu_kernel_names_the_weights_each_call_reads() -> None:
     room for runs."""
     import ctypes
 
-    ranges = cpu_ops.weight_ranges_function()
+    ranges = lora_cpu.weight_ranges_function()
     if ranges is None:
         pytest.skip("the C kernel is not built here")
     buffers = LoRABuffers.allocate(4, 8, 64, [0, 32, 48], torch.bfloat16, torch.device("cpu"), False)

@@ -16,9 +16,9 @@ from loraserve import LLM, SamplingParams
 from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.demo.random_model import save_peft_adapter
-from loraserve.layers import fused_ops, gemm_cpu, paged_attention_cpu
+from loraserve.layers import fused_cpu, gemm_cpu, paged_attention_cpu
 from loraserve.layers.linear import pack_cpu_linears
-from loraserve.lora.ops import cpu_ops
+from loraserve.lora.ops import lora_cpu
 from loraserve.lora.request import LoRARequest
 from loraserve.models.llama import LlamaArgs, LlamaModel
 from loraserve.models.llama_stack import DecoderStack
@@ -28,7 +28,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def _serves(dtype: torch.dtype) -> bool:
     """Whether every op of a Llama step is a C kernel here (the C linear kernel serves the dtype)."""
-    return gemm_cpu.block_layout(dtype) != 0 and fused_ops.kernel_available() and paged_attention_cpu.kernel_available()
+    return gemm_cpu.block_layout(dtype) != 0 and fused_cpu.kernel_available() and paged_attention_cpu.kernel_available()
 
 
 @pytest.fixture
@@ -140,12 +140,12 @@ def test_stack_leaves_steps_with_a_lora_bias_to_the_loop(tiny_model: Any, hf_mod
 
 def test_stack_takes_the_lora_steps_the_lora_kernel_rule_gives_it(tiny_model: Any, adapters: list[str],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which LoRA steps the stack runs is the LoRA kernel's own rule (`cpu_ops`), not a copy of it: with
+    """Which LoRA steps the stack runs is the LoRA kernel's own rule (`lora_cpu`), not a copy of it: with
     the kernel's segment limit cut to one token, adapter prefills go to the loop and decodes (one token
     per adapter) stay in the stack, and the outputs are the loop's."""
     if not _serves(torch.float32):
         pytest.skip("the C linear kernel does not serve float32 on this CPU")
-    monkeypatch.setattr(cpu_ops, "max_segment_len", lambda dtype: 1)
+    monkeypatch.setattr(lora_cpu, "max_segment_len", lambda dtype: 1)
     seen: list[tuple[int, bool]] = []  # (the step's longest adapter segment, whether the stack ran it)
     run = DecoderStack.run
 

@@ -6,7 +6,7 @@ import torch
 
 from loraserve.batch.lora_layout import LoRALayout
 from loraserve.batch.lora_mapping import LoRABatchMapping
-from loraserve.lora.ops import LoRABuffers, cpu_ops
+from loraserve.lora.ops import LoRABuffers, lora_cpu
 
 L, R, IN, OUT = 6, 8, 40, 56
 
@@ -34,9 +34,9 @@ def make_buffers(
 
 def run_cpu_kernel(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> torch.Tensor:
     """The C kernel alone; ValueError when it cannot serve these tensors or this step."""
-    if not cpu_ops.serves(buffers.cpu_kernel_args, mapping, x.dtype):
+    if not lora_cpu.serves(buffers.cpu_kernel_args, mapping, x.dtype):
         raise ValueError("the CPU LoRA kernel serves float32 / bfloat16 CPU tensors with short segments only")
-    return cpu_ops.run(x, y, buffers.cpu_kernel_args, mapping)
+    return lora_cpu.run(x, y, buffers.cpu_kernel_args, mapping)
 
 
 def naive_lora(

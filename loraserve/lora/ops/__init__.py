@@ -1,9 +1,9 @@
-"""The LoRA ops, and the one place that picks their backend: the fused C kernel where `cpu_ops.serves`
+"""The LoRA ops, and the one place that picks their backend: the fused C kernel where `lora_cpu.serves`
 (float32 or bfloat16 CPU, short segments; the decoder stack asks the same predicate), Triton kernels
 (CUDA with Triton installed) or torch (everywhere else).
 
 `add_lora(y, x, buffers, mapping)` is what a LoRA layer runs. The tensor-level ops share the
-semantics documented in `torch_ops`:
+semantics documented in `lora_torch`:
     lora_shrink(x [T, in], a_stacked [L, R, in], mapping, scale) -> t [T, R]
     lora_expand(y [T, *], t [T, R], b_stacked [L, out, R], mapping, offset) adds into y[:, offset:offset+out]
 where row i uses slot mapping.token_slots[i] and slot -1 contributes nothing (its rows of y are left
@@ -19,17 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.batch.lora_mapping import LoRABatchMapping
-from loraserve.lora.ops import cpu_ops, torch_ops
+from loraserve.lora.ops import lora_cpu, lora_torch
 from loraserve.lora.ops.buffers import LoRABuffers
 from loraserve.native.optional import triton_module
 
-_TRITON_MODULE = "loraserve.lora.ops.triton_ops"
+_TRITON_MODULE = "loraserve.lora.ops.lora_triton"
 
 
 def _backend(tensor: torch.Tensor) -> ModuleType:
     if tensor.is_cuda and (triton := triton_module(_TRITON_MODULE)) is not None:
         return triton
-    return torch_ops
+    return lora_torch
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> None:
@@ -48,8 +48,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: Lo
     if use_ab:
         x2 = x2.to(lora_dtype)
         args = buffers.cpu_kernel_args
-        if args is not None and cpu_ops.serves(args, mapping, lora_dtype):
-            cpu_ops.run(x2, delta, args, mapping)
+        if args is not None and lora_cpu.serves(args, mapping, lora_dtype):
+            lora_cpu.run(x2, delta, args, mapping)
         else:
             _backend(x2).add_lora(delta, x2, buffers.lora_a, buffers.lora_b, mapping)
     if use_bias:

@@ -14,7 +14,7 @@ from array import array
 
 import torch
 
-from loraserve.lora.ops import cpu_ops
+from loraserve.lora.ops import lora_cpu
 
 
 class BlockWriter:
@@ -27,7 +27,7 @@ class BlockWriter:
     """
 
     def __init__(self) -> None:
-        self._use_kernel = cpu_ops.write_kernel_available()
+        self._use_kernel = lora_cpu.write_kernel_available()
         self._records = array("q")
         self._scales = array("f")
         self._sources: list[torch.Tensor] = []
@@ -44,7 +44,7 @@ class BlockWriter:
             return
         base, num_rows_per_slot, width = layout
         dst_ptr = base + dst.element_size() * ((slot * num_rows_per_slot + row) * width + lo)
-        elem = cpu_ops.ELEM_TYPES[dst.dtype]
+        elem = lora_cpu.ELEM_TYPES[dst.dtype]
         if src is None:
             self._records.extend((dst_ptr, width, 0, 0, 0, num_rows, hi - lo, elem))
         else:
@@ -59,7 +59,7 @@ class BlockWriter:
         buffer many times."""
         key = id(dst)
         if key not in self._layouts:
-            ok = dst.dtype in cpu_ops.ELEM_TYPES and dst.is_cpu and dst.dim() == 3 and dst.is_contiguous()
+            ok = dst.dtype in lora_cpu.ELEM_TYPES and dst.is_cpu and dst.dim() == 3 and dst.is_contiguous()
             self._layouts[key] = (dst.data_ptr(), dst.shape[1], dst.shape[2]) if ok else None
             self._buffers.append(dst)  # keeps id(dst) from being reused while cached
         return self._layouts[key]
@@ -77,5 +77,5 @@ class BlockWriter:
 
     def flush(self) -> None:
         if self._scales:
-            cpu_ops.write_blocks(self._records, self._scales)
+            lora_cpu.write_blocks(self._records, self._scales)
         self._records, self._scales, self._sources = array("q"), array("f"), []

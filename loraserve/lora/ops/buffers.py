@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraserve.lora.ops import cpu_ops
+from loraserve.lora.ops import lora_cpu
 from loraserve.lora.ops.block_writer import BlockWriter
 from loraserve.lora.weights import LoRALayerWeights
 
@@ -43,10 +43,10 @@ class LoRABuffers:
     max_rank: int
     active_mask: int = 0
     bias_mask: int = 0
-    cpu_kernel_args: cpu_ops.LayerArgs | None = field(init=False, default=None)
+    cpu_kernel_args: lora_cpu.LayerArgs | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.cpu_kernel_args = cpu_ops.layer_args(
+        self.cpu_kernel_args = lora_cpu.layer_args(
             self.lora_a, self.lora_b_t, self.slice_offsets, self.ranks, self.max_rank
         )
 

@@ -1,4 +1,4 @@
-"""The fused CPU LoRA kernel (`cpu_kernel.c`, float32 and bfloat16): built on first use, called through ctypes.
+"""The fused CPU LoRA kernel (`lora_kernel.c`, float32 and bfloat16): built on first use, called through ctypes.
 
 Built for this CPU on first use by `loraserve.native.build`. No compiler, a failed build, or
 LORASERVE_CPU_LORA_KERNEL=0 leaves the torch ops in charge; the result is the same either way.
@@ -41,7 +41,7 @@ CODE_PATHS = ("avx2", "avx512", "avx512_bf16")  # bits 0, 1, 2 of lora_code_path
 
 @dataclass(frozen=True, slots=True)
 class KernelBuild:
-    """One build of cpu_kernel.c: its entry points and the vector code paths compiled into it."""
+    """One build of lora_kernel.c: its entry points and the vector code paths compiled into it."""
 
     fused: Any  # lora_fused
     write: Any  # lora_write_blocks
@@ -62,7 +62,7 @@ class LayerArgs:
     in_features: int
     out_features: int
     num_slots: int
-    c_layer: ctypes.Array[ctypes.c_int64]  # the kernel's `layer` array (see lora_fused in cpu_kernel.c)
+    c_layer: ctypes.Array[ctypes.c_int64]  # the kernel's `layer` array (see lora_fused in lora_kernel.c)
 
 
 _lock = threading.Lock()
@@ -71,9 +71,9 @@ _loaded = False
 
 
 def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild | None:
-    """A build of cpu_kernel.c, or None when it cannot be built. `extra_flags` (see `load_library`)
+    """A build of lora_kernel.c, or None when it cannot be built. `extra_flags` (see `load_library`)
     select another of its code paths: tests run them all on one CPU."""
-    lib = load_library("loraserve.lora.ops", "cpu_kernel.c", extra_flags=extra_flags)
+    lib = load_library("loraserve.lora.ops", "lora_kernel.c", extra_flags=extra_flags)
     if lib is None:
         return None
     try:
@@ -132,7 +132,7 @@ def write_kernel_available() -> bool:
 
 
 def write_blocks(records: array, scales: array) -> None:
-    """Run the slot writes `records` (RECORD_LEN int64 per block; see cpu_kernel.c) with their `scales`."""
+    """Run the slot writes `records` (RECORD_LEN int64 per block; see lora_kernel.c) with their `scales`."""
     if len(records) != RECORD_LEN * len(scales) or records.typecode != "q" or scales.typecode != "f":
         raise ValueError(f"write_blocks needs {RECORD_LEN} int64 values and one float32 scale per block")
     assert _build is not None
@@ -205,7 +205,7 @@ def run(x: torch.Tensor, y: torch.Tensor, args: LayerArgs, mapping: LoRABatchMap
     """y[i] += Bt[s_i]^T A[s_i] x[i], slice by slice over each slot's ranks, for tokens with slot
     s_i >= 0; `args` from `layer_args`; call only where `serves`. Row i reads only slot s_i's blocks
     (a NaN slot reaches only its own tokens); rows of slot -1 are left alone. Same result as
-    `torch_ops.add_lora` up to float summation order. In bfloat16: float32 sums and each element of y
+    `lora_torch.add_lora` up to float summation order. In bfloat16: float32 sums and each element of y
     rounded once (to nearest even), where torch rounds the product and then the sum; t = A x is rounded
     to bfloat16 (to nearest even) before the expand, as torch and PEFT round it, where the build has
     AVX512-BF16, and stays float32 in the other builds (`KernelBuild.t_dtype` says which); with

@@ -1,6 +1,6 @@
-/* Fused multi-LoRA shrink + expand on CPU, for float32 or bfloat16, loaded through ctypes by cpu_ops.py.
+/* Fused multi-LoRA shrink + expand on CPU, for float32 or bfloat16, loaded through ctypes by lora_cpu.py.
  *
- * Semantics (the pure-torch twin is torch_ops.add_lora): for every active token p of the step
+ * Semantics (the pure-torch twin is lora_torch.add_lora): for every active token p of the step
  * (token_ids[p], grouped into segments of one slot each) and every slice q of the layer (packed
  * qkv / gate_up have several, a plain layer one), with s the segment's slot and r = ranks[s, q]:
  *     t = A[s, q*R : q*R + r, :] @ x[token]                                        (shrink)
@@ -752,7 +752,7 @@ int64_t lora_weight_ranges(const int64_t *layer, const int64_t *step, int64_t *o
  * first four pointers to int64 arrays. Two arrays built once (per layer, per step) instead of 20
  * arguments per call: ctypes converts every argument of every call. The caller guarantees:
  * token_ids < rows of x and y, seg_slots < L, slice offsets increasing from 0 to out_features
- * (cpu_ops.py checks all three). */
+ * (lora_cpu.py checks all three). */
 int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t x_stride, void *y,
                int64_t y_stride, int num_threads) {
     const int elem = (int)layer[0];

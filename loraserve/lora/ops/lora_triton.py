@@ -1,4 +1,4 @@
-"""Multi-LoRA shrink/expand as Triton kernels for CUDA, with the semantics of `torch_ops`.
+"""Multi-LoRA shrink/expand as Triton kernels for CUDA, with the semantics of `lora_torch`.
 
 Tokens are visited grouped by slot through the step's `LoRABatchMapping.segments` (token ids,
 slot, start and length of each segment): the grid is (token blocks of the longest segment,
@@ -118,7 +118,7 @@ def _block_r(rank: int) -> int:
 def lora_shrink(
     x: torch.Tensor, a_stacked: torch.Tensor, mapping: LoRABatchMapping, scale: float = 1.0
 ) -> torch.Tensor:
-    """Triton `torch_ops.lora_shrink`: t[i] = scale * a_stacked[s_i] @ x[i], 0 for slot -1."""
+    """Triton `lora_torch.lora_shrink`: t[i] = scale * a_stacked[s_i] @ x[i], 0 for slot -1."""
     return _shrink(x, a_stacked, mapping, scale, x.dtype)
 
 
@@ -144,7 +144,7 @@ def _shrink(
 def lora_expand(
     y: torch.Tensor, t: torch.Tensor, b_stacked: torch.Tensor, mapping: LoRABatchMapping, offset: int = 0
 ) -> torch.Tensor:
-    """Triton `torch_ops.lora_expand`: y[i, offset:offset+out] += b_stacked[s_i] @ t[i]."""
+    """Triton `lora_torch.lora_expand`: y[i, offset:offset+out] += b_stacked[s_i] @ t[i]."""
     num_segments = len(mapping.active_slots)
     if not mapping.has_lora:
         return y
@@ -168,7 +168,7 @@ def add_lora(
     mapping: LoRABatchMapping,
     offset: int = 0,
 ) -> torch.Tensor:
-    """Triton `torch_ops.add_lora`: shrink into an fp32 intermediate, then expand into y."""
+    """Triton `lora_torch.add_lora`: shrink into an fp32 intermediate, then expand into y."""
     if not mapping.has_lora:
         return y
     # An fp32 intermediate keeps bf16/fp16 inputs at full precision between the two kernels.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loraserve.layers import fused_ops
+from loraserve.layers import fused_cpu
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -32,10 +32,10 @@ class Ops:
 @pytest.fixture(params=["kernel", "twin"])
 def ops(request: pytest.FixtureRequest) -> Ops:
     if request.param == "twin":
-        return Ops(fused_ops.rms_norm_twin, fused_ops.silu_and_mul_twin, fused_ops.rotary_twin_)
-    if not fused_ops.kernel_available():
+        return Ops(fused_cpu.rms_norm_twin, fused_cpu.silu_and_mul_twin, fused_cpu.rotary_twin_)
+    if not fused_cpu.kernel_available():
         pytest.skip("no C compiler: the fused kernel cannot be built here")
-    return Ops(fused_ops.rms_norm, fused_ops.silu_and_mul, fused_ops.rotary_)
+    return Ops(fused_cpu.rms_norm, fused_cpu.silu_and_mul, fused_cpu.rotary_)
 
 
 def wide_rows(rows: int, width: int, dtype: torch.dtype, pad: int = 7, seed: int = 0) -> torch.Tensor:
@@ -113,13 +113,13 @@ def test_rotary_in_place_matches_float64(ops: Ops, dtype: torch.dtype, num_heads
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_and_twin_agree_on_bf16_rounding(dtype: torch.dtype) -> None:
     """The kernel rounds where the twin's torch ops round: outputs agree to within one ulp."""
-    if not fused_ops.kernel_available():
+    if not fused_cpu.kernel_available():
         pytest.skip("no C compiler: the fused kernel cannot be built here")
     x = wide_rows(32, 3072, dtype, seed=5)
     weight = (torch.rand(3072, generator=torch.Generator().manual_seed(6)) + 0.5).to(dtype)
-    kernel_silu = fused_ops.silu_and_mul(x)
-    kernel_norm = fused_ops.rms_norm(x, weight, 1e-6)[0]
-    twin_silu, twin_norm = fused_ops.silu_and_mul_twin(x), fused_ops.rms_norm_twin(x, weight, 1e-6)[0]
+    kernel_silu = fused_cpu.silu_and_mul(x)
+    kernel_norm = fused_cpu.rms_norm(x, weight, 1e-6)[0]
+    twin_silu, twin_norm = fused_cpu.silu_and_mul_twin(x), fused_cpu.rms_norm_twin(x, weight, 1e-6)[0]
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -17  # float32: sum order over 3072 values
     for a, b in ((kernel_silu, twin_silu), (kernel_norm, twin_norm)):
         diff = (a.double() - b.double()).abs()
@@ -129,7 +129,7 @@ def test_kernel_and_twin_agree_on_bf16_rounding(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("arch", ["haswell", "x86-64"], ids=["avx2", "portable"])
 def test_the_other_cpu_paths_match_too(arch: str, tmp_path: object) -> None:
     """The AVX2 build and the portable C build (what other CPUs run) pass this file's tests here."""
-    if not fused_ops.kernel_available():
+    if not fused_cpu.kernel_available():
         pytest.skip("no C compiler: the fused kernel cannot be built here")
     env = {**os.environ, "LORASERVE_CPU_KERNEL_ARCH": arch, "LORASERVE_CACHE_ROOT": str(tmp_path)}
     result = subprocess.run(
