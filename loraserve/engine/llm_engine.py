@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Collection
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,7 @@ from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load
 from loraserve.errors import LoRAAdapterError
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
+from loraserve.structured_output.manager import MaskJob, StructuredOutputs
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
@@ -74,6 +76,12 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
+        self.structured = StructuredOutputs(
+            self.tokenizer,
+            config.model.vocab_size,
+            [t for t in (self.eos_ids.eos_token_id, *self.eos_ids.extra_eos_ids) if t is not None],
+            config.structured_outputs.disable_any_whitespace,
+        )
         self.requests: dict[str, Request] = {}
         self.step_failures = StepFailures()
         self._seq_counter = itertools.count()
@@ -130,11 +138,13 @@ class LLMEngine:
                 )
             lora_request = self.lora.successor(lora_request)  # replaced in place meanwhile: the new one
             salt = self.lora.register(lora_request)
+        # Compiled (or found in the cache) before anything is queued: a bad schema is a ValueError.
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         request = Request(
             request_id, text, prompt_ids, params, lora_request, arrival_time or time.time(), salt, group_id=group_id
         )
         for i in range(params.n):
-            request.seqs.append(self._new_sequence(request, i))
+            request.seqs.append(self._new_sequence(request, i, grammar))
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -171,7 +181,7 @@ class LLMEngine:
                 "stop_token_ids."
             )
 
-    def _new_sequence(self, request: Request, index: int) -> Sequence:
+    def _new_sequence(self, request: Request, index: int, grammar: Any = None) -> Sequence:
         from loraserve.engine.detokenizer import IncrementalDetokenizer
 
         params = request.params
@@ -188,6 +198,7 @@ class LLMEngine:
             seq_id=next(self._seq_counter), request=request, index=index,
             token_ids=list(request.prompt_token_ids), num_prompt_tokens=len(request.prompt_token_ids),
             generator=generator, detokenizer=detok,
+            grammar=self.structured.new_state(grammar) if grammar is not None else None,
         )
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -215,19 +226,27 @@ class LLMEngine:
         if batch.is_empty:
             return []
         outputs: list[RequestOutput] = []
+        masks = self.structured.start_step(batch.scheduled)  # filled while the model runs
         try:
-            self._run(batch, outputs)
+            self._run(batch, outputs, masks)
         except Exception as exc:
             outputs += self._fail_step(batch, exc)
         else:
             self.step_failures.succeeded()
+        finally:
+            self.structured.wait(masks)
         self._finish_lora_removals()
         return outputs
 
-    def _run(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+    def _run(self, batch: SchedulerOutput, outputs: list[RequestOutput], masks: MaskJob | None) -> None:
         result = self._execute(batch, outputs)
         if result is not None:
-            sampled = self.outputs.process(result, self._sample(result))
+            sampled = self.outputs.process(result, self._sample(result, masks))
+            if masks is not None and masks.dead_ends:  # a grammar allowed nothing more: the sequence stops
+                sampled = [
+                    replace(t, finish_reason="stop", stop_reason=None) if t.seq.seq_id in masks.dead_ends else t
+                    for t in sampled
+                ]
             self.scheduler.update(batch.scheduled, sampled)
             outputs += self._request_outputs(sampled)
 
@@ -286,9 +305,10 @@ class LLMEngine:
             problem = self.lora.check_consistency()
         return problem
 
-    def _sample(self, result: StepResult) -> SamplerOutput:
+    def _sample(self, result: StepResult, masks: MaskJob | None) -> SamplerOutput:
         if not result.sample_seqs:  # only prefill chunks ran: there is no row to sample
             return SamplerOutput([], [], [])
+        self.structured.apply(masks, result.logits, result.sample_seqs)
         return self.sampler(result.logits, [self._sampling_row(seq) for seq in result.sample_seqs])
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:

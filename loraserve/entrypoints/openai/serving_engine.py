@@ -25,6 +25,7 @@ from loraserve.entrypoints.openai.metrics import ServerMetrics
 from loraserve.entrypoints.openai.protocol import SamplingRequest
 from loraserve.entrypoints.openai.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.streams import merge_async_iterators
+from loraserve.entrypoints.openai.structured_request import structured_outputs_of
 from loraserve.entrypoints.openai.vllm_extras import refuse_unsupported_extras
 from loraserve.errors import EngineDeadError
 from loraserve.lora.request import LoRARequest
@@ -213,6 +214,7 @@ class OpenAIServing:
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
+            structured_outputs=structured_outputs_of(request),
         )
         if request.stop_token_ids:
             self.check_token_ids(request.stop_token_ids, "stop_token_ids")
