@@ -279,10 +279,14 @@ class StructuredOutputsConfig:
                 "serves 'xgrammar' ('auto' picks it)."
             )
         if self.reasoning_parser or self.enable_in_reasoning:
-            raise ValueError("structured outputs within reasoning need a reasoning parser, which is not supported.")
+            raise ValueError(
+                "structured outputs within reasoning need a reasoning parser, which is not supported."
+            )
 
     @classmethod
-    def from_options(cls, config: Mapping[str, Any] | None, guided_decoding_backend: str | None) -> StructuredOutputsConfig:
+    def from_options(
+        cls, config: Mapping[str, Any] | None, guided_decoding_backend: str | None
+    ) -> StructuredOutputsConfig:
         """From --structured-outputs-config (a JSON object) and the older --guided-decoding-backend."""
         values = dict(config or {})
         names = {f for f in cls.__dataclass_fields__}

@@ -15,9 +15,9 @@ from typing import Any
 
 from loraserve.config import (
     DTYPE_CHOICES,
+    STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     EngineConfig,
-    STRUCTURED_OUTPUT_BACKENDS,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,

@@ -83,10 +83,14 @@ class StructuredOutputs:
         with self._lock:
             if self._backend is None:
                 if self.tokenizer is None:
-                    raise ValueError("structured outputs need a tokenizer; this engine has none (skip_tokenizer_init).")
+                    raise ValueError(
+                        "structured outputs need a tokenizer; this engine has none (skip_tokenizer_init)."
+                    )
                 from loraserve.structured_output.xgrammar_backend import XGrammarBackend
 
-                self._backend = XGrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids, self.cache_size)
+                self._backend = XGrammarBackend(
+                    self.tokenizer, self.vocab_size, self.stop_token_ids, self.cache_size
+                )
             return self._backend
 
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -105,7 +109,8 @@ class StructuredOutputs:
         seqs = [
             item.seq
             for item in scheduled
-            if item.seq.grammar is not None and item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
+            if item.seq.grammar is not None
+            and item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
         ]
         if not seqs:
             return None

@@ -58,7 +58,9 @@ class StructuredOutputsParams:
                 "disable_any_whitespace."
             )
         if self.choice is not None and (
-            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
         if self.json_object is not None and self.json_object is not True:

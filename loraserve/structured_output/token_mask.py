@@ -20,7 +20,9 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, words] int32 bitmask -> [rows, vocab_size] bool, True where the token is allowed."""
     shifts = _SHIFTS_CACHE.get(bitmask.device)
     if shifts is None:
-        shifts = _SHIFTS_CACHE.setdefault(bitmask.device, torch.arange(32, dtype=torch.int32, device=bitmask.device))
+        shifts = _SHIFTS_CACHE.setdefault(
+            bitmask.device, torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        )
     bits = (bitmask.unsqueeze(-1) >> shifts).bitwise_and_(1)
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 

@@ -24,8 +24,20 @@ logger = logging.getLogger(__name__)
 # its output would not validate.
 _STRING_FORMATS = frozenset(
     (
-        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
-        "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
     )
 )
 _UNSUPPORTED = {
@@ -64,7 +76,9 @@ class XGrammarBackend:
     49k tokens, which engines that never see one should not pay)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], cache_size: int) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
         threads = max(1, min(8, os.cpu_count() or 1))
         # xgrammar's own cache is off: ours is keyed by the request's constraint and counts hits.
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
@@ -80,7 +94,9 @@ class XGrammarBackend:
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         if key.kind == "json":
             if has_unsupported_json_features(json.loads(key.text)):
-                raise GrammarCompileError("The provided JSON schema contains features not supported by xgrammar.")
+                raise GrammarCompileError(
+                    "The provided JSON schema contains features not supported by xgrammar."
+                )
             return self._attempt(
                 "Failed to transform json schema into a grammar",
                 lambda: self.compiler.compile_json_schema(key.text, any_whitespace=key.any_whitespace),
@@ -90,14 +106,18 @@ class XGrammarBackend:
             # which vLLM uses, also admits arrays and scalars).
             return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=key.any_whitespace)
         if key.kind == "regex":
-            return self._attempt("Failed to transform regex into a grammar", lambda: self.compiler.compile_regex(key.text))
+            return self._attempt(
+                "Failed to transform regex into a grammar", lambda: self.compiler.compile_regex(key.text)
+            )
         if key.kind == "choice":
             text = choice_grammar(json.loads(key.text))
             return self._attempt(
                 "Failed to transform choices into a grammar", lambda: self.compiler.compile_grammar(text)
             )
         if key.kind == "grammar":
-            return self._attempt("Invalid grammar specification", lambda: self.compiler.compile_grammar(key.text))
+            return self._attempt(
+                "Invalid grammar specification", lambda: self.compiler.compile_grammar(key.text)
+            )
         return self._attempt("Invalid structural tag specification", lambda: self._structural_tag(key.text))
 
     def _structural_tag(self, text: str) -> xgr.CompiledGrammar:

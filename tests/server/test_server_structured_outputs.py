@@ -33,7 +33,10 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 5}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 5},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
         },
         "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
@@ -117,7 +120,12 @@ def _valid_grammar(text: str) -> None:
 # name -> (request fields, validator)
 KINDS: dict[str, tuple[dict[str, Any], Any]] = {
     "response_format.json_schema": (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": SCHEMA, "strict": True},
+            }
+        },
         _valid_schema,
     ),
     "response_format.json_object": ({"response_format": {"type": "json_object"}}, _object_or_prefix),
@@ -166,7 +174,9 @@ def _client(server: RunningServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
 
 
-async def _run(client: openai.AsyncOpenAI, model: str, chat: bool, stream: bool, body: dict[str, Any]) -> tuple[str, str]:
+async def _run(
+    client: openai.AsyncOpenAI, model: str, chat: bool, stream: bool, body: dict[str, Any]
+) -> tuple[str, str]:
     """(text, finish_reason) of one request."""
     fields = dict(body)
     response_format = fields.pop("response_format", None)
@@ -177,13 +187,18 @@ async def _run(client: openai.AsyncOpenAI, model: str, chat: bool, stream: bool,
         if response_format is not None:
             common["response_format"] = response_format
         call = client.chat.completions.create(
-            messages=[{"role": "user", "content": "Describe a user."}], temperature=temperature, seed=seed,
-            stream=stream, **common,
+            messages=[{"role": "user", "content": "Describe a user."}],
+            temperature=temperature,
+            seed=seed,
+            stream=stream,
+            **common,
         )
     else:
         if response_format is not None:
             fields["response_format"] = response_format
-        call = client.completions.create(prompt="A user:", temperature=temperature, seed=seed, stream=stream, **common)
+        call = client.completions.create(
+            prompt="A user:", temperature=temperature, seed=seed, stream=stream, **common
+        )
     result = await call
     if not stream:
         choice = result.choices[0]
@@ -207,14 +222,17 @@ def test_every_kind_validates_in_one_mixed_batch(server: RunningServer) -> None:
                     body = {**fields, "temperature": 0.9 if sampled else 0.0, "seed": i if sampled else None}
                     chat = (i + stream) % 2 == 0  # both endpoints, each kind streamed and not
                     jobs.append((model, chat, stream, body, (name, check)))
-    free = [(model, chat, False, {"temperature": 0.0, "ignore_eos": True}, None)
-            for model in ("tiny", "sql") for chat in (False, True)]
+    free = [
+        (model, chat, False, {"temperature": 0.0, "ignore_eos": True}, None)
+        for model in ("tiny", "sql")
+        for chat in (False, True)
+    ]
 
     async def main() -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
         client = _client(server)
         alone = [await _run(client, m, c, s, b) for m, c, s, b, _ in free]
         mixed = await asyncio.gather(*(_run(client, m, c, s, b) for m, c, s, b, _ in [*jobs, *free]))
-        return alone, mixed[: len(jobs)], mixed[len(jobs):]
+        return alone, mixed[: len(jobs)], mixed[len(jobs) :]
 
     alone, constrained, unconstrained = asyncio.run(main())
     for (model, chat, stream, body, (name, check)), (text, reason) in zip(jobs, constrained, strict=True):
@@ -248,10 +266,16 @@ def test_every_kind_validates_in_one_mixed_batch(server: RunningServer) -> None:
         ),
         ({"structured_outputs": {"colour": "red"}}, "structured_outputs", "unknown field(s): colour"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
-        ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "not available"),
+        (
+            {"guided_decoding_backend": "outlines", "guided_regex": "a"},
+            "guided_decoding_backend",
+            "not available",
+        ),
     ],
 )
-def test_bad_constraints_are_400s(server: RunningServer, fields: dict[str, Any], param: str | None, message: str) -> None:
+def test_bad_constraints_are_400s(
+    server: RunningServer, fields: dict[str, Any], param: str | None, message: str
+) -> None:
     for path in ("/v1/completions", "/v1/chat/completions"):
         body: dict[str, Any] = {"model": "tiny", "max_tokens": 4, **fields}
         if path.endswith("chat/completions"):

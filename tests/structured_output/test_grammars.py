@@ -30,7 +30,9 @@ def test_exactly_one_constraint() -> None:
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="unknown field"):
         StructuredOutputsParams.from_dict({"jsn": {}})
-    assert StructuredOutputsParams(json='{"type": "object"}').grammar_key() == GrammarKey("json", '{"type": "object"}')
+    assert StructuredOutputsParams(json='{"type": "object"}').grammar_key() == GrammarKey(
+        "json", '{"type": "object"}'
+    )
     with pytest.raises(ValueError, match="Invalid JSON grammar specification"):
         StructuredOutputsParams(json="{").grammar_key()
 
@@ -61,14 +63,22 @@ def test_cache_hits_evicts_least_recent_and_keeps_no_failure() -> None:
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "features not supported by xgrammar"),
-        (StructuredOutputsParams(json={"type": "string", "format": "colour"}), "features not supported by xgrammar"),
+        (
+            StructuredOutputsParams(json={"type": "array", "uniqueItems": True}),
+            "features not supported by xgrammar",
+        ),
+        (
+            StructuredOutputsParams(json={"type": "string", "format": "colour"}),
+            "features not supported by xgrammar",
+        ),
         (StructuredOutputsParams(regex="(a"), "Failed to transform regex into a grammar: "),
         (StructuredOutputsParams(grammar="root ::= nothing_here"), "Invalid grammar specification: "),
         (StructuredOutputsParams(structural_tag="{not json"), "Invalid structural tag specification: "),
     ],
 )
-def test_bad_constraints_name_the_error(backend: XGrammarBackend, params: StructuredOutputsParams, message: str) -> None:
+def test_bad_constraints_name_the_error(
+    backend: XGrammarBackend, params: StructuredOutputsParams, message: str
+) -> None:
     with pytest.raises(GrammarCompileError, match=message.replace("(", r"\(")):
         backend.compile(params.grammar_key())
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.structured_output.token_mask import apply_token_bitmask, apply_token_bitmask_torch, bitmask_words
+from loraserve.structured_output.token_mask import (
+    apply_token_bitmask,
+    apply_token_bitmask_torch,
+    bitmask_words,
+)
 
 
 def _reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
