@@ -22,7 +22,7 @@ import torch
 
 from loraserve.structured_output.grammar_state import GrammarState
 from loraserve.structured_output.params import GrammarKey, StructuredOutputsParams
-from loraserve.structured_output.token_mask import apply_token_bitmask
+from loraserve.structured_output.token_mask import disallowed_tokens, mask_rows
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +50,19 @@ class ScheduledItem(Protocol):
 
 
 @dataclass(slots=True)
+class FilledMasks:
+    """What the worker made: row j is sequence j's; `reasons[j]` why it can go no further (or None)."""
+
+    disallowed: torch.Tensor  # [rows, vocab] bool
+    reasons: list[str | None]
+
+
+@dataclass(slots=True)
 class MaskJob:
-    """One step's masks: row j of `bitmask` belongs to sequence `seq_ids[j]`."""
+    """One step's masks, row j for sequence `seq_ids[j]`."""
 
     seq_ids: list[int]
-    bitmask: torch.Tensor
-    future: Future[list[str | None]]
+    future: Future[FilledMasks]
     dead_ends: dict[int, str] = field(default_factory=dict)  # seq_id -> why it stops (after apply)
 
 
@@ -114,13 +121,9 @@ class StructuredOutputs:
         ]
         if not seqs:
             return None
-        import xgrammar as xgr
-
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraserve-grammar")
-        future = self._pool.submit(_fill, seqs, bitmask)
-        return MaskJob([seq.seq_id for seq in seqs], bitmask, future)
+        return MaskJob([seq.seq_id for seq in seqs], self._pool.submit(_fill, seqs, self.vocab_size))
 
     @torch.inference_mode()  # the runner's logits are inference tensors
     def apply(self, job: MaskJob | None, logits: torch.Tensor, sample_seqs: Sequence[ConstrainedSeq]) -> None:
@@ -128,25 +131,26 @@ class StructuredOutputs:
         end's row allows only its stop token and the sequence is recorded in `job.dead_ends`."""
         if job is None:
             return
-        reasons = job.future.result()
+        filled = job.future.result()
         where = {seq_id: j for j, seq_id in enumerate(job.seq_ids)}
-        rows, mask_rows, dead_rows = [], [], []
+        rows: list[int] = []
+        sources: list[int] = []
+        dead_rows: list[int] = []
         for i, seq in enumerate(sample_seqs):
             j = where.get(seq.seq_id)
             if j is None:
                 continue
-            reason = reasons[j]
-            if reason is None and not bool(job.bitmask[j].any()):
-                reason = "the grammar allows no token here"
+            reason = filled.reasons[j]
             if reason is not None:
                 job.dead_ends[seq.seq_id] = reason
                 dead_rows.append(i)
                 logger.info("Structured output of sequence %d stops: %s", seq.seq_id, reason)
                 continue
             rows.append(i)
-            mask_rows.append(j)
+            sources.append(j)
         if rows:
-            apply_token_bitmask(logits, job.bitmask[mask_rows], rows)
+            same = sources == list(range(len(job.seq_ids)))
+            mask_rows(logits, filled.disallowed if same else filled.disallowed[sources], rows)
         if dead_rows:
             stop = self.stop_token_ids[0] if self.stop_token_ids else 0
             index = torch.tensor(dead_rows, dtype=torch.long, device=logits.device)
@@ -164,13 +168,20 @@ class StructuredOutputs:
             self._pool = None
 
 
-def _fill(seqs: list[ConstrainedSeq], bitmask: torch.Tensor) -> list[str | None]:
-    """Worker thread: advance each grammar to its sequence's tokens and fill its row; per row, why
-    its grammar allows nothing more (None: the row is filled)."""
+def _fill(seqs: list[ConstrainedSeq], vocab_size: int) -> FilledMasks:
+    """Worker thread: advance each grammar to its sequence's tokens, fill its bitmask row, and unpack
+    the rows into the tokens each may not take."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(seqs), vocab_size)
     reasons: list[str | None] = []
     for row, seq in enumerate(seqs):
         state = seq.grammar
         assert state is not None
         state.advance(seq.output_token_ids)
         reasons.append(None if state.fill(bitmask, row) else state.dead_end)
-    return reasons
+    disallowed = disallowed_tokens(bitmask, vocab_size)
+    for row, blocked in enumerate(disallowed.all(dim=1).tolist()):
+        if blocked and reasons[row] is None:
+            reasons[row] = "the grammar allows no token here"
+    return FilledMasks(disallowed, reasons)

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from loraserve.structured_output.grammar_cache import GrammarCache
 from loraserve.structured_output.params import GrammarKey, StructuredOutputsParams
-from loraserve.structured_output.token_mask import allowed_tokens
+from loraserve.structured_output.token_mask import disallowed_tokens
 from loraserve.structured_output.xgrammar_backend import GrammarCompileError, XGrammarBackend
 
 
@@ -91,11 +91,11 @@ def test_state_follows_tokens_rebuilds_and_dead_ends(backend: XGrammarBackend, t
     ids = tokenizer.encode("yes", add_special_tokens=False)
     bitmask = torch.zeros(1, (len(tokenizer) + 31) // 32, dtype=torch.int32)
     assert state.fill(bitmask, 0)
-    first = allowed_tokens(bitmask, len(tokenizer))[0]
+    first = ~disallowed_tokens(bitmask, len(tokenizer))[0]
     assert first[ids[0]] and not first[tokenizer.eos_token_id]
     state.advance(ids)
     assert state.num_accepted == len(ids) and state.fill(bitmask, 0)
-    after = allowed_tokens(bitmask, len(tokenizer))[0]
+    after = ~disallowed_tokens(bitmask, len(tokenizer))[0]
     assert after.nonzero().flatten().tolist() == [tokenizer.eos_token_id]  # complete: only the stop token
     state.advance(ids[:1])  # fewer tokens than accepted: rebuilt from the start
     assert state.num_accepted == 1 and state.dead_end is None
