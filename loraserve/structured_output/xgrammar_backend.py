@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import xgrammar as xgr
@@ -46,6 +47,10 @@ _UNSUPPORTED = {
     "array": ("uniqueItems", "contains", "minContains", "maxContains"),
     "object": ("minProperties", "maxProperties", "propertyNames", "patternProperties"),
 }
+
+
+# xgrammar prefixes its messages with "[hh:mm:ss] /its/source.cc:line: ", which names no client error.
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 class GrammarCompileError(ValueError):
@@ -136,5 +141,6 @@ class XGrammarBackend:
         try:
             return compile_fn()
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses with its reason
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = str(exc).strip()
+            reason = _LOCATION.sub("", text.splitlines()[0]) if text else type(exc).__name__
             raise GrammarCompileError(f"{what}: {reason}") from exc

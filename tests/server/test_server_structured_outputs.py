@@ -48,6 +48,15 @@ REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
 CHOICES = ["yes", "no", "maybe"]
 GRAMMAR = 'root ::= "(" num ("+" num)? ("+" num)? ")"\nnum ::= [0-9] | [0-9] [0-9]'
 GRAMMAR_RE = r"\(\d{1,2}(\+\d{1,2}){0,2}\)"
+# A bare integer: a tag's JSON content takes xgrammar's own whitespace rule, and an integer has no
+# place for whitespace, so the random model must close the tag.
+TAG_SCHEMA = {"type": "integer", "minimum": 0, "maximum": 99}
+TAG_FORMAT = {
+    "type": "tag",
+    "begin": "<f>",
+    "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
+    "end": "</f>",
+}
 MAX_TOKENS = 160
 
 
@@ -117,6 +126,12 @@ def _valid_grammar(text: str) -> None:
     assert re.fullmatch(GRAMMAR_RE, text), text
 
 
+def _valid_tag(text: str) -> None:
+    match = re.fullmatch(r"<f>(.*)</f>", text, re.DOTALL)
+    assert match, text
+    jsonschema.validate(_json(match[1]), TAG_SCHEMA)
+
+
 # name -> (request fields, validator)
 KINDS: dict[str, tuple[dict[str, Any], Any]] = {
     "response_format.json_schema": (
@@ -133,6 +148,18 @@ KINDS: dict[str, tuple[dict[str, Any], Any]] = {
     "structured_outputs.regex": ({"structured_outputs": {"regex": REGEX}}, _valid_regex),
     "structured_outputs.choice": ({"structured_outputs": {"choice": CHOICES}}, _valid_choice),
     "structured_outputs.grammar": ({"structured_outputs": {"grammar": GRAMMAR}}, _valid_grammar),
+    "response_format.structural_tag": (
+        {"response_format": {"type": "structural_tag", "format": TAG_FORMAT}},
+        _valid_tag,
+    ),
+    "structured_outputs.structural_tag": (
+        {
+            "structured_outputs": {
+                "structural_tag": json.dumps({"type": "structural_tag", "format": TAG_FORMAT})
+            }
+        },
+        _valid_tag,
+    ),
     "guided_json": ({"guided_json": json.dumps(SCHEMA)}, _valid_schema),
     "guided_regex": ({"guided_regex": REGEX}, _valid_regex),
     "guided_choice": ({"guided_choice": CHOICES}, _valid_choice),
@@ -257,8 +284,17 @@ def test_every_kind_validates_in_one_mixed_batch(server: RunningServer) -> None:
             "The provided JSON schema contains features not supported by xgrammar.",
         ),
         ({"guided_json": "{not json"}, None, "Invalid JSON grammar specification."),
-        ({"guided_regex": "(unclosed"}, None, "Failed to transform regex into a grammar: "),
-        ({"guided_grammar": "root ::= undefined_rule"}, None, "Invalid grammar specification: "),
+        (
+            {"guided_regex": "(unclosed"},
+            None,
+            "Failed to transform regex into a grammar: Regex parsing error",
+        ),
+        (
+            {"guided_grammar": "root ::= undefined_rule"},
+            None,
+            "Invalid grammar specification: EBNF parser error",
+        ),
+        ({"structural_tag": "{not json"}, None, "Invalid structural tag specification: "),
         (
             {"structured_outputs": {"json": {"type": "object"}, "regex": "a+"}},
             "structured_outputs",
