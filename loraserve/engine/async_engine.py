@@ -183,6 +183,10 @@ class AsyncLLMEngine:
         Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one."""
         stream = _Stream(asyncio.get_running_loop())
         await self._prefetch(lora_request)
+        if sampling_params.structured_outputs is not None:
+            # A new constraint compiles here, on a worker thread (tens of ms for a real schema), so the
+            # step loop finds it in the grammar cache; a bad one fails here, before it is queued.
+            await asyncio.to_thread(self.engine.structured.compile, sampling_params.structured_outputs)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, sampling_params, lora_request, group_id=group_id)
