@@ -100,3 +100,14 @@ def test_the_async_engine_compiles_off_the_step_loop(model_dir: str) -> None:
     assert len(compiled_on) == 2 and "loraserve-engine" not in compiled_on  # r1's regex and r2's
     assert (backend.cache.misses, backend.cache.hits) == (2, 1)  # the engine thread's lookup hit
     assert not unfinished
+
+
+def test_each_of_n_sequences_has_its_own_grammar(model_dir: str) -> None:
+    llm = LLM(model_dir, dtype="float32", max_model_len=64)
+    choices = ["alpha", "beta", "gamma delta"]
+    params = SamplingParams(
+        n=6, max_tokens=16, temperature=1.5, seed=5, structured_outputs={"choice": choices}
+    )
+    outputs = llm.generate(["pick one"], params, use_tqdm=False)[0].outputs
+    assert len(outputs) == 6
+    assert all(o.text in choices and o.finish_reason == "stop" for o in outputs), [o.text for o in outputs]
