@@ -5,7 +5,8 @@ base throughput against transformers and the linear-only ceiling; one adapter, 1
 distinct adapters (max_loras 16) against the base, PEFT's mixed batch, and the cold-adapter first
 token; the decode step at long contexts against transformers; a live server under a Zipf trace
 over 1000 adapters against 8; the throughput curve over distinct adapters; the host adapter cache's
-hit rate on a random trace over 12 adapters with 8 cached (a tiny model). Prints one table with
+hit rate on a random trace over 12 adapters with 8 cached (a tiny model); structured outputs on
+SmolLM2 (32 JSON-schema requests against 32 unconstrained, a new schema's compile). Prints one table with
 each ratio beside its target, saves benchmarks/results/all.json and draws the README's plot.
 Usage: python -m benchmarks.all [--dtype auto] [--threads N] [--quick] [--skip-server] [--plot PATH]
   [--with-admission]  (also the admission-wait rows of benchmarks.admission_wait: three more servers)
@@ -36,6 +37,7 @@ from benchmarks.long_context import model_for, run_long_context
 from benchmarks.lora_throughput import first_token_latency, run_loraserve, run_peft_mixed, run_swapping
 from benchmarks.plot import make_plot
 from benchmarks.server_trace import TraceShape, run_server_trace
+from benchmarks.structured_output import run_structured_output
 from benchmarks.throughput import loraserve_run, matmul_floor_run, run_transformers
 from loraserve.config import resolve_device, resolve_dtype
 
@@ -48,6 +50,8 @@ TARGETS = [
     ("64 distinct (max_loras=16) / base", ">=", 0.75),
     ("cold adapter first token - warm (ms)", "<=", 20.0),
     ("host hit rate, 12 adapters over 8", ">=", round(HOST_ENTRIES / NUM_ADAPTERS, 3)),  # LRU's bound
+    ("json_schema / unconstrained (SmolLM2)", ">=", 0.9),
+    ("new schema's compile (ms, 49k vocab)", "<=", 50.0),
 ]
 
 
@@ -132,6 +136,9 @@ def main() -> None:
     results["base"] = base_rows(dtype, args.quick)
     results["lora"] = lora_rows(dtype, args.quick)
     results["ratios"] = ratios(results["base"], results["lora"])
+    structured = results["structured_output"] = run_structured_output(16 if args.quick else 48)
+    results["ratios"]["json_schema / unconstrained (SmolLM2)"] = structured["constrained_over_unconstrained"]
+    results["ratios"]["new schema's compile (ms, 49k vocab)"] = structured["first_request_compile_ms"]
     contexts = [128, 1024] if args.quick else [128, 1024, 2048]
     results["long_context"] = run_long_context(model_for(contexts), dtype, contexts)
     results["adapters"] = adapter_curve(build_model(), dtype)

@@ -287,6 +287,50 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+SERVED_STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's StructuredOutputsConfig (--structured-outputs-config): the grammar backend and the JSON
+    whitespace rule. Only xgrammar is served ("auto" picks it); `disable_fallback` has nothing to
+    disable, and `disable_additional_properties` is what xgrammar does anyway (schemas compile strictly)."""
+
+    backend: str = "auto"
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in SERVED_STRUCTURED_OUTPUT_BACKENDS:
+            known = "" if self.backend in STRUCTURED_OUTPUT_BACKENDS else " (unknown backend)"
+            raise ValueError(
+                f"structured outputs backend {self.backend!r}{known} is not available here; this server "
+                "serves 'xgrammar' ('auto' picks it)."
+            )
+        if self.reasoning_parser or self.enable_in_reasoning:
+            raise ValueError(
+                "structured outputs within reasoning need a reasoning parser, which is not supported."
+            )
+
+    @classmethod
+    def from_options(
+        cls, config: Mapping[str, Any] | None, guided_decoding_backend: str | None
+    ) -> StructuredOutputsConfig:
+        """From --structured-outputs-config (a JSON object) and the older --guided-decoding-backend."""
+        values = dict(config or {})
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown field(s): {', '.join(unknown)}.")
+        if guided_decoding_backend is not None:
+            values.setdefault("backend", guided_decoding_backend)
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, in one value passed down explicitly."""
@@ -296,3 +340,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: torch.device
     lora: LoRAConfig | None = None
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

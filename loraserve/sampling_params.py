@@ -6,6 +6,9 @@ import copy
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from loraserve.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (argmax) decoding, as vLLM does.
 SAMPLING_EPS = 1e-5
@@ -46,8 +49,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # A constraint the output must match (JSON schema, regex, choice, grammar, structural tag); a
+    # dict of StructuredOutputsParams' fields is accepted too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            so: Any = self.structured_outputs
+            self.structured_outputs = StructuredOutputsParams.from_dict(so)
         if self.seed == -1:  # the OpenAI-style "no seed" sentinel vLLM also accepts
             self.seed = None
         if self.best_of is None:

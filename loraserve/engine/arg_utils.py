@@ -15,11 +15,13 @@ from typing import Any
 
 from loraserve.config import (
     DTYPE_CHOICES,
+    STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     resolve_device,
 )
 from loraserve.option_types import json_object, json_value, positive_int
@@ -27,6 +29,22 @@ from loraserve.options import check_options, declared_options, option, shares_op
 
 _LOADING = "model loading, tokenizer and sampling defaults"
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf", "mistral")
+
+
+def _structured_outputs_config(config: dict[str, Any]) -> str | None:
+    try:
+        StructuredOutputsConfig.from_options(config, None)
+    except (TypeError, ValueError) as exc:
+        return f"is not valid: {exc}"
+    return None
+
+
+def _served_backend(backend: str) -> str | None:
+    try:
+        StructuredOutputsConfig(backend=backend)
+    except ValueError as exc:
+        return f"is not valid: {exc}"
+    return None
 
 
 def _known_load_format(load_format: str) -> str | None:
@@ -70,6 +88,21 @@ class EngineArgs:
         type=positive_int,
         group="model",
         help="Longest prompt + completion in tokens, e.g. 2048 or 4k (default: from the config).",
+    )
+    structured_outputs_config: dict[str, Any] | None = option(
+        None,
+        type=json_object,
+        group="structured outputs",
+        check=_structured_outputs_config,
+        help="JSON object, vLLM's StructuredOutputsConfig: backend ('auto' or 'xgrammar'), "
+        "disable_any_whitespace, disable_additional_properties, disable_fallback.",
+    )
+    guided_decoding_backend: str | None = option(
+        None,
+        choices=STRUCTURED_OUTPUT_BACKENDS,
+        group="structured outputs",
+        check=_served_backend,
+        help="vLLM's older name for structured_outputs_config's backend ('auto' or 'xgrammar' here).",
     )
     # A dict or callable(PretrainedConfig) -> PretrainedConfig.
     hf_overrides: dict[str, Any] | Any | None = option(
@@ -211,6 +244,9 @@ class EngineArgs:
             scheduler=SchedulerConfig(**scheduler),
             device=device,
             lora=lora_config,
+            structured_outputs=StructuredOutputsConfig.from_options(
+                self.structured_outputs_config, self.guided_decoding_backend
+            ),
         )
 
     def _model_config(self, device: Any) -> ModelConfig:

@@ -191,6 +191,10 @@ class AsyncLLMEngine:
         `priority` (lower first) needs scheduling_policy "priority"."""
         stream = _Stream(asyncio.get_running_loop())
         await self._prefetch(lora_request)
+        if sampling_params.structured_outputs is not None:
+            # A new constraint compiles here, on a worker thread (tens of ms for a real schema), so the
+            # step loop finds it in the grammar cache; a bad one fails here, before it is queued.
+            await asyncio.to_thread(self.engine.structured.compile, sampling_params.structured_outputs)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(

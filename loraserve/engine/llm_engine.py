@@ -11,6 +11,8 @@ import itertools
 import logging
 import time
 from collections.abc import Collection
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +31,7 @@ from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load
 from loraserve.errors import LoRAAdapterError
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
+from loraserve.structured_output.manager import MaskJob, StructuredOutputs
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
@@ -72,6 +75,12 @@ class LLMEngine:
             config.lora.max_loras if config.lora else None, self.lora, self.eos_ids.eos_token_id,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
+        self.structured = StructuredOutputs(
+            self.tokenizer,
+            config.model.vocab_size,
+            [t for t in (self.eos_ids.eos_token_id, *self.eos_ids.extra_eos_ids) if t is not None],
+            config.structured_outputs.disable_any_whitespace,
+        )
         self.requests: dict[str, Request] = {}
         self.step_failures = StepFailures()
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
@@ -137,6 +146,8 @@ class LLMEngine:
         request_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if request_salt:
             salt = RequestSalt(salt, str(request_salt))
+        # Compiled (or found in the cache) before anything is queued: a bad schema is a ValueError.
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         request = Request(
             request_id,
             text,
@@ -149,7 +160,7 @@ class LLMEngine:
             priority=priority,
         )
         for i in range(params.n):
-            request.seqs.append(self._new_sequence(request, i))
+            request.seqs.append(self._new_sequence(request, i, grammar))
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -186,7 +197,7 @@ class LLMEngine:
                 "stop_token_ids."
             )
 
-    def _new_sequence(self, request: Request, index: int) -> Sequence:
+    def _new_sequence(self, request: Request, index: int, grammar: Any = None) -> Sequence:
         from loraserve.engine.detokenizer import IncrementalDetokenizer
 
         params = request.params
@@ -203,6 +214,7 @@ class LLMEngine:
             seq_id=next(self._seq_counter), request=request, index=index,
             token_ids=list(request.prompt_token_ids), num_prompt_tokens=len(request.prompt_token_ids),
             generator=generator, detokenizer=detok,
+            grammar=self.structured.new_state(grammar) if grammar is not None else None,
         )
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -229,20 +241,23 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        run = self.runner.run(batch.scheduled)
+        masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
+        run = self.runner.run(batch.scheduled, None if masks is None else partial(self.structured.apply, masks))
         outputs: list[RequestOutput] = []
         try:
             outputs += self._fail_adapter_requests(run.failed)
             if run.error is not None:
                 raise run.error
             if run.result is not None:
-                sampled = self.outputs.process(run.result, run.sampled)
+                sampled = _stop_dead_ends(self.outputs.process(run.result, run.sampled), masks)
                 self.scheduler.update(run.scheduled, sampled)
                 outputs += self._request_outputs(sampled)
         except Exception as exc:
             outputs += self._fail_step(run.scheduled, exc)
         else:
             self.step_failures.succeeded()
+        finally:
+            self.structured.wait(masks)
         self._finish_lora_removals()
         return outputs
 
@@ -373,3 +388,13 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
         return engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+
+
+def _stop_dead_ends(sampled: list[SampledToken], masks: MaskJob | None) -> list[SampledToken]:
+    """A sequence whose grammar allowed nothing more stops ("stop"), whatever token it sampled."""
+    if masks is None or not masks.dead_ends:
+        return sampled
+    return [
+        replace(t, finish_reason="stop", stop_reason=None) if t.seq.seq_id in masks.dead_ends else t
+        for t in sampled
+    ]

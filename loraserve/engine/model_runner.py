@@ -9,6 +9,7 @@ and never writes them: the scheduler applies the step (`Scheduler.update`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,10 @@ class StepResult:
     sample_seqs: list[Sequence]  # sequences whose whole context is now computed: sample one token each
     logits: torch.Tensor  # [len(sample_seqs), vocab], float32 or the LM head's dtype (the sampler converts)
     prompt_chunks: list[PromptLogprobChunk]
+
+
+# (logits [rows, vocab], the rows' sequences) -> None, editing the logits in place.
+LogitsProcessor = Callable[[torch.Tensor, list[Sequence]], None]
 
 
 def _no_tokens() -> SamplerOutput:
@@ -90,9 +95,11 @@ class ModelRunner:
             for _ in range(self.spec.num_layers)
         ]
 
-    def run(self, scheduled: list[ScheduledSeq]) -> StepRun:
+    def run(self, scheduled: list[ScheduledSeq], process_logits: LogitsProcessor | None = None) -> StepRun:
         """Activate the adapters, run the model and sample. Never raises: what raised comes back as
-        `error`, with the sequences it takes down, so the caller fails exactly those requests."""
+        `error`, with the sequences it takes down, so the caller fails exactly those requests.
+        `process_logits(logits, sample_seqs)` edits the sample rows' logits in place before sampling
+        (the grammar masks of structured outputs)."""
         step = StepRun(scheduled)
         try:
             lora_slots = None
@@ -104,7 +111,7 @@ class ModelRunner:
                     step.scheduled = [s for s in scheduled if s.seq.lora_id not in step.failed]
             if step.scheduled:
                 step.result = self.execute(step.scheduled, lora_slots)
-                step.sampled = self.sample(step.result)
+                step.sampled = self.sample(step.result, process_logits)
         except Exception as exc:
             step.error = exc
         finally:
@@ -155,10 +162,12 @@ class ModelRunner:
             )
         return self._lora_mapping[1]
 
-    def sample(self, result: StepResult) -> SamplerOutput:
+    def sample(self, result: StepResult, process_logits: LogitsProcessor | None = None) -> SamplerOutput:
         """One token for each of `result.sample_seqs` (none when only prefill chunks ran)."""
         if not result.sample_seqs:
             return _no_tokens()
+        if process_logits is not None:
+            process_logits(result.logits, result.sample_seqs)
         return self.sampler(result.logits, [self._sampling_row(seq) for seq in result.sample_seqs])
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from loraserve.engine.detokenizer import IncrementalDetokenizer
     from loraserve.lora.request import LoRARequest
     from loraserve.sampling_params import SamplingParams
+    from loraserve.structured_output.grammar_state import GrammarState
 
 
 class CacheSalt(Protocol):
@@ -74,6 +75,9 @@ class Sequence:
     stop_reason: int | str | None = None
     num_skipped_for_lora: int = 0
     waiting_since_step: int = 0  # the scheduler step at which it last joined the waiting queue
+    # Its structured-output grammar (None: unconstrained). The state follows token_ids, which it
+    # reads; the mask worker advances it (structured_output/manager.py), nothing else writes it.
+    grammar: GrammarState | None = None
 
     @property
     def params(self) -> SamplingParams:

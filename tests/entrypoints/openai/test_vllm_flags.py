@@ -119,7 +119,7 @@ VLLM_0_11_FLAGS: dict[str, str] = {
     "--pt-load-map-location": N,
     # StructuredOutputsConfig
     "--reasoning-parser": R,
-    "--guided-decoding-backend": N,
+    "--guided-decoding-backend": W,
     "--guided-decoding-disable-fallback": N,
     "--guided-decoding-disable-any-whitespace": N,
     "--guided-decoding-disable-additional-properties": N,
@@ -230,7 +230,7 @@ VLLM_0_11_FLAGS: dict[str, str] = {
     "--compilation-config": N,
     "-O": N,
     "--additional-config": N,
-    "--structured-outputs-config": N,
+    "--structured-outputs-config": W,
     "--disable-log-stats": W,
     "--aggregate-engine-logging": N,
 }

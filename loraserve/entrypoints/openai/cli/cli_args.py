@@ -33,6 +33,7 @@ _GROUPS = (
     "scheduler and cache",
     "LoRA",
     "model loading, tokenizer and sampling defaults",
+    "structured outputs",
     "HTTP front end",
     "limits and shutdown",
     "replicas (Ray Serve)",

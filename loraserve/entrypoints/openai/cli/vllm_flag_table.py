@@ -53,7 +53,10 @@ _NO_MULTIMODAL = "loraserve serves text-only models, so multimodal settings have
 _NO_MOE_PARALLEL = "expert parallelism and load balancing need several devices; loraserve uses one"
 _NO_CUDA_GRAPHS = "loraserve runs eagerly and captures no CUDA graphs"
 _NO_TOOLS = "tool calling is not supported (requests with tools get a 400)"
-_NO_GUIDED = "structured (guided) decoding is not supported (such requests get a 400)"
+_NO_GUIDED = (
+    "not read: set the field of that name in --structured-outputs-config (JSON), e.g. "
+    "'{\"disable_any_whitespace\": true}'"
+)
 _NO_DP = "data parallelism across processes or nodes is not supported; run one loraserve per device"
 
 
@@ -142,7 +145,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--pt-load-map-location", "pickle checkpoints are read on the CPU, then moved"),
     # ---- StructuredOutputsConfig -------------------------------------------------------------------
     refused("--reasoning-parser", "reasoning parsers are not supported"),
-    notice("--guided-decoding-backend", _NO_GUIDED),
     notice("--guided-decoding-disable-fallback", _NO_GUIDED, "bool"),
     notice("--guided-decoding-disable-any-whitespace", _NO_GUIDED, "bool"),
     notice("--guided-decoding-disable-additional-properties", _NO_GUIDED, "bool"),
@@ -242,7 +244,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     refused("--kv-events-config", "KV-cache events are not published"),
     notice("--compilation-config -O", "loraserve does not compile the model (it runs eagerly)"),
     notice("--additional-config", "there are no platform plugins to pass it to"),
-    notice("--structured-outputs-config", _NO_GUIDED),
     holds("--disable-log-stats", "loraserve logs no periodic statistics (/metrics has them)"),
     notice("--aggregate-engine-logging", "there is one engine", "flag"),
     # ---- flags of vLLM < 0.11 that scripts still carry ---------------------------------------------

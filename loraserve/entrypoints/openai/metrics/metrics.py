@@ -31,7 +31,11 @@ from loraserve.entrypoints.openai.metrics.engine_metrics import (
     metric_name,
     stats_families,
 )
-from loraserve.entrypoints.openai.metrics.vllm_metrics import ENGINE, VllmRequestMetrics, vllm_engine_families
+from loraserve.entrypoints.openai.metrics.vllm_metrics import (
+    ENGINE,
+    VllmRequestMetrics,
+    vllm_engine_families,
+)
 
 logger = logging.getLogger(__name__)
 

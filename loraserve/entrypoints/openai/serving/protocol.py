@@ -42,6 +42,21 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: StrictBool | None = False  # usage in every chunk (vLLM)
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    # "schema" in JSON; another name here, since pydantic models have a `schema` method.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format, plus vLLM's structural_tag (its other fields kept as extras)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions, with vLLM's extra sampling parameters."""
 
@@ -78,6 +93,17 @@ class SamplingRequest(OpenAIBaseModel):
     request_id: str | None = None  # the response id's suffix (vLLM: "<prefix>-<request_id>")
     priority: StrictInt = 0  # lower runs first, with --scheduling-policy priority
     cache_salt: str | None = None  # salts this request's prefix-cache keys
+    # Structured outputs (structured_request.py maps them): OpenAI's response_format, vLLM's
+    # structured_outputs object and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -102,7 +128,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None  # -1: the whole vocabulary (vLLM)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     chat_template: str | None = None  # refused unless the server trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None

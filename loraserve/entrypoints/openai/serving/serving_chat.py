@@ -86,12 +86,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         if request.tools:
             raise APIError("tools are not supported by this server.", HTTPStatus.BAD_REQUEST, "tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise APIError(
-                "Only response_format {'type': 'text'} is supported.",
-                HTTPStatus.BAD_REQUEST,
-                "response_format",
-            )
         model_name, lora_request = await self.resolve_model(request)
         text = await self.in_tokenizer_thread(self._render, request)
         prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")

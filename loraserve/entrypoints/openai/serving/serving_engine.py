@@ -29,6 +29,7 @@ from loraserve.entrypoints.openai.serving.prompt_length import PromptLengthGuard
 from loraserve.entrypoints.openai.serving.protocol import SamplingRequest
 from loraserve.entrypoints.openai.serving.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.serving.streams import merge_async_iterators
+from loraserve.entrypoints.openai.serving.structured_request import structured_outputs_of
 from loraserve.entrypoints.openai.serving.tokenizer_pool import FairTokenizerPool
 from loraserve.entrypoints.openai.serving.vllm_extras import refuse_unsupported_extras
 from loraserve.entrypoints.openai.serving.vllm_fields import check_vllm_fields, logprob_count
@@ -228,6 +229,7 @@ class OpenAIServing:
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
+            structured_outputs=structured_outputs_of(request),
         )
         if request.stop_token_ids:
             self.check_token_ids(request.stop_token_ids, "stop_token_ids")

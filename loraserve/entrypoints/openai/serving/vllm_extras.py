@@ -2,13 +2,13 @@
 
 The OpenAI-style models accept unknown fields (clients send new OpenAI fields all the time, and those
 are logged and ignored). vLLM's own extras are another matter: a client that sends
-`use_beam_search: true` or `guided_json` expects a different result, so such a request gets a 400 that
+`use_beam_search: true` or `bad_words` expects a different result, so such a request gets a 400 that
 names the field. Each entry lists the values that mean "off" (vLLM's defaults), which are accepted.
 Fields loraserve honours (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
 return_tokens_as_token_ids, chat_template, chat_template_kwargs, add_generation_prompt, echo,
 prompt_logprobs, truncate_prompt_tokens, continue_final_message, documents, request_id,
-return_token_ids; priority and cache_salt are checked by the serving layer) are declared in
+return_token_ids, response_format, structured_outputs and the guided_* fields; priority and cache_salt are checked by the serving layer) are declared in
 `protocol.py` and never reach this table.
 """
 
@@ -30,7 +30,6 @@ class Extra:
     chat_off: tuple[Any, ...] | None = None  # chat completions' "off" values, when they differ
 
 
-_GUIDED = "structured (guided) decoding is not implemented"
 EXTRAS: dict[str, Extra] = {
     "use_beam_search": Extra("beam search is not implemented; use temperature=0 or n > 1 sampling"),
     "length_penalty": Extra("it only applies to beam search, which is not implemented", (*_OFF, 1.0, 1)),
@@ -39,14 +38,6 @@ EXTRAS: dict[str, Extra] = {
     "allowed_token_ids": Extra("restricting the vocabulary is not implemented"),
     "bad_words": Extra("banning words is not implemented"),
     "logits_processors": Extra("custom logits processors are not supported"),
-    "guided_json": Extra(_GUIDED),
-    "guided_regex": Extra(_GUIDED),
-    "guided_choice": Extra(_GUIDED),
-    "guided_grammar": Extra(_GUIDED),
-    "guided_decoding_backend": Extra(_GUIDED),
-    "guided_whitespace_pattern": Extra(_GUIDED),
-    "structured_outputs": Extra(_GUIDED),
-    "structural_tag": Extra(_GUIDED),
     "kv_transfer_params": Extra("KV transfer between instances is not implemented"),
     "vllm_xargs": Extra("no extra arguments are read"),
     "prompt_embeds": Extra("prompts are text or token ids"),

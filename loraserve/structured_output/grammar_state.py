@@ -1,0 +1,45 @@
+"""One sequence's position in its grammar: a matcher that has accepted the sequence's output so far.
+
+The state belongs to the sequence and follows its tokens, never the step: before each mask it
+accepts the output tokens appended since the last one. Preemption keeps a sequence's tokens (its
+KV is recomputed, its tokens are not resampled), so a preempted sequence resumes where its grammar
+was; output tokens that went away (never, today) rebuild the matcher from the start.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class GrammarState:
+    matcher: Any  # xgrammar.GrammarMatcher
+    num_accepted: int = 0
+    dead_end: str | None = None  # why the grammar allows nothing more; the sequence then stops
+
+    def advance(self, output_ids: list[int]) -> None:
+        """Accept the output tokens not yet accepted."""
+        if len(output_ids) < self.num_accepted:
+            self.matcher.reset()
+            self.num_accepted, self.dead_end = 0, None
+        while self.dead_end is None and self.num_accepted < len(output_ids):
+            token = output_ids[self.num_accepted]
+            if self.matcher.is_terminated():
+                self.dead_end = "the grammar is complete and its stop token was ignored"
+            elif not self.matcher.accept_token(token):
+                self.dead_end = f"token {token} is not allowed by the grammar"
+            else:
+                self.num_accepted += 1
+
+    def fill(self, bitmask: Any, row: int) -> bool:
+        """Write the allowed next tokens into `bitmask[row]`; False when nothing may follow."""
+        if self.dead_end is None and self.matcher.is_terminated():
+            self.dead_end = "the grammar is complete and its stop token was ignored"
+        if self.dead_end is not None:
+            return False
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        return True

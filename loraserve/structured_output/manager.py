@@ -1,0 +1,187 @@
+"""The engine's structured-output side: compiling a request's constraint, giving each sequence its
+grammar state, and each step's masks, filled while the model runs and applied before sampling.
+
+`start_step(scheduled)` (right after `schedule()`) hands the constrained sequences that will sample
+this step to one worker thread, which advances each grammar over the tokens the sequence gained and
+fills its bitmask row; the forward pass runs meanwhile. `apply(job, logits, seqs)` (before the
+sampler) waits for it and masks the constrained rows in one operation; the other rows are untouched
+and a step without grammars does nothing at all. A sequence whose grammar allows nothing more (a dead
+end) samples its stop token and ends with finish_reason "stop", its reason logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from loraserve.structured_output.grammar_state import GrammarState
+from loraserve.structured_output.params import GrammarKey, StructuredOutputsParams
+from loraserve.structured_output.token_mask import disallowed_tokens, mask_rows
+
+logger = logging.getLogger(__name__)
+
+
+class ConstrainedSeq(Protocol):
+    """What the manager reads of a sequence (engine/sequence.py's `Sequence`)."""
+
+    seq_id: int
+    grammar: GrammarState | None
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+class ScheduledItem(Protocol):
+    @property
+    def seq(self) -> Any: ...
+
+    @property
+    def num_new_tokens(self) -> int: ...
+
+
+@dataclass(slots=True)
+class FilledMasks:
+    """What the worker made: row j is sequence j's; `reasons[j]` why it can go no further (or None)."""
+
+    disallowed: torch.Tensor  # [rows, vocab] bool
+    reasons: list[str | None]
+
+
+@dataclass(slots=True)
+class MaskJob:
+    """One step's masks, row j for sequence `seq_ids[j]`."""
+
+    seq_ids: list[int]
+    future: Future[FilledMasks]
+    dead_ends: dict[int, str] = field(default_factory=dict)  # seq_id -> why it stops (after apply)
+
+
+class StructuredOutputs:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        disable_any_whitespace: bool = False,
+        cache_size: int = 512,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.disable_any_whitespace = disable_any_whitespace
+        self.cache_size = cache_size
+        self._backend: Any = None
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def backend(self) -> Any:
+        """The xgrammar backend, built on first use (imports xgrammar and scans the vocabulary)."""
+        with self._lock:
+            if self._backend is None:
+                if self.tokenizer is None:
+                    raise ValueError(
+                        "structured outputs need a tokenizer; this engine has none (skip_tokenizer_init)."
+                    )
+                from loraserve.structured_output.xgrammar_backend import XGrammarBackend
+
+                self._backend = XGrammarBackend(
+                    self.tokenizer, self.vocab_size, self.stop_token_ids, self.cache_size
+                )
+            return self._backend
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of a request's constraint; GrammarCompileError (a ValueError) if it does
+        not compile, with vLLM's text."""
+        key = params.grammar_key()
+        if self.disable_any_whitespace and key.any_whitespace:
+            key = GrammarKey(key.kind, key.text, any_whitespace=False)
+        return self.backend.compile(key)
+
+    def new_state(self, compiled: Any) -> GrammarState:
+        return GrammarState(self.backend.matcher(compiled))
+
+    def start_step(self, scheduled: Sequence[ScheduledItem]) -> MaskJob | None:
+        """Start filling the masks of the constrained sequences that sample this step; None if none."""
+        seqs = [
+            item.seq
+            for item in scheduled
+            if item.seq.grammar is not None
+            and item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
+        ]
+        if not seqs:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraserve-grammar")
+        return MaskJob([seq.seq_id for seq in seqs], self._pool.submit(_fill, seqs, self.vocab_size))
+
+    @torch.inference_mode()  # the runner's logits are inference tensors
+    def apply(self, job: MaskJob | None, logits: torch.Tensor, sample_seqs: Sequence[ConstrainedSeq]) -> None:
+        """Wait for the masks and apply them to the rows of `logits` (one per `sample_seqs`); a dead
+        end's row allows only its stop token and the sequence is recorded in `job.dead_ends`."""
+        if job is None:
+            return
+        filled = job.future.result()
+        where = {seq_id: j for j, seq_id in enumerate(job.seq_ids)}
+        rows: list[int] = []
+        sources: list[int] = []
+        dead_rows: list[int] = []
+        for i, seq in enumerate(sample_seqs):
+            j = where.get(seq.seq_id)
+            if j is None:
+                continue
+            reason = filled.reasons[j]
+            if reason is not None:
+                job.dead_ends[seq.seq_id] = reason
+                dead_rows.append(i)
+                logger.info("Structured output of sequence %d stops: %s", seq.seq_id, reason)
+                continue
+            rows.append(i)
+            sources.append(j)
+        if rows:
+            same = sources == list(range(len(job.seq_ids)))
+            mask_rows(logits, filled.disallowed if same else filled.disallowed[sources], rows)
+        if dead_rows:
+            stop = self.stop_token_ids[0] if self.stop_token_ids else 0
+            index = torch.tensor(dead_rows, dtype=torch.long, device=logits.device)
+            logits[index] = float("-inf")
+            logits[index, stop] = 0.0
+
+    def wait(self, job: MaskJob | None) -> None:
+        """Let a job finish (a step that ended before sampling): no worker touches a grammar later."""
+        if job is not None:
+            job.future.exception()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _fill(seqs: list[ConstrainedSeq], vocab_size: int) -> FilledMasks:
+    """Worker thread: advance each grammar to its sequence's tokens, fill its bitmask row, and unpack
+    the rows into the tokens each may not take."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(seqs), vocab_size)
+    reasons: list[str | None] = []
+    for row, seq in enumerate(seqs):
+        state = seq.grammar
+        assert state is not None
+        state.advance(seq.output_token_ids)
+        reasons.append(None if state.fill(bitmask, row) else state.dead_end)
+    disallowed = disallowed_tokens(bitmask, vocab_size)
+    for row, blocked in enumerate(disallowed.all(dim=1).tolist()):
+        if blocked and reasons[row] is None:
+            reasons[row] = "the grammar allows no token here"
+    return FilledMasks(disallowed, reasons)
