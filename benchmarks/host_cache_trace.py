@@ -21,7 +21,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.common import bench_root, save_results
-from loraserve.demo.random_model import build_tokenizer, llama_config, save_peft_adapter, save_random_model
+from loraserve.demo.random_model import (
+    TINY_SHAPE,
+    build_tokenizer,
+    llama_config,
+    save_peft_adapter,
+    save_random_model,
+)
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.lora.request import LoRARequest
@@ -29,14 +35,7 @@ from loraserve.sampling_params import SamplingParams
 
 NUM_ADAPTERS = 12
 HOST_ENTRIES = 8
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = TINY_SHAPE
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from loraserve.demo.random_model import TINY_SHAPE
+
 pytest_plugins = ["support.fake_server_fixtures"]
 
 # The suite is hermetic: nothing may reach the Hugging Face Hub (PEFT, for one, looks base models up).
@@ -60,14 +62,7 @@ def linear_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     gemm_cpu.use_library(own)
 
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = TINY_SHAPE
 
 # A still smaller Llama for tests that build the config dict or the HF model themselves.
 MINI_LLAMA = dict(

@@ -76,6 +76,17 @@ def save_random_model(out_dir: str, config: Any, seed: int = 0, dtype: Any = Non
     return model
 
 
+# The tests' and quick benchmarks' tiny shape: 2 layers, GQA 4:2, every op at a size that runs in ms.
+TINY_SHAPE: dict[str, int] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
 def llama_config(vocab_size: int, **overrides: Any) -> Any:
     from transformers import LlamaConfig
 
