@@ -241,7 +241,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
+        try:
+            masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
+        except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
+            outputs = self._fail_step(batch.scheduled, exc)
+            self._finish_lora_removals()
+            return outputs
         run = self.runner.run(batch.scheduled, None if masks is None else partial(self.structured.apply, masks))
         outputs: list[RequestOutput] = []
         try:

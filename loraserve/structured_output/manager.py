@@ -178,8 +178,11 @@ def _fill(seqs: list[ConstrainedSeq], vocab_size: int) -> FilledMasks:
     for row, seq in enumerate(seqs):
         state = seq.grammar
         assert state is not None
-        state.advance(seq.output_token_ids)
-        reasons.append(None if state.fill(bitmask, row) else state.dead_end)
+        try:
+            state.advance(seq.output_token_ids)
+            reasons.append(None if state.fill(bitmask, row) else state.dead_end)
+        except Exception as exc:  # this grammar's fault ends this sequence only, never the batch
+            reasons.append(f"the grammar failed: {type(exc).__name__}: {exc}")
     disallowed = disallowed_tokens(bitmask, vocab_size)
     for row, blocked in enumerate(disallowed.all(dim=1).tolist()):
         if blocked and reasons[row] is None:

@@ -104,3 +104,39 @@ def test_state_follows_tokens_rebuilds_and_dead_ends(backend: XGrammarBackend, t
     bad = GrammarState(backend.matcher(compiled))
     bad.advance(tokenizer.encode("zzz", add_special_tokens=False))
     assert bad.dead_end is not None and "not allowed" in bad.dead_end
+
+
+def test_a_grammar_that_raises_ends_its_sequence_alone(backend: XGrammarBackend, tokenizer) -> None:
+    from dataclasses import dataclass
+
+    from loraserve.structured_output.grammar_state import GrammarState
+    from loraserve.structured_output.manager import StructuredOutputs
+
+    class Broken(GrammarState):
+        def fill(self, bitmask, row):  # type: ignore[no-untyped-def]
+            raise RuntimeError("matcher state corrupted")
+
+    @dataclass
+    class Seq:
+        seq_id: int
+        grammar: GrammarState
+        output_token_ids: list[int]
+        num_computed_tokens: int = 0
+        num_tokens: int = 0
+
+    @dataclass
+    class Item:
+        seq: Seq
+        num_new_tokens: int = 0
+
+    compiled = backend.compile(StructuredOutputsParams(choice=["yes", "no"]).grammar_key())
+    good, bad = (Seq(i, cls(backend.matcher(compiled)), []) for i, cls in ((1, GrammarState), (2, Broken)))
+    manager = StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    job = manager.start_step([Item(good), Item(bad)])
+    logits = torch.zeros(2, len(tokenizer))
+    manager.apply(job, logits, [good, bad])
+    assert job is not None and list(job.dead_ends) == [2] and "matcher state corrupted" in job.dead_ends[2]
+    assert logits[1].isfinite().nonzero().flatten().tolist() == [tokenizer.eos_token_id]  # stops
+    yes = tokenizer.encode("yes", add_special_tokens=False)[0]
+    assert logits[0, yes] == 0 and logits[0].isinf().any()  # the good row keeps its own mask
+    manager.shutdown()

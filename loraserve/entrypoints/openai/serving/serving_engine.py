@@ -262,12 +262,13 @@ class OpenAIServing:
         """(prompt index, cumulative output) from one engine request per prompt, interleaved; with
         `group_id` the prompts take scheduling turns as one request."""
         arrival = time.perf_counter()  # time to first token counts the wait for admission too
+        arrival_wall = time.time()  # and so do vLLM's phase times (wall clock)
         hold = await self.engine.admit(
             sum(p.sampling_params.n for p in prompts),
             sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
             current_client().api_key,
         )  # all or none: no prompt starts unless the whole call has room
-        run = self._run(prompts, lora_request, model_name, group_id, hold, arrival)
+        run = self._run(prompts, lora_request, model_name, group_id, hold, arrival, arrival_wall)
         async with hold, aclosing(run) as outputs:
             async for item in outputs:
                 yield item
@@ -280,8 +281,9 @@ class OpenAIServing:
         group_id: str | None,
         hold: AdmissionHold,
         arrival: float,
+        arrival_wall: float,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        timings = [_Timing(arrival) for _ in prompts]
+        timings = [_Timing(arrival, arrival_wall=arrival_wall) for _ in prompts]
         unfinished = {prompt.request_id: i for i, prompt in enumerate(prompts)}
         unprefilled = set(range(len(prompts)))
         iterators = [
