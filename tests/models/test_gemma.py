@@ -138,16 +138,27 @@ def test_float32_matches_transformers(
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path: Any, tokenizer_dir: str) -> None:
-    """Gemma3ForConditionalGeneration: the language model's tensors under their multimodal names,
-    the vision tower skipped; text prompts as Gemma3ForConditionalGeneration answers them."""
+    """Gemma3ForConditionalGeneration: the language model's tensors under their multimodal names, the
+    vision tower skipped; text prompts answered as transformers answers them, and a PEFT adapter
+    trained on the multimodal model (its language model's modules) served as PEFT serves it."""
     vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
-    hf = save_tiny_gemma(str(tmp_path), "gemma3_multimodal", tokenizer_dir, vocab_size)
-    llm = LLM(str(tmp_path), dtype="float32")
+    path, adapter = str(tmp_path / "model"), str(tmp_path / "adapter")
+    hf = save_tiny_gemma(path, "gemma3_multimodal", tokenizer_dir, vocab_size)
+    targets = r".*language_model.*\.(q_proj|v_proj|down_proj)"
+    save_peft_adapter(hf, adapter, seed=3, base_name=path, r=8, lora_alpha=16, target_modules=targets)
+    llm = LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8)
     assert type(llm.engine.model).__name__ == "Gemma3ForConditionalGeneration"
     prompts = _prompts(vocab_size)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        _check_exact(out, prompt, _greedy(hf, prompt), _logprobs(hf, prompt))
+    peft = _peft_model(path, {"mm": adapter})
+    for name in (None, "mm"):
+        request = LoRARequest("mm", 1, adapter) if name else None
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], _params(), lora_request=request, use_tqdm=False
+        )
+        for prompt, out in zip(prompts, outputs):
+            _check_exact(out, prompt, _peft_greedy(peft, name, prompt), _peft_logprobs(peft, name, prompt))
+    moved = (_peft_logprobs(peft, "mm", prompts[-1]) - _peft_logprobs(peft, None, prompts[-1])).abs().max()
+    assert moved > 1.0
 
 
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)
