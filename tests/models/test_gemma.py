@@ -197,7 +197,7 @@ def test_the_tiny_models_exercise_every_gemma_feature(
     reference = _logprobs(hf, prompt)
     changes: dict[str, Any] = {"sliding_window": 64}
     if arch == "gemma2":
-        changes |= {"attn_logit_softcapping": None}
+        changes |= {"attn_logit_softcapping": None, "final_logit_softcapping": None}
     else:
         changes |= {
             "rope_parameters": {kind: {"rope_type": "default", "rope_theta": 1e6} for kind in (SLIDING, FULL)}
