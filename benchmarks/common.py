@@ -23,6 +23,19 @@ SMOLLM_SHAPE = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
+# The real configs' shapes (random weights; the 256k vocabularies kept: their LM head is a real share
+# of a step). Gemma-2-2B: 26 layers, 8 heads over 4 KV heads of 256, softcaps, 4096-token window on
+# every other layer; Gemma-3-1B: 26 layers, 4 heads over 1 KV head of 256, 512-token window on 5 of
+# every 6 layers, q/k norms, two rope bases.
+GEMMA_SHAPES: dict[str, dict[str, Any]] = {
+    "gemma2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, max_position_embeddings=8192),
+    "gemma3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                      num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                      query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768),
+}
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -44,6 +57,22 @@ def build_model(vocab_size: int = 49152, max_position_embeddings: int | None = N
         shutil.rmtree(tmp, ignore_errors=True)
         build_tokenizer(tmp, vocab_size=512)
         save_random_model(tmp, llama_config(vocab_size, **shape), seed=0)
+        os.replace(tmp, path)
+    return path
+
+
+def build_gemma_model(shape: str) -> str:
+    """A random model of one of `GEMMA_SHAPES` in bf16 (built once, cached), with the bench tokenizer."""
+    from transformers import AutoConfig
+
+    values = dict(GEMMA_SHAPES[shape])
+    path = os.path.join(bench_root(), shape)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tokenizer(tmp, vocab_size=512)
+        config = AutoConfig.for_model(values.pop("model_type"), bos_token_id=1, eos_token_id=2, **values)
+        save_random_model(tmp, config, seed=0, dtype=torch.bfloat16)
         os.replace(tmp, path)
     return path
 

@@ -1,7 +1,9 @@
 """Base-model throughput: loraserve vs transformers `generate` on the same batch, in one run.
 
-SmolLM-135M-shaped random Llama, 32 requests, greedy, fixed prompt and output lengths.
-Usage: python benchmarks/throughput.py [--num-requests 32] [--prompt-len 64] [--gen-len 64] [--dtype auto]
+SmolLM-135M-shaped random Llama (or `--shape gemma2-2b` / `gemma3-1b`: random models of those
+configs), 32 requests, greedy, fixed prompt and output lengths.
+Usage: python benchmarks/throughput.py [--shape smollm] [--num-requests 32] [--prompt-len 64] [--gen-len 64]
+       [--dtype auto] [--repeats 3] [--skip-ceiling]
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import (
+    GEMMA_SHAPES,
+    TIMED_RUNS,
+    build_gemma_model,
     build_model,
     interleaved_timed,
     print_table,
@@ -24,14 +29,15 @@ from loraserve import LLM, SamplingParams
 from loraserve.config import resolve_device, resolve_dtype
 
 
-def run_transformers(path: str, prompts: list[list[int]], gen_len: int, dtype: torch.dtype) -> float:
+def run_transformers(path: str, prompts: list[list[int]], gen_len: int, dtype: torch.dtype,
+                     repeats: int = TIMED_RUNS) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     batch = torch.tensor(prompts)  # equal lengths: no padding needed
     kwargs = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        seconds, out = steady_timed(lambda ids: model.generate(torch.tensor(ids), **kwargs), prompts)
+        seconds, out = steady_timed(lambda ids: model.generate(torch.tensor(ids), **kwargs), prompts, repeats)
     assert out.shape[1] == batch.shape[1] + gen_len
     return len(prompts) * gen_len / seconds
 
@@ -59,9 +65,10 @@ def matmul_floor_run(path: str, num_requests: int, prompt_len: int, gen_len: int
 
     cfg = AutoConfig.from_pretrained(path)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    head_dim = hidden // cfg.num_attention_heads
-    qkv = hidden + 2 * cfg.num_key_value_heads * head_dim
-    shapes = [(hidden, qkv), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q_size = cfg.num_attention_heads * head_dim
+    qkv = q_size + 2 * cfg.num_key_value_heads * head_dim
+    shapes = [(hidden, qkv), (q_size, hidden), (hidden, 2 * inter), (inter, hidden)]
     # Distinct weights per transformer layer, as in the model (reusing one set would flatter the cache).
     layers = [[Linear(inp, out, dtype=dtype) for inp, out in shapes] for _ in range(cfg.num_hidden_layers)]
     lm_head = Linear(hidden, cfg.vocab_size, dtype=dtype)
@@ -92,21 +99,30 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--shape", default="smollm", choices=["smollm", *GEMMA_SHAPES])
+    parser.add_argument("--repeats", type=int, default=TIMED_RUNS, help="timed runs per system (the best counts)")
+    parser.add_argument("--skip-ceiling", action="store_true", help="leave out the linear-layers-only row")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
     dtype_name = str(dtype).replace("torch.", "")
-    path = build_model()
-    prompts = random_prompts(args.num_requests, args.prompt_len, 49152)
+    path = build_model() if args.shape == "smollm" else build_gemma_model(args.shape)
+    vocab_size = 49152 if args.shape == "smollm" else GEMMA_SHAPES[args.shape]["vocab_size"]
+    prompts = random_prompts(args.num_requests, args.prompt_len, vocab_size)
     print(f"{platform.processor() or platform.machine()}, torch threads={torch.get_num_threads()}, {dtype_name}, "
-          f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated) tokens")
-    hf = run_transformers(path, prompts, args.gen_len, dtype)
-    ceiling = matmul_floor_run(path, args.num_requests, args.prompt_len, args.gen_len, dtype)
-    runs = {"ours": loraserve_run(path, args.num_requests, args.gen_len, dtype_name), "floor": lambda ids: ceiling()}
-    timings = interleaved_timed(runs, prompts)  # their ratio is the figure: timed in turn
-    ours, floor = (args.num_requests * args.gen_len / timings[key][0] for key in ("ours", "floor"))
-    rows = [("transformers generate", hf), ("loraserve", ours), ("linear layers only (ceiling)", floor)]
+          f"{args.shape}, {args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated) tokens")
+    hf = run_transformers(path, prompts, args.gen_len, dtype, args.repeats)
+    runs = {"ours": loraserve_run(path, args.num_requests, args.gen_len, dtype_name)}
+    if not args.skip_ceiling:
+        ceiling = matmul_floor_run(path, args.num_requests, args.prompt_len, args.gen_len, dtype)
+        runs["floor"] = lambda ids: ceiling()
+    timings = interleaved_timed(runs, prompts, args.repeats)  # their ratio is the figure: timed in turn
+    rates = {key: args.num_requests * args.gen_len / timing[0] for key, timing in timings.items()}
+    rows = [("transformers generate", hf), ("loraserve", rates["ours"])]
+    if "floor" in rates:
+        rows.append(("linear layers only (ceiling)", rates["floor"]))
     print_table("Base-model throughput", rows, "transformers generate")
-    save_results("throughput", {"dtype": dtype_name, "args": vars(args), "tok_per_s": dict(rows)})
+    name = "throughput" if args.shape == "smollm" else f"throughput-{args.shape}"
+    save_results(name, {"dtype": dtype_name, "args": vars(args), "tok_per_s": dict(rows)})
 
 
 if __name__ == "__main__":

@@ -141,7 +141,10 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
+        config = self.hf_config
+        if getattr(config, "vocab_size", None) is None and hasattr(config, "get_text_config"):
+            config = config.get_text_config()  # a multimodal config keeps it in its text config
+        return int(config.vocab_size)
 
 
 _CACHE = "scheduler and cache"
@@ -241,6 +244,7 @@ class SchedulerConfig:
         "round-robin by API key) before its 503; 0 answers 503 at once (default: 5).",
         check=_finite_seconds,
     )
+
 
 def _cpu_loras_hold_the_batch(config: Any) -> str | None:
     if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:

@@ -12,9 +12,13 @@ from loraserve.layers.fused_cpu import rotary_
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The rope settings of a config, for transformers 5 (`rope_parameters`) and 4 (`rope_scaling`)."""
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope settings of a config, for transformers 5 (`rope_parameters`) and 4 (`rope_scaling`).
+    Models with a rope per layer type (Gemma-3: "sliding_attention" / "full_attention") keep one dict
+    per type in `rope_parameters`; `layer_type` picks one."""
     params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
         return dict(params)
     scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -29,12 +33,16 @@ class RotaryEmbedding(nn.Module):
     cos_table: torch.Tensor
     sin_table: torch.Tensor
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self, hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None
+    ) -> None:
         super().__init__()
-        params = rope_parameters(hf_config)
+        params = rope_parameters(hf_config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type not in _STATIC_ROPE_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} is not supported natively (use model_impl='transformers').")
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported natively (use model_impl='transformers')."
+            )
         if rope_type == "default":
             exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
             inv_freq = 1.0 / (params["rope_theta"] ** exponents)
@@ -42,7 +50,13 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+            init = ROPE_INIT_FUNCTIONS[rope_type]
+            device = torch.device("cpu")
+            inv_freq, scaling = (
+                init(hf_config, device)
+                if layer_type is None
+                else init(hf_config, device, layer_type=layer_type)
+            )
         self.head_dim = head_dim
         self._inv_freq, self._scaling = inv_freq.float().cpu(), scaling
         cos, sin = self._tables(max_positions)

@@ -23,6 +23,10 @@ _NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("loraserve.models.qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("loraserve.models.qwen", "Qwen3ForCausalLM"),
     "GPT2LMHeadModel": ("loraserve.models.gpt2", "GPT2LMHeadModel"),
+    "GemmaForCausalLM": ("loraserve.models.gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("loraserve.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("loraserve.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("loraserve.models.gemma3", "Gemma3ForConditionalGeneration"),
 }
 _TRANSFORMERS_BACKEND = ("loraserve.models.transformers_fallback", "TransformersForCausalLM")
 

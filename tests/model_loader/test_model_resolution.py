@@ -20,7 +20,17 @@ from conftest import MINI_LLAMA
 from loraserve.model_loader.config import create_model_config, derive_max_model_len, load_hf_config
 from loraserve.models.registry import get_supported_archs, resolve_architecture
 
-NATIVE = ["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+NATIVE = [
+    "GPT2LMHeadModel",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+    "GemmaForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+]
 
 
 def _llama_dict(**changes: Any) -> dict[str, Any]:

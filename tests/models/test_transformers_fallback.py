@@ -51,7 +51,7 @@ def _configs() -> dict[str, Any]:
             max_window_layers=1,
             **TINY,
         ),
-        # Gemma-2: attention logit softcapping on every layer, a window on every other one, final logit
+        # Gemma-2 (native, forced through the backend): attention logit softcapping on every layer, a window on every other one, final logit
         # softcapping; large initial weights and small caps, so that both caps change the result.
         "gemma2_softcap": transformers.Gemma2Config(
             intermediate_size=64,
@@ -109,7 +109,7 @@ def test_prefill_and_decode_match_hf_forward(
 ) -> None:
     monkeypatch.setenv("LORASERVE_CPU_ATTENTION_KERNEL", attention_kernel)
     path, hf = _save(tmp_path, name)
-    model_impl = "transformers" if "window" in name else "auto"
+    model_impl = "transformers" if "window" in name or "gemma" in name else "auto"  # Gemma-2 is native too
     model_config = create_model_config(path, dtype="float32", device="cpu", model_impl=model_impl)
     model = get_model(model_config, "cpu")
     assert isinstance(model, TransformersForCausalLM) and not model.is_native
