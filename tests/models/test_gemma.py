@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.layers import paged_attention_cpu
-from loraserve.lora.ops import cpu_ops
+from loraserve.lora.ops import lora_cpu
 from loraserve.lora.request import LoRARequest
 from loraserve.models.gemma import FULL, SLIDING
 
@@ -256,8 +256,8 @@ def test_mixed_batch_matches_peft(
     through the C LoRA kernel (its calls counted) or the torch ops, against PEFT in float32."""
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
     kernel_dtypes = []
-    run = cpu_ops.run
-    monkeypatch.setattr(cpu_ops, "run", lambda *args: kernel_dtypes.append(args[0].dtype) or run(*args))
+    run = lora_cpu.run
+    monkeypatch.setattr(lora_cpu, "run", lambda *args: kernel_dtypes.append(args[0].dtype) or run(*args))
     path, hf = gemma_models[arch]
     adapters = gemma_adapters[arch]
     prompts = _prompts(hf.config.vocab_size, seed=1)
@@ -272,7 +272,7 @@ def test_mixed_batch_matches_peft(
         use_tqdm=False,
     )
     served = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-    expected = {dtype} if cpu_kernel == "1" and cpu_ops.kernel_available() else set()
+    expected = {dtype} if cpu_kernel == "1" and lora_cpu.kernel_available() else set()
     assert {served[d] for d in kernel_dtypes} == expected
     peft = _peft_model(path, adapters)
     peft_bf16 = copy.deepcopy(peft).to(torch.bfloat16) if dtype == "bfloat16" else None
