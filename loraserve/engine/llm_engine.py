@@ -244,9 +244,9 @@ class LLMEngine:
         try:
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
-            outputs = self._fail_step(batch.scheduled, exc)
+            failed = self._fail_step(batch.scheduled, exc)
             self._finish_lora_removals()
-            return outputs
+            return failed
         run = self.runner.run(batch.scheduled, None if masks is None else partial(self.structured.apply, masks))
         outputs: list[RequestOutput] = []
         try:

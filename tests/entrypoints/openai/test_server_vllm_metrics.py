@@ -7,10 +7,11 @@ import asyncio
 import threading
 from typing import Any
 
-from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
 from prometheus_client.parser import text_string_to_metric_families
 from support.fake_engine import hold_generation, release_generation
 from support.harness import RunningServer, wait_for
+
+from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
