@@ -28,6 +28,7 @@ class LoRATargets:
 
     modules: dict[str, Linear]
     sub_modules: dict[str, tuple[str, int]]
+    architecture: str = ""  # the model's class (the HF one for the transformers backend), for errors
 
     @classmethod
     def from_model(cls, model: nn.Module) -> LoRATargets:
@@ -40,7 +41,8 @@ class LoRATargets:
             if subs and len(subs) == len(module.output_sizes):
                 for i, sub in enumerate(subs):
                     sub_modules[f"{prefix}.{sub}" if prefix else sub] = (name, i)
-        return cls(modules=modules, sub_modules=sub_modules)
+        architecture = str(getattr(model, "architecture_name", type(model).__name__))
+        return cls(modules=modules, sub_modules=sub_modules, architecture=architecture)
 
     def supported_leaf_names(self) -> list[str]:
         """Module names an adapter may target (e.g. q_proj, v_proj, qkv_proj, down_proj)."""

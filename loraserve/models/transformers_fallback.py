@@ -6,6 +6,10 @@ for implementations in `AttentionMaskInterface`) and every attention module hand
 that function, which writes K/V into our paged cache and attends with `PagedAttention` using the
 step's `AttentionMetadata`. The step context travels as a forward kwarg, which HF models pass down
 unchanged to the attention call; `module.layer_idx` selects the layer's cache.
+
+LoRA: the HF model's linear modules are loraserve `Linear`s (`hf_linears.py`) bound to this model's
+`StepBinding`, which `forward` sets to the step's ForwardBatch around the HF call. The HF model's
+children are registered under their HF names (not under `hf_model.`), so module names are PEFT's.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from torch import nn
 from transformers import AttentionInterface
 
 from loraserve.batch.attention_metadata import AttentionMetadata
-from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.forward_batch import ForwardBatch, StepBinding
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
+from loraserve.models.hf_linears import convert_linears
 
 ATTN_IMPLEMENTATION = "loraserve_paged"
 _STEP_KWARG = "loraserve_step"
+_HOLDER_ATTR = "_loraserve_step_holder"
 # Checkpoint buffers that older exports contain but models recompute (rotary tables, causal masks).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 # Attention features that change the math and that PagedAttention does not implement (it does
@@ -59,11 +65,21 @@ def _check_mask_is_plain(attention_mask: torch.Tensor | None) -> None:
         )
 
 
+@dataclass(slots=True)
+class _StepHolder:
+    """The model's current step context, for attention modules whose callers drop the forward kwargs
+    (StableLM's decoder layer): each module with a `layer_idx` holds the owning model's holder."""
+
+    step: _StepContext | None = None
+
+
 def _check_call(
-    attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
+    module: nn.Module, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
 ) -> tuple[_StepContext, int | None]:
     """The step context and the layer's sliding window (None = full); refuses what PagedAttention lacks."""
     step = kwargs.get(_STEP_KWARG)
+    if step is None and isinstance(holder := getattr(module, _HOLDER_ATTR, None), _StepHolder):
+        step = holder.step
     if not isinstance(step, _StepContext):
         raise ValueError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} only works inside TransformersForCausalLM.forward."
@@ -124,7 +140,7 @@ def paged_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF attention signature: query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
-    step, window = _check_call(attention_mask, kwargs)
+    step, window = _check_call(module, attention_mask, kwargs)
     layer_idx = getattr(module, "layer_idx", None)
     if not isinstance(layer_idx, int):
         raise ValueError(f"{type(module).__name__} has no integer layer_idx to select its KV cache.")
@@ -172,6 +188,16 @@ def kv_cache_spec_from_config(hf_config: Any) -> KVCacheSpec:
     return KVCacheSpec(int(text.num_hidden_layers), int(num_kv_heads), int(head_dim), sliding_window or None)
 
 
+# Classes transformers flags `_supports_attention_backend=False` whose every attention layer still calls
+# the AttentionInterface (their modeling code dispatches through ALL_ATTENTION_FUNCTIONS); the per-step
+# count of attention calls in `forward` would catch one that did not.
+_ATTENTION_INTERFACE_ANYWAY = frozenset({"StableLmForCausalLM"})
+
+
+def _backend_compatible(cls: Any) -> bool:
+    return bool(cls.is_backend_compatible()) or cls.__name__ in _ATTENTION_INTERFACE_ANYWAY
+
+
 def _incompatible_error(arch: str) -> ValueError:
     return ValueError(
         f"transformers' {arch} does not support custom attention backends (_supports_attention_backend=False), "
@@ -193,7 +219,7 @@ def _build_hf_model(hf_config: Any, dtype: torch.dtype) -> nn.Module:
             return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True, **kwargs)
         if transformers_knows(arch) and hasattr(transformers, arch):
             cls = getattr(transformers, arch)
-            if not cls.is_backend_compatible():
+            if not _backend_compatible(cls):
                 raise _incompatible_error(arch)
             return cls._from_config(hf_config, **kwargs)
     return AutoModelForCausalLM.from_config(hf_config, **kwargs)
@@ -228,7 +254,7 @@ def _checkpoint_renamer(hf_model: Any, targets: dict[str, torch.Tensor]) -> Call
 
 
 class TransformersForCausalLM(nn.Module):
-    """Any transformers causal LM behind loraserve's model interface (no LoRA, no packed layers)."""
+    """Any transformers causal LM behind loraserve's model interface, LoRA on its linear modules."""
 
     is_native = False
     packed_modules_mapping: dict[str, list[str]] = {}
@@ -239,11 +265,29 @@ class TransformersForCausalLM(nn.Module):
         # transformers writes dtype and attention choice into the config; keep the caller's untouched.
         self.hf_config = copy.deepcopy(hf_config)
         self.model_dtype = dtype
-        self.hf_model = _build_hf_model(self.hf_config, dtype)
-        if not self.hf_model.is_backend_compatible():
-            raise _incompatible_error(type(self.hf_model).__name__)
+        hf_model = _build_hf_model(self.hf_config, dtype)
+        if not _backend_compatible(type(hf_model)):
+            raise _incompatible_error(type(hf_model).__name__)
+        self.architecture_name = type(hf_model).__name__
+        self.step_binding = StepBinding()
+        converted = convert_linears(hf_model, self.step_binding)
+        self._transposed = converted.transposed
+        self.packed_modules_mapping = converted.packed_modules_mapping
+        self._step_holder = _StepHolder()
+        for module in hf_model.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                object.__setattr__(module, _HOLDER_ATTR, self._step_holder)
+        # Not a child: its children are, so that module names are the HF model's (and PEFT's).
+        object.__setattr__(self, "hf_model", hf_model)
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
         self._spec = kv_cache_spec_from_config(self.hf_config)
         self._kernels: dict[int, PagedAttention] = {}
+
+    def train(self, mode: bool = True) -> TransformersForCausalLM:
+        super().train(mode)
+        self.hf_model.training = mode
+        return self
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self._spec
@@ -256,15 +300,18 @@ class TransformersForCausalLM(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """input_ids/positions [T] (many sequences, flat) -> hidden [T, H]."""
-        if batch.lora is not None and batch.lora.has_lora:
-            raise ValueError(
-                "LoRA adapters are not supported by the transformers backend (HF layers have no LoRA slots); "
-                "serve adapters on a natively supported architecture."
-            )
         step = _StepContext(kv_caches, batch.attn, self._kernels, self._spec.sliding_window)
-        out = self.hf_model.base_model(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, **{_STEP_KWARG: step}
-        )
+        # What the LoRA layers (and kwargs-less attention calls) read; cleared even if the forward fails.
+        self.step_binding.batch, self._step_holder.step = batch, step
+        try:
+            out = self.hf_model.base_model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                **{_STEP_KWARG: step},
+            )
+        finally:
+            self.step_binding.batch, self._step_holder.step = None, None
         if step.num_calls != len(kv_caches):
             raise ValueError(
                 f"{type(self.hf_model).__name__} ran paged attention {step.num_calls} times for {len(kv_caches)} "
@@ -306,6 +353,8 @@ class TransformersForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} matches nothing in {type(self.hf_model).__name__}."
                 )
             target = targets[target_name]
+            if target_name in self._transposed:  # a Conv1D weight: [in, out] in the checkpoint
+                tensor = tensor.t()
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"shape mismatch for {name}: model {tuple(target.shape)}, checkpoint {tuple(tensor.shape)}."
