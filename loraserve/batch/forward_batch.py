@@ -14,3 +14,12 @@ class ForwardBatch:
 
     attn: AttentionMetadata
     lora: LoRABatchMapping | None = None
+
+
+@dataclass(slots=True)
+class StepBinding:
+    """The step's ForwardBatch for layers whose caller cannot pass it (transformers' modules call
+    `linear(x)`). One per model instance, shared by its layers: the owning model sets `batch` right
+    before its forward and clears it right after, so nothing outlives the step (no process state)."""
+
+    batch: ForwardBatch | None = None

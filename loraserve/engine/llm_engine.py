@@ -53,13 +53,13 @@ class LLMEngine:
         self.lora: LoRAManager | None = None
         if config.lora is not None:
             from loraserve.lora.manager import LoRAManager
+            from loraserve.lora.targets import LoRATargets
 
-            if not getattr(self.model, "is_native", True):
+            if not LoRATargets.from_model(self.model).modules:
                 raise ValueError(
-                    f"LoRA needs a native model implementation; {config.model.architectures} runs on the "
-                    f"transformers backend, which does not support adapters."
+                    f"--enable-lora: {getattr(self.model, 'architecture_name', type(self.model).__name__)} "
+                    "has no module that can take a LoRA adapter (no linear layer but the vocab projection)."
                 )
-
             self.lora = LoRAManager(self.model, config.lora, config.model.dtype, config.device)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)

@@ -87,7 +87,8 @@ def check_supported(by_module: dict[str, ModuleTensors], targets: LoRATargets, n
         leaves = sorted({m.rpartition(".")[2] for m in unsupported})
         raise LoRAAdapterError(
             f"LoRA adapter '{name}' targets modules this model cannot apply LoRA to: {leaves} "
-            f"(e.g. {unsupported[0]}); supported target modules: {targets.supported_leaf_names()}. "
+            f"(e.g. {unsupported[0]}) on {targets.architecture or 'this model'}; supported target modules: "
+            f"{targets.supported_leaf_names()}. "
             "Please verify that the loaded LoRA module is correct (made for this base model)."
         )
 

@@ -3,6 +3,9 @@
 It replaces the `Linear` in place and keeps the same parameters (same names in `state_dict`, still an
 instance of `Linear`); the buffers (`ops/buffers.py`) stay out of the state dict. Which modules are
 wrapped is `targets.py`'s call, which backend computes the LoRA term `ops.add_lora`'s.
+
+A layer whose caller cannot pass the step's ForwardBatch (a transformers module calling `proj(x)`) reads
+it from the `StepBinding` its base layer carries (`step_binding`), which the owning model sets per step.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.forward_batch import ForwardBatch, StepBinding
 from loraserve.config import LoRAConfig
 from loraserve.layers.linear import Linear
 from loraserve.lora import ops
@@ -46,6 +49,8 @@ class LinearWithLoRA(Linear):
         self.kernel_weight = base.kernel_weight
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        # Set (on the base layer) by models whose layers are called without the batch: the HF backend.
+        self.step_binding: StepBinding | None = getattr(base, "step_binding", None)
         self.num_slices = len(self.output_sizes)
         # Not registered as nn buffers: `Module.to` would move them and leave the C kernel's
         # pointers (taken once, in LoRABuffers) dangling. They are allocated where the weight lives.
@@ -124,6 +129,15 @@ class LinearWithLoRA(Linear):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         y = self.base_forward(x)
+        if batch is None and self.step_binding is not None:
+            batch = self.step_binding.batch
+            lora = batch.lora if batch is not None else None
+            if lora is not None and x.numel() != lora.num_tokens * self.in_features:
+                # A module run on some of the step's tokens (an MoE expert): the mapping cannot apply.
+                raise ValueError(
+                    f"a LoRA layer was called on {x.numel() // max(self.in_features, 1)} rows in a step of "
+                    f"{lora.num_tokens} tokens; only layers that see every token of the step take LoRA."
+                )
         if batch is not None and batch.lora is not None:
             ops.add_lora(y, x, self.lora_buffers, batch.lora)
         return y

@@ -34,6 +34,7 @@ class LoRATargets:
     modules: dict[str, Linear]
     sub_modules: dict[str, tuple[str, int]]
     applied: frozenset[str] | None = None
+    architecture: str = ""  # the model's class (the HF one for the transformers backend), for errors
 
     @classmethod
     def from_model(cls, model: nn.Module) -> LoRATargets:
@@ -46,7 +47,8 @@ class LoRATargets:
             if subs and len(subs) == len(module.output_sizes):
                 for i, sub in enumerate(subs):
                     sub_modules[f"{prefix}.{sub}" if prefix else sub] = (name, i)
-        return cls(modules=modules, sub_modules=sub_modules)
+        architecture = str(getattr(model, "architecture_name", type(model).__name__))
+        return cls(modules=modules, sub_modules=sub_modules, architecture=architecture)
 
     def restricted_to(self, module_names: Iterable[str]) -> LoRATargets:
         """These targets with LoRA applied to `module_names` only (the layers actually wrapped)."""

@@ -1,156 +1,38 @@
 """Transformers backend: run any transformers causal LM through loraserve's engine and paged KV cache.
 
-The HF model is built with `attn_implementation="loraserve_paged"`, an attention function registered
-in transformers' `AttentionInterface`. transformers then creates no causal mask for it (masks exist only
-for implementations in `AttentionMaskInterface`) and every attention module hands its rotated q/k/v to
-that function, which writes K/V into our paged cache and attends with `PagedAttention` using the
-step's `AttentionMetadata`. The step context travels as a forward kwarg, which HF models pass down
-unchanged to the attention call; `module.layer_idx` selects the layer's cache.
+The HF model is built with `attn_implementation="loraserve_paged"` (`hf_attention.py`: every attention
+module hands its rotated q/k/v to our paged attention, with the step context this model's `forward`
+passes down).
+
+LoRA: the HF model's linear modules are loraserve `Linear`s (`hf_linears.py`) bound to this model's
+`StepBinding`, which `forward` sets to the step's ForwardBatch around the HF call. The HF model's
+children are registered under their HF names (not under `hf_model.`), so module names are PEFT's.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 
-from loraserve.batch.attention_metadata import AttentionMetadata
-from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.forward_batch import ForwardBatch, StepBinding
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
+from loraserve.models.hf_attention import (
+    ATTN_IMPLEMENTATION,
+    HOLDER_ATTR,
+    STEP_KWARG,
+    StepContext,
+    StepHolder,
+)
+from loraserve.models.hf_linears import convert_linears
 
-ATTN_IMPLEMENTATION = "loraserve_paged"
-_STEP_KWARG = "loraserve_step"
 # Checkpoint buffers that older exports contain but models recompute (rotary tables, causal masks).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-# Attention features that change the math and that PagedAttention does not implement (it does
-# implement logit softcapping, `softcap`, which Gemma-2 passes).
-_UNSUPPORTED_KWARGS = ("s_aux", "sinks")
 _KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention"}
-
-
-@dataclass(slots=True)
-class _StepContext:
-    """What the attention function needs for one forward: caches, step indices, per-layer kernels."""
-
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    attn: AttentionMetadata
-    kernels: dict[int, PagedAttention]
-    sliding_window: int | None
-    num_calls: int = 0
-    num_sliding_calls: int = 0
-    checked_mask: bool = field(default=False)
-
-
-def _check_mask_is_plain(attention_mask: torch.Tensor | None) -> None:
-    """A mask built by the model itself is ignored (ours is equivalent) unless it carries a bias (ALiBi)."""
-    if attention_mask is None or not attention_mask.is_floating_point():
-        return
-    finite = torch.isfinite(attention_mask) & (attention_mask > torch.finfo(attention_mask.dtype).min)
-    if bool((attention_mask[finite] != 0).any()):
-        raise ValueError(
-            "this model adds a positional bias through its attention mask (e.g. ALiBi), which loraserve's "
-            "paged attention does not support; use a natively supported architecture."
-        )
-
-
-def _check_call(
-    attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
-) -> tuple[_StepContext, int | None]:
-    """The step context and the layer's sliding window (None = full); refuses what PagedAttention lacks."""
-    step = kwargs.get(_STEP_KWARG)
-    if not isinstance(step, _StepContext):
-        raise ValueError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} only works inside TransformersForCausalLM.forward."
-        )
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"this model's attention uses {name!r}, which loraserve's paged attention lacks."
-            )
-    # HF passes `sliding_window` only to windowed layers (Mistral: to every layer, None without a window).
-    window = kwargs.get("sliding_window")
-    if window is not None and (window != step.sliding_window or step.attn.sliding_window != window):
-        raise ValueError(
-            f"layer sliding_window={window} but the step's attention metadata was built for "
-            f"sliding_window={step.attn.sliding_window} (model spec: {step.sliding_window})."
-        )
-    if not step.checked_mask:
-        _check_mask_is_plain(attention_mask)
-        step.checked_mask = True
-    return step, window
-
-
-def _kernel(
-    step: _StepContext,
-    layer_idx: int,
-    shape: tuple[int, int, int],
-    scale: float,
-    is_sliding: bool,
-    softcap: float | None,
-) -> PagedAttention:
-    """The layer's PagedAttention (num_heads, num_kv_heads, head_dim), built once and reused across steps."""
-    num_heads, num_kv_heads, head_dim = shape
-    kernel = step.kernels.get(layer_idx)
-    wanted = (num_heads, num_kv_heads, head_dim, scale, is_sliding, softcap)
-    if kernel is None or (
-        kernel.num_heads,
-        kernel.num_kv_heads,
-        kernel.head_dim,
-        kernel.scale,
-        kernel.use_sliding_window,
-        kernel.softcap,
-    ) != wanted:
-        kernel = PagedAttention(
-            num_heads, num_kv_heads, head_dim, scale, use_sliding_window=is_sliding, softcap=softcap
-        )
-        step.kernels[layer_idx] = kernel
-    return kernel
-
-
-def paged_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """HF attention signature: query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
-    step, window = _check_call(attention_mask, kwargs)
-    layer_idx = getattr(module, "layer_idx", None)
-    if not isinstance(layer_idx, int):
-        raise ValueError(f"{type(module).__name__} has no integer layer_idx to select its KV cache.")
-    _, num_heads, num_tokens, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    k_cache, v_cache = step.kv_caches[layer_idx]
-    if tuple(k_cache.shape[1:]) != (num_kv_heads, head_dim) or value.shape[-1] != head_dim:
-        raise ValueError(
-            f"layer {layer_idx}: attention has {num_kv_heads} kv heads of dims k={head_dim} v={value.shape[-1]} "
-            f"but its KV cache is shaped {tuple(k_cache.shape[1:])}."
-        )
-    scale = scaling if scaling is not None else head_dim**-0.5
-    softcap = kwargs.get("softcap")
-    kernel = _kernel(
-        step, layer_idx, (num_heads, num_kv_heads, head_dim), scale, window is not None, softcap or None
-    )
-    q = query[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
-    k = key[0].transpose(0, 1).reshape(num_tokens, num_kv_heads * head_dim)
-    v = value[0].transpose(0, 1).reshape(num_tokens, num_kv_heads * head_dim)
-    out = kernel(q, k, v, (k_cache, v_cache), step.attn)
-    step.num_calls += 1
-    step.num_sliding_calls += int(window is not None)
-    return out.view(1, num_tokens, num_heads, head_dim), None
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 def kv_cache_spec_from_config(hf_config: Any) -> KVCacheSpec:
@@ -170,6 +52,16 @@ def kv_cache_spec_from_config(hf_config: Any) -> KVCacheSpec:
     if layer_types == {"full_attention"} or getattr(text, "use_sliding_window", True) is False:
         sliding_window = None
     return KVCacheSpec(int(text.num_hidden_layers), int(num_kv_heads), int(head_dim), sliding_window or None)
+
+
+# Classes transformers flags `_supports_attention_backend=False` whose every attention layer still calls
+# the AttentionInterface (their modeling code dispatches through ALL_ATTENTION_FUNCTIONS); the per-step
+# count of attention calls in `forward` would catch one that did not.
+_ATTENTION_INTERFACE_ANYWAY = frozenset({"StableLmForCausalLM"})
+
+
+def _backend_compatible(cls: Any) -> bool:
+    return bool(cls.is_backend_compatible()) or cls.__name__ in _ATTENTION_INTERFACE_ANYWAY
 
 
 def _incompatible_error(arch: str) -> ValueError:
@@ -193,7 +85,7 @@ def _build_hf_model(hf_config: Any, dtype: torch.dtype) -> nn.Module:
             return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True, **kwargs)
         if transformers_knows(arch) and hasattr(transformers, arch):
             cls = getattr(transformers, arch)
-            if not cls.is_backend_compatible():
+            if not _backend_compatible(cls):
                 raise _incompatible_error(arch)
             return cls._from_config(hf_config, **kwargs)
     return AutoModelForCausalLM.from_config(hf_config, **kwargs)
@@ -228,7 +120,7 @@ def _checkpoint_renamer(hf_model: Any, targets: dict[str, torch.Tensor]) -> Call
 
 
 class TransformersForCausalLM(nn.Module):
-    """Any transformers causal LM behind loraserve's model interface (no LoRA, no packed layers)."""
+    """Any transformers causal LM behind loraserve's model interface, LoRA on its linear modules."""
 
     is_native = False
     packed_modules_mapping: dict[str, list[str]] = {}
@@ -239,11 +131,29 @@ class TransformersForCausalLM(nn.Module):
         # transformers writes dtype and attention choice into the config; keep the caller's untouched.
         self.hf_config = copy.deepcopy(hf_config)
         self.model_dtype = dtype
-        self.hf_model = _build_hf_model(self.hf_config, dtype)
-        if not self.hf_model.is_backend_compatible():
-            raise _incompatible_error(type(self.hf_model).__name__)
+        hf_model = _build_hf_model(self.hf_config, dtype)
+        if not _backend_compatible(type(hf_model)):
+            raise _incompatible_error(type(hf_model).__name__)
+        self.architecture_name = type(hf_model).__name__
+        self.step_binding = StepBinding()
+        converted = convert_linears(hf_model, self.step_binding)
+        self._transposed = converted.transposed
+        self.packed_modules_mapping = converted.packed_modules_mapping
+        self._step_holder = StepHolder()
+        for module in hf_model.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                object.__setattr__(module, HOLDER_ATTR, self._step_holder)
+        # Not a child: its children are, so that module names are the HF model's (and PEFT's).
+        object.__setattr__(self, "hf_model", hf_model)
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
         self._spec = kv_cache_spec_from_config(self.hf_config)
         self._kernels: dict[int, PagedAttention] = {}
+
+    def train(self, mode: bool = True) -> TransformersForCausalLM:
+        super().train(mode)
+        self.hf_model.training = mode
+        return self
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self._spec
@@ -256,15 +166,18 @@ class TransformersForCausalLM(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """input_ids/positions [T] (many sequences, flat) -> hidden [T, H]."""
-        if batch.lora is not None and batch.lora.has_lora:
-            raise ValueError(
-                "LoRA adapters are not supported by the transformers backend (HF layers have no LoRA slots); "
-                "serve adapters on a natively supported architecture."
+        step = StepContext(kv_caches, batch.attn, self._kernels, self._spec.sliding_window)
+        # What the LoRA layers (and kwargs-less attention calls) read; cleared even if the forward fails.
+        self.step_binding.batch, self._step_holder.step = batch, step
+        try:
+            out = self.hf_model.base_model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                **{STEP_KWARG: step},
             )
-        step = _StepContext(kv_caches, batch.attn, self._kernels, self._spec.sliding_window)
-        out = self.hf_model.base_model(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, **{_STEP_KWARG: step}
-        )
+        finally:
+            self.step_binding.batch, self._step_holder.step = None, None
         if step.num_calls != len(kv_caches):
             raise ValueError(
                 f"{type(self.hf_model).__name__} ran paged attention {step.num_calls} times for {len(kv_caches)} "
@@ -306,6 +219,8 @@ class TransformersForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} matches nothing in {type(self.hf_model).__name__}."
                 )
             target = targets[target_name]
+            if target_name in self._transposed:  # a Conv1D weight: [in, out] in the checkpoint
+                tensor = tensor.t()
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"shape mismatch for {name}: model {tuple(target.shape)}, checkpoint {tuple(tensor.shape)}."

@@ -166,21 +166,24 @@ def test_model_without_attention_backend_support_is_refused() -> None:
         TransformersForCausalLM(config, torch.float32)
 
 
-def test_active_lora_batches_are_refused_and_config_is_not_mutated() -> None:
+def test_lora_mapping_without_wrapped_layers_runs_the_base_model_and_config_is_not_mutated() -> None:
     from loraserve.batch.lora_mapping import LoRABatchMapping
 
     config = _configs()["opt"]
     config.architectures = ["OPTForCausalLM"]
-    model = TransformersForCausalLM(config, torch.float32)
+    model = TransformersForCausalLM(config, torch.float32).eval()  # no dropout
     assert getattr(config, "_attn_implementation", None) != "loraserve_paged"
     spec = model.kv_cache_spec()
     shape = (8, spec.num_kv_heads, spec.head_dim)
     kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
     meta = build_attention_metadata([2], [2], [[0]], BLOCK_SIZE, torch.device("cpu"))
     ids, positions = torch.tensor([3, 4]), torch.tensor([0, 1])
-    # An engine with LoRA enabled but no adapter in this step still runs the base model.
-    no_adapter = LoRABatchMapping.build([-1, -1], "cpu")
     with torch.inference_mode():
-        assert model(ids, positions, kv_caches, ForwardBatch(attn=meta, lora=no_adapter)).shape == (2, 32)
-    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
-        model(ids, positions, kv_caches, ForwardBatch(attn=meta, lora=LoRABatchMapping.build([0, 0], "cpu")))
+        base = model(ids, positions, kv_caches, ForwardBatch(attn=meta))
+        # Layers LoRA never wrapped ignore the mapping; the binding is cleared after the step.
+        mapping = LoRABatchMapping.build([0, 0], "cpu")
+        mapped = model(ids, positions, kv_caches, ForwardBatch(attn=meta, lora=mapping))
+    torch.testing.assert_close(mapped, base, rtol=0, atol=0)
+    assert model.step_binding.batch is None
+    # Module names are the HF model's own (PEFT's), not nested under the wrapper.
+    assert "model.decoder.layers.0.self_attn.q_proj" in dict(model.named_modules())
