@@ -23,7 +23,7 @@ import transformers
 from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter, save_random_model
 from loraserve.errors import LoRAAdapterError
-from loraserve.lora.ops import cpu_ops
+from loraserve.lora.ops import lora_cpu
 from loraserve.lora.request import LoRARequest
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -228,7 +228,7 @@ def _serve_and_check(
             assert (base - theirs).abs().max().item() > 2 * tol, f"adapter {name} barely changes the output"
 
 
-@pytest.mark.parametrize("cpu_kernel", ["1", "0"], ids=["c_kernel", "torch_ops"])
+@pytest.mark.parametrize("cpu_kernel", ["1", "0"], ids=["c_kernel", "lora_torch"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     "arch", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "cohere", "stablelm", "gpt_neox"]
@@ -238,12 +238,12 @@ def test_mixed_batch_matches_peft(
 ) -> None:
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
     kernel_calls: list[torch.dtype] = []
-    run = cpu_ops.run
-    monkeypatch.setattr(cpu_ops, "run", lambda *args: kernel_calls.append(args[0].dtype) or run(*args))
+    run = lora_cpu.run
+    monkeypatch.setattr(lora_cpu, "run", lambda *args: kernel_calls.append(args[0].dtype) or run(*args))
     path, adapters = built(arch)
     _serve_and_check(path, adapters, dtype)
     # The C kernel really ran where it was on (it serves float32 and bf16 CPU tensors), and only there.
-    assert bool(kernel_calls) == (cpu_kernel == "1" and cpu_ops.kernel_available())
+    assert bool(kernel_calls) == (cpu_kernel == "1" and lora_cpu.kernel_available())
 
 
 def _split_to_fused(folder: str, out: str, parts: dict[str, list[str]], sizes: dict[str, list[int]]) -> None:
