@@ -163,10 +163,6 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
-    def is_top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
-    @property
     def output_text_buffer_length(self) -> int:
         """Characters a streamed response must hold back because they may start a stop string."""
         if not self.stop or self.include_stop_str_in_output:

@@ -163,10 +163,3 @@ class BlockManager:
         if not evictable <= self.hash_of.keys():
             return "an evictable block is not in the prefix cache"
         return None
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no sequence uses (e.g. after an adapter is replaced)."""
-        for block in list(self.evictable):
-            del self.cached[self.hash_of.pop(block)]
-            self.free_ids.append(block)
-        self.evictable.clear()
