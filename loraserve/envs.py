@@ -177,8 +177,14 @@ def cpu_argmax_kernel() -> bool:
 
 def cpu_gemm_kernel() -> bool:
     """Run CPU linear layers through the C kernel where it serves their dtype (default on; "0" keeps
-    oneDNN's packed linear)."""
+    oneDNN's packed linear). Unset, bf16 on CPUs with AMX keeps oneDNN too (`gemm_cpu.prefers_onednn`)."""
     return _switch("CPU_GEMM_KERNEL")
+
+
+def cpu_gemm_kernel_forced() -> bool:
+    """LORASERVE_CPU_GEMM_KERNEL set to "1" or "true": the C linear kernel wherever it serves the dtype,
+    bf16 on AMX CPUs included."""
+    return _is_true(get_env("CPU_GEMM_KERNEL"))
 
 
 def cpu_attention_kernel() -> bool:

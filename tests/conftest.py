@@ -17,6 +17,9 @@ pytest_plugins = ["support.fake_server_fixtures"]
 
 # The suite is hermetic: nothing may reach the Hugging Face Hub (PEFT, for one, looks base models up).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite runs the C linear kernel wherever it serves the dtype, also on AMX CPUs, whose bf16 default is
+# oneDNN (gemm_cpu.prefers_onednn; tests/layers/test_linear_packing.py tests that choice itself).
+os.environ.setdefault("LORASERVE_CPU_GEMM_KERNEL", "1")
 
 
 def _rss_mb() -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from loraserve import envs
-from loraserve.native.build import load_library
+from loraserve.native.build import cpu_flags, load_library
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -125,6 +125,13 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     else:  # [blocks, cols, in] -> [blocks, in, cols]
         data = blocks.permute(0, 2, 1)
     return PackedWeight(data.contiguous(), out_features, in_features)
+
+
+def prefers_onednn(dtype: torch.dtype) -> bool:
+    """Whether this CPU's bf16 linears should stay with oneDNN: with AMX, oneDNN runs them on the tile
+    units, which the kernel's vdpbf16ps does not approach (benchmarks/README.md, "AMX"). Only when
+    LORASERVE_CPU_GEMM_KERNEL is unset; "1" keeps the kernel (the tests pin it), "0" keeps oneDNN."""
+    return dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() and not envs.cpu_gemm_kernel_forced()
 
 
 def serves(weight: PackedWeight | None, dtype: torch.dtype) -> bool:

@@ -107,7 +107,8 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
 
 def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
     """Reorder every `Linear` weight of a CPU model into the C kernel's layout where it serves the
-    dtype, else oneDNN's; returns how many were packed.
+    dtype and oneDNN is not preferred (bf16 on AMX CPUs: `gemm_cpu.prefers_onednn`), else oneDNN's;
+    returns how many were packed.
 
     Dense weights whose storage nothing else uses are released. Dtypes neither can pack on this CPU
     (bf16 without AVX-512) keep the plain `F.linear` path.
@@ -118,7 +119,8 @@ def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
     for module in model.modules():
         if not isinstance(module, Linear) or module.weight.device.type != "cpu" or module.weight.numel() == 0:
             continue
-        module.kernel_weight = gemm_cpu.pack(module.weight.detach())
+        dtype = module.weight.dtype
+        module.kernel_weight = None if gemm_cpu.prefers_onednn(dtype) else gemm_cpu.pack(module.weight.detach())
         if module.kernel_weight is not None:
             kernel_weights.append(module.kernel_weight)
         elif not _pack_onednn(module):

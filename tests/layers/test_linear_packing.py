@@ -57,3 +57,28 @@ def test_packed_linear_matches_dense(num_rows: int) -> None:
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
     x3 = torch.randn(2, num_rows, 96)  # leading dims other than tokens keep their shape
     torch.testing.assert_close(layer(x3), F.linear(x3, weight, bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("flags", [{"avx512f", "avx512_bf16", "amx_bf16"}, {"avx512f", "avx512_bf16"}])
+@pytest.mark.parametrize("setting", [None, "1", "0"])
+def test_bf16_on_amx_keeps_onednn_unless_the_kernel_is_asked_for(
+    flags: set[str], setting: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loraserve.layers import gemm_cpu
+
+    if setting is None:
+        monkeypatch.delenv("LORASERVE_CPU_GEMM_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("LORASERVE_CPU_GEMM_KERNEL", setting)
+    monkeypatch.setattr(gemm_cpu, "cpu_flags", lambda: frozenset(flags))
+    amx_default = setting != "1" and "amx_bf16" in flags  # unset (or "0", which means oneDNN anyway)
+    assert gemm_cpu.prefers_onednn(torch.bfloat16) == amx_default
+    assert not gemm_cpu.prefers_onednn(torch.float32)  # AMX has no float32 tiles: the kernel keeps those
+    layer = Linear(64, 96, dtype=torch.bfloat16)
+    layer.weight.data.normal_()
+    dense = layer.weight.detach().clone()
+    pack_cpu_linears(nn.ModuleList([layer]))
+    if amx_default:
+        assert layer.kernel_weight is None  # oneDNN's packed linear (or F.linear) serves it
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer.base_forward(x), F.linear(x, dense), atol=0.05, rtol=0.02)
