@@ -30,6 +30,7 @@ from loraserve.layers.linear import Linear
 from loraserve.layers.norm import OffsetRMSNorm
 from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.models.base import NativeCausalLM
+from loraserve.models.llama import packed_qkv_attention
 
 # transformers' names for the activations Gemma checkpoints use (`ACT2FN`): the tanh approximation
 # under every name that means it.
@@ -148,19 +149,7 @@ class GemmaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, batch)
-        if self.q_norm is None or self.k_norm is None:
-            self.rotary.apply_(positions, qkv, self.num_heads + self.num_kv_heads)  # q and k lead the row
-            q, k, v = qkv.split(self.split_sizes, dim=-1)
-        else:
-            q, k, v = qkv.split(self.split_sizes, dim=-1)
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
-            self.rotary.apply_(positions, q, self.num_heads)
-            self.rotary.apply_(positions, k, self.num_kv_heads)
-        out = self.attn(q, k, v, kv_cache, batch.attn)
-        return self.o_proj(out, batch)
+        return packed_qkv_attention(self, positions, x, kv_cache, batch)
 
 
 class GemmaMLP(nn.Module):

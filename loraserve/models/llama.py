@@ -92,6 +92,28 @@ class LlamaArgs:
         )
 
 
+def packed_qkv_attention(
+    layer: Any, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    batch: ForwardBatch,
+) -> torch.Tensor:
+    """One attention layer over a packed qkv projection: rope on q and k (after per-head q/k norms where
+    the layer has them), paged attention, the output projection. `layer` holds qkv_proj, q_norm, k_norm,
+    rotary, num_heads, num_kv_heads, head_dim, split_sizes, attn and o_proj (Llama's and Gemma's do)."""
+    num_tokens = x.shape[0]
+    qkv = layer.qkv_proj(x, batch)
+    if layer.q_norm is None or layer.k_norm is None:
+        layer.rotary.apply_(positions, qkv, layer.num_heads + layer.num_kv_heads)  # q and k lead the row
+        q, k, v = qkv.split(layer.split_sizes, dim=-1)
+    else:
+        q, k, v = qkv.split(layer.split_sizes, dim=-1)
+        q = layer.q_norm(q.reshape(num_tokens, layer.num_heads, layer.head_dim)).view(num_tokens, -1)
+        k = layer.k_norm(k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)).view(num_tokens, -1)
+        layer.rotary.apply_(positions, q, layer.num_heads)
+        layer.rotary.apply_(positions, k, layer.num_kv_heads)
+    out = layer.attn(q, k, v, kv_cache, batch.attn)
+    return layer.o_proj(out, batch)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, args: LlamaArgs, rotary: RotaryEmbedding, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -118,19 +140,7 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, batch)
-        if self.q_norm is None or self.k_norm is None:
-            self.rotary.apply_(positions, qkv, self.num_heads + self.num_kv_heads)  # q and k lead the row
-            q, k, v = qkv.split(self.split_sizes, dim=-1)
-        else:
-            q, k, v = qkv.split(self.split_sizes, dim=-1)
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
-            self.rotary.apply_(positions, q, self.num_heads)
-            self.rotary.apply_(positions, k, self.num_kv_heads)
-        out = self.attn(q, k, v, kv_cache, batch.attn)
-        return self.o_proj(out, batch)
+        return packed_qkv_attention(self, positions, x, kv_cache, batch)
 
 
 class LlamaMLP(nn.Module):
