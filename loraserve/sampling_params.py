@@ -5,9 +5,20 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.sampling_tokens import (
+    BadWordsTable,
+    SamplingParamsError,
+    bad_words_table,
+    check_bad_words,
+    check_bad_words_token_ids,
+    check_token_ids,
+    normalize_allowed_token_ids,
+    normalize_logit_bias,
+    tokenize_bad_words,
+)
 from loraserve.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (argmax) decoding, as vLLM does.
@@ -52,6 +63,15 @@ class SamplingParams:
     # A constraint the output must match (JSON schema, regex, choice, grammar, structural tag); a
     # dict of StructuredOutputsParams' fields is accepted too.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's token controls (sampling_tokens.py): a bias added to chosen tokens' logits (token id ->
+    # bias), the only tokens that may be sampled, and words the output may never contain. bad_words
+    # are tokenized by the engine (or the serving layer) into bad_words_token_ids, which may also be
+    # given directly (token-id sequences, no tokenizer needed).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    _bad_words_table: BadWordsTable | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -72,6 +92,7 @@ class SamplingParams:
         self._verify_sampling()
         self._verify_lengths()
         self._verify_stops()
+        self._verify_token_controls()
         if self.temperature < SAMPLING_EPS:
             # Greedy decoding ignores these; resetting them keeps the sampler's fast paths simple.
             self.top_p = 1.0
@@ -144,6 +165,50 @@ class SamplingParams:
             raise ValueError(
                 "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
             )
+
+    def _verify_token_controls(self) -> None:
+        self.logit_bias = normalize_logit_bias(self.logit_bias)
+        self.allowed_token_ids = normalize_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = check_bad_words(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = check_bad_words_token_ids(self.bad_words_token_ids)
+            self._bad_words_table = bad_words_table(self.bad_words_token_ids)
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` as vLLM does (each word, and after a space); a no-op once tokenized."""
+        if self.bad_words and self.bad_words_token_ids is None:
+            self.bad_words_token_ids = tokenize_bad_words(self.bad_words, tokenizer)
+            self._bad_words_table = bad_words_table(self.bad_words_token_ids)
+
+    def verify_token_ids(self, vocab_size: int, tokenizer_size: int | None = None) -> None:
+        """vLLM's checks, with its texts, of the token ids this request names against the model's
+        vocabulary (allowed_token_ids also against the tokenizer's): SamplingParamsError."""
+        check_token_ids(
+            self.logit_bias, self.allowed_token_ids, self.bad_words_token_ids, vocab_size, tokenizer_size
+        )
+        if self.bad_words and self.bad_words_token_ids is None:
+            raise SamplingParamsError(
+                "bad_words need a tokenizer, and this engine was started with skip_tokenizer_init; use "
+                "bad_words_token_ids, allowed_token_ids or logit_bias.",
+                "bad_words",
+            )
+
+    @property
+    def has_token_controls(self) -> bool:
+        """Whether the sampler edits this request's logits for logit_bias, allowed_token_ids or bad words."""
+        return (
+            bool(self.logit_bias) or self.allowed_token_ids is not None or self._bad_words_table is not None
+        )
+
+    @property
+    def bad_words_table(self) -> BadWordsTable | None:
+        """The banned last tokens by the output suffix that precedes them (None without bad words)."""
+        return self._bad_words_table
+
+    @property
+    def bad_words_prefix_len(self) -> int:
+        """How many of the latest output tokens the bad words' check reads."""
+        return max(self._bad_words_table) if self._bad_words_table else 0
 
     @property
     def sampling_type(self) -> SamplingType:

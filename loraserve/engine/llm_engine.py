@@ -196,6 +196,10 @@ class LLMEngine:
                 "stop strings need a tokenizer, and this engine was started with skip_tokenizer_init; use "
                 "stop_token_ids."
             )
+        # vLLM tokenizes bad_words in its engine too (the serving layer does it first, on its pool).
+        if self.tokenizer is not None:
+            params.update_from_tokenizer(self.tokenizer)
+        params.verify_token_ids(vocab_size, None if self.tokenizer is None else len(self.tokenizer))
 
     def _new_sequence(self, request: Request, index: int, grammar: Any = None) -> Sequence:
         from loraserve.engine.detokenizer import IncrementalDetokenizer

@@ -171,11 +171,17 @@ class ModelRunner:
         return self.sampler(result.logits, [self._sampling_row(seq) for seq in result.sample_seqs])
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        """Token history is copied only for rows whose penalties or min_tokens read it: the copies
-        grow with the context, and most requests use neither."""
+        """Token history is copied only for rows whose penalties or min_tokens read it (bad words:
+        only the latest tokens they compare): the copies grow with the context, and most requests
+        use none of them."""
         params = seq.params
         prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
-        output_ids = seq.output_token_ids if params.has_penalties or params.min_tokens > 0 else []
+        output_ids: list[int] = []
+        if params.has_penalties or params.min_tokens > 0:
+            output_ids = seq.output_token_ids
+        elif params.bad_words_prefix_len > 0:
+            start = max(seq.num_prompt_tokens, len(seq.token_ids) - params.bad_words_prefix_len)
+            output_ids = seq.token_ids[start:]
         return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_token_id)
 
     def _select_logits(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> StepResult:

@@ -1,4 +1,5 @@
-"""Turns one step's logits into next tokens: min_tokens, penalties, temperature, top-k/top-p/min-p, logprobs.
+"""Turns one step's logits into next tokens: token controls, min_tokens, penalties, temperature,
+top-k/top-p/min-p, logprobs.
 
 Every stage is vectorised over the rows that need it; the only per-row Python is building index lists
 and drawing noise from a seeded row's own generator. Sampling is the exponential race
@@ -14,6 +15,7 @@ from itertools import chain
 import torch
 
 from loraserve.engine.argmax import argmax_rows
+from loraserve.engine.token_controls import apply_token_controls
 from loraserve.outputs import Logprob
 from loraserve.sampling_params import SamplingParams
 
@@ -37,7 +39,8 @@ class SamplingRow:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    # raw (un-penalised, un-tempered) logprob of each sampled token; None where params.logprobs is None
+    # raw (un-penalised, un-biased, un-tempered: vLLM's default logprobs mode) logprob of each sampled
+    # token; None where params.logprobs is None
     logprobs: list[float | None]
     top_logprobs: list[dict[int, Logprob] | None]  # None for rows whose params.logprobs is None
 
@@ -68,8 +71,11 @@ class Sampler:
         every = index is not None and len(logprob_rows) == len(rows)
         raw_logprobs = torch.log_softmax(raw if every else raw[index], dim=-1) if index is not None else None
         if edits:
-            # One copy: penalties and masks below work in place, the caller's tensor stays intact.
-            logits = raw.clone()
+            # Penalties and masks below work in place; the caller's tensor stays intact (one copy
+            # when the float32 conversion did not already make one). vLLM's order: allowed tokens,
+            # bad words, min_tokens and logit_bias, then the penalties; logprobs are taken before.
+            logits = raw.clone() if raw is logits else raw
+            apply_token_controls(logits, rows)
             apply_min_tokens(logits, rows)
             apply_penalties(logits, rows)
         else:
@@ -92,7 +98,7 @@ class Sampler:
 def _needs_logit_edits(row: SamplingRow) -> bool:
     params = row.params
     masks_stops = params.min_tokens > len(row.output_token_ids)
-    return masks_stops or params.has_penalties
+    return masks_stops or params.has_penalties or params.has_token_controls
 
 
 def compute_prompt_logprobs(

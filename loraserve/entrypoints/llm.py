@@ -48,20 +48,23 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. `priority` (vLLM's: one
+        per prompt, lower first) needs scheduling_policy="priority" unless every value is 0."""
         prompt_list = _as_list(prompts)
         params_list = _aligned(sampling_params, len(prompt_list), "sampling_params") or [
             self.get_default_sampling_params()
         ] * len(prompt_list)
         lora_list = _aligned(lora_request, len(prompt_list), "lora_request") or [None] * len(prompt_list)
+        priorities = _priorities(priority, len(prompt_list))
         for lora in {id(r): r for r in lora_list if r is not None}.values():
             self.engine.add_lora(lora)  # validate every adapter before queueing anything
         ids: list[str] = []
         try:
-            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
+            for prompt, params, lora, level in zip(prompt_list, params_list, lora_list, priorities):
                 request_id = str(next(self._request_counter))
-                self.engine.add_request(request_id, prompt, params, lora)
+                self.engine.add_request(request_id, prompt, params, lora, priority=level)
                 ids.append(request_id)
         except Exception:
             self.engine.abort_request(ids)
@@ -135,6 +138,18 @@ def _as_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single list of token ids
     return items
+
+
+def _priorities(priority: Seq[int] | None, count: int) -> list[int]:
+    if priority is None:
+        return [0] * count
+    if isinstance(priority, (str, bytes)) or not isinstance(priority, Seq):
+        raise TypeError(f"priority must be a list of integers, one per prompt, got {priority!r}.")
+    if len(priority) != count:  # vLLM's text
+        raise ValueError(f"The lengths of prompts ({count}) and priority ({len(priority)}) must be the same.")
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in priority):
+        raise TypeError(f"priority must be a list of integers, one per prompt, got {list(priority)!r}.")
+    return list(priority)
 
 
 def _aligned(value: Any, count: int, name: str) -> list[Any] | None:

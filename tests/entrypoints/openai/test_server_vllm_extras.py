@@ -18,8 +18,6 @@ ASKING: dict[str, Any] = {
     "length_penalty": 0.5,
     "early_stopping": True,
     "best_of": 3,
-    "allowed_token_ids": [7, 8],
-    "bad_words": ["no"],
     "logits_processors": ["my.module:Processor"],
     "kv_transfer_params": {"do_remote_prefill": True},
     "vllm_xargs": {"k": 1},

@@ -111,7 +111,9 @@ def api_error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, LoRAAdapterChangedError):
         return APIError(str(exc), HTTPStatus.CONFLICT, param="model")
     if isinstance(exc, (LoRAAdapterError, ValueError)):
-        return APIError(str(exc), HTTPStatus.BAD_REQUEST, param=_param_from_message(str(exc)))
+        # SamplingParamsError names its field (vLLM's VLLMValidationError `parameter`).
+        param = getattr(exc, "parameter", None) or _param_from_message(str(exc))
+        return APIError(str(exc), HTTPStatus.BAD_REQUEST, param=param)
     if isinstance(exc, EngineDeadError):
         return APIError(f"The engine is dead: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR)
     logger.error("Internal error while serving a request", exc_info=exc)

@@ -19,6 +19,9 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+# Each bad word is tokenized twice per request (on the tokenizer pool); a step then looks up one
+# suffix per distinct bad-word length, whatever their number.
+MAX_BAD_WORDS = 1024
 
 
 def random_id(prefix: str) -> str:
@@ -72,7 +75,10 @@ class SamplingRequest(OpenAIBaseModel):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, StrictFloat] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None  # token id -> bias, clamped to [-100, 100]
+    # vLLM's token controls: the only tokens that may be sampled, words never to generate.
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM extensions (the openai client sends them through `extra_body`).
     top_k: StrictInt | None = None
     min_p: StrictFloat | None = None

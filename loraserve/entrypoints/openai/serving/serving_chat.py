@@ -97,7 +97,8 @@ class OpenAIServingChat(OpenAIServing):
         num_top = None
         if request.logprobs:  # -1: the whole vocabulary (then --max-logprobs applies, vLLM's text)
             num_top = logprob_count(request.top_logprobs or 0, self.engine.model_config.vocab_size)
-        params = self.sampling_params(request, max_tokens, num_top, request.prompt_logprobs)
+        bad_words = await self.bad_words_token_ids(request)
+        params = self.sampling_params(request, max_tokens, num_top, request.prompt_logprobs, bad_words)
         request_id = response_id("chatcmpl", request)
         prompt = EnginePrompt(
             engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt

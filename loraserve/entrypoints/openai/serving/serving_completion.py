@@ -78,12 +78,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if prompt_logprobs is None and request.echo:  # vLLM: echo's prompt gets the requested logprobs
             prompt_logprobs = request.logprobs
         prompts = []
+        bad_words = await self.bad_words_token_ids(request)
         for i, prompt_ids in enumerate(await self._prompt_ids(request)):
             prompt_ids = truncate_prompt(prompt_ids, request, self.max_model_len)
             echo_only = bool(request.echo) and request.max_tokens == 0
             requested = 1 if echo_only else request.max_tokens
             max_tokens = self.max_tokens_for(len(prompt_ids), requested, "prompt")
-            params = self.sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
+            params = self.sampling_params(request, max_tokens, request.logprobs, prompt_logprobs, bad_words)
             prompts.append(
                 EnginePrompt(f"{engine_id}-{i}", prompt_ids, params, request.priority, request.cache_salt)
             )

@@ -37,6 +37,7 @@ from loraserve.errors import EngineDeadError
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import Logprob, RequestOutput
 from loraserve.sampling_params import SamplingParams
+from loraserve.sampling_tokens import check_bad_words, tokenize_bad_words
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,10 +110,6 @@ class OpenAIServing:
         return name, lora_request
 
     def check_request(self, request: SamplingRequest) -> None:
-        if request.logit_bias:
-            raise APIError(
-                "logit_bias is not supported by this server.", HTTPStatus.BAD_REQUEST, "logit_bias"
-            )
         check_vllm_fields(request)
         policy = getattr(self.engine.scheduler_config, "scheduling_policy", "fcfs")
         if request.priority != 0 and policy != "priority":  # vLLM's text
@@ -195,15 +192,25 @@ class OpenAIServing:
             )
         return requested
 
+    async def bad_words_token_ids(self, request: SamplingRequest) -> list[list[int]] | None:
+        """The request's bad_words as vLLM tokenizes them, once per request, on the tokenizer pool (None
+        without a tokenizer: the engine's check then names the field)."""
+        words = check_bad_words(request.bad_words)
+        if not words or self.tokenizer is None:
+            return None
+        return await self.in_tokenizer_thread(tokenize_bad_words, words, self.tokenizer)
+
     def sampling_params(
         self,
         request: SamplingRequest,
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> SamplingParams:
         """SamplingParams from the request (unset fields: the generation config's defaults, else vLLM's);
-        its ValueErrors (which name the field) become 400s."""
+        its ValueErrors (which name the field) become 400s. `bad_words_token_ids`: from
+        `bad_words_token_ids(request)`."""
         default = self.engine.model_config.sampling_defaults
         values: dict[str, Any] = dict(
             n=request.n,
@@ -230,10 +237,17 @@ class OpenAIServing:
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             structured_outputs=structured_outputs_of(request),
+            logit_bias=clamped_logit_bias(request.logit_bias),
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words or None,
+            bad_words_token_ids=bad_words_token_ids,
         )
         if request.stop_token_ids:
             self.check_token_ids(request.stop_token_ids, "stop_token_ids")
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
+        tokenizer_size = None if self.tokenizer is None else len(self.tokenizer)
+        params.verify_token_ids(self.engine.model_config.vocab_size, tokenizer_size)  # before queueing
+        return params
 
     def check_request_size(self, prompts: list[EnginePrompt]) -> None:
         """400 when the whole request (every prompt x n) exceeds what the engine ever queues at once."""
@@ -352,6 +366,13 @@ class OpenAIServing:
         task = asyncio.get_running_loop().create_task(abort_all())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def clamped_logit_bias(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+    """OpenAI's range for a bias, as vLLM applies it to API requests (the keys become ids later)."""
+    if logit_bias is None:
+        return None
+    return {token: min(100.0, max(-100.0, bias)) for token, bias in logit_bias.items()}
 
 
 def _give_back(

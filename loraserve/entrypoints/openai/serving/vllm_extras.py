@@ -2,13 +2,14 @@
 
 The OpenAI-style models accept unknown fields (clients send new OpenAI fields all the time, and those
 are logged and ignored). vLLM's own extras are another matter: a client that sends
-`use_beam_search: true` or `bad_words` expects a different result, so such a request gets a 400 that
+`use_beam_search: true` or `logits_processors` expects a different result, so such a request gets a 400 that
 names the field. Each entry lists the values that mean "off" (vLLM's defaults), which are accepted.
 Fields loraserve honours (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
 return_tokens_as_token_ids, chat_template, chat_template_kwargs, add_generation_prompt, echo,
 prompt_logprobs, truncate_prompt_tokens, continue_final_message, documents, request_id,
-return_token_ids, response_format, structured_outputs and the guided_* fields; priority and cache_salt are checked by the serving layer) are declared in
+return_token_ids, response_format, structured_outputs and the guided_* fields, logit_bias,
+allowed_token_ids and bad_words; priority and cache_salt are checked by the serving layer) are declared in
 `protocol.py` and never reach this table.
 """
 
@@ -35,8 +36,6 @@ EXTRAS: dict[str, Extra] = {
     "length_penalty": Extra("it only applies to beam search, which is not implemented", (*_OFF, 1.0, 1)),
     "early_stopping": Extra("it only applies to beam search, which is not implemented"),
     "best_of": Extra("best-of-n selection is not implemented; use n", (None, 1)),
-    "allowed_token_ids": Extra("restricting the vocabulary is not implemented"),
-    "bad_words": Extra("banning words is not implemented"),
     "logits_processors": Extra("custom logits processors are not supported"),
     "kv_transfer_params": Extra("KV transfer between instances is not implemented"),
     "vllm_xargs": Extra("no extra arguments are read"),
