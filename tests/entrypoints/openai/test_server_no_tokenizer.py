@@ -48,6 +48,11 @@ def test_token_ids_in_and_out_without_a_tokenizer(gemma2: tuple[str, Any]) -> No
             "/v1/chat/completions", json={"model": "gemma", "messages": [{"role": "user", "content": "hi"}]}
         )
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+        bad = server.http.post("/v1/completions", json={**body, "bad_words": ["hello"]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words"
+        assert bad.json()["error"]["message"].startswith("bad_words need a tokenizer")
+        allowed = server.http.post("/v1/completions", json={**body, "allowed_token_ids": [int(expected[1])]})
+        assert allowed.json()["choices"][0]["logprobs"]["tokens"] == [f"token_id:{int(expected[1])}"] * 4
 
 
 def test_unset_fields_take_the_generation_config_defaults(tokenizer: Any) -> None:
