@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -61,10 +62,10 @@ class Sampler:
                 f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}."
             )
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if not logprob_rows and all(row.params.is_greedy for row in rows):
+            return _greedy(logits, rows)
         edits = any(_needs_logit_edits(row) for row in rows)
-        # Greedy rows alone need no float32 copy: argmax_rows reads bf16 logits as they are.
-        plain_greedy = not logprob_rows and not edits and all(row.params.is_greedy for row in rows)
-        raw = logits if plain_greedy else logits.float()
+        raw = logits.float()
         # Only the rows that asked for logprobs pay for a log_softmax over the vocabulary (the
         # sampled token's logprob feeds nothing else); taken before sampling edits `raw` in place.
         index = torch.tensor(logprob_rows, dtype=torch.long, device=logits.device) if logprob_rows else None
@@ -93,6 +94,24 @@ class Sampler:
         return SamplerOutput(
             token_ids=sampled.tolist(), logprobs=sampled_logprobs, top_logprobs=top_logprobs
         )
+
+
+def _greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """Greedy rows without logprobs: argmax_rows reads bf16 logits as they are, and only the rows
+    whose logits are edited (token controls, min_tokens, penalties) get a float32 copy, edited in
+    vLLM's order and argmaxed again."""
+    sampled = argmax_rows(logits)
+    edited = [i for i, row in enumerate(rows) if _needs_logit_edits(row)]
+    if edited:
+        index = torch.tensor(edited, device=logits.device)
+        sub_rows = [rows[i] for i in edited]
+        sub = logits[index].float()  # a copy even for float32: the caller's tensor stays intact
+        apply_token_controls(sub, sub_rows)
+        apply_min_tokens(sub, sub_rows)
+        apply_penalties(sub, sub_rows)
+        sampled[index] = argmax_rows(sub)
+    none: list[Any] = [None] * len(rows)
+    return SamplerOutput(token_ids=sampled.tolist(), logprobs=none, top_logprobs=list(none))
 
 
 def _needs_logit_edits(row: SamplingRow) -> bool:

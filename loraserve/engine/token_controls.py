@@ -2,9 +2,9 @@
 
 Applied as vLLM's sampler does, after the float32 copy and before min_tokens, the penalties and the
 temperature: the allowed list first (everything else -inf), then bad words (-inf) and biases (added).
-Rows without them are never read or written; the allowed lists are one masked_fill over the rows
-that have one, and the bad words and biases of the whole batch are one `index_put_(accumulate=True)`
-(a bad word adds -inf; biases are finite, so the order within it does not matter).
+Rows without them are never read or written: the allowed lists keep their logits, fill their rows
+with -inf (`index_fill_`) and put them back, and the bad words and biases of the whole batch are one
+`index_put_(accumulate=True)` (a bad word adds -inf; biases are finite, so their order is moot).
 """
 
 from __future__ import annotations
@@ -32,23 +32,22 @@ def apply_token_controls(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> N
 
 
 def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Keep the allowed logits, fill their rows with -inf, put them back: a row fill is cheaper than
+    a vocabulary-sized mask, and rows without a list are not touched."""
     selected = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
     if not selected:
         return
     row_index: list[int] = []
     token_index: list[int] = []
-    for j, i in enumerate(selected):
+    for i in selected:
         allowed = rows[i].params.allowed_token_ids or []
-        row_index.extend([j] * len(allowed))
+        row_index.extend([i] * len(allowed))
         token_index.extend(allowed)
     device = logits.device
-    disallowed = torch.ones(len(selected), logits.shape[1], dtype=torch.bool, device=device)
-    disallowed[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = False
-    if len(selected) == len(rows):
-        logits.masked_fill_(disallowed, float("-inf"))
-        return
-    index = torch.tensor(selected, device=device)
-    logits[index] = logits[index].masked_fill_(disallowed, float("-inf"))
+    index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+    kept = logits[index]
+    logits.index_fill_(0, torch.tensor(selected, device=device), float("-inf"))
+    logits[index] = kept
 
 
 def _apply_bad_words_and_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

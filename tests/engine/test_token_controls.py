@@ -83,9 +83,12 @@ def random_controls(rng: random.Random, output: list[int], logits: torch.Tensor)
     return kwargs
 
 
+@pytest.mark.parametrize("sampled_share", [0.0, 0.5])  # 0: the greedy path, edited rows alone in float32
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
-def test_mixed_batch_matches_the_oracle_row_by_row(dtype: torch.dtype, seed: int) -> None:
+def test_mixed_batch_matches_the_oracle_row_by_row(
+    dtype: torch.dtype, seed: int, sampled_share: float
+) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     logits = (torch.randn(24, VOCAB) * 4).to(dtype)
@@ -98,7 +101,7 @@ def test_mixed_batch_matches_the_oracle_row_by_row(dtype: torch.dtype, seed: int
             kwargs.update(repetition_penalty=1.7)
         if rng.random() < 0.3:
             kwargs.update(min_tokens=4)
-        sampled = rng.random() < 0.5
+        sampled = rng.random() < sampled_share
         params_list.append(
             SamplingParams(temperature=0.8 if sampled else 0.0, seed=100 + i, max_tokens=16, **kwargs)
         )
