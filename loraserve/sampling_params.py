@@ -72,6 +72,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     _bad_words_table: BadWordsTable | None = field(default=None, init=False, repr=False, compare=False)
+    # The sampler's tensors of these ids, built on first use (engine/token_controls.py).
+    sampler_cache: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):

@@ -10,6 +10,7 @@ with -inf (`index_fill_`) and put them back, and the bad words and biases of the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -25,10 +26,40 @@ class SamplingRow(Protocol):
     output_token_ids: list[int]
 
 
+@dataclass(slots=True)
+class ControlTensors:
+    """One request's ids and biases as tensors, built on its first step and kept on its params
+    (`SamplingParams.sampler_cache`): a long allowed list or bias map costs no per-step Python."""
+
+    device: torch.device
+    allowed: torch.Tensor | None  # [k] the allowed token ids
+    bias_ids: torch.Tensor | None  # [m] the biased token ids
+    bias_values: torch.Tensor | None  # [m] float32
+
+
+def control_tensors(params: SamplingParams, device: torch.device) -> ControlTensors:
+    cached = params.sampler_cache
+    if isinstance(cached, ControlTensors) and cached.device == device:
+        return cached
+    bias = params.logit_bias
+    built = ControlTensors(
+        device,
+        None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids, device=device),
+        torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None,
+        torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None,
+    )
+    params.sampler_cache = built
+    return built
+
+
 def apply_token_controls(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """Edit `logits` [len(rows), vocab] (float32) in place for the rows whose params ask for it."""
     _apply_allowed_token_ids(logits, rows)
     _apply_bad_words_and_bias(logits, rows)
+
+
+def _row_ids(i: int, ids: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(ids, i)
 
 
 def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -37,40 +68,46 @@ def _apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) 
     selected = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
     if not selected:
         return
-    row_index: list[int] = []
-    token_index: list[int] = []
-    for i in selected:
-        allowed = rows[i].params.allowed_token_ids or []
-        row_index.extend([i] * len(allowed))
-        token_index.extend(allowed)
     device = logits.device
-    index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+    allowed = [control_tensors(rows[i].params, device).allowed for i in selected]
+    tokens = [ids for ids in allowed if ids is not None]
+    index = (
+        torch.cat([_row_ids(i, ids) for i, ids in zip(selected, tokens, strict=True)]),
+        torch.cat(tokens),
+    )
     kept = logits[index]
     logits.index_fill_(0, torch.tensor(selected, device=device), float("-inf"))
     logits[index] = kept
 
 
 def _apply_bad_words_and_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    row_index: list[int] = []
-    token_index: list[int] = []
-    values: list[float] = []
+    device = logits.device
+    row_parts: list[torch.Tensor] = []
+    token_parts: list[torch.Tensor] = []
+    value_parts: list[torch.Tensor] = []
+    banned_rows: list[int] = []
+    banned_tokens: list[int] = []
     for i, row in enumerate(rows):
         params = row.params
         table = params.bad_words_table
         if table is not None:
             banned = list(banned_after(table, row.output_token_ids))
-            row_index.extend([i] * len(banned))
-            token_index.extend(banned)
-            values.extend([float("-inf")] * len(banned))
+            banned_rows.extend([i] * len(banned))
+            banned_tokens.extend(banned)
         if params.logit_bias:
-            row_index.extend([i] * len(params.logit_bias))
-            token_index.extend(params.logit_bias)
-            values.extend(params.logit_bias.values())
-    if not row_index:
+            tensors = control_tensors(params, device)
+            assert tensors.bias_ids is not None and tensors.bias_values is not None
+            row_parts.append(_row_ids(i, tensors.bias_ids))
+            token_parts.append(tensors.bias_ids)
+            value_parts.append(tensors.bias_values)
+    if banned_rows:
+        row_parts.append(torch.tensor(banned_rows, device=device))
+        token_parts.append(torch.tensor(banned_tokens, device=device))
+        value_parts.append(torch.full((len(banned_rows),), float("-inf"), device=device))
+    if not row_parts:
         return
-    device = logits.device
     logits.index_put_(
-        (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
-        torch.tensor(values, dtype=logits.dtype, device=device),
+        (torch.cat(row_parts), torch.cat(token_parts)),
+        torch.cat(value_parts).to(logits.dtype),
         accumulate=True,
     )
