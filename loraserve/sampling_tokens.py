@@ -96,6 +96,13 @@ def check_bad_words(bad_words: Any) -> list[str] | None:
             raise SamplingParamsError(
                 f"bad_words cannot contain an empty or blank string, got bad_words={words!r}.", "bad_words"
             )
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates are valid JSON, but no tokenizer takes them
+            raise SamplingParamsError(
+                f"bad_words must be valid Unicode text: {exc.reason} at position {exc.start} of {word!r}.",
+                "bad_words",
+            ) from exc
     return words or None
 
 

@@ -81,6 +81,7 @@ def test_logit_bias_keys_become_token_ids() -> None:
         ({"allowed_token_ids": [True]}, "allowed_token_ids", "allowed_token_ids must be a list of integers"),
         ({"bad_words": ["ok", " "]}, "bad_words", "bad_words cannot contain an empty or blank string"),
         ({"bad_words": [3]}, "bad_words", "bad_words must be a list of strings"),
+        ({"bad_words": ["ok", "\ud800"]}, "bad_words", "bad_words must be valid Unicode text"),
         (
             {"bad_words_token_ids": [[]]},
             "bad_words",
