@@ -1,6 +1,8 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template, streamed or not.
 
 A stream sends one choice per chunk (as OpenAI and vLLM do), starting with each choice's role chunk.
+Tools (`tool_request.py`) go to the template; the output is read for calls by the plan's parser
+(`tool_output.py`), whole or streamed as deltas.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from loraserve.entrypoints.openai.serving.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
@@ -29,6 +30,20 @@ from loraserve.entrypoints.openai.serving.protocol import (
 from loraserve.entrypoints.openai.serving.serving_engine import EnginePrompt, OpenAIServing
 from loraserve.entrypoints.openai.serving.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.serving.tokenizer_pool import FairTokenizerPool
+from loraserve.entrypoints.openai.serving.tool_output import (
+    delta_message,
+    finish_reason,
+    new_stream,
+    response_message,
+)
+from loraserve.entrypoints.openai.serving.tool_request import (
+    BOTH_CONSTRAINTS,
+    NO_TOOLS,
+    ToolPlan,
+    ToolSettings,
+    template_message,
+    tool_plan,
+)
 from loraserve.entrypoints.openai.serving.vllm_fields import (
     engine_request_id,
     logprob_count,
@@ -37,6 +52,7 @@ from loraserve.entrypoints.openai.serving.vllm_fields import (
     truncate_prompt,
     usage,
 )
+from loraserve.entrypoints.openai.tool_parsers.streaming import ToolCallStream
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -50,6 +66,8 @@ class _ChatJob:
     num_top_logprobs: int | None
     render_token: Callable[[int, Logprob | None], str]
     request: ChatCompletionRequest
+    tools: ToolPlan = NO_TOOLS
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
     sent_chars: dict[int, int] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
@@ -66,12 +84,14 @@ class OpenAIServingChat(OpenAIServing):
         response_role: str = "assistant",  # --response-role
         return_tokens_as_token_ids: bool = False,
         enable_prompt_tokens_details: bool = False,
+        tool_settings: ToolSettings | None = None,  # --enable-auto-tool-choice, --tool-call-parser, ...
     ) -> None:
         super().__init__(
             engine, models, metrics, tokenizer_pool, return_tokens_as_token_ids, enable_prompt_tokens_details
         )
         self.trust_request_chat_template = trust_request_chat_template
         self.response_role = response_role
+        self.tool_settings = tool_settings or ToolSettings()
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -84,10 +104,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _prepare(self, request: ChatCompletionRequest) -> _ChatJob:
         self.check_request(request)
-        if request.tools:
-            raise APIError("tools are not supported by this server.", HTTPStatus.BAD_REQUEST, "tools")
+        plan = tool_plan(request, self.tool_settings)
         model_name, lora_request = await self.resolve_model(request)
-        text = await self.in_tokenizer_thread(self._render, request)
+        text = await self.in_tokenizer_thread(self._render, request, plan.template_tools)
         prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         prompt_ids = truncate_prompt(prompt_ids, request, self.max_model_len)
         requested = (
@@ -98,19 +117,27 @@ class OpenAIServingChat(OpenAIServing):
         if request.logprobs:  # -1: the whole vocabulary (then --max-logprobs applies, vLLM's text)
             num_top = logprob_count(request.top_logprobs or 0, self.engine.model_config.vocab_size)
         params = self.sampling_params(request, max_tokens, num_top, request.prompt_logprobs)
+        if plan.structured is not None:  # "required" / a named function: the grammar writes the calls
+            if params.structured_outputs is not None:
+                raise APIError(BOTH_CONSTRAINTS, HTTPStatus.BAD_REQUEST, "tool_choice")
+            params.structured_outputs = plan.structured
+        if not plan.skip_special_tokens:  # the parser's markers are special tokens (vLLM's adjust_request)
+            params.skip_special_tokens = False
         request_id = response_id("chatcmpl", request)
         prompt = EnginePrompt(
             engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt
         )
         self.check_request_size([prompt])
         return _ChatJob(
-            request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request), request
+            request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request), request, plan
         )
 
-    def _render(self, request: ChatCompletionRequest) -> str:
+    def _render(self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text from the tokenizer's chat template; 400 for messages the template refuses.
         Runs on the tokenizer thread: a template is a program whose cost grows with the messages."""
         kwargs = dict(request.chat_template_kwargs or {})
+        if tools is not None:  # transformers' `tools`: the template lists them
+            kwargs["tools"] = tools
         if request.chat_template is not None:
             kwargs["chat_template"] = request.chat_template
         if request.documents is not None:  # RAG templates read them (transformers' `documents`)
@@ -136,9 +163,7 @@ class OpenAIServingChat(OpenAIServing):
         own = getattr(self.tokenizer, "chat_template", None)
         templates = [*templates_of(kwargs.get("chat_template")), *templates_of(own)]
         check_roles([m.role for m in request.messages], allowed_roles(templates))
-        messages = [
-            {"role": m.role, "content": self._text(m.content, i)} for i, m in enumerate(request.messages)
-        ]
+        messages = [template_message(m, i, self._text(m.content, i)) for i, m in enumerate(request.messages)]
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages,
@@ -192,17 +217,22 @@ class OpenAIServingChat(OpenAIServing):
             async for _, output in outputs:
                 final = output
         assert final is not None, "the engine finished a request without any output"
-        choices = [
-            ChatCompletionChoice(
-                index=seq.index,
-                message=ChatResponseMessage(role=self.response_role, content=self._echo(job) + seq.text),
-                logprobs=self._logprobs(job, seq, 0),
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                token_ids=list(seq.token_ids) if job.request.return_token_ids else None,
+        choices = []
+        for seq in sorted(final.outputs, key=lambda s: s.index):
+            parser = job.tools.parser(self.tokenizer)
+            message, called = response_message(
+                parser, job.tools.max_calls, self.response_role, seq.text, self._echo(job)
             )
-            for seq in sorted(final.outputs, key=lambda s: s.index)
-        ]
+            choices.append(
+                ChatCompletionChoice(
+                    index=seq.index,
+                    message=message,
+                    logprobs=self._logprobs(job, seq, 0),
+                    finish_reason=finish_reason(seq.finish_reason, called),
+                    stop_reason=seq.stop_reason,
+                    token_ids=list(seq.token_ids) if job.request.return_token_ids else None,
+                )
+            )
         return ChatCompletionResponse(
             id=job.request_id,
             model=job.model_name,
@@ -232,24 +262,37 @@ class OpenAIServingChat(OpenAIServing):
         )
         return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
-    def _delta(self, job: _ChatJob, seq: CompletionOutput) -> ChatStreamChoice | None:
-        """What `seq` adds since the last chunk; None when nothing new."""
+    def _delta(self, job: _ChatJob, seq: CompletionOutput) -> list[ChatStreamChoice]:
+        """What `seq` adds since the last chunk, one choice per chunk: its text, or (read for tool
+        calls) its content and call deltas; the step's logprobs and token ids ride on the first, the
+        finish reason on the last."""
         sent_tokens = job.sent_tokens.get(seq.index, 0)
         if seq.index in job.finished or (len(seq.token_ids) == sent_tokens and not seq.finished()):
-            return None
+            return []
         sent_chars = job.sent_chars.get(seq.index, 0)
-        choice = ChatStreamChoice(
-            index=seq.index,
-            delta=DeltaMessage(content=seq.text[sent_chars:]),
-            logprobs=self._logprobs(job, seq, sent_tokens),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            token_ids=list(seq.token_ids[sent_tokens:]) if job.request.return_token_ids else None,
-        )
+        deltas = [DeltaMessage(content=seq.text[sent_chars:])]
+        reason = seq.finish_reason
+        stream = job.tool_streams.get(seq.index)
+        parser = job.tools.parser(self.tokenizer) if stream is None else None
+        if parser is not None:
+            stream = job.tool_streams[seq.index] = new_stream(parser, job.tools.max_calls)
+        if stream is not None:
+            deltas = [delta_message(d) for d in stream.update(seq.text, final=seq.finished())]
+            reason = finish_reason(reason, stream.tools_called)
+            if not deltas and (
+                seq.finished() or job.num_top_logprobs is not None or job.request.return_token_ids
+            ):
+                deltas = [DeltaMessage()]  # held-back text: the tokens' logprobs and ids still go out
+        choices = [ChatStreamChoice(index=seq.index, delta=delta) for delta in deltas]
+        if choices:
+            first, last = choices[0], choices[-1]
+            first.logprobs = self._logprobs(job, seq, sent_tokens)
+            first.token_ids = list(seq.token_ids[sent_tokens:]) if job.request.return_token_ids else None
+            last.finish_reason, last.stop_reason = reason, seq.stop_reason
         job.sent_chars[seq.index], job.sent_tokens[seq.index] = len(seq.text), len(seq.token_ids)
         if seq.finished():
             job.finished.add(seq.index)
-        return choice
+        return choices
 
     def _role_chunks(self, job: _ChatJob, first: RequestOutput, continuous: bool) -> list[str]:
         """Each choice's role chunk (the first with return_token_ids' prompt_token_ids), then its
@@ -280,8 +323,7 @@ class OpenAIServingChat(OpenAIServing):
                         yield line
                 final = output
                 for seq in output.outputs:  # one choice per chunk, as OpenAI and vLLM send them
-                    choice = self._delta(job, seq)
-                    if choice is not None:
+                    for choice in self._delta(job, seq):
                         running = usage(num_prompt, len(seq.token_ids), None, False) if continuous else None
                         yield self._chunk(job, [choice], running)
         if include_usage:

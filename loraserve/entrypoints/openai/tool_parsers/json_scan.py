@@ -1,0 +1,143 @@
+"""Reading JSON tool calls as far as they are written: where a value ends, and the name and arguments
+of a `{"name": ..., "arguments" | "parameters": {...}}` object, from a text that may stop anywhere.
+
+Only the extent of values is scanned here (strings, escapes, nesting); the arguments are checked as
+JSON by `json.loads` once whole. A character the format cannot hold raises `ScanError`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from loraserve.entrypoints.openai.tool_parsers.abstract_tool_parser import PartialToolCall
+
+ARGUMENT_KEYS = ("arguments", "parameters")
+_WHITESPACE = " \t\n\r"
+_SCALAR = frozenset("0123456789+-.eEtruefalsn")
+
+
+class ScanError(ValueError):
+    pass
+
+
+def skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WHITESPACE:
+        i += 1
+    return i
+
+
+def value_end(text: str, i: int, final: bool) -> int | None:
+    """End of the JSON value starting at `i`; None when the text stops inside it."""
+    if i >= len(text):
+        return None
+    char = text[i]
+    if char == '"':
+        return _string_end(text, i)
+    if char in "{[":
+        return _nested_end(text, i)
+    if char in _SCALAR:
+        j = i
+        while j < len(text) and text[j] in _SCALAR:
+            j += 1
+        return j if j < len(text) or final else None
+    raise ScanError(f"unexpected {char!r} at {i}")
+
+
+def _string_end(text: str, i: int) -> int | None:
+    j = i + 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+            continue
+        if text[j] == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def _nested_end(text: str, i: int) -> int | None:
+    depth, j = 0, i
+    while j < len(text):
+        char = text[j]
+        if char == '"':
+            end = _string_end(text, j)
+            if end is None:
+                return None
+            j = end
+            continue
+        if char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return None
+
+
+def scan_call(
+    text: str, i: int, final: bool, keys: tuple[str, ...] = ARGUMENT_KEYS
+) -> tuple[PartialToolCall, int | None]:
+    """The call object starting at `i` (text[i] == "{") and its end (None: not closed yet)."""
+    if text[i] != "{":
+        raise ScanError(f"expected an object at {i}")
+    name: str | None = None
+    arguments: str | None = None
+    j = i + 1
+    while True:
+        j = skip_ws(text, j)
+        if j >= len(text):
+            break
+        if text[j] == "}":
+            return PartialToolCall(name, arguments or "{}", True), j + 1
+        if text[j] != '"':
+            raise ScanError(f"expected a key at {j}, got {text[j]!r}")
+        key_end = _string_end(text, j)
+        if key_end is None:
+            break
+        key = json.loads(text[j:key_end])
+        j = skip_ws(text, key_end)
+        if j >= len(text):
+            break
+        if text[j] != ":":
+            raise ScanError(f"expected ':' at {j}")
+        j = skip_ws(text, j + 1)
+        end = value_end(text, j, final)
+        if key in keys and arguments is None:
+            arguments = (text[j:] if end is None else text[j:end]).rstrip()
+        elif key == "name" and end is not None:
+            value = json.loads(text[j:end])
+            if not isinstance(value, str):
+                raise ScanError("a call's name is not a string")
+            name = value
+        if end is None:
+            break
+        j = skip_ws(text, end)
+        if j < len(text) and text[j] == ",":
+            j += 1
+        elif j < len(text) and text[j] != "}":
+            raise ScanError(f"expected ',' or '}}' at {j}")
+    return PartialToolCall(name, arguments or ""), None
+
+
+def scan_call_list(
+    text: str, i: int, final: bool, keys: tuple[str, ...] = ARGUMENT_KEYS
+) -> tuple[list[PartialToolCall], int | None]:
+    """The calls of a JSON array of call objects starting at `i` (text[i] == "["), and its end."""
+    calls: list[PartialToolCall] = []
+    j = i + 1
+    while True:
+        j = skip_ws(text, j)
+        if j >= len(text):
+            return calls, None
+        if text[j] == "]" and (not calls or calls[-1].complete):
+            return calls, j + 1
+        call, end = scan_call(text, j, final, keys)
+        calls.append(call)
+        if end is None:
+            return calls, None
+        j = skip_ws(text, end)
+        if j < len(text) and text[j] == ",":
+            j += 1
+        elif j < len(text) and text[j] != "]":
+            raise ScanError(f"expected ',' or ']' at {j}")
