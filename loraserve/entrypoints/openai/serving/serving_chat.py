@@ -14,7 +14,7 @@ from http import HTTPStatus
 from typing import Any
 
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
-from loraserve.entrypoints.openai.serving.chat_roles import allowed_roles, check_roles, templates_of
+from loraserve.entrypoints.openai.serving.chat_render import message_text, render_chat
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError
 from loraserve.entrypoints.openai.serving.logprobs import chat_logprobs
@@ -41,7 +41,6 @@ from loraserve.entrypoints.openai.serving.tool_request import (
     NO_TOOLS,
     ToolPlan,
     ToolSettings,
-    template_message,
     tool_plan,
 )
 from loraserve.entrypoints.openai.serving.vllm_fields import (
@@ -133,71 +132,14 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def _render(self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text from the tokenizer's chat template; 400 for messages the template refuses.
-        Runs on the tokenizer thread: a template is a program whose cost grows with the messages."""
-        kwargs = dict(request.chat_template_kwargs or {})
-        if tools is not None:  # transformers' `tools`: the template lists them
-            kwargs["tools"] = tools
-        if request.chat_template is not None:
-            kwargs["chat_template"] = request.chat_template
-        if request.documents is not None:  # RAG templates read them (transformers' `documents`)
-            kwargs["documents"] = request.documents
-        if request.continue_final_message:  # prefill the assistant's turn: the template leaves it open
-            kwargs["continue_final_message"] = True
-        # A template is code run on the server (loops, allocations): only the operator may allow it.
-        if "chat_template" in kwargs and not self.trust_request_chat_template:
-            raise APIError(
-                "Chat template is passed with request, but --trust-request-chat-template is not set. "
-                "Refused request with untrusted chat template.",
-                HTTPStatus.BAD_REQUEST,
-                "chat_template",
-            )
-        if not kwargs.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(
-                "The model's tokenizer has no chat template, so chat completions are unavailable; "
-                "use /v1/completions.",
-                HTTPStatus.BAD_REQUEST,
-                "messages",
-            )
-        # A role is printed into the prompt: only known roles, never template control text.
-        own = getattr(self.tokenizer, "chat_template", None)
-        templates = [*templates_of(kwargs.get("chat_template")), *templates_of(own)]
-        check_roles([m.role for m in request.messages], allowed_roles(templates))
-        messages = [template_message(m, i, self._text(m.content, i)) for i, m in enumerate(request.messages)]
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
-                **kwargs,
-            )
-        except Exception as exc:  # jinja2 errors (raise_exception in templates) and bad kwargs
-            raise APIError(
-                f"The chat template rejected the messages: {exc}", HTTPStatus.BAD_REQUEST, "messages"
-            ) from exc
-        return str(rendered)
-
-    @staticmethod
-    def _text(content: str | list[dict[str, Any]] | None, index: int) -> str:
-        if content is None or isinstance(content, str):
-            return content or ""
-        parts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(
-                    f"messages[{index}].content: only text parts are supported, got type {part.get('type')!r}.",
-                    HTTPStatus.BAD_REQUEST,
-                    "messages",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
+        return render_chat(self.tokenizer, request, tools, self.trust_request_chat_template)
 
     def _echo(self, job: _ChatJob) -> str:
         """vLLM's chat `echo`: the last message's text when its role is the reply's, else ""."""
         last = job.request.messages[-1]
         if not job.request.echo or last.role != self.response_role:
             return ""
-        return self._text(last.content, len(job.request.messages) - 1)
+        return message_text(last.content, len(job.request.messages) - 1)
 
     def _logprobs(self, job: _ChatJob, seq: CompletionOutput, start: int) -> Any:
         if job.num_top_logprobs is None or seq.logprobs is None:

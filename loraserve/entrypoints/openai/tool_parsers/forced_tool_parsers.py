@@ -11,7 +11,12 @@ from loraserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     PartialToolCall,
     ToolParser,
 )
-from loraserve.entrypoints.openai.tool_parsers.json_scan import ScanError, scan_call_list, skip_ws
+from loraserve.entrypoints.openai.tool_parsers.json_scan import (
+    ScanError,
+    scan_call_list,
+    skip_ws,
+    spaced_json,
+)
 
 
 class RequiredToolParser(ToolParser):
@@ -35,4 +40,4 @@ class NamedToolParser(ToolParser):
         self.name = name
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        return ParsedOutput("", (PartialToolCall(self.name, text.strip(), final),))
+        return ParsedOutput("", (PartialToolCall(self.name, spaced_json(text), final),))

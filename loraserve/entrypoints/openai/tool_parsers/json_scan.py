@@ -20,6 +20,28 @@ class ScanError(ValueError):
     pass
 
 
+def spaced_json(text: str) -> str:
+    """JSON text (whole or cut anywhere) in json.dumps' layout: no whitespace outside strings, one space
+    after each ',' and ':'. Each character's output depends only on what precedes it, so the result for
+    a prefix is a prefix of the result for the whole: a stream sends the same arguments, in pieces,
+    that the finished output holds (as compact as vLLM's `json.dumps`, whatever whitespace the model
+    or a grammar allowing any whitespace wrote)."""
+    out: list[str] = []
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            out.append(char)
+            escaped, in_string = (not escaped and char == "\\"), escaped or char != '"'
+        elif char == '"':
+            in_string = True
+            out.append(char)
+        elif char in ",:":
+            out.append(char + " ")
+        elif char not in _WHITESPACE:
+            out.append(char)
+    return "".join(out)
+
+
 def skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i] in _WHITESPACE:
         i += 1
@@ -104,7 +126,7 @@ def scan_call(
         j = skip_ws(text, j + 1)
         end = value_end(text, j, final)
         if key in keys and arguments is None:
-            arguments = (text[j:] if end is None else text[j:end]).rstrip()
+            arguments = spaced_json(text[j:] if end is None else text[j:end])
         elif key == "name" and end is not None:
             value = json.loads(text[j:end])
             if not isinstance(value, str):

@@ -216,3 +216,13 @@ def test_registry_decorator_and_unknown_name() -> None:
     finally:
         ToolParserManager.tool_parsers.pop("test_echo", None)
         ToolParserManager.tool_parsers.pop("test_echo2", None)
+
+
+def test_arguments_take_json_dumps_layout_whatever_the_whitespace() -> None:
+    """A grammar with any whitespace lets a model write `{\n "city" :"Paris" }`; the arguments read
+    as json.dumps writes them, and a stream's pieces still add up to them."""
+    text = '<tool_call>{"name": "f", "arguments": {\n  "city" :"Pa ris" ,\n "n": [ 1 ,2 ], "q": "a\\" b"\n}}</tool_call>'
+    (call,) = _parser("hermes").extract_tool_calls(text).calls
+    assert call.arguments == json.dumps(json.loads(call.arguments), ensure_ascii=False)
+    assert json.loads(call.arguments) == {"city": "Pa ris", "n": [1, 2], "q": 'a" b'}
+    _check_stream(_parser("hermes"), text, list(text))
