@@ -139,7 +139,12 @@ def server(model_and_adapter: tuple[str, str]) -> Iterator[RunningServer]:
 def parser_server(
     request: pytest.FixtureRequest, model_and_adapter: tuple[str, str]
 ) -> Iterator[tuple[str, RunningServer]]:
-    for running in _serve(model_and_adapter, enable_auto_tool_choice=True, tool_call_parser=request.param):
+    for running in _serve(
+        model_and_adapter,
+        enable_auto_tool_choice=True,
+        tool_call_parser=request.param,
+        exclude_tools_when_tool_choice_none=True,
+    ):
         yield request.param, running
 
 
@@ -350,6 +355,25 @@ def test_tools_and_tool_messages_go_through_the_template(server: RunningServer, 
     )
     assert reply["tool_calls"] == [] and reply["finish_reason"] in ("stop", "length")
     assert "TOOLS=" not in _rendered(server, {"messages": MESSAGES})
+
+
+def _prompt_tokens(server: RunningServer, **fields: Any) -> int:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1, **fields}
+    reply = server.http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return int(reply.json()["usage"]["prompt_tokens"])
+
+
+def test_exclude_tools_when_tool_choice_none(
+    server: RunningServer, parser_server: tuple[str, RunningServer]
+) -> None:
+    """The template shows the tools with tool_choice "none", unless the server has
+    --exclude-tools-when-tool-choice-none (the parser servers do)."""
+    bare = _prompt_tokens(server)
+    assert _prompt_tokens(server, tools=TOOLS, tool_choice="none") > bare
+    _, excluding = parser_server
+    assert _prompt_tokens(excluding, tools=TOOLS, tool_choice="none") == bare
+    assert _prompt_tokens(excluding, tools=TOOLS, tool_choice="auto") > bare
 
 
 BAD: list[tuple[dict[str, Any], str, str]] = [

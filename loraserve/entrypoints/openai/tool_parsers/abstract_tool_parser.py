@@ -52,8 +52,23 @@ class ToolParser:
     # (vLLM's adjust_request does the same for these parsers).
     skip_special_tokens: bool = True
 
+    # (text up to a point, that point, the calls wholly before it): a stream's next parse resumes
+    # there instead of reading every finished call again (the text only grows; checked by prefix).
+    _memo: tuple[str, int, tuple[PartialToolCall, ...]] | None = None
+
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
+
+    def resumed(self, text: str) -> tuple[int, list[PartialToolCall]] | None:
+        """Where the last parse of a prefix of `text` left whole calls, and those calls."""
+        memo = self._memo
+        if memo is None or not text.startswith(memo[0]):
+            return None
+        return memo[1], list(memo[2])
+
+    def remember(self, text: str, position: int, calls: list[PartialToolCall]) -> None:
+        """Every call in `calls` is whole and ends before `position` in `text`."""
+        self._memo = (text[:position], position, tuple(calls))
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """What `text` holds; `final`: no more text follows."""

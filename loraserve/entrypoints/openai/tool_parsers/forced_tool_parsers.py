@@ -27,7 +27,7 @@ class RequiredToolParser(ToolParser):
         try:
             if text[i] != "[":
                 raise ScanError("not a list")
-            calls, end = scan_call_list(text, i, final, keys=("parameters", "arguments"))
+            calls, end = scan_call_list(text, i, final, ("parameters", "arguments"), memo=self)
         except ScanError:
             return ParsedOutput("", (), malformed=True)
         malformed = end is not None and skip_ws(text, end) < len(text)

@@ -22,6 +22,9 @@ class HermesToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         content, position = content_before(text, START, final)
         calls: list[PartialToolCall] = []
+        resumed = self.resumed(text) if position >= 0 else None
+        if resumed is not None:
+            position, calls = text.find(START, resumed[0]), resumed[1]
         while position >= 0:
             i = skip_ws(text, position + len(START))
             if i >= len(text):
@@ -39,5 +42,8 @@ class HermesToolParser(ToolParser):
                 j += len(END)
             elif j < len(text) and not END.startswith(text[j:]):
                 return ParsedOutput(content, tuple(calls), malformed=True)
+            else:
+                break  # the closing tag is not whole yet
+            self.remember(text, j, calls)
             position = text.find(START, j)
         return ParsedOutput(content, tuple(calls))

@@ -8,12 +8,17 @@ JSON by `json.loads` once whole. A character the format cannot hold raises `Scan
 from __future__ import annotations
 
 import json
+import re
 
-from loraserve.entrypoints.openai.tool_parsers.abstract_tool_parser import PartialToolCall
+from loraserve.entrypoints.openai.tool_parsers.abstract_tool_parser import PartialToolCall, ToolParser
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 _WHITESPACE = " \t\n\r"
 _SCALAR = frozenset("0123456789+-.eEtruefalsn")
+# Scanning runs on every streaming step over the whole text so far: the regexes keep it in C.
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)  # a string's characters after its quote
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_LAYOUT = re.compile(r'("(?:[^"\\]|\\.)*"?)|([,:])|[ \t\n\r]+', re.DOTALL)
 
 
 class ScanError(ValueError):
@@ -26,20 +31,13 @@ def spaced_json(text: str) -> str:
     a prefix is a prefix of the result for the whole: a stream sends the same arguments, in pieces,
     that the finished output holds (as compact as vLLM's `json.dumps`, whatever whitespace the model
     or a grammar allowing any whitespace wrote)."""
-    out: list[str] = []
-    in_string = escaped = False
-    for char in text:
-        if in_string:
-            out.append(char)
-            escaped, in_string = (not escaped and char == "\\"), escaped or char != '"'
-        elif char == '"':
-            in_string = True
-            out.append(char)
-        elif char in ",:":
-            out.append(char + " ")
-        elif char not in _WHITESPACE:
-            out.append(char)
-    return "".join(out)
+    return _LAYOUT.sub(_layout, text)
+
+
+def _layout(match: re.Match[str]) -> str:
+    if match[1] is not None:  # a string (or the start of one), as written
+        return match[1]
+    return match[2] + " " if match[2] else ""
 
 
 def skip_ws(text: str, i: int) -> int:
@@ -66,34 +64,27 @@ def value_end(text: str, i: int, final: bool) -> int | None:
 
 
 def _string_end(text: str, i: int) -> int | None:
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-            continue
-        if text[j] == '"':
-            return j + 1
-        j += 1
-    return None
+    """End of the string whose quote is at text[i]; None when the text stops inside it."""
+    match = _STRING_BODY.match(text, i + 1)  # never None: the body may be empty
+    j = match.end() if match is not None else i + 1
+    return j + 1 if j < len(text) and text[j] == '"' else None
 
 
 def _nested_end(text: str, i: int) -> int | None:
-    depth, j = 0, i
-    while j < len(text):
-        char = text[j]
-        if char == '"':
+    depth = 0
+    match = _STRUCTURE.search(text, i)
+    while match is not None:
+        j = match.start()
+        if text[j] == '"':
             end = _string_end(text, j)
             if end is None:
                 return None
-            j = end
+            match = _STRUCTURE.search(text, end)
             continue
-        if char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-        j += 1
+        depth += 1 if text[j] in "{[" else -1
+        if depth == 0:
+            return j + 1
+        match = _STRUCTURE.search(text, j + 1)
     return None
 
 
@@ -143,11 +134,19 @@ def scan_call(
 
 
 def scan_call_list(
-    text: str, i: int, final: bool, keys: tuple[str, ...] = ARGUMENT_KEYS
+    text: str,
+    i: int,
+    final: bool,
+    keys: tuple[str, ...] = ARGUMENT_KEYS,
+    memo: ToolParser | None = None,
 ) -> tuple[list[PartialToolCall], int | None]:
-    """The calls of a JSON array of call objects starting at `i` (text[i] == "["), and its end."""
+    """The calls of a JSON array of call objects starting at `i` (text[i] == "["), and its end;
+    `memo` (the parser) resumes after the whole calls an earlier parse of a prefix read."""
     calls: list[PartialToolCall] = []
     j = i + 1
+    resumed = memo.resumed(text) if memo is not None else None
+    if resumed is not None and resumed[0] > i:
+        j, calls = resumed
     while True:
         j = skip_ws(text, j)
         if j >= len(text):
@@ -161,5 +160,7 @@ def scan_call_list(
         j = skip_ws(text, end)
         if j < len(text) and text[j] == ",":
             j += 1
+            if memo is not None:
+                memo.remember(text, j, calls)
         elif j < len(text) and text[j] != "]":
             raise ScanError(f"expected ',' or ']' at {j}")

@@ -28,6 +28,9 @@ class Llama3JsonToolParser(ToolParser):
                 return ParsedOutput("")
             return ParsedOutput(text)
         calls: list[PartialToolCall] = []
+        resumed = self.resumed(text)
+        if resumed is not None and resumed[0] > i:
+            i, calls = skip_ws(text, resumed[0]), resumed[1]
         while i < len(text):
             try:
                 if text[i] != "{":
@@ -41,5 +44,8 @@ class Llama3JsonToolParser(ToolParser):
             j = skip_ws(text, end)
             if j < len(text) and text[j] != ";":
                 return ParsedOutput("", tuple(calls), malformed=True)
+            if j >= len(text):
+                break
             i = skip_ws(text, j + 1)
+            self.remember(text, j + 1, calls)
         return ParsedOutput("", tuple(calls))

@@ -27,7 +27,7 @@ class MistralToolParser(ToolParser):
             return ParsedOutput(content)
         try:
             if text[i] == "[":
-                calls, end = scan_call_list(text, i, final)
+                calls, end = scan_call_list(text, i, final, memo=self)
             else:  # one object without the list, as some fine-tunes write it
                 call, end = scan_call(text, i, final)
                 calls = [call]

@@ -44,7 +44,7 @@ class PythonicToolParser(ToolParser):
                 return ParsedOutput("")
             return ParsedOutput(text)
         try:
-            calls, end = _scan_list(text, i)
+            calls, end = _scan_list(text, i, self)
             if end is not None:
                 tail = text[end:].strip()
                 if tail and tail != END and not (not final and END.startswith(tail)):
@@ -56,12 +56,16 @@ class PythonicToolParser(ToolParser):
         return ParsedOutput("", tuple(calls))
 
 
-def _scan_list(text: str, i: int) -> tuple[list[PartialToolCall], int | None]:
-    """The calls of the list at text[i] == "[" (whole ones parsed) and the list's end, if closed."""
+def _scan_list(text: str, i: int, memo: ToolParser) -> tuple[list[PartialToolCall], int | None]:
+    """The calls of the list at text[i] == "[" (whole ones parsed) and the list's end, if closed;
+    resumed after the whole calls an earlier parse of a prefix read."""
     calls: list[PartialToolCall] = []
     stack: list[str] = []
     start = i + 1
     j = i
+    resumed = memo.resumed(text)
+    if resumed is not None and resumed[0] > i:
+        (start, calls), stack, j = resumed, ["["], resumed[0]
     while j < len(text):
         char = text[j]
         if char in "'\"":
@@ -83,6 +87,7 @@ def _scan_list(text: str, i: int) -> tuple[list[PartialToolCall], int | None]:
         elif char == "," and len(stack) == 1:
             calls.append(_call(text[start:j]))
             start = j + 1
+            memo.remember(text, start, calls)
         j += 1
     element = text[start:]
     match = _NAME.match(element)

@@ -226,3 +226,42 @@ def test_arguments_take_json_dumps_layout_whatever_the_whitespace() -> None:
     assert call.arguments == json.dumps(json.loads(call.arguments), ensure_ascii=False)
     assert json.loads(call.arguments) == {"city": "Pa ris", "n": [1, 2], "q": 'a" b'}
     _check_stream(_parser("hermes"), text, list(text))
+
+
+@pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json", "pythonic", "required"])
+def test_a_stream_reads_each_finished_call_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step re-parses the text, but resumes after the calls already whole: the work per step
+    does not grow with the calls before it (counted in calls of the call readers, not timed)."""
+    from loraserve.entrypoints.openai.tool_parsers import (
+        hermes_tool_parser,
+        json_scan,
+        llama_tool_parser,
+        pythonic_tool_parser,
+    )
+
+    one = {"name": "f", "arguments": {"x": [1, 2]}}
+    texts = {
+        "hermes": "".join(f"<tool_call>{json.dumps(one)}</tool_call>" for _ in range(40)),
+        "mistral": "[TOOL_CALLS] " + json.dumps([one] * 40),
+        "llama3_json": "; ".join([json.dumps(one)] * 40),
+        "pythonic": "[" + ", ".join(["f(x=[1, 2])"] * 40) + "]",
+        "required": json.dumps([{"name": "f", "parameters": {"x": [1, 2]}}] * 40),
+    }
+    counted = {"n": 0}
+
+    def counting(real: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counted["n"] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for module in (hermes_tool_parser, llama_tool_parser, json_scan):
+        monkeypatch.setattr(module, "scan_call", counting(module.scan_call))
+    monkeypatch.setattr(pythonic_tool_parser, "_call", counting(pythonic_tool_parser._call))
+    parser = RequiredToolParser() if name == "required" else _parser(name)
+    text = texts[name]
+    pieces = [text[k : k + 3] for k in range(0, len(text), 3)]
+    _, calls = _run_stream(parser, pieces)
+    assert len(calls) == 40
+    assert counted["n"] <= len(pieces) + 2 * 40  # quadratic without resuming: ~ steps x calls / 2
