@@ -104,9 +104,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# The OpenAI server's rooms, lowest first (DESIGN.md): metrics < request handlers < HTTP app < CLI.
+# The OpenAI server's rooms, lowest first (DESIGN.md): metrics, tool parsers < request handlers < HTTP app < CLI.
 OPENAI = "loraserve.entrypoints.openai"
-OPENAI_LAYERS: list[set[str]] = [{"metrics"}, {"serving"}, {"server"}, {"cli"}]
+OPENAI_LAYERS: list[set[str]] = [{"metrics", "tool_parsers"}, {"serving"}, {"server"}, {"cli"}]
 
 
 def layer_of(module: str, package: str = "loraserve") -> str:

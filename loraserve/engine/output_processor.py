@@ -63,8 +63,10 @@ class OutputProcessor:
         num_output_tokens = seq.num_output_tokens + 1
         if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id == self.eos_token_id:
+                self._drop_stop_token_text(seq, delta_len)
                 return "stop", None
             if params.stop_token_ids and token_id in params.stop_token_ids:
+                self._drop_stop_token_text(seq, delta_len)
                 return "stop", token_id
             if params.stop and seq.detokenizer is not None:
                 stops = [params.stop] if isinstance(params.stop, str) else params.stop
@@ -78,6 +80,13 @@ class OutputProcessor:
         if is_max_tokens or seq.num_tokens + 1 >= self.max_model_len:
             return "length", None
         return None, None
+
+    @staticmethod
+    def _drop_stop_token_text(seq: Sequence, delta_len: int) -> None:
+        """The stop token's own text is not output (vLLM's rule) unless include_stop_str_in_output:
+        with skip_special_tokens=False, "</s>" would otherwise end the text (and a tool call parser's)."""
+        if delta_len and seq.detokenizer is not None and not seq.params.include_stop_str_in_output:
+            seq.detokenizer.truncate(len(seq.detokenizer.output_text) - delta_len)
 
     def _record_prompt_logprobs(self, chunks: list[PromptLogprobChunk]) -> None:
         for chunk in chunks:

@@ -25,8 +25,6 @@ ASKING: dict[str, Any] = {
     "add_special_tokens": "flip",  # the endpoint's own default is accepted, see below
     "mm_processor_kwargs": {"fps": 1},
     "media_io_kwargs": {"video": {}},
-    "tool_choice": "auto",
-    "parallel_tool_calls": "sometimes",
     "reasoning_effort": "high",
     "include_reasoning": False,
 }

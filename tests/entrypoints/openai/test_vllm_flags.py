@@ -48,10 +48,10 @@ VLLM_0_11_FLAGS: dict[str, str] = {
     "--return-tokens-as-token-ids": W,
     "--disable-frontend-multiprocessing": N,
     "--enable-request-id-headers": W,
-    "--enable-auto-tool-choice": R,
-    "--exclude-tools-when-tool-choice-none": N,
-    "--tool-call-parser": R,
-    "--tool-parser-plugin": R,
+    "--enable-auto-tool-choice": W,
+    "--exclude-tools-when-tool-choice-none": W,
+    "--tool-call-parser": W,
+    "--tool-parser-plugin": W,
     "--tool-server": R,
     "--log-config-file": W,
     "--max-log-len": N,
@@ -342,7 +342,16 @@ def test_harmless_flags_print_one_notice(
             "--quantization awq is not supported: loraserve runs unquantized weights",
         ),
         (["--speculative-config", "{}"], "--speculative-config {} is not supported"),
-        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice is not supported: tool calling"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+        (
+            ["--enable-auto-tool-choice", "--tool-call-parser", "hermez"],
+            "invalid tool call parser: hermez (chose from { hermes,llama3_json,mistral,pythonic })",
+        ),
+        (
+            ["--tool-parser-plugin", "no/such/plugin.py"],
+            "--tool-parser-plugin 'no/such/plugin.py' failed to load",
+        ),
+        (["--tool-server", "localhost:1"], "--tool-server localhost:1 is not supported: tool servers"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 cannot be honoured"),
         (["--tokenizer-mode", "mistral"], "invalid choice: 'mistral'"),
         (["--load-format", "tensorizer"], "invalid choice: 'tensorizer'"),
@@ -417,6 +426,10 @@ def test_working_flags_reach_engine_args_and_frontend(capsys: pytest.CaptureFixt
             "a.b",
             "--middleware",
             "c.d",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "pythonic",
+            "--exclude-tools-when-tool-choice-none",
         ],
         capsys,
     )
@@ -441,6 +454,15 @@ def test_working_flags_reach_engine_args_and_frontend(capsys: pytest.CaptureFixt
     assert args.api_key == ["k1", "k2"]
     front = FrontendOptions.from_cli_args(args)
     assert front.allowed_origins == ("https://a.example",) and front.allow_credentials
+    assert (
+        front.enable_auto_tool_choice,
+        front.tool_call_parser,
+        front.exclude_tools_when_tool_choice_none,
+    ) == (
+        True,
+        "pythonic",
+        True,
+    )
     assert (front.root_path, front.response_role, front.uds, front.uvicorn_log_level) == (
         "/api",
         "bot",

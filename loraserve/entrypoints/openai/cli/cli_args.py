@@ -96,6 +96,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.lora_modules and not args.enable_lora and args.model is not None:
         parser.error("--lora-modules needs --enable-lora")
     check_options_of(parser, args)
+    check_tool_parser(parser, args.tool_parser_plugin, args.tool_call_parser)
     if args.chat_template is not None:
         from loraserve.entrypoints.openai.server.frontend import load_chat_template
 
@@ -116,6 +117,24 @@ def check_options_of(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             EngineArgs.from_cli_args(args)
     except OptionError as exc:
         parser.error(exc.with_names(cli_spellings(ServerConfig, FrontendOptions, EngineArgs)))
+
+
+def check_tool_parser(parser: argparse.ArgumentParser, plugin: str | None, name: str | None) -> None:
+    """--tool-parser-plugin imports (its errors in one line), and --tool-call-parser names a parser
+    (vLLM's text otherwise)."""
+    if not plugin and not name:
+        return
+    from loraserve.entrypoints.openai.tool_parsers.manager import ToolParserManager
+
+    if plugin:
+        try:
+            ToolParserManager.import_tool_parser(plugin)
+        except Exception as exc:  # whatever the plugin file raises: one line naming it
+            parser.error(f"--tool-parser-plugin {plugin!r} failed to load: {type(exc).__name__}: {exc}")
+    if name and name not in ToolParserManager.tool_parsers:
+        parser.error(
+            f"invalid tool call parser: {name} (chose from {{ {','.join(ToolParserManager.names())} }})"
+        )
 
 
 def parse_serve_args(argv: list[str] | None = None, prog: str = "loraserve serve") -> argparse.Namespace:

@@ -52,7 +52,7 @@ _ONE_DEVICE = "loraserve runs the whole model on one device (CPU or one GPU); 1 
 _NO_MULTIMODAL = "loraserve serves text-only models, so multimodal settings have nothing to act on"
 _NO_MOE_PARALLEL = "expert parallelism and load balancing need several devices; loraserve uses one"
 _NO_CUDA_GRAPHS = "loraserve runs eagerly and captures no CUDA graphs"
-_NO_TOOLS = "tool calling is not supported (requests with tools get a 400)"
+_NO_TOOLS = "tool servers (MCP, built-in tools of the Responses API) are not supported"
 _NO_GUIDED = (
     "not read: set the field of that name in --structured-outputs-config (JSON), e.g. "
     "'{\"disable_any_whitespace\": true}'"
@@ -88,10 +88,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice(
         "--disable-frontend-multiprocessing", "the API server and the engine always share one process", "bool"
     ),
-    refused("--enable-auto-tool-choice", _NO_TOOLS, "bool"),
-    notice("--exclude-tools-when-tool-choice-none", _NO_TOOLS, "bool"),
-    refused("--tool-call-parser", _NO_TOOLS),
-    refused("--tool-parser-plugin", _NO_TOOLS),
     refused("--tool-server", _NO_TOOLS),
     notice("--max-log-len", "loraserve never logs prompts, so there is nothing to shorten"),
     refused(

@@ -55,6 +55,8 @@ from loraserve.entrypoints.openai.serving.serving_models import (
 )
 from loraserve.entrypoints.openai.serving.serving_tokenization import OpenAIServingTokenization
 from loraserve.entrypoints.openai.serving.tokenizer_pool import FairTokenizerPool
+from loraserve.entrypoints.openai.serving.tool_request import ToolSettings
+from loraserve.entrypoints.openai.tool_parsers.manager import ToolParserManager
 
 logger = logging.getLogger("loraserve.server")
 
@@ -73,6 +75,19 @@ class ServerOptions:
     keep_alive_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 30.0  # SIGTERM: running requests may finish within this, then fail (503)
     frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's FrontendArgs
+
+
+def tool_settings(frontend: FrontendOptions) -> ToolSettings:
+    """The tool flags, the plugin file imported and the parser looked up (KeyError: unknown name)."""
+    if frontend.tool_parser_plugin:
+        ToolParserManager.import_tool_parser(frontend.tool_parser_plugin)
+    settings = ToolSettings(
+        frontend.enable_auto_tool_choice,
+        frontend.tool_call_parser,
+        frontend.exclude_tools_when_tool_choice_none,
+    )
+    settings.parser_class()
+    return settings
 
 
 async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
@@ -120,6 +135,7 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
         response_role=frontend.response_role,
         return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
         enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
+        tool_settings=tool_settings(frontend),
     )
     tracker = LoadTracker(frontend.enable_server_load_tracking)
     handlers = _add_generation_routes(app, completion, chat, tracker)

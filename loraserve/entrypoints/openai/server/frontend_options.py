@@ -1,6 +1,7 @@
 """FrontendOptions: the HTTP front end's options, as vLLM's `FrontendArgs` names them, declared once as
 option fields (`loraserve.options`): CORS, root path, docs, extra ASGI middleware, X-Request-Id
-headers, the chat response role, template and content format, token ids as logprob tokens, TLS, a
+headers, the chat response role, template and content format, tool calling (auto tool choice, the
+parser and its plugin file), token ids as logprob tokens, TLS, a
 Unix socket, uvicorn's log level and access log, h11's event size, a logging config file. Their
 `serve` flags are generated from the fields; `frontend.py` applies them. Names, value forms and
 defaults are vLLM's (v0.11). Free of torch and FastAPI, like all flag parsing.
@@ -38,13 +39,19 @@ def _tls_pair(options: Any) -> str | None:
     return None
 
 
+def _tool_parser_given(options: Any) -> str | None:
+    if options.enable_auto_tool_choice and not options.tool_call_parser:
+        return "enable_auto_tool_choice requires tool_call_parser"  # vLLM's text, in flag names
+    return None
+
+
 def _front(default: Any, help: str = "", **kwargs: Any) -> Any:
     return option(default, help=help, group=_GROUP, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)
 class FrontendOptions:
-    __option_checks__ = (_tls_pair,)
+    __option_checks__ = (_tls_pair, _tool_parser_given)
 
     uds: str | None = _front(None, "Listen on this Unix domain socket instead of host:port.")
     uvicorn_log_level: str | None = _front(  # None: LORASERVE_LOGGING_LEVEL's
@@ -72,6 +79,23 @@ class FrontendOptions:
     )
     return_tokens_as_token_ids: bool = _front(
         False, 'Logprob tokens as "token_id:<id>" for every request.', action="bool"
+    )
+    enable_auto_tool_choice: bool = _front(
+        False,
+        'tool_choice "auto" (the default when a request has tools): the output is read for calls by '
+        "--tool-call-parser.",
+        action="bool",
+    )
+    tool_call_parser: str | None = _front(
+        None,
+        "How the model writes tool calls: hermes (Qwen2.5, Hermes, SmolLM), llama3_json, mistral, "
+        "pythonic, or a name a --tool-parser-plugin registers.",
+    )
+    tool_parser_plugin: str = _front(
+        "", "A Python file that registers tool parsers (@ToolParserManager.register_module)."
+    )
+    exclude_tools_when_tool_choice_none: bool = _front(
+        False, 'With tool_choice "none" the tools are not shown to the chat template.', action="bool"
     )
     enable_prompt_tokens_details: bool = _front(
         False,

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # Stop strings are matched against the new text of every sequence at every step: bound that work.
@@ -126,6 +126,31 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = (
+        None  # an assistant's earlier calls (tool_request.py checks them)
+    )
+    tool_call_id: str | None = None  # a tool result's call
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of type "object"
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = None if value is None else value.get("type", "object")
+        if value is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ValueError(
+                f"a function's parameters must be a JSON Schema of type 'object', got type {kind!r}"
+            )
+        return value
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -133,7 +158,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None  # -1: the whole vocabulary (vLLM)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}} (tool_request.py
+    # checks it with vLLM's texts)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = True
     add_generation_prompt: StrictBool = True
     chat_template: str | None = None  # refused unless the server trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
@@ -196,9 +225,33 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None  # with type and the name, in a call's first delta only
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -224,6 +277,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

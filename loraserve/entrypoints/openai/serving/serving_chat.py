@@ -1,6 +1,8 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template, streamed or not.
 
 A stream sends one choice per chunk (as OpenAI and vLLM do), starting with each choice's role chunk.
+Tools (`tool_request.py`) go to the template; the output is read for calls by the plan's parser
+(`tool_output.py`), whole or streamed as deltas.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from http import HTTPStatus
 from typing import Any
 
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
-from loraserve.entrypoints.openai.serving.chat_roles import allowed_roles, check_roles, templates_of
+from loraserve.entrypoints.openai.serving.chat_render import message_text, render_chat
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError
 from loraserve.entrypoints.openai.serving.logprobs import chat_logprobs
@@ -21,7 +23,6 @@ from loraserve.entrypoints.openai.serving.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
@@ -29,6 +30,19 @@ from loraserve.entrypoints.openai.serving.protocol import (
 from loraserve.entrypoints.openai.serving.serving_engine import EnginePrompt, OpenAIServing
 from loraserve.entrypoints.openai.serving.serving_models import OpenAIServingModels
 from loraserve.entrypoints.openai.serving.tokenizer_pool import FairTokenizerPool
+from loraserve.entrypoints.openai.serving.tool_output import (
+    delta_message,
+    finish_reason,
+    new_stream,
+    response_message,
+)
+from loraserve.entrypoints.openai.serving.tool_request import (
+    BOTH_CONSTRAINTS,
+    NO_TOOLS,
+    ToolPlan,
+    ToolSettings,
+    tool_plan,
+)
 from loraserve.entrypoints.openai.serving.vllm_fields import (
     engine_request_id,
     logprob_count,
@@ -37,6 +51,7 @@ from loraserve.entrypoints.openai.serving.vllm_fields import (
     truncate_prompt,
     usage,
 )
+from loraserve.entrypoints.openai.tool_parsers.streaming import ToolCallStream
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -50,6 +65,8 @@ class _ChatJob:
     num_top_logprobs: int | None
     render_token: Callable[[int, Logprob | None], str]
     request: ChatCompletionRequest
+    tools: ToolPlan = NO_TOOLS
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
     sent_chars: dict[int, int] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
@@ -66,12 +83,14 @@ class OpenAIServingChat(OpenAIServing):
         response_role: str = "assistant",  # --response-role
         return_tokens_as_token_ids: bool = False,
         enable_prompt_tokens_details: bool = False,
+        tool_settings: ToolSettings | None = None,  # --enable-auto-tool-choice, --tool-call-parser, ...
     ) -> None:
         super().__init__(
             engine, models, metrics, tokenizer_pool, return_tokens_as_token_ids, enable_prompt_tokens_details
         )
         self.trust_request_chat_template = trust_request_chat_template
         self.response_role = response_role
+        self.tool_settings = tool_settings or ToolSettings()
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -84,10 +103,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _prepare(self, request: ChatCompletionRequest) -> _ChatJob:
         self.check_request(request)
-        if request.tools:
-            raise APIError("tools are not supported by this server.", HTTPStatus.BAD_REQUEST, "tools")
+        plan = tool_plan(request, self.tool_settings)
         model_name, lora_request = await self.resolve_model(request)
-        text = await self.in_tokenizer_thread(self._render, request)
+        text = await self.in_tokenizer_thread(self._render, request, plan.template_tools)
         prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         prompt_ids = truncate_prompt(prompt_ids, request, self.max_model_len)
         requested = (
@@ -99,81 +117,30 @@ class OpenAIServingChat(OpenAIServing):
             num_top = logprob_count(request.top_logprobs or 0, self.engine.model_config.vocab_size)
         bad_words = await self.bad_words_token_ids(request)
         params = self.sampling_params(request, max_tokens, num_top, request.prompt_logprobs, bad_words)
+        if plan.structured is not None:  # "required" / a named function: the grammar writes the calls
+            if params.structured_outputs is not None:
+                raise APIError(BOTH_CONSTRAINTS, HTTPStatus.BAD_REQUEST, "tool_choice")
+            params.structured_outputs = plan.structured
+        if not plan.skip_special_tokens:  # the parser's markers are special tokens (vLLM's adjust_request)
+            params.skip_special_tokens = False
         request_id = response_id("chatcmpl", request)
         prompt = EnginePrompt(
             engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt
         )
         self.check_request_size([prompt])
         return _ChatJob(
-            request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request), request
+            request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request), request, plan
         )
 
-    def _render(self, request: ChatCompletionRequest) -> str:
-        """The prompt text from the tokenizer's chat template; 400 for messages the template refuses.
-        Runs on the tokenizer thread: a template is a program whose cost grows with the messages."""
-        kwargs = dict(request.chat_template_kwargs or {})
-        if request.chat_template is not None:
-            kwargs["chat_template"] = request.chat_template
-        if request.documents is not None:  # RAG templates read them (transformers' `documents`)
-            kwargs["documents"] = request.documents
-        if request.continue_final_message:  # prefill the assistant's turn: the template leaves it open
-            kwargs["continue_final_message"] = True
-        # A template is code run on the server (loops, allocations): only the operator may allow it.
-        if "chat_template" in kwargs and not self.trust_request_chat_template:
-            raise APIError(
-                "Chat template is passed with request, but --trust-request-chat-template is not set. "
-                "Refused request with untrusted chat template.",
-                HTTPStatus.BAD_REQUEST,
-                "chat_template",
-            )
-        if not kwargs.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(
-                "The model's tokenizer has no chat template, so chat completions are unavailable; "
-                "use /v1/completions.",
-                HTTPStatus.BAD_REQUEST,
-                "messages",
-            )
-        # A role is printed into the prompt: only known roles, never template control text.
-        own = getattr(self.tokenizer, "chat_template", None)
-        templates = [*templates_of(kwargs.get("chat_template")), *templates_of(own)]
-        check_roles([m.role for m in request.messages], allowed_roles(templates))
-        messages = [
-            {"role": m.role, "content": self._text(m.content, i)} for i, m in enumerate(request.messages)
-        ]
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
-                **kwargs,
-            )
-        except Exception as exc:  # jinja2 errors (raise_exception in templates) and bad kwargs
-            raise APIError(
-                f"The chat template rejected the messages: {exc}", HTTPStatus.BAD_REQUEST, "messages"
-            ) from exc
-        return str(rendered)
-
-    @staticmethod
-    def _text(content: str | list[dict[str, Any]] | None, index: int) -> str:
-        if content is None or isinstance(content, str):
-            return content or ""
-        parts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(
-                    f"messages[{index}].content: only text parts are supported, got type {part.get('type')!r}.",
-                    HTTPStatus.BAD_REQUEST,
-                    "messages",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
+    def _render(self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat(self.tokenizer, request, tools, self.trust_request_chat_template)
 
     def _echo(self, job: _ChatJob) -> str:
         """vLLM's chat `echo`: the last message's text when its role is the reply's, else ""."""
         last = job.request.messages[-1]
         if not job.request.echo or last.role != self.response_role:
             return ""
-        return self._text(last.content, len(job.request.messages) - 1)
+        return message_text(last.content, len(job.request.messages) - 1)
 
     def _logprobs(self, job: _ChatJob, seq: CompletionOutput, start: int) -> Any:
         if job.num_top_logprobs is None or seq.logprobs is None:
@@ -193,17 +160,22 @@ class OpenAIServingChat(OpenAIServing):
             async for _, output in outputs:
                 final = output
         assert final is not None, "the engine finished a request without any output"
-        choices = [
-            ChatCompletionChoice(
-                index=seq.index,
-                message=ChatResponseMessage(role=self.response_role, content=self._echo(job) + seq.text),
-                logprobs=self._logprobs(job, seq, 0),
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                token_ids=list(seq.token_ids) if job.request.return_token_ids else None,
+        choices = []
+        for seq in sorted(final.outputs, key=lambda s: s.index):
+            parser = job.tools.parser(self.tokenizer)
+            message, called = response_message(
+                parser, job.tools.max_calls, self.response_role, seq.text, self._echo(job)
             )
-            for seq in sorted(final.outputs, key=lambda s: s.index)
-        ]
+            choices.append(
+                ChatCompletionChoice(
+                    index=seq.index,
+                    message=message,
+                    logprobs=self._logprobs(job, seq, 0),
+                    finish_reason=finish_reason(seq.finish_reason, called),
+                    stop_reason=seq.stop_reason,
+                    token_ids=list(seq.token_ids) if job.request.return_token_ids else None,
+                )
+            )
         return ChatCompletionResponse(
             id=job.request_id,
             model=job.model_name,
@@ -233,24 +205,37 @@ class OpenAIServingChat(OpenAIServing):
         )
         return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
-    def _delta(self, job: _ChatJob, seq: CompletionOutput) -> ChatStreamChoice | None:
-        """What `seq` adds since the last chunk; None when nothing new."""
+    def _delta(self, job: _ChatJob, seq: CompletionOutput) -> list[ChatStreamChoice]:
+        """What `seq` adds since the last chunk, one choice per chunk: its text, or (read for tool
+        calls) its content and call deltas; the step's logprobs and token ids ride on the first, the
+        finish reason on the last."""
         sent_tokens = job.sent_tokens.get(seq.index, 0)
         if seq.index in job.finished or (len(seq.token_ids) == sent_tokens and not seq.finished()):
-            return None
+            return []
         sent_chars = job.sent_chars.get(seq.index, 0)
-        choice = ChatStreamChoice(
-            index=seq.index,
-            delta=DeltaMessage(content=seq.text[sent_chars:]),
-            logprobs=self._logprobs(job, seq, sent_tokens),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            token_ids=list(seq.token_ids[sent_tokens:]) if job.request.return_token_ids else None,
-        )
+        deltas = [DeltaMessage(content=seq.text[sent_chars:])]
+        reason = seq.finish_reason
+        stream = job.tool_streams.get(seq.index)
+        parser = job.tools.parser(self.tokenizer) if stream is None else None
+        if parser is not None:
+            stream = job.tool_streams[seq.index] = new_stream(parser, job.tools.max_calls)
+        if stream is not None:
+            deltas = [delta_message(d) for d in stream.update(seq.text, final=seq.finished())]
+            reason = finish_reason(reason, stream.tools_called)
+            if not deltas and (
+                seq.finished() or job.num_top_logprobs is not None or job.request.return_token_ids
+            ):
+                deltas = [DeltaMessage()]  # held-back text: the tokens' logprobs and ids still go out
+        choices = [ChatStreamChoice(index=seq.index, delta=delta) for delta in deltas]
+        if choices:
+            first, last = choices[0], choices[-1]
+            first.logprobs = self._logprobs(job, seq, sent_tokens)
+            first.token_ids = list(seq.token_ids[sent_tokens:]) if job.request.return_token_ids else None
+            last.finish_reason, last.stop_reason = reason, seq.stop_reason
         job.sent_chars[seq.index], job.sent_tokens[seq.index] = len(seq.text), len(seq.token_ids)
         if seq.finished():
             job.finished.add(seq.index)
-        return choice
+        return choices
 
     def _role_chunks(self, job: _ChatJob, first: RequestOutput, continuous: bool) -> list[str]:
         """Each choice's role chunk (the first with return_token_ids' prompt_token_ids), then its
@@ -281,8 +266,7 @@ class OpenAIServingChat(OpenAIServing):
                         yield line
                 final = output
                 for seq in output.outputs:  # one choice per chunk, as OpenAI and vLLM send them
-                    choice = self._delta(job, seq)
-                    if choice is not None:
+                    for choice in self._delta(job, seq):
                         running = usage(num_prompt, len(seq.token_ids), None, False) if continuous else None
                         yield self._chunk(job, [choice], running)
         if include_usage:

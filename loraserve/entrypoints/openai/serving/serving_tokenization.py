@@ -1,7 +1,7 @@
 """POST /tokenize, POST /detokenize and GET /tokenizer_info: vLLM's tokenizer endpoints.
 
-/tokenize takes a completion-style `prompt` or chat `messages` (rendered with the chat template, as
-chat completions render them) and returns the token ids, their count and max_model_len; `model`
+/tokenize takes a completion-style `prompt` or chat `messages` (and `tools`, rendered with the chat
+template as chat completions render them) and returns the token ids, their count and max_model_len; `model`
 resolves as for generation (an adapter shares the base tokenizer). /detokenize returns the text of
 token ids. /tokenizer_info (with --enable-tokenizer-info-endpoint) returns the tokenizer's
 configuration without file paths.
@@ -18,11 +18,13 @@ from pydantic import Field, StrictBool, model_validator
 from loraserve.entrypoints.openai.serving.errors import APIError
 from loraserve.entrypoints.openai.serving.protocol import (
     ChatCompletionRequest,
+    ChatCompletionToolsParam,
     ChatMessage,
     OpenAIBaseModel,
     TokenId,
 )
 from loraserve.entrypoints.openai.serving.serving_chat import OpenAIServingChat
+from loraserve.entrypoints.openai.serving.tool_request import template_tools
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -42,6 +44,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None  # rendered by the template, as chat renders them
 
     @model_validator(mode="before")
     @classmethod
@@ -81,13 +84,11 @@ class OpenAIServingTokenization:
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         chat = self.chat
         await self._resolve(request.model)
-        if (request.model_extra or {}).get("tools"):
-            raise APIError("tools are not supported by this server.", HTTPStatus.BAD_REQUEST, "tools")
         if isinstance(request, TokenizeChatRequest):
             rendered = ChatCompletionRequest.model_validate(
                 request.model_dump(exclude={"add_special_tokens", "return_token_strs"}, exclude_none=True)
             )
-            text = await chat.in_tokenizer_thread(chat._render, rendered)
+            text = await chat.in_tokenizer_thread(chat._render, rendered, template_tools(request.tools))
             ids = await chat.encode(text, add_special_tokens=request.add_special_tokens, param="messages")
         else:
             ids = await chat.encode(request.prompt, add_special_tokens=request.add_special_tokens)

@@ -9,7 +9,8 @@ include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
 return_tokens_as_token_ids, chat_template, chat_template_kwargs, add_generation_prompt, echo,
 prompt_logprobs, truncate_prompt_tokens, continue_final_message, documents, request_id,
 return_token_ids, response_format, structured_outputs and the guided_* fields, logit_bias,
-allowed_token_ids and bad_words; priority and cache_salt are checked by the serving layer) are declared in
+allowed_token_ids, bad_words, tools, tool_choice and parallel_tool_calls; priority and cache_salt are
+checked by the serving layer) are declared in
 `protocol.py` and never reach this table.
 """
 
@@ -47,8 +48,6 @@ EXTRAS: dict[str, Extra] = {
     ),
     "mm_processor_kwargs": Extra("multimodal inputs are not supported"),
     "media_io_kwargs": Extra("multimodal inputs are not supported"),
-    "tool_choice": Extra("tool calling is not supported", (None, "none")),
-    "parallel_tool_calls": Extra("tool calling is not supported", (None, False, True)),
     "reasoning_effort": Extra("reasoning parsers are not supported"),
     "include_reasoning": Extra("reasoning parsers are not supported", (None, True)),
 }
