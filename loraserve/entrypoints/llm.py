@@ -102,8 +102,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate. `tools` (OpenAI's
+        tool definitions) reach the template as transformers' `apply_chat_template(tools=...)` takes them,
+        as in vLLM's `LLM.chat`; the output is the model's text (a grammar in `sampling_params` can
+        force calls, as the server's `tool_choice: "required"` does)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         prompts: list[PromptInput] = []
@@ -114,6 +119,8 @@ class LLM:
                 tokenize=True,
                 chat_template=chat_template,
                 return_dict=False,
+                tools=tools,
+                **(chat_template_kwargs or {}),
             )
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, lora_request, use_tqdm)
