@@ -32,8 +32,9 @@ def _hf_greedy(hf: Any, prompt: list[int], num_new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_and_logprobs_match_transformers(arch: str, tiny_model: Any, hf_model: Any,
-                                                linear_backend: str) -> None:
+def test_greedy_and_logprobs_match_transformers(
+    arch: str, tiny_model: Any, hf_model: Any, linear_backend: str
+) -> None:
     path = tiny_model(arch)
     hf = hf_model(path)
     llm = LLM(path, dtype="float32", max_num_batched_tokens=64)
@@ -154,21 +155,54 @@ def test_chat_template(llama_path: str) -> None:
     assert out.prompt_token_ids == llm.get_tokenizer().encode(expected)
 
 
+def test_chat_passes_tools_and_kwargs_to_the_template(llama_path: str) -> None:
+    llm = LLM(llama_path, dtype="float32")
+    messages = [{"role": "user", "content": "hello"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    template = (
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ flavour }}{{ messages[0].content }}"
+    )
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = llm.chat(
+        messages,
+        params,
+        use_tqdm=False,
+        chat_template=template,
+        tools=tools,
+        chat_template_kwargs={"flavour": "<x>"},
+    )[0]
+    expected = llm.get_tokenizer().apply_chat_template(
+        messages, chat_template=template, tools=tools, flavour="<x>", tokenize=False
+    )
+    assert expected.startswith("[get_weather]<x>")
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(expected)
+
+
 def test_prompt_logprobs_survive_preemption(llama_path: str) -> None:
     prompts = _prompts(512, lengths=(20, 30, 9, 17))  # 12 blocks at admission, 22 by the end
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
-    ref = LLM(llama_path, dtype="float32").generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                   use_tqdm=False)
-    tight = LLM(llama_path, dtype="float32", block_size=8, num_kv_blocks=12, max_model_len=96,
-                enable_prefix_caching=False)
+    ref = LLM(llama_path, dtype="float32").generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    tight = LLM(
+        llama_path,
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=12,
+        max_model_len=96,
+        enable_prefix_caching=False,
+    )
     outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     for prompt, a, b in zip(prompts, ref, outs):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert len(b.prompt_logprobs) == len(prompt)
         for pos in range(1, len(prompt)):
-            assert math.isclose(b.prompt_logprobs[pos][prompt[pos]].logprob,
-                                a.prompt_logprobs[pos][prompt[pos]].logprob, abs_tol=1e-5)
+            assert math.isclose(
+                b.prompt_logprobs[pos][prompt[pos]].logprob,
+                a.prompt_logprobs[pos][prompt[pos]].logprob,
+                abs_tol=1e-5,
+            )
 
 
 def test_generation_config_eos_ids_stop(llama_path: str, tmp_path: Any) -> None:
@@ -188,13 +222,19 @@ def test_generation_config_eos_ids_stop(llama_path: str, tmp_path: Any) -> None:
 
 def test_stream_never_shows_a_partial_stop_string(llama_path: str) -> None:
     llm = LLM(llama_path, dtype="float32")
-    free = llm.generate("The quick", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].text
+    free = (
+        llm.generate(
+            "The quick", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     stop = free[4:9]
     assert len(stop) == 5
     engine = llm.engine
-    engine.add_request("s", "The quick", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                                                         stop=[stop]))
+    engine.add_request(
+        "s", "The quick", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])
+    )
     texts = []
     while engine.has_unfinished_requests():
         texts += [o.outputs[0].text for o in engine.step()]

@@ -88,7 +88,9 @@ def chat_ids(tokenizer: Any, question: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def assert_teacher_forced(oracle: dict[str, Any], adapter: str | None, prompt: list[int], output: Any) -> None:
+def assert_teacher_forced(
+    oracle: dict[str, Any], adapter: str | None, prompt: list[int], output: Any
+) -> None:
     """Each token is the oracle's argmax for its prefix and its logprob is the oracle's."""
     tokens = list(output.token_ids)
     logprobs = [entry[token].logprob for token, entry in zip(tokens, output.logprobs, strict=True)]
@@ -112,7 +114,10 @@ def test_mixed_adapter_batch_equals_peft(llm: LLM, oracle: dict[str, Any]) -> No
     jobs = [(question, lora) for question in QUESTIONS[:3] for lora in loras]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
     outputs = llm.chat(
-        [[{"role": "user", "content": q}] for q, _ in jobs], params, [lora for _, lora in jobs], use_tqdm=False
+        [[{"role": "user", "content": q}] for q, _ in jobs],
+        params,
+        [lora for _, lora in jobs],
+        use_tqdm=False,
     )
     texts: dict[str | None, list[str]] = {}
     for (question, lora), output in zip(jobs, outputs, strict=True):
@@ -120,6 +125,23 @@ def test_mixed_adapter_batch_equals_peft(llm: LLM, oracle: dict[str, Any]) -> No
         assert_teacher_forced(oracle, name, chat_ids(oracle["tokenizer"], question), output.outputs[0])
         texts.setdefault(name, []).append(output.outputs[0].text)
     assert texts[None] != texts["attn"] and texts[None] != texts["top"]  # each adapter changes the answer
+
+
+def test_demo_structured_batch_parses(llm: LLM) -> None:
+    """The demo's JSON-schema and tool_choice=required answers parse (the real model, within 48 tokens; the
+    test adapters here are random, so adapters with grammars are tested in the server's structured tests)."""
+    import jsonschema
+
+    from loraserve.demo.structured import CITY_SCHEMA, run_structured
+
+    lines = run_structured(llm, None, max_tokens=48)
+    answers = [line.split("] ", 1)[1] for line in lines if line.startswith("  [")]
+    assert len(answers) == 4, lines
+    for answer in answers[:2]:
+        jsonschema.validate(json.loads(answer), CITY_SCHEMA)
+    for answer in answers[2:]:
+        name, _, arguments = answer.partition("(")
+        assert name == "get_weather" and set(json.loads(arguments[:-1])) == {"city", "unit"}
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +163,13 @@ MULTIBYTE_QUESTIONS = ["How do you say 'thank you' in Japanese?", "Give me three
 def test_streamed_multibyte_text_and_stop_strings(server: Any, question: str) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     messages = [{"role": "user", "content": question}]
-    full = client.chat.completions.create(
-        model=SERVED_MODEL_NAME, messages=messages, max_tokens=40, temperature=0
-    ).choices[0].message.content
+    full = (
+        client.chat.completions.create(
+            model=SERVED_MODEL_NAME, messages=messages, max_tokens=40, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
     assert full and any(ord(ch) > 127 for ch in full), f"expected non-ASCII text, got {full!r}"
     assert "\ufffd" not in full
     assert _streamed(client, messages, None) == full  # pieces of multi-byte characters never leak
@@ -167,12 +193,18 @@ def _streamed(client: openai.OpenAI, messages: list[dict[str, str]], stop: list[
 
 def test_concurrent_streams_of_real_text_do_not_mix(server: Any) -> None:
     async def stream(question: str) -> str:
-        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": question}],
-                "max_tokens": 16, "temperature": 0, "stream": True}
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 16,
+            "temperature": 0,
+            "stream": True,
+        }
         text = ""
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http, http.stream(
-            "POST", "/v1/chat/completions", json=body
-        ) as response:
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=120) as http,
+            http.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     choices = json.loads(line[6:])["choices"]
