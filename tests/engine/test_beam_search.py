@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.beam_reference import hf_beams
 
 from loraserve import LLM, BeamSearchParams, LoRARequest
 from loraserve.beam_search import beam_score
@@ -26,37 +27,6 @@ SETTINGS = [(1.0, False), (0.5, True), (2.0, "never"), (-1.0, False), (1.5, True
 def _prompts(vocab_size: int, lengths: tuple[int, ...] = (3, 17, 9, 30, 5), seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
-
-
-def _hf_beams(
-    model: Any,
-    prompt: list[int],
-    width: int,
-    num_new: int,
-    length_penalty: float,
-    early_stopping: bool | str,
-    eos_ids: list[int],
-) -> list[tuple[list[int], float]]:
-    """transformers' returned beams (generated ids up to their eos) and sequences_scores."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        num_beams=width,
-        num_return_sequences=width,
-        do_sample=False,
-        max_new_tokens=num_new,
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        eos_token_id=eos_ids,
-    )
-    beams = []
-    for i in range(width):
-        ids = out.sequences[i, len(prompt) :].tolist()
-        ends = [ids.index(e) for e in eos_ids if e in ids]
-        beams.append((ids[: min(ends) + 1] if ends else ids, out.sequences_scores[i].item()))
-    return beams
 
 
 def _assert_same_beams(
@@ -109,7 +79,7 @@ def test_beams_and_scores_equal_transformers(
         )
         outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
         for prompt, out in zip(prompts, outs, strict=True):
-            ref = _hf_beams(hf, prompt, WIDTH, NUM_NEW, length_penalty, early_stopping, eos_ids)
+            ref = hf_beams(hf, prompt, WIDTH, NUM_NEW, length_penalty, early_stopping, eos_ids)
             _assert_same_beams(out, prompt, ref, length_penalty)
             finished_by_stop += sum(s.finish_reason == "stop" for s in out.sequences)
     assert finished_by_stop > 0  # the early-stopping rules were exercised, not only max_tokens
@@ -159,7 +129,7 @@ def test_beam_search_runs_beside_sampling_requests(llama: str, hf_model: Any) ->
         done.update({o.request_id: o for o in engine.step() if o.finished})
     for i, p in enumerate(prompts):
         assert done[f"g{i}"].outputs[0].token_ids == alone[i].outputs[0].token_ids
-        ref = _hf_beams(hf, p, WIDTH, NUM_NEW, 1.0, False, [hf.generation_config.eos_token_id])
+        ref = hf_beams(hf, p, WIDTH, NUM_NEW, 1.0, False, [hf.generation_config.eos_token_id])
         assert [o.token_ids for o in done[f"b{i}"].outputs] == [ids for ids, _ in ref]
 
 
@@ -223,9 +193,9 @@ def test_adapter_beams_equal_peft(llama: str, hf_model: Any, tmp_path: Any) -> N
     for (prompt, lora), out in zip(cases, outs, strict=True):
         if lora is None:
             with peft.disable_adapter():
-                ref = _hf_beams(peft, prompt, WIDTH, NUM_NEW, 0.7, False, eos)
+                ref = hf_beams(peft, prompt, WIDTH, NUM_NEW, 0.7, False, eos)
         else:
             peft.set_adapter(lora.lora_name)
-            ref = _hf_beams(peft, prompt, WIDTH, NUM_NEW, 0.7, False, eos)
+            ref = hf_beams(peft, prompt, WIDTH, NUM_NEW, 0.7, False, eos)
         _assert_same_beams(out, prompt, ref, 0.7)
         assert all(seq.lora_request is lora for seq in out.sequences)

@@ -12,6 +12,7 @@ from http import HTTPStatus
 from typing import Any
 
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
+from loraserve.entrypoints.openai.serving.beam_request import num_choices
 from loraserve.entrypoints.openai.serving.chat_roles import allowed_roles, check_roles, templates_of
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError
@@ -258,7 +259,7 @@ class OpenAIServingChat(OpenAIServing):
         running = usage(len(job.prompt.prompt_ids), 0, None, False) if continuous else None
         echo = self._echo(job)
         lines = []
-        for i in range(job.prompt.sampling_params.n):
+        for i in range(num_choices(job.prompt.sampling_params)):
             role = ChatStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))
             lines.append(self._chunk(job, [role], running, ids if i == 0 else None))
             if echo:

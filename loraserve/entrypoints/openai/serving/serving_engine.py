@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
+from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.admission import check_request_size
 from loraserve.engine.fair_admission import AdmissionHold
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
 from loraserve.entrypoints.openai.metrics.vllm_metrics import FinishedRequest
+from loraserve.entrypoints.openai.serving.beam_request import beam_search_params, check_beam_fields
 from loraserve.entrypoints.openai.serving.client_identity import current_client
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError, api_error_from_exception
@@ -46,7 +48,7 @@ T = TypeVar("T")
 class EnginePrompt:
     request_id: str
     prompt_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | BeamSearchParams  # BeamSearchParams: use_beam_search
     priority: int = 0  # vLLM's, with --scheduling-policy priority
     cache_salt: str | None = None  # vLLM's: this request's prefix-cache blocks are keyed by it too
 
@@ -114,6 +116,7 @@ class OpenAIServing:
                 "logit_bias is not supported by this server.", HTTPStatus.BAD_REQUEST, "logit_bias"
             )
         check_vllm_fields(request)
+        check_beam_fields(request)
         policy = getattr(self.engine.scheduler_config, "scheduling_policy", "fcfs")
         if request.priority != 0 and policy != "priority":  # vLLM's text
             raise APIError(
@@ -201,9 +204,13 @@ class OpenAIServing:
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
-    ) -> SamplingParams:
+    ) -> SamplingParams | BeamSearchParams:
         """SamplingParams from the request (unset fields: the generation config's defaults, else vLLM's);
-        its ValueErrors (which name the field) become 400s."""
+        its ValueErrors (which name the field) become 400s. BeamSearchParams with use_beam_search."""
+        if request.stop_token_ids:
+            self.check_token_ids(request.stop_token_ids, "stop_token_ids")
+        if request.use_beam_search:
+            return beam_search_params(request, max_tokens)
         default = self.engine.model_config.sampling_defaults
         values: dict[str, Any] = dict(
             n=request.n,
@@ -231,8 +238,6 @@ class OpenAIServing:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             structured_outputs=structured_outputs_of(request),
         )
-        if request.stop_token_ids:
-            self.check_token_ids(request.stop_token_ids, "stop_token_ids")
         return SamplingParams(**values)
 
     def check_request_size(self, prompts: list[EnginePrompt]) -> None:
