@@ -199,3 +199,16 @@ def test_adapter_beams_equal_peft(llama: str, hf_model: Any, tmp_path: Any) -> N
             ref = hf_beams(peft, prompt, WIDTH, NUM_NEW, 0.7, False, eos)
         _assert_same_beams(out, prompt, ref, 0.7)
         assert all(seq.lora_request is lora for seq in out.sequences)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3", "gpt2", "gpt_neox"])
+def test_other_architectures_equal_transformers(arch: str, tiny_model: Any, hf_model: Any) -> None:
+    """Sliding windows, q/k norms, GPT-2's layout and the transformers backend: copies of shared blocks
+    and forks are the engine's, whatever the model."""
+    path = tiny_model(arch)
+    hf = hf_model(path)
+    llm = LLM(path, dtype="float32")
+    prompts = _prompts(hf.config.vocab_size, lengths=(13, 6))
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(WIDTH, 10))
+    for prompt, out in zip(prompts, outs, strict=True):
+        _assert_same_beams(out, prompt, hf_beams(hf, prompt, WIDTH, 10), 1.0)

@@ -18,6 +18,7 @@ def hf_beams(
 ) -> list[tuple[list[int], float]]:
     """(generated ids up to and including their eos, sequences_score) of each returned beam, best first."""
     eos = eos_ids if eos_ids is not None else [model.generation_config.eos_token_id]
+    eos = [e for e in eos if e is not None]  # a model without eos: beams end at max_new_tokens
     out = model.generate(
         torch.tensor([prompt]),
         num_beams=width,
@@ -29,7 +30,7 @@ def hf_beams(
         output_scores=True,
         return_dict_in_generate=True,
         pad_token_id=0,
-        eos_token_id=eos,
+        eos_token_id=eos or None,
     )
     beams = []
     for i in range(width):
