@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import openai
 import pytest
 
 from loraserve.entrypoints.openai.serving.vllm_extras import EXTRAS
