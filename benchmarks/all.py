@@ -6,7 +6,8 @@ distinct adapters (max_loras 16) against the base, PEFT's mixed batch, and the c
 token; the decode step at long contexts against transformers; a live server under a Zipf trace
 over 1000 adapters against 8; the throughput curve over distinct adapters; the host adapter cache's
 hit rate on a random trace over 12 adapters with 8 cached (a tiny model); structured outputs on
-SmolLM2 (32 JSON-schema requests against 32 unconstrained, a new schema's compile). Prints one table with
+SmolLM2 (32 JSON-schema requests against 32 unconstrained, a new schema's compile); beam search
+(width 4, 16 prompts) against transformers' generate(num_beams=4). Prints one table with
 each ratio beside its target, saves benchmarks/results/all.json and draws the README's plot.
 Usage: python -m benchmarks.all [--dtype auto] [--threads N] [--quick] [--skip-server] [--plot PATH]
   [--with-admission]  (also the admission-wait rows of benchmarks.admission_wait: three more servers)
@@ -23,6 +24,7 @@ import torch
 
 from benchmarks.adapter_curve import adapter_curve
 from benchmarks.admission_wait import MODES, AdmissionShape, print_admission_wait, run_admission_wait
+from benchmarks.beam_search import run_beam_search
 from benchmarks.common import (
     build_adapters,
     build_model,
@@ -139,6 +141,8 @@ def main() -> None:
     structured = results["structured_output"] = run_structured_output(16 if args.quick else 48)
     results["ratios"]["json_schema / unconstrained (SmolLM2)"] = structured["constrained_over_unconstrained"]
     results["ratios"]["new schema's compile (ms, 49k vocab)"] = structured["first_request_compile_ms"]
+    beams = results["beam_search"] = run_beam_search(dtype, 16 if args.quick else 32)
+    results["ratios"]["beam search W=4 / transformers num_beams=4"] = beams["loraserve_over_transformers"]
     contexts = [128, 1024] if args.quick else [128, 1024, 2048]
     results["long_context"] = run_long_context(model_for(contexts), dtype, contexts)
     results["adapters"] = adapter_curve(build_model(), dtype)

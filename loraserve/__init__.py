@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "LoRARequest",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from loraserve.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":
+        from loraserve.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "LoRARequest":
         from loraserve.lora.request import LoRARequest
 

@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.fair_admission import AdmissionHold, FairAdmission
 from loraserve.engine.heap_trim import HeapTrimmer
@@ -180,7 +181,7 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt: str | list[int] | dict[str, Any],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,

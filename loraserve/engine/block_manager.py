@@ -134,6 +134,33 @@ class BlockManager:
                 self.cached[h] = block
                 self.hash_of[block] = h
 
+    def fork(self, parent: Sequence, child_seq_id: int) -> list[int]:
+        """A beam forked from `parent`: it holds the same blocks (one more reference each; the last,
+        partial one is copied when either writes to it, `copy_on_write`) and continues its prefix-cache
+        chain; returns the child's block table."""
+        for block in parent.block_ids:
+            self.ref_counts[block] += 1
+        self.seq_hashes[child_seq_id] = list(self.seq_hashes.get(parent.seq_id, []))
+        return list(parent.block_ids)
+
+    def shared_write_block(self, seq: Sequence) -> int | None:
+        """The index in `seq.block_ids` of the partial block its next computed token is written into,
+        when another sequence (a sibling beam) holds that block too; else None."""
+        if seq.num_computed_tokens % self.block_size == 0:
+            return None  # the next token starts a new block of its own
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_ids) and self.ref_counts[seq.block_ids[i]] > 1:
+            return i
+        return None
+
+    def copy_on_write(self, block: int) -> int:
+        """A private block to hold a copy of the shared `block` (the caller copies the KV and records
+        it in place of `block`, which loses one reference but stays held by its other sequences)."""
+        if self.num_free_blocks == 0:
+            raise RuntimeError("no free KV block for a copy on write")
+        self.ref_counts[block] -= 1
+        return self._take_block()
+
     def free(self, seq: Sequence) -> None:
         """Release a finished or preempted sequence's blocks (cached ones stay reusable); the caller
         then forgets them."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loraserve.beam_search import BeamSearchParams
 from loraserve.config import EngineConfig
 from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
@@ -25,7 +26,7 @@ from loraserve.engine.engine_stats import engine_stats, residency_levels
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.scheduler import SampledToken, ScheduledSeq, Scheduler
-from loraserve.engine.sequence import CacheSalt, Request, RequestSalt, Sequence
+from loraserve.engine.sequence import BeamGroup, CacheSalt, Request, RequestSalt, Sequence
 from loraserve.engine.step_failures import StepFailures, request_error
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.errors import LoRAAdapterError
@@ -63,11 +64,13 @@ class LLMEngine:
             self.lora = LoRAManager(self.model, config.lora, config.model.dtype, config.device)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self._seq_counter = itertools.count()  # the scheduler draws forked beams' ids from it too
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,
             config.lora.max_loras if config.lora else None,
             self.lora.can_activate if self.lora is not None else None,
+            self._seq_counter,
         )
         self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.runner = ModelRunner(
@@ -85,7 +88,6 @@ class LLMEngine:
         self.step_failures = StepFailures()
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
             self.lora.follow_demand(self.scheduler.adapters_in_demand)
-        self._seq_counter = itertools.count()
         logger.info(
             "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",
             config.model.model, type(self.model).__name__, config.model.dtype, config.device,
@@ -117,7 +119,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         lora_request: LoRARequest | None = None,
         arrival_time: float | None = None,
         group_id: str | None = None,
@@ -125,16 +127,19 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request. Raises ValueError (bad prompt/params), LoRAAdapterError, or
         EngineOverloadedError (the queue is full: retry later). A dict prompt may carry vLLM's
-        `cache_salt`; `priority` needs scheduling_policy "priority"."""
+        `cache_salt`; `priority` needs scheduling_policy "priority". `BeamSearchParams` make it a
+        beam search (its one output, at the end, holds the best beams)."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":  # vLLM's text
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam, params = self._beam_group(params, len(prompt_ids))
         params = self._sampling_params(params, len(prompt_ids))
-        check_admission(
-            self.config.scheduler, self.scheduler.queue_load(), params.n, params.n * len(prompt_ids)
-        )
+        width = beam.width if beam is not None else params.n
+        check_admission(self.config.scheduler, self.scheduler.queue_load(), width, width * len(prompt_ids))
         salt: CacheSalt | None = None
         if lora_request is not None:
             if self.lora is None:
@@ -158,6 +163,7 @@ class LLMEngine:
             salt,
             group_id=group_id,
             priority=priority,
+            beam=beam,
         )
         for i in range(params.n):
             request.seqs.append(self._new_sequence(request, i, grammar))
@@ -165,6 +171,18 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.add(seq)
         return request
+
+    def _beam_group(self, beam: BeamSearchParams, num_prompt_tokens: int) -> tuple[BeamGroup, SamplingParams]:
+        """A beam search's group state and the sampling params of its beams (greedy, no text of their
+        own: the output processor decodes the returned beams once)."""
+        max_tokens = min(beam.max_tokens, self.model_config.max_model_len - num_prompt_tokens)
+        user_stops = frozenset(beam.stop_token_ids)
+        stops: frozenset[int] = frozenset()
+        if not beam.ignore_eos:
+            eos = self.eos_ids.eos_token_id
+            stops = user_stops | set(self.eos_ids.extra_eos_ids) | ({eos} if eos is not None else set())
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        return BeamGroup(beam, max_tokens, stops, user_stops), params
 
     def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """Raise EngineOverloadedError (or RequestTooLargeError) unless a request of this size fits the
@@ -251,7 +269,11 @@ class LLMEngine:
             failed = self._fail_step(batch.scheduled, exc)
             self._finish_lora_removals()
             return failed
-        run = self.runner.run(batch.scheduled, None if masks is None else partial(self.structured.apply, masks))
+        run = self.runner.run(
+            batch.scheduled,
+            None if masks is None else partial(self.structured.apply, masks),
+            batch.block_copies,
+        )
         outputs: list[RequestOutput] = []
         try:
             outputs += self._fail_adapter_requests(run.failed)
@@ -259,8 +281,9 @@ class LLMEngine:
                 raise run.error
             if run.result is not None:
                 sampled = _stop_dead_ends(self.outputs.process(run.result, run.sampled), masks)
-                self.scheduler.update(run.scheduled, sampled)
+                searched = self.scheduler.update(run.scheduled, sampled, run.beams)
                 outputs += self._request_outputs(sampled)
+                outputs += self._beam_outputs(searched)
         except Exception as exc:
             outputs += self._fail_step(run.scheduled, exc)
         else:
@@ -324,6 +347,14 @@ class LLMEngine:
             outputs.append(self.outputs.build_output(request))
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+        return outputs
+
+    def _beam_outputs(self, searched: list[Request]) -> list[RequestOutput]:
+        """The one output of each beam search that ended this step; it leaves the table."""
+        outputs = []
+        for request in searched:
+            outputs.append(self.outputs.build_output(request))
+            self.requests.pop(request.request_id, None)
         return outputs
 
     # ---- adapters -------------------------------------------------------------------------------

@@ -19,9 +19,10 @@ from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
+from loraserve.engine.beam_group import beam_candidates
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from loraserve.engine.scheduler import ScheduledSeq
-from loraserve.engine.sequence import Sequence
+from loraserve.engine.sequence import BeamCandidates, Sequence
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
@@ -63,6 +64,7 @@ class StepRun:
     failed: dict[int, Exception] = field(default_factory=dict)
     result: StepResult | None = None  # None when nothing ran (every sequence's adapter failed)
     sampled: SamplerOutput = field(default_factory=_no_tokens)  # one token per result.sample_seqs
+    beams: list[BeamCandidates] = field(default_factory=list)  # the beam rows' top next tokens
     error: Exception | None = None
 
 
@@ -95,13 +97,21 @@ class ModelRunner:
             for _ in range(self.spec.num_layers)
         ]
 
-    def run(self, scheduled: list[ScheduledSeq], process_logits: LogitsProcessor | None = None) -> StepRun:
-        """Activate the adapters, run the model and sample. Never raises: what raised comes back as
-        `error`, with the sequences it takes down, so the caller fails exactly those requests.
+    def run(
+        self,
+        scheduled: list[ScheduledSeq],
+        process_logits: LogitsProcessor | None = None,
+        block_copies: list[tuple[int, int]] | None = None,
+    ) -> StepRun:
+        """Copy the KV blocks the scheduler asks for (beams' copy on write), activate the adapters, run
+        the model and sample; beam rows also get their top candidates. Never raises: what raised comes
+        back as `error`, with the sequences it takes down, so the caller fails exactly those requests.
         `process_logits(logits, sample_seqs)` edits the sample rows' logits in place before sampling
         (the grammar masks of structured outputs)."""
         step = StepRun(scheduled)
         try:
+            if block_copies:
+                self.copy_blocks(block_copies)
             lora_slots = None
             if self.lora is not None:
                 lora_slots, step.failed = self.lora.prepare_step(
@@ -112,12 +122,22 @@ class ModelRunner:
             if step.scheduled:
                 step.result = self.execute(step.scheduled, lora_slots)
                 step.sampled = self.sample(step.result, process_logits)
+                step.beams = beam_candidates(step.result.logits, step.result.sample_seqs)
         except Exception as exc:
             step.error = exc
         finally:
             if self.lora is not None:
                 self.lora.end_step()  # also after a failed step: no adapter stays marked in use
         return step
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """KV block `src` -> `dst` in every layer, in order (a later copy may read an earlier one's block)."""
+        size = self.block_size
+        for src, dst in copies:
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[dst * size : (dst + 1) * size] = k_cache[src * size : (src + 1) * size]
+                v_cache[dst * size : (dst + 1) * size] = v_cache[src * size : (src + 1) * size]
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], lora_slots: dict[int, int] | None) -> StepResult:

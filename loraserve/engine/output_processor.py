@@ -45,6 +45,8 @@ class OutputProcessor:
         self._record_prompt_logprobs(result.prompt_chunks)
         reports = []
         for i, seq in enumerate(result.sample_seqs):
+            if seq.request.beam is not None:  # a beam's token is its group's choice (Scheduler.update)
+                continue
             top = sampled.top_logprobs[i] if sampled.top_logprobs else None
             reports.append(self._report(seq, sampled.token_ids[i], sampled.logprobs[i], top))
         return reports
@@ -105,6 +107,25 @@ class OutputProcessor:
             entries = compute_prompt_logprobs(logits, targets, request.params.prompt_logprobs or 0)
             request.prompt_logprobs.extend(self.with_text(e) for e in entries)
 
+    def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
+        """A beam search's result: its best finished hypotheses, best first (none until it ends)."""
+        group = request.beam
+        assert group is not None
+        if not group.done:
+            return []
+        skip = group.params.skip_special_tokens
+        return [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(hyp.token_ids, skip_special_tokens=skip) if self.tokenizer else "",
+                token_ids=list(hyp.token_ids),
+                cumulative_logprob=hyp.cum_logprob,
+                finish_reason=hyp.finish_reason,
+                stop_reason=hyp.stop_reason,
+            )
+            for i, hyp in enumerate(group.finished[: group.params.num_returned])
+        ]
+
     @staticmethod
     def _visible_text(seq: Sequence) -> str:
         """Hold back a tail that may still become a stop string, so streams never show one."""
@@ -112,18 +133,22 @@ class OutputProcessor:
         return seq.output_text[:-hold] if hold > 0 else seq.output_text
 
     def build_output(self, request: Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=self._visible_text(seq),
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
+        outputs = (
+            self._beam_outputs(request)
+            if request.beam is not None
+            else [
+                CompletionOutput(
+                    index=seq.index,
+                    text=self._visible_text(seq),
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+                for seq in request.seqs
+            ]
+        )
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

@@ -25,15 +25,18 @@ sequences are kept in (priority, arrival) order, so the one preempted is the low
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from loraserve.config import SchedulerConfig
 from loraserve.engine.admission import QueueLoad
+from loraserve.engine.beam_group import apply_selection, select
 from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.sequence import Sequence, SequenceStatus
+from loraserve.engine.sequence import BeamCandidates, Request, Sequence, SequenceStatus
 from loraserve.outputs import PositionLogprobs
 
 MAX_LORA_BYPASS_STEPS = 8
@@ -62,6 +65,9 @@ class SampledToken:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (source, destination) KV blocks the runner copies before the forward: a beam about to write
+    # into a partial block it shares with a sibling gets its own copy first (copy on write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -75,6 +81,7 @@ class Scheduler:
         block_manager: BlockManager,
         max_loras: int | None,
         can_activate: Callable[[set[int]], bool] | None = None,
+        seq_ids: Iterator[int] | None = None,
     ) -> None:
         self.config = config
         self.blocks = block_manager
@@ -85,6 +92,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_steps = 0
+        self.seq_ids = seq_ids if seq_ids is not None else itertools.count()  # ids for forked beams
 
     def add(self, seq: Sequence) -> None:
         seq.waiting_since_step = self.num_steps
@@ -104,8 +112,15 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def update(self, scheduled: list[ScheduledSeq], sampled: list[SampledToken]) -> None:
-        """Apply a step that ran: computed tokens and their full blocks, then the sampled tokens."""
+    def update(
+        self,
+        scheduled: list[ScheduledSeq],
+        sampled: list[SampledToken],
+        beams: Sequence_[BeamCandidates] = (),
+    ) -> list[Request]:
+        """Apply a step that ran: computed tokens and their full blocks, then the sampled tokens, then
+        the beams' candidates (a group whose every live beam has them takes its round). Returns the
+        beam-search requests whose search ended."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.commit_computed(item.seq, item.seq.request.cache_salt)
@@ -113,6 +128,20 @@ class Scheduler:
             _append(token)
             if token.finish_reason is not None:
                 self.finish(token.seq, token.finish_reason, token.stop_reason)
+        ended = []
+        for request in dict.fromkeys(c.seq.request for c in beams if not c.seq.is_finished):
+            group = request.beam
+            assert group is not None
+            for cand in beams:
+                if cand.seq.request is request:
+                    group.pending[cand.seq.seq_id] = cand
+            if all(seq.seq_id in group.pending for seq in request.seqs):
+                apply_selection(
+                    request, select(group, request.seqs), self.blocks, self.running, self.finish, self.seq_ids
+                )
+                if group.done:
+                    ended.append(request)
+        return ended
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` (stop, length or abort) and free its blocks."""
@@ -146,7 +175,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self._allocate(seq, num_new):
+            if num_new == 0:  # a beam whose candidates wait for its group's other beams
+                i += 1
+                continue
+            while not self._allocate(seq, num_new, out.block_copies):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
@@ -161,6 +193,11 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        if seq.request.beam is not None:  # its candidates come again once it is recomputed
+            seq.request.beam.pending.pop(seq.seq_id, None)
+        if out.block_copies:
+            own = set(seq.block_ids)
+            out.block_copies = [(src, dst) for src, dst in out.block_copies if dst not in own]
         self._free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -307,10 +344,21 @@ class Scheduler:
         self._free(seq)
         seq.num_computed_tokens = 0
 
-    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        block_ids = self.blocks.allocate(seq, num_new_tokens)
-        if block_ids is None:
+    def _allocate(
+        self, seq: Sequence, num_new_tokens: int, copies: list[tuple[int, int]] | None = None
+    ) -> bool:
+        """Blocks for `num_new_tokens` more tokens, and a private copy of a shared partial block the
+        first of them goes into (recorded in `copies`); False, with nothing changed, if short."""
+        shared = self.blocks.shared_write_block(seq) if copies is not None else None
+        needed = self.blocks.blocks_needed(seq, num_new_tokens) + (shared is not None)
+        if needed > self.blocks.num_free_blocks:
             return False
+        if shared is not None and copies is not None:
+            source = seq.block_ids[shared]
+            seq.block_ids[shared] = self.blocks.copy_on_write(source)
+            copies.append((source, seq.block_ids[shared]))
+        block_ids = self.blocks.allocate(seq, num_new_tokens)
+        assert block_ids is not None
         seq.block_ids.extend(block_ids)
         return True
 

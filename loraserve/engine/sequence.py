@@ -15,6 +15,7 @@ import torch
 from loraserve.outputs import PositionLogprobs
 
 if TYPE_CHECKING:
+    from loraserve.beam_search import BeamSearchParams
     from loraserve.engine.detokenizer import IncrementalDetokenizer
     from loraserve.lora.request import LoRARequest
     from loraserve.sampling_params import SamplingParams
@@ -109,6 +110,51 @@ class Sequence:
         return self.detokenizer.output_text if self.detokenizer is not None else ""
 
 
+@dataclass(frozen=True, slots=True)
+class Hypothesis:
+    """A finished beam: its generated tokens (the stop token included), summed logprob and score."""
+
+    token_ids: list[int]
+    cum_logprob: float
+    score: float
+    finish_reason: str
+    stop_reason: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BeamCandidates:
+    """One beam's best next tokens this round: logprobs (descending) and their token ids."""
+
+    seq: Sequence
+    logprobs: list[float]
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class BeamGroup:
+    """A beam search's state (`engine/beam_group.py` runs it; the scheduler is its only writer). Its
+    live beams are the request's `seqs`, all of one length; `pending` collects this round's candidates
+    until every live beam has them."""
+
+    params: BeamSearchParams
+    max_tokens: int  # generated tokens at most (max_tokens, bounded by max_model_len)
+    stop_ids: frozenset[int]  # tokens that end a beam (eos, extra eos, stop_token_ids; none with ignore_eos)
+    user_stop_ids: frozenset[int] = frozenset()  # the request's own stop_token_ids (its stop_reason)
+    pending: dict[int, BeamCandidates] = field(default_factory=dict)  # seq id -> this round's candidates
+    finished: list[Hypothesis] = field(default_factory=list)  # best first, at most beam_width
+    done: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.params.beam_width
+
+    @property
+    def k(self) -> int:
+        """Candidates kept per round (transformers' beams_to_keep): enough that W beams can go on
+        even when every beam's best tokens end it."""
+        return max(2, 1 + len(self.stop_ids)) * self.width
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """A user request: one prompt, its sampling parameters, adapter, and n sequences.
@@ -131,6 +177,8 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
     first_scheduled_time: float | None = None  # time.time() of its first admission (queue time's end)
     priority: int = 0  # lower is served first under scheduling_policy "priority" (vLLM's)
+    # A beam search's group state (None: sampling). Its live beams are `seqs`; the scheduler owns both.
+    beam: BeamGroup | None = None
 
     @property
     def turn_key(self) -> str:

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
+from loraserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.tokenization import PromptInput
@@ -70,6 +71,32 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Seq[PromptInput],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the best `params.beam_width` beams of each prompt (a dict with
+        "prompt" or "prompt_token_ids", a string or token ids), best first. Every prompt's beams run
+        in the engine's shared batches; `concurrency_limit` (vLLM's) bounds how many prompts search
+        at once."""
+        prompt_list = [_prompt_input(p) for p in _as_list(prompts)]
+        lora_list = _aligned(lora_request, len(prompt_list), "lora_request") or [None] * len(prompt_list)
+        limit = concurrency_limit or len(prompt_list) or 1
+        outputs: list[RequestOutput] = []
+        for start in range(0, len(prompt_list), limit):
+            chunk = slice(start, start + limit)
+            outputs += self.generate(
+                prompt_list[chunk],
+                [params] * len(prompt_list[chunk]),  # type: ignore[list-item]
+                lora_list[chunk],
+                use_tqdm,
+            )
+        return [_beam_output(out, lora, self.get_tokenizer()) for out, lora in zip(outputs, lora_list)]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -167,3 +194,29 @@ def _aligned(value: Any, count: int, name: str) -> list[Any] | None:
             raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts.")
         return list(value)
     return [value] * count
+
+
+def _prompt_input(prompt: Any) -> PromptInput:
+    """vLLM's TextPrompt / TokensPrompt dicts, or a bare string or token list."""
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+        return str(prompt["prompt"])
+    return prompt  # type: ignore[no-any-return]
+
+
+def _beam_output(output: RequestOutput, lora: LoRARequest | None, tokenizer: Any) -> BeamSearchOutput:
+    """vLLM's result shape: each beam's tokens are the prompt's then its own, its text decodes them all."""
+    sequences = []
+    for beam in output.outputs:
+        tokens = [*output.prompt_token_ids, *beam.token_ids]
+        text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+        sequences.append(
+            BeamSearchSequence(
+                tokens=tokens,
+                lora_request=lora,
+                cum_logprob=beam.cumulative_logprob or 0.0,
+                text=text,
+                finish_reason=beam.finish_reason,
+                stop_reason=beam.stop_reason,
+            )
+        )
+    return BeamSearchOutput(sequences)

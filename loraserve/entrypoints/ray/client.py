@@ -22,6 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import RequestCancelledError
 
 from loraserve import envs
+from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.fair_admission import AdmissionHold, unlimited_hold
 from loraserve.entrypoints.ray.deployment import ReplicaHello, ReplicaInfo
 from loraserve.entrypoints.ray.known_replicas import known_replica_ids
@@ -83,7 +84,7 @@ class ReplicaClient:
     async def generate(
         self,
         prompt: list[int] | dict[str, Any],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
 from loraserve.entrypoints.ray.replica_adapters import local_adapter
@@ -64,7 +65,7 @@ class EngineReplica:
     async def generate(
         self,
         prompt: list[int] | dict[str, Any],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,

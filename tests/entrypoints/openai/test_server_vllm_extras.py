@@ -8,16 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import openai
 import pytest
 
 from loraserve.entrypoints.openai.serving.vllm_extras import EXTRAS
 
 ASKING: dict[str, Any] = {
-    "use_beam_search": True,
-    "length_penalty": 0.5,
-    "early_stopping": True,
-    "best_of": 3,
     "logits_processors": ["my.module:Processor"],
     "kv_transfer_params": {"do_remote_prefill": True},
     "vllm_xargs": {"k": 1},
@@ -64,14 +59,3 @@ def test_off_values_and_new_openai_fields_are_accepted(server, path: str) -> Non
     off.update(length_penalty=1, store=False, metadata={"team": "x"}, spaces_between_special_tokens=False)
     response = server.http.post(path, json={**BODIES[path], **off})
     assert response.status_code == 200, response.text
-
-
-def test_beam_search_through_the_openai_client(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="use_beam_search is not supported"):
-        client.completions.create(
-            model="base",
-            prompt="hi",
-            max_tokens=2,
-            n=2,
-            extra_body={"use_beam_search": True, "length_penalty": 1.0},
-        )

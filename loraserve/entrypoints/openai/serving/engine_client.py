@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from loraserve.beam_search import BeamSearchParams
     from loraserve.config import LoRAConfig, SchedulerConfig
     from loraserve.engine.fair_admission import AdmissionHold
     from loraserve.lora.request import LoRARequest
@@ -65,7 +66,7 @@ class EngineClient(Protocol):
     def generate(
         self,
         prompt: list[int] | dict[str, Any],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,

@@ -98,6 +98,11 @@ class SamplingRequest(OpenAIBaseModel):
     return_token_ids: StrictBool | None = None  # prompt_token_ids and token_ids in the response
     request_id: str | None = None  # the response id's suffix (vLLM: "<prefix>-<request_id>")
     priority: StrictInt = 0  # lower runs first, with --scheduling-policy priority
+    # Beam search (beam_request.py): width n (best_of when larger), transformers' scoring and stopping.
+    use_beam_search: StrictBool = False
+    best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+    length_penalty: StrictFloat = 1.0
+    early_stopping: StrictBool | Literal["never"] = False
     cache_salt: str | None = None  # salts this request's prefix-cache keys
     # Structured outputs (structured_request.py maps them): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields.

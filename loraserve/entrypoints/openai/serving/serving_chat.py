@@ -7,13 +7,16 @@ Tools (`tool_request.py`) go to the template; the output is read for calls by th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from loraserve.beam_search import BeamSearchParams
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
+from loraserve.entrypoints.openai.serving.beam_request import num_choices
 from loraserve.entrypoints.openai.serving.chat_render import message_text, render_chat
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError
@@ -37,6 +40,7 @@ from loraserve.entrypoints.openai.serving.tool_output import (
     response_message,
 )
 from loraserve.entrypoints.openai.serving.tool_request import (
+    BEAM_WITH_FORCED_TOOLS,
     BOTH_CONSTRAINTS,
     NO_TOOLS,
     ToolPlan,
@@ -118,11 +122,16 @@ class OpenAIServingChat(OpenAIServing):
         bad_words = await self.bad_words_token_ids(request)
         params = self.sampling_params(request, max_tokens, num_top, request.prompt_logprobs, bad_words)
         if plan.structured is not None:  # "required" / a named function: the grammar writes the calls
+            if isinstance(params, BeamSearchParams):  # beams take no grammar (structured outputs are a 400 too)
+                raise APIError(BEAM_WITH_FORCED_TOOLS, HTTPStatus.BAD_REQUEST, "tool_choice")
             if params.structured_outputs is not None:
                 raise APIError(BOTH_CONSTRAINTS, HTTPStatus.BAD_REQUEST, "tool_choice")
             params.structured_outputs = plan.structured
         if not plan.skip_special_tokens:  # the parser's markers are special tokens (vLLM's adjust_request)
-            params.skip_special_tokens = False
+            if isinstance(params, BeamSearchParams):  # frozen
+                params = dataclasses.replace(params, skip_special_tokens=False)
+            else:
+                params.skip_special_tokens = False
         request_id = response_id("chatcmpl", request)
         prompt = EnginePrompt(
             engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt
@@ -244,7 +253,7 @@ class OpenAIServingChat(OpenAIServing):
         running = usage(len(job.prompt.prompt_ids), 0, None, False) if continuous else None
         echo = self._echo(job)
         lines = []
-        for i in range(job.prompt.sampling_params.n):
+        for i in range(num_choices(job.prompt.sampling_params)):
             role = ChatStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))
             lines.append(self._chunk(job, [role], running, ids if i == 0 else None))
             if echo:

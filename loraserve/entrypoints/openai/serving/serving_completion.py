@@ -63,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=true) an iterator of SSE lines whose first item waits for output."""
         job = await self._prepare(request)
-        if request.stream:
+        if request.stream and not request.use_beam_search:  # vLLM answers beam search in one body
             return self._stream(job, request.n)
         return await self._collect(job, request.n)
 

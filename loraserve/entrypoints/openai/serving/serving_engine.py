@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
+from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.admission import check_request_size
 from loraserve.engine.fair_admission import AdmissionHold
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
 from loraserve.entrypoints.openai.metrics.vllm_metrics import FinishedRequest
+from loraserve.entrypoints.openai.serving.beam_request import beam_search_params, check_beam_fields
 from loraserve.entrypoints.openai.serving.client_identity import current_client
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError, api_error_from_exception
@@ -47,7 +49,7 @@ T = TypeVar("T")
 class EnginePrompt:
     request_id: str
     prompt_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | BeamSearchParams  # BeamSearchParams: use_beam_search
     priority: int = 0  # vLLM's, with --scheduling-policy priority
     cache_salt: str | None = None  # vLLM's: this request's prefix-cache blocks are keyed by it too
 
@@ -111,6 +113,7 @@ class OpenAIServing:
 
     def check_request(self, request: SamplingRequest) -> None:
         check_vllm_fields(request)
+        check_beam_fields(request)
         policy = getattr(self.engine.scheduler_config, "scheduling_policy", "fcfs")
         if request.priority != 0 and policy != "priority":  # vLLM's text
             raise APIError(
@@ -207,10 +210,14 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         bad_words_token_ids: list[list[int]] | None = None,
-    ) -> SamplingParams:
+    ) -> SamplingParams | BeamSearchParams:
         """SamplingParams from the request (unset fields: the generation config's defaults, else vLLM's);
-        its ValueErrors (which name the field) become 400s. `bad_words_token_ids`: from
-        `bad_words_token_ids(request)`."""
+        its ValueErrors (which name the field) become 400s. BeamSearchParams with use_beam_search.
+        `bad_words_token_ids`: from `bad_words_token_ids(request)`."""
+        if request.stop_token_ids:
+            self.check_token_ids(request.stop_token_ids, "stop_token_ids")
+        if request.use_beam_search:
+            return beam_search_params(request, max_tokens)
         default = self.engine.model_config.sampling_defaults
         values: dict[str, Any] = dict(
             n=request.n,
@@ -242,8 +249,6 @@ class OpenAIServing:
             bad_words=request.bad_words or None,
             bad_words_token_ids=bad_words_token_ids,
         )
-        if request.stop_token_ids:
-            self.check_token_ids(request.stop_token_ids, "stop_token_ids")
         params = SamplingParams(**values)
         tokenizer_size = None if self.tokenizer is None else len(self.tokenizer)
         params.verify_token_ids(self.engine.model_config.vocab_size, tokenizer_size)  # before queueing

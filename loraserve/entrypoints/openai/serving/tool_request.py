@@ -33,6 +33,9 @@ from loraserve.structured_output.params import StructuredOutputsParams
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 _CORRECT_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 BOTH_CONSTRAINTS = "You can only either use constraints for structured outputs or tools, not both."
+BEAM_WITH_FORCED_TOOLS = (
+    'tool_choice "required" or a named function cannot be used with use_beam_search (beams take no grammar).'
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,9 @@
 
 The OpenAI-style models accept unknown fields (clients send new OpenAI fields all the time, and those
 are logged and ignored). vLLM's own extras are another matter: a client that sends
-`use_beam_search: true` or `logits_processors` expects a different result, so such a request gets a 400 that
+`logits_processors` expects a different result, so such a request gets a 400 that
 names the field. Each entry lists the values that mean "off" (vLLM's defaults), which are accepted.
-Fields loraserve honours (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+Fields loraserve honours (use_beam_search, best_of, length_penalty, early_stopping, top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
 return_tokens_as_token_ids, chat_template, chat_template_kwargs, add_generation_prompt, echo,
 prompt_logprobs, truncate_prompt_tokens, continue_final_message, documents, request_id,
@@ -33,10 +33,6 @@ class Extra:
 
 
 EXTRAS: dict[str, Extra] = {
-    "use_beam_search": Extra("beam search is not implemented; use temperature=0 or n > 1 sampling"),
-    "length_penalty": Extra("it only applies to beam search, which is not implemented", (*_OFF, 1.0, 1)),
-    "early_stopping": Extra("it only applies to beam search, which is not implemented"),
-    "best_of": Extra("best-of-n selection is not implemented; use n", (None, 1)),
     "logits_processors": Extra("custom logits processors are not supported"),
     "kv_transfer_params": Extra("KV transfer between instances is not implemented"),
     "vllm_xargs": Extra("no extra arguments are read"),
