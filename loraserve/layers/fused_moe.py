@@ -52,12 +52,12 @@ class ExpertLoRA(Protocol):
         stage: str,
         out: torch.Tensor,
         rows: torch.Tensor,
-        experts: torch.Tensor,
+        counts: list[int],
         tokens: torch.Tensor,
         batch: ForwardBatch,
     ) -> None:
-        """out[i] += the LoRA term of `stage` for expert experts[i] on rows[i], with the adapter of
-        token tokens[i] in the step's `batch`."""
+        """out[i] += the LoRA term of `stage` (GATE_UP or DOWN) on rows[i], rows sorted by expert
+        (counts[e] of them expert e's), with the adapter of token tokens[i] in the step's `batch`."""
 
 
 class FusedMoE(nn.Module):
@@ -117,18 +117,17 @@ class FusedMoE(nn.Module):
         num_tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        experts = flat.index_select(0, order)
         tokens = torch.div(order, top_k, rounding_mode="floor")
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x.index_select(0, tokens)
         gate_up = self._per_expert(rows, self.gate_up_proj, counts)
         lora = self.lora if batch is not None and batch.lora is not None and batch.lora.has_lora else None
         if lora is not None and batch is not None:
-            lora.add_term(GATE_UP, gate_up, rows, experts, tokens, batch)
+            lora.add_term(GATE_UP, gate_up, rows, counts, tokens, batch)
         hidden = silu_and_mul(gate_up)
         down = self._per_expert(hidden, self.down_proj, counts)
         if lora is not None and batch is not None:
-            lora.add_term(DOWN, down, hidden, experts, tokens, batch)
+            lora.add_term(DOWN, down, hidden, counts, tokens, batch)
         # The weights multiply in their own dtype (Mixtral's stay float32, as transformers keeps them).
         scaled = (down * weights.reshape(-1).index_select(0, order).unsqueeze(1)).to(x.dtype)
         out = torch.zeros(num_tokens, self.hidden_size, dtype=x.dtype, device=x.device)

@@ -16,25 +16,38 @@ from typing import Any
 import pytest
 import torch
 from support.tiny_moe import MOE_ARCHS, moe_config, save_fused_layout, save_tiny_moe
-from test_gemma import (
-    _check_bf16,
-    _check_exact,
-    _greedy,
-    _logprobs,
-    _params,
-    _prompts,
-)
+from test_gemma import BF16_FACTOR, BF16_FLOOR, _check_exact, _logprobs, _params, _prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraserve import LLM
+from loraserve.demo.random_model import save_peft_adapter
+from loraserve.errors import LoRAAdapterError
 from loraserve.layers import fused_moe
 from loraserve.layers.fused_moe import FusedMoE, route
+from loraserve.lora.ops import lora_cpu
+from loraserve.lora.request import LoRARequest
 
 NATIVE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+}
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+# Ranks 8, 4 and 16: attention and both expert tensors; q/v only (rsLoRA); o_proj, the down experts and
+# gate/up/down by module name: plain Linears in Qwen2-MoE's shared expert and dense layer, and on the
+# experts of the Qwen-MoE and OLMoE models PEFT moves them onto the fused tensors (gate_up at rank 32).
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "attn_experts_r8": dict(
+        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=EXPERTS
+    ),
+    "qv_rslora_r4": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
+    "down_experts_r16": dict(
+        r=16,
+        lora_alpha=16,
+        target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_parameters=["experts.down_proj"],
+    ),
 }
 
 
@@ -47,6 +60,63 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> 
         path = str(tmp_path_factory.mktemp(arch))
         models[arch] = (path, save_tiny_moe(path, arch, tokenizer_dir, vocab_size))
     return models
+
+
+@pytest.fixture(scope="module")
+def moe_adapters(
+    moe_models: dict[str, tuple[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, str]]:
+    """arch -> {adapter name: folder}, written by PEFT on the float32 HF model."""
+    out: dict[str, dict[str, str]] = {}
+    for arch, (path, hf) in moe_models.items():
+        root = tmp_path_factory.mktemp(f"{arch}-adapters")
+        out[arch] = {}
+        for i, (name, kwargs) in enumerate(ADAPTERS.items()):
+            out[arch][name] = str(root / name)
+            save_peft_adapter(hf, out[arch][name], seed=70 + i, base_name=path, **kwargs)
+    return out
+
+
+def _peft_reference(base_path: str, adapter: str | None) -> Any:
+    """PEFT serving one adapter (float32), or the base model. One PeftModel per adapter: PEFT wants
+    every adapter of one model with target_parameters to target the same tensors."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    return base if adapter is None else PeftModel.from_pretrained(base, adapter).eval()
+
+
+def _greedy(model: Any, prompt: list[int], num_new: int = 8) -> list[int]:
+    """Greedy tokens by full forwards (transformers' `generate` with min_new_tokens masks the EOS token,
+    which ignore_eos serving may pick, and its cached decode rounds otherwise than its full forward)."""
+    ids = list(prompt)
+    for _ in range(num_new):
+        ids.append(int(_logprobs(model, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def _check_bf16(out: Any, prompt: list[int], reference_of: Any, bf16_of: Any, what: str) -> None:
+    """test_gemma's bf16 check, allowing one routing flip per sequence: where a token's k-th and
+    (k+1)-th experts nearly tie, bf16 rounding (ours or transformers', each in other places) may swap
+    them, a jump in that token's output however close the rest is. So every token's logprob error and
+    generated-token gap stay within BF16_FACTOR times transformers' own worst bf16 error on the
+    sequence but at most one, and the median error within BF16_FACTOR times transformers' median."""
+    completion = out.outputs[0]
+    ids = prompt + list(completion.token_ids)
+    ours = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(prompt))]
+    ours += [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+    rows, nxt = torch.arange(len(ids) - 1), torch.tensor(ids[1:])
+    reference = reference_of(ids)[:-1]
+    theirs = reference[rows, nxt]
+    hf_errors = (bf16_of(ids)[:-1][rows, nxt] - theirs).abs()
+    tol = max(BF16_FLOOR, BF16_FACTOR * hf_errors.max().item())
+    errors = (torch.tensor(ours, dtype=torch.float32) - theirs).abs()
+    gaps = reference[len(prompt) - 1 :].max(-1).values - theirs[len(prompt) - 1 :]
+    median_tol = max(BF16_FLOOR, BF16_FACTOR * hf_errors.median().item())
+    assert int((errors > tol).sum()) + int((gaps > tol).sum()) <= 1, (
+        f"{what}: errors {errors.max():.4f}, gaps {gaps.max():.4f}, bound {tol:.4f}"
+    )
+    assert errors.median() <= median_tol, f"{what}: median error {errors.median():.4f} > {median_tol:.4f}"
 
 
 def _serve_and_check(path: str, hf: Any, dtype: str = "float32") -> None:
@@ -159,3 +229,121 @@ def test_routing_normalises_as_configured() -> None:
     renormed, _ = route(logits, 2, True, torch.bfloat16)
     assert renormed.dtype == torch.bfloat16
     torch.testing.assert_close(renormed.float(), probs[:, :2] / probs[:, :2].sum(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cpu_kernel", ["1", "0"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_mixed_batch_matches_peft(
+    arch: str,
+    cpu_kernel: str,
+    dtype: str,
+    moe_models: dict[str, tuple[str, Any]],
+    moe_adapters: dict[str, dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Base requests and three adapters of ranks 8, 4 and 16 (on attention, on the experts' stacked
+    tensors as PEFT's target_parameters trains them, on Qwen2-MoE's shared expert) interleaved in one
+    batch over two slots, the linears through the C LoRA kernel (its calls counted) or the torch ops,
+    against PEFT in float32."""
+    monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
+    kernel_dtypes = []
+    run = lora_cpu.run
+    monkeypatch.setattr(lora_cpu, "run", lambda *args: kernel_dtypes.append(args[0].dtype) or run(*args))
+    path, hf = moe_models[arch]
+    adapters = moe_adapters[arch]
+    prompts = _prompts(hf.config.vocab_size, seed=1)
+    llm = LLM(path, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=32, max_num_batched_tokens=32)
+    requests = {name: LoRARequest(name, i + 1, p) for i, (name, p) in enumerate(adapters.items())}
+    cases = [(name, i) for name in [None, *adapters] for i in range(len(prompts))]
+    cases = cases[::2] + cases[1::2]  # interleave adapters and base requests in one batch
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompts[i]} for _, i in cases],
+        _params(),
+        lora_request=[requests[n] if n else None for n, _ in cases],
+        use_tqdm=False,
+    )
+    served = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+    expected = {dtype} if cpu_kernel == "1" and lora_cpu.kernel_available() else set()
+    assert {served[d] for d in kernel_dtypes} == expected
+    references = {name: _peft_reference(path, adapters[name] if name else None) for name in [None, *adapters]}
+    for out, (name, i) in zip(outputs, cases):
+        peft = references[name]
+        if dtype == "float32":
+            _check_exact(out, prompts[i], _greedy(peft, prompts[i]), _logprobs(peft, prompts[i]))
+        else:
+            peft_bf16 = copy.deepcopy(peft).to(torch.bfloat16)
+            _check_bf16(
+                out,
+                prompts[i],
+                lambda ids, peft=peft: _logprobs(peft, ids),
+                lambda ids, peft_bf16=peft_bf16: _logprobs(peft_bf16, ids),
+                f"adapter {name}, prompt {i}",
+            )
+        if name is not None:  # each adapter moves its logprobs far beyond any bound above
+            moved = (_logprobs(peft, prompts[i]) - _logprobs(references[None], prompts[i])).abs().max().item()
+            assert moved > 1.0, f"adapter {name} hardly changes the model: {moved:.3f}"
+
+
+def test_expert_adapter_reaches_only_the_routed_tokens(
+    moe_models: dict[str, tuple[str, Any]], tmp_path: Any
+) -> None:
+    """An adapter on one expert of the last layer alone (the others' B zero) changes exactly the tokens
+    routed to it, in PEFT, and ours match PEFT's there and everywhere else."""
+    path, hf = moe_models["qwen3_moe"]
+    folder = str(tmp_path / "one_expert")
+    save_peft_adapter(
+        hf,
+        folder,
+        seed=5,
+        base_name=path,
+        r=4,
+        lora_alpha=8,
+        target_modules=[],
+        target_parameters=["experts.gate_up_proj"],
+        layers_to_transform=[1],
+    )
+    from safetensors.torch import load_file, save_file
+
+    file = f"{folder}/adapter_model.safetensors"
+    tensors = load_file(file)
+    num = hf.config.num_experts
+    for key, tensor in tensors.items():
+        if "lora_B" in key:  # columns j * E + e belong to expert e: keep expert 3's only
+            keep = torch.zeros(num, dtype=torch.bool)
+            keep[3] = True
+            tensor[:, ~keep.repeat(tensor.shape[1] // num)] = 0
+    save_file(tensors, file)
+    peft = _peft_reference(path, folder)
+    prompt = _prompts(hf.config.vocab_size)[-1]
+    with torch.no_grad():
+        captured: dict[str, Any] = {}
+        gate = hf.model.layers[1].mlp.gate
+        handle = gate.register_forward_hook(lambda m, i, o: captured.update(ids=o[2]))
+        hf(torch.tensor([prompt]))
+        handle.remove()
+    routed = (captured["ids"] == 3).any(-1)
+    moved = (_logprobs(peft, prompt) - _logprobs(hf, prompt)).abs().max(-1).values > 1e-6
+    # The adapted layer is the last one: a position's logits move exactly where its token went to expert 3.
+    assert routed.any() and not routed.all() and torch.equal(moved, routed)
+    llm = LLM(path, dtype="float32", enable_lora=True, max_lora_rank=4)
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}], _params(), lora_request=LoRARequest("one", 1, folder), use_tqdm=False
+    )[0]
+    _check_exact(out, prompt, _greedy(peft, prompt), _logprobs(peft, prompt))
+
+
+def test_expert_adapters_are_refused_where_no_experts_take_them(
+    moe_models: dict[str, tuple[str, Any]], moe_adapters: dict[str, dict[str, str]], tiny_model: Any
+) -> None:
+    """On a dense model an adapter's expert tensors are refused naming the module and the
+    architecture; with --lora-target-modules leaving out `experts` they are skipped."""
+    llm = LLM(tiny_model("llama"), dtype="float32", enable_lora=True, max_lora_rank=16)
+    adapter = moe_adapters["mixtral"]["attn_experts_r8"]
+    with pytest.raises(LoRAAdapterError, match=r"experts.*LlamaForCausalLM"):
+        llm.generate(
+            [{"prompt_token_ids": [5, 6, 7]}],
+            _params(),
+            lora_request=LoRARequest("x", 1, adapter),
+            use_tqdm=False,
+        )

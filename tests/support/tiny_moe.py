@@ -86,6 +86,10 @@ def save_tiny_moe(path: str, arch: str, tokenizer_dir: str, vocab_size: int, see
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(1.0, 0.3)
+            if name.endswith("mlp.gate.weight"):
+                # Trained routers are decisive; random ones at this width leave near-ties between experts
+                # that bf16 rounding (ours or transformers', each elsewhere) flips, a jump in the output.
+                param.mul_(4.0)
     model.save_pretrained(path)
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), path)
