@@ -61,7 +61,8 @@ class ExpertsWithLoRA:
                 raise ValueError(
                     f"{lora.module_name}.{stage}: LoRA with A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} "
                     f"does not fit {self.experts.num_experts} experts of in={fan_in}, out={fan_out}, "
-                    f"max_lora_rank={self.max_lora_rank}"
+                    f"max_lora_rank={self.max_lora_rank} (per-expert gate and up adapters stack to twice their "
+                    "rank on gate_up_proj, as in PEFT; a larger --max-lora-rank serves them)"
                 )
         for stage in self.shapes:
             self._zero(stage, slot)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from loraserve.layers.fused_moe import FusedMoE
+from loraserve.layers.fused_moe import EXPERT_LEAVES, FusedMoE
 from loraserve.layers.linear import Linear
 
 # Linear modules that never take LoRA: the vocab projection (served from the base model only).
@@ -85,11 +85,26 @@ class LoRATargets:
         return sorted(names | ({"experts"} if self.experts else set()))
 
     def expert_module(self, module_name: str) -> str | None:
-        """The experts module an adapter module name stands for, or None. PEFT nests one wrapper per
-        targeted expert tensor, so the inner ones are named `<experts>.base_layer[.base_layer...]`."""
+        """The experts module an adapter module name stands for, or None: PEFT's wrapper of the stacked
+        tensors (it nests one per targeted tensor, the inner ones named `<experts>.base_layer...`), or
+        one expert's module (`<experts>.<e>.w1`, Mixtral's under `block_sparse_moe`: `expert_part`)."""
         while module_name.endswith(".base_layer"):
             module_name = module_name[: -len(".base_layer")]
-        return module_name if module_name in self.experts else None
+        if module_name in self.experts:
+            return module_name
+        part = self.expert_part(module_name)
+        return part[0] if part is not None else None
+
+    def expert_part(self, module_name: str) -> tuple[str, int, str] | None:
+        """(experts module, expert, leaf) of a per-expert module name such as
+        `model.layers.0.block_sparse_moe.experts.3.w1` (older transformers' nn.Linear experts), or None."""
+        prefix, _, leaf = module_name.rpartition(".")
+        experts_name, _, index = prefix.rpartition(".")
+        experts_name = experts_name.replace(".block_sparse_moe.", ".mlp.")
+        experts = self.experts.get(experts_name)
+        if experts is None or leaf not in EXPERT_LEAVES or not index.isdigit():
+            return None
+        return (experts_name, int(index), leaf) if int(index) < experts.num_experts else None
 
     def max_adapter_bytes(self, max_rank: int) -> int:
         """The most bytes a weights file of a valid adapter of rank <= `max_rank` can hold: every
@@ -100,9 +115,9 @@ class LoRATargets:
         for name, module in self.modules.items():
             slices = num_slices.get(name, 1)
             elements += max_rank * (slices * module.in_features + module.out_features) + module.out_features
-        for experts in self.experts.values():  # gate_up (in H, out 2I) and down (in I, out H) per expert
+        for experts in self.experts.values():  # per expert: gate, up (H -> I) and down (I -> H) modules
             hidden, size = experts.hidden_size, experts.intermediate_size
-            elements += experts.num_experts * max_rank * (2 * hidden + 3 * size)
+            elements += experts.num_experts * max_rank * 3 * (hidden + size)
         return 8 * elements + FILE_SLACK_BYTES
 
     def locate(self, module_name: str) -> tuple[Linear, str | None, int]:
