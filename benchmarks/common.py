@@ -36,6 +36,13 @@ GEMMA_SHAPES: dict[str, dict[str, Any]] = {
                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                       query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768),
 }
+# OLMoE-1B-7B's layer shape (hidden 2048, 16 heads, 64 experts of 1024, 8 per token, its 50k vocabulary)
+# with 2 of its 16 layers, so that the random model fits in 2 GB of bf16.
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "olmoe-2l": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                     num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                     num_experts_per_tok=8, norm_topk_prob=False, max_position_embeddings=4096),
+}
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -66,6 +73,22 @@ def build_gemma_model(shape: str) -> str:
     from transformers import AutoConfig
 
     values = dict(GEMMA_SHAPES[shape])
+    path = os.path.join(bench_root(), shape)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tokenizer(tmp, vocab_size=512)
+        config = AutoConfig.for_model(values.pop("model_type"), bos_token_id=1, eos_token_id=2, **values)
+        save_random_model(tmp, config, seed=0, dtype=torch.bfloat16)
+        os.replace(tmp, path)
+    return path
+
+
+def build_moe_model(shape: str) -> str:
+    """A random model of one of `MOE_SHAPES` in bf16 (built once, cached), with the bench tokenizer."""
+    from transformers import AutoConfig
+
+    values = dict(MOE_SHAPES[shape])
     path = os.path.join(bench_root(), shape)
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = path + ".tmp"

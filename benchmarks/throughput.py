@@ -1,7 +1,7 @@
 """Base-model throughput: loraserve vs transformers `generate` on the same batch, in one run.
 
-SmolLM-135M-shaped random Llama (or `--shape gemma2-2b` / `gemma3-1b`: random models of those
-configs), 32 requests, greedy, fixed prompt and output lengths.
+SmolLM-135M-shaped random Llama (or `--shape gemma2-2b` / `gemma3-1b` / `olmoe-2l`: random models of
+those configs; the MoE one takes `--skip-ceiling`), 32 requests, greedy, fixed prompt and output lengths.
 Usage: python benchmarks/throughput.py [--shape smollm] [--num-requests 32] [--prompt-len 64] [--gen-len 64]
        [--dtype auto] [--repeats 3] [--skip-ceiling]
 """
@@ -16,9 +16,11 @@ import torch
 
 from benchmarks.common import (
     GEMMA_SHAPES,
+    MOE_SHAPES,
     TIMED_RUNS,
     build_gemma_model,
     build_model,
+    build_moe_model,
     interleaved_timed,
     print_table,
     random_prompts,
@@ -99,14 +101,18 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--shape", default="smollm", choices=["smollm", *GEMMA_SHAPES])
+    parser.add_argument("--shape", default="smollm", choices=["smollm", *GEMMA_SHAPES, *MOE_SHAPES])
     parser.add_argument("--repeats", type=int, default=TIMED_RUNS, help="timed runs per system (the best counts)")
     parser.add_argument("--skip-ceiling", action="store_true", help="leave out the linear-layers-only row")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
     dtype_name = str(dtype).replace("torch.", "")
-    path = build_model() if args.shape == "smollm" else build_gemma_model(args.shape)
-    vocab_size = 49152 if args.shape == "smollm" else GEMMA_SHAPES[args.shape]["vocab_size"]
+    shapes = {**GEMMA_SHAPES, **MOE_SHAPES}
+    if args.shape == "smollm":
+        path = build_model()
+    else:
+        path = build_moe_model(args.shape) if args.shape in MOE_SHAPES else build_gemma_model(args.shape)
+    vocab_size = 49152 if args.shape == "smollm" else shapes[args.shape]["vocab_size"]
     prompts = random_prompts(args.num_requests, args.prompt_len, vocab_size)
     print(f"{platform.processor() or platform.machine()}, torch threads={torch.get_num_threads()}, {dtype_name}, "
           f"{args.shape}, {args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated) tokens")

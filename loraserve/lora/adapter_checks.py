@@ -82,7 +82,11 @@ def group_keys(
 
 
 def check_supported(by_module: dict[str, ModuleTensors], targets: LoRATargets, name: str) -> None:
-    unsupported = sorted(m for m in by_module if m not in targets.modules and m not in targets.sub_modules)
+    unsupported = sorted(
+        m
+        for m in by_module
+        if m not in targets.modules and m not in targets.sub_modules and targets.expert_module(m) is None
+    )
     if unsupported:
         leaves = sorted({m.rpartition(".")[2] for m in unsupported})
         raise LoRAAdapterError(

@@ -25,7 +25,7 @@ _UNSUPPORTED_FIELDS: dict[str, str] = {
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
     "layer_replication": "layer replication",
     "trainable_token_indices": "trainable token embeddings",
-    "target_parameters": "LoRA on parameters (target_parameters)",
+    "target_parameters": "LoRA on parameters (target_parameters) other than MoE experts' gate_up_proj and down_proj",
     "arrow_config": "Arrow routing",
     "use_bdlora": "block-diagonal LoRA",
     "kasa_config": "KaSA",
@@ -43,9 +43,26 @@ def shown(value: Any) -> str:
     return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
 
 
+# target_parameters served: the stacked expert tensors of the native MoE models (lora/expert_checks.py),
+# by name or dotted suffix ("experts.down_proj"; PEFT writes bare "gate_up_proj" / "down_proj" when it
+# moved target_modules gate_proj/up_proj/down_proj onto transformers' fused experts).
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def _expert_parameters_only(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(p, str)
+        and (p in _EXPERT_PARAMETERS or p.endswith(tuple("." + e for e in _EXPERT_PARAMETERS)))
+        for p in value
+    )
+
+
 def check_unsupported_features(v: ConfigFields, config: dict[str, Any]) -> None:
     for field, feature in _UNSUPPORTED_FIELDS.items():
-        if config.get(field) not in (None, False, [], {}, ""):
+        value = config.get(field)
+        if field == "target_parameters" and _expert_parameters_only(value):
+            continue
+        if value not in (None, False, [], {}, ""):
             v.fail(field, f"{feature} is not supported")
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):

@@ -17,12 +17,14 @@ from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch, StepBinding
 from loraserve.config import LoRAConfig
+from loraserve.layers.fused_moe import FusedMoE
 from loraserve.layers.linear import Linear
 from loraserve.lora import ops
+from loraserve.lora.expert_layers import ExpertsWithLoRA, wrap_experts_for_lora
 from loraserve.lora.ops.block_writer import BlockWriter
 from loraserve.lora.ops.buffers import LoRABuffers
 from loraserve.lora.targets import lora_target_modules
-from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
+from loraserve.lora.weights import ExpertLoRAWeights, LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
 from loraserve.native import huge_pages
 
 
@@ -92,6 +94,8 @@ class LinearWithLoRA(Linear):
     def _slice_parts(self, lora: ModuleLoRA) -> list[LoRALayerWeights | None]:
         """The adapter's weights per output slice of this layer, each checked to fit."""
         offsets = self.slice_offsets()
+        if isinstance(lora, ExpertLoRAWeights):
+            raise ValueError(f"{lora.module_name}: expert LoRA weights for a linear layer")
         if isinstance(lora, PackedLoRALayerWeights):
             if len(lora.slices) != self.num_slices:
                 raise ValueError(
@@ -146,13 +150,17 @@ class LinearWithLoRA(Linear):
         return f"{super().extra_repr()}, max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}"
 
 
-def wrap_model_for_lora(model: nn.Module, lora_config: LoRAConfig) -> dict[str, LinearWithLoRA]:
+SlotLayer = LinearWithLoRA | ExpertsWithLoRA  # what holds an adapter's weights in slots
+
+
+def wrap_model_for_lora(model: nn.Module, lora_config: LoRAConfig) -> dict[str, SlotLayer]:
     """Replace every LoRA-capable `Linear` of the model (those `lora_config.target_modules` names, when
-    given) by a `LinearWithLoRA`, in place.
+    given) by a `LinearWithLoRA`, in place, and give every MoE layer's experts (unless
+    --lora-target-modules leaves out `experts`) an `ExpertsWithLoRA`.
 
     Idempotent: layers already wrapped are kept. Returns the wrapped layers by full module name.
     """
-    wrapped: dict[str, LinearWithLoRA] = {}
+    wrapped: dict[str, SlotLayer] = {}
     allowed = lora_config.target_modules
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     to_wrap: list[tuple[str, Linear]] = []
@@ -177,6 +185,11 @@ def wrap_model_for_lora(model: nn.Module, lora_config: LoRAConfig) -> dict[str, 
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, layer)
         wrapped[name] = layer
+    if allowed is None or "experts" in allowed:
+        experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+        wrapped.update(
+            wrap_experts_for_lora(experts, lora_config.max_loras, lora_config.max_lora_rank, lora_config.lora_dtype)
+        )
     return wrapped
 
 

@@ -1,7 +1,8 @@
 """`LoRAModel`: one adapter read from disk, validated against the base model, ready for slot upload.
 
 Everything is checked before the adapter is registered anywhere: the weights file (`checkpoint.py`),
-then every key, module, shape, rank and value (`adapter_checks.py`). Sub-module weights (q_proj,
+then every key, module, shape, rank and value (`adapter_checks.py`; an MoE layer's expert tensors:
+`expert_checks.py`). Sub-module weights (q_proj,
 k_proj, v_proj) are packed into the model's packed modules (qkv_proj). The model is seen only through
 its `LoRATargets`, built once per model; `adapter_read.read_adapter` is the whole read in order.
 """
@@ -20,6 +21,7 @@ from loraserve.errors import LoRAAdapterError
 from loraserve.lora.adapter_checks import ValueCheck, check_supported, group_keys, layer_weights
 from loraserve.lora.checkpoint import AdapterFile, read_adapter_file
 from loraserve.lora.digest import PendingDigest
+from loraserve.lora.expert_checks import expert_weights
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.targets import LoRATargets
@@ -127,14 +129,21 @@ def _build_loras(
     if not by_module:
         raise LoRAAdapterError(f"LoRA adapter '{name}' has no LoRA weights")
     check_supported(by_module, targets, name)
-    untargeted = sorted(
+    value_check = ValueCheck(bound, torch.finfo(dtype).max if dtype.is_floating_point else math.inf)
+    expert_groups = {m: by_module.pop(m) for m in list(by_module) if targets.expert_module(m) is not None}
+    loras: dict[str, ModuleLoRA] = {}
+    for experts_name, experts in expert_weights(
+        expert_groups, targets, peft_helper, name, value_check, dtype, device
+    ).items():
+        if targets.takes_lora(experts_name):
+            loras[experts_name] = experts
+    untargeted = sorted(  # expert tensors are targeted by target_parameters, not by module
         m for m, p in by_module.items() if p.lora_a is not None and not peft_helper.targets_module(m)
     )
     if untargeted:
         logger.warning(
             "LoRA adapter '%s' has weights for modules its config does not target: %s", name, untargeted
         )
-    loras: dict[str, ModuleLoRA] = {}
     packed: dict[str, list[LoRALayerWeights | None]] = {}
     skipped = []
     for module_name, parts in sorted(by_module.items()):
@@ -145,7 +154,7 @@ def _build_loras(
         offsets = base.slice_offsets() if packed_name else [0, base.out_features]
         weights = layer_weights(
             module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name,
-            ValueCheck(bound, torch.finfo(dtype).max if dtype.is_floating_point else math.inf),
+            value_check,
         )
         if weights.bias is not None and not peft_helper.bias_enabled:
             raise LoRAAdapterError(

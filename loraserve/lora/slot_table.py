@@ -13,7 +13,7 @@ import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from loraserve.lora.layers import LinearWithLoRA
+from loraserve.lora.layers import SlotLayer
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.lru import LRUCache
 from loraserve.lora.ops.block_writer import BlockWriter
@@ -31,7 +31,7 @@ class SlotCounters:
 
 
 class SlotTable:
-    def __init__(self, layers: Mapping[str, LinearWithLoRA], max_loras: int) -> None:
+    def __init__(self, layers: Mapping[str, SlotLayer], max_loras: int) -> None:
         self.layers = layers
         self.max_loras = max_loras
         self.counters = SlotCounters()

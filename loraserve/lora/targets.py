@@ -1,16 +1,18 @@
-"""Which modules of a model take LoRA: every `Linear` but the vocab projection, and the checkpoint
-names (q_proj, k_proj, ...) of the slices of its packed modules (qkv_proj, gate_up_proj). Built once
-per model (by the manager) and handed to every adapter read."""
+"""Which modules of a model take LoRA: every `Linear` but the vocab projection, the checkpoint names
+(q_proj, k_proj, ...) of the slices of its packed modules (qkv_proj, gate_up_proj), and the experts
+of its MoE layers (`FusedMoE`, which PEFT adapts through `target_parameters`). Built once per model
+(by the manager) and handed to every adapter read."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
+from loraserve.layers.fused_moe import EXPERT_LEAVES, FusedMoE
 from loraserve.layers.linear import Linear
 
 # Linear modules that never take LoRA: the vocab projection (served from the base model only).
@@ -29,12 +31,14 @@ class LoRATargets:
                  "model.layers.0.self_attn.k_proj" -> ("model.layers.0.self_attn.qkv_proj", 1).
     applied:     the modules that take LoRA when --lora-target-modules leaves some out (`restricted_to`);
                  None: all of them. An adapter's weights for the others are skipped, not refused.
+    experts:     full module name -> the experts of an MoE layer ("model.layers.0.mlp.experts").
     """
 
     modules: dict[str, Linear]
     sub_modules: dict[str, tuple[str, int]]
     applied: frozenset[str] | None = None
     architecture: str = ""  # the model's class (the HF one for the transformers backend), for errors
+    experts: dict[str, FusedMoE] = field(default_factory=dict)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> LoRATargets:
@@ -48,12 +52,14 @@ class LoRATargets:
                 for i, sub in enumerate(subs):
                     sub_modules[f"{prefix}.{sub}" if prefix else sub] = (name, i)
         architecture = str(getattr(model, "architecture_name", type(model).__name__))
-        return cls(modules=modules, sub_modules=sub_modules, architecture=architecture)
+        experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+        return cls(modules=modules, sub_modules=sub_modules, architecture=architecture, experts=experts)
 
     def restricted_to(self, module_names: Iterable[str]) -> LoRATargets:
         """These targets with LoRA applied to `module_names` only (the layers actually wrapped)."""
         applied = frozenset(module_names)
-        return dataclasses.replace(self, applied=None if applied >= self.modules.keys() else applied)
+        every = self.modules.keys() | self.experts.keys()
+        return dataclasses.replace(self, applied=None if applied >= every else applied)
 
     def takes_lora(self, module_name: str) -> bool:
         """Whether `module_name` (a full name in `modules`) carries LoRA in this server."""
@@ -76,7 +82,29 @@ class LoRATargets:
         names = {n.rpartition(".")[2] for n in self.modules} | {
             n.rpartition(".")[2] for n in self.sub_modules
         }
-        return sorted(names)
+        return sorted(names | ({"experts"} if self.experts else set()))
+
+    def expert_module(self, module_name: str) -> str | None:
+        """The experts module an adapter module name stands for, or None: PEFT's wrapper of the stacked
+        tensors (it nests one per targeted tensor, the inner ones named `<experts>.base_layer...`), or
+        one expert's module (`<experts>.<e>.w1`, Mixtral's under `block_sparse_moe`: `expert_part`)."""
+        while module_name.endswith(".base_layer"):
+            module_name = module_name[: -len(".base_layer")]
+        if module_name in self.experts:
+            return module_name
+        part = self.expert_part(module_name)
+        return part[0] if part is not None else None
+
+    def expert_part(self, module_name: str) -> tuple[str, int, str] | None:
+        """(experts module, expert, leaf) of a per-expert module name such as
+        `model.layers.0.block_sparse_moe.experts.3.w1` (older transformers' nn.Linear experts), or None."""
+        prefix, _, leaf = module_name.rpartition(".")
+        experts_name, _, index = prefix.rpartition(".")
+        experts_name = experts_name.replace(".block_sparse_moe.", ".mlp.")
+        experts = self.experts.get(experts_name)
+        if experts is None or leaf not in EXPERT_LEAVES or not index.isdigit():
+            return None
+        return (experts_name, int(index), leaf) if int(index) < experts.num_experts else None
 
     def max_adapter_bytes(self, max_rank: int) -> int:
         """The most bytes a weights file of a valid adapter of rank <= `max_rank` can hold: every
@@ -87,6 +115,9 @@ class LoRATargets:
         for name, module in self.modules.items():
             slices = num_slices.get(name, 1)
             elements += max_rank * (slices * module.in_features + module.out_features) + module.out_features
+        for experts in self.experts.values():  # per expert: gate, up (H -> I) and down (I -> H) modules
+            hidden, size = experts.hidden_size, experts.intermediate_size
+            elements += experts.num_experts * max_rank * 3 * (hidden + size)
         return 8 * elements + FILE_SLACK_BYTES
 
     def locate(self, module_name: str) -> tuple[Linear, str | None, int]:

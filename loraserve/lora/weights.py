@@ -1,4 +1,5 @@
-"""Per-module adapter weights: one module's A/B pair, or the slices of a packed module.
+"""Per-module adapter weights: one module's A/B pair, the slices of a packed module, or the stacked
+per-expert pairs of an MoE layer's experts (PEFT's `target_parameters` on the fused expert tensors).
 
 The scaling stays beside B; a slot write folds it in as it copies B (`ops/buffers.py`).
 """
@@ -66,4 +67,22 @@ class PackedLoRALayerWeights:
         return sum(s.num_bytes for s in self.slices if s is not None)
 
 
-ModuleLoRA = LoRALayerWeights | PackedLoRALayerWeights
+@dataclass(slots=True)
+class ExpertLoRAWeights:
+    """An adapter's weights for one MoE layer's experts, by stacked parameter ("gate_up_proj",
+    "down_proj"): (lora_a [E, rank, in], lora_b [E, out, rank]) with the scaling already folded into
+    lora_b; expert e's term on a row routed to it is lora_b[e] @ lora_a[e] @ x."""
+
+    module_name: str
+    stages: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def rank(self) -> int:
+        return max((int(a.shape[1]) for a, _ in self.stages.values()), default=0)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.stages.values())
+
+
+ModuleLoRA = LoRALayerWeights | PackedLoRALayerWeights | ExpertLoRAWeights

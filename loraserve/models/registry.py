@@ -27,6 +27,10 @@ _NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("loraserve.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("loraserve.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("loraserve.models.gemma3", "Gemma3ForConditionalGeneration"),
+    "MixtralForCausalLM": ("loraserve.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("loraserve.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("loraserve.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("loraserve.models.olmoe", "OlmoeForCausalLM"),
 }
 _TRANSFORMERS_BACKEND = ("loraserve.models.transformers_fallback", "TransformersForCausalLM")
 
