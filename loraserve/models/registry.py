@@ -27,6 +27,7 @@ _NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("loraserve.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("loraserve.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("loraserve.models.gemma3", "Gemma3ForConditionalGeneration"),
+    "Phi3ForCausalLM": ("loraserve.models.phi3", "Phi3ForCausalLM"),
 }
 _TRANSFORMERS_BACKEND = ("loraserve.models.transformers_fallback", "TransformersForCausalLM")
 

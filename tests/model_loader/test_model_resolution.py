@@ -28,6 +28,7 @@ NATIVE = [
     "GemmaForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 ]
