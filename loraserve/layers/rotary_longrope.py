@@ -11,9 +11,11 @@ The same rule here is per sequence and per step: a sequence longer than the orig
 its known tokens, `ForwardBatch.seq_lens`, so a prompt prefilled in chunks counts whole) takes the
 long set for this step's tokens. What differs: transformers' `generate` recomputes a sequence whose
 decoding crosses the length (all of it then on the long set), while here its cached prefix stays as
-computed, on the short set, as transformers' model itself does when fed token by token with a cache. The two sets are one table, short rows
-[0, original) then long rows [original, original + P): `rope_positions` turns positions into row
-indices once per step, so every layer (and the C decoder stack) just reads the table at those rows.
+computed, on the short set, as transformers' model itself does when fed token by token with a cache.
+(The prefix cache keeps long sequences' blocks apart: `KVCacheSpec.rope_switch_length`.)
+The two sets are one table, short rows [0, original) then long rows [original, original + P):
+`rope_positions` turns positions into row indices once per step, so every layer (and the C decoder
+stack) just reads the table at those rows.
 
 Partial rotary (`partial_rotary_factor`, Phi-4-mini: 0.75) rotates the first `rotary_dim` dims of
 each head and passes the rest through, as transformers does; the C rope kernel takes whole heads

@@ -12,12 +12,14 @@ config sets one), so the C decoder stack serves them where it serves Llama. What
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.rotary_longrope import LongRoPERotaryEmbedding
 from loraserve.models.llama import LlamaArgs, LlamaForCausalLM, LlamaModel
 
@@ -50,6 +52,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self._build_lm_head(
             self.model.embed_tokens, self.args.vocab_size, self.args.tie_word_embeddings, dtype
         )
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Llama's cache; sequences past LongRoPE's original length hold other K/V for the same tokens."""
+        rotary = self.model.rotary
+        assert isinstance(rotary, LongRoPERotaryEmbedding)
+        return replace(super().kv_cache_spec(), rope_switch_length=rotary.original if rotary.long else None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         a = self.args

@@ -13,8 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.gguf_files import write_tiny_family_gguf, write_tiny_llama_gguf
-from support.parity import hf_greedy
+from support.gguf_files import (
+    byte_vocab_size,
+    write_phi3_gguf_from_hf,
+    write_tiny_family_gguf,
+    write_tiny_llama_gguf,
+)
+from support.parity import hf_greedy, random_prompts
+from support.tiny_phi3 import ORIGINAL, phi3_config
 
 from loraserve import LLM, SamplingParams
 from loraserve.model_loader.gguf import GGUFError, find_gguf_file, gguf_folder
@@ -85,6 +91,28 @@ def test_other_family_files_serve_natively_what_transformers_computes(
     folder = gguf_folder(path, torch.float32)  # the cached conversion, found again
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         assert json.load(f)["model_type"] == model_type
+
+
+def test_phi3_file_with_longrope_serves_what_the_hf_model_computes(tmp_path: Any, cache_root: str) -> None:
+    """A Phi-3.5-style file (LongRoPE factors as tensors, the original length in the metadata, which
+    transformers' reader leaves out): converted with its LongRoPE, the greedy tokens equal the HF
+    model's it was written from, on a prompt within the original length and one past it."""
+    from transformers import AutoModelForCausalLM
+
+    config = phi3_config("phi3.5", byte_vocab_size())
+    config.sliding_window = None  # GGUF files carry no Phi-3 window
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    path = write_phi3_gguf_from_hf(str(tmp_path / "phi35.gguf"), hf)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=64)
+    rotary = llm.engine.model.model.rotary
+    assert rotary.long and rotary.original == ORIGINAL
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts((12, 30), byte_vocab_size(), seed=3)
+    for prompt, out in zip(
+        prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
 
 
 def test_conversion_is_cached_by_content(tmp_path: Any, cache_root: str) -> None:

@@ -32,7 +32,7 @@ from support.parity import (
 from support.tiny_phi3 import ORIGINAL, PHI3_ARCHS, phi3_config, respell_as_su, save_tiny_phi3
 from transformers import AutoTokenizer
 
-from loraserve import LLM
+from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.layers import paged_attention_cpu
 from loraserve.lora.ops import lora_cpu
@@ -268,3 +268,44 @@ def test_mixed_batch_matches_peft(
         if name is not None:  # each adapter moves its logprobs far beyond any bound above
             moved = (reference_of(prompts[i]) - peft_logprobs(peft, None, prompts[i])).abs().max().item()
             assert moved > 1.0, f"adapter {name} hardly changes the model: {moved:.3f}"
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_prefix_cache_keeps_long_sequences_apart_from_short_ones(
+    split: bool, phi3_models: dict[str, tuple[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt sharing its first blocks with an earlier short one must not reuse the short one's
+    cached blocks (computed on the short factors); long prompts still share theirs. With the split
+    switched off (split=False) the reuse happens and the outputs leave transformers': what the test
+    guards against."""
+    from loraserve.engine import block_manager
+
+    path, hf = phi3_models["phi3.5"]
+    if not split:
+        init = block_manager.BlockManager.__init__
+        monkeypatch.setattr(
+            block_manager.BlockManager,
+            "__init__",
+            lambda self, *args: init(self, *args[:3], None),
+        )
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=64, block_size=16)
+    blocks = llm.engine.block_manager
+    assert (blocks.rope_switch_length == ORIGINAL) == split
+    short, tail = random_prompts((20, 12), hf.config.vocab_size, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    llm.generate([{"prompt_token_ids": short}], params, use_tqdm=False)
+    hits = blocks.num_prefix_hit_tokens
+    long = short + tail  # 32 tokens: past ORIGINAL, its first block is the short prompt's
+    out = llm.generate([{"prompt_token_ids": long}], params, use_tqdm=False)[0].outputs[0]
+    assert (blocks.num_prefix_hit_tokens == hits) == split
+    ids = long + list(out.token_ids)
+    reference = hf_logprobs(hf, ids)[len(long) - 1 : -1]
+    errors = [
+        abs(step[t].logprob - reference[i, t].item())
+        for i, (step, t) in enumerate(zip(out.logprobs, out.token_ids))
+    ]
+    assert (max(errors) < 1e-4) == split, max(errors)
+    if split:  # a second long prompt with the same prefix reuses the first one's long blocks
+        hits = blocks.num_prefix_hit_tokens
+        llm.generate([{"prompt_token_ids": long + [5]}], params, use_tqdm=False)
+        assert blocks.num_prefix_hit_tokens > hits

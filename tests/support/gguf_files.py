@@ -6,6 +6,8 @@ transformers' GGUF reader, our converter's engine, reads them as it reads real f
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 HIDDEN = 64
@@ -234,3 +236,62 @@ def _family_shapes(arch: str, vocab_size: int, head_dim: int) -> list[tuple[str,
     if arch == "phi3":
         shapes.append(("output.weight", (vocab_size, HIDDEN)))
     return shapes
+
+
+def byte_vocab_size() -> int:
+    return len(_vocab()[0])
+
+
+def write_phi3_gguf_from_hf(path: str, model: Any) -> str:
+    """An HF Phi-3 model (vocab of `byte_vocab_size()`) as llama.cpp writes it: fused attn_qkv and
+    ffn_up, LongRoPE as `rope_factors_long` / `rope_factors_short` tensors and the original length."""
+    import gguf
+
+    cfg = model.config
+    rope = cfg.rope_parameters
+    tokens, merges = _vocab()
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    )
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.qkv_proj": "attn_qkv",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    for layer in range(cfg.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            writer.add_tensor(
+                f"blk.{layer}.{gguf_name}.weight", state[f"model.layers.{layer}.{hf_name}.weight"]
+            )
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
