@@ -309,3 +309,15 @@ def test_prefix_cache_keeps_long_sequences_apart_from_short_ones(
         hits = blocks.num_prefix_hit_tokens
         llm.generate([{"prompt_token_ids": long + [5]}], params, use_tqdm=False)
         assert blocks.num_prefix_hit_tokens > hits
+
+
+def test_a_long_prompt_prefilled_in_chunks_stays_on_the_long_factors(
+    phi3_models: dict[str, tuple[str, Any]],
+) -> None:
+    """A 30-token prompt under a 16-token budget: its first chunk ends within the original length, yet
+    the whole prompt is longer, so every chunk reads the long factors, as transformers' one forward."""
+    path, hf = phi3_models["phi3.5"]
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=1)
+    prompt = random_prompts((30,), hf.config.vocab_size, seed=2)[0]
+    out = _generate(llm, [prompt])[0]
+    check_exact(out, prompt, hf_greedy(hf, prompt, NUM_NEW), hf_logprobs(hf, prompt))
