@@ -35,6 +35,16 @@ GEMMA_SHAPES: dict[str, dict[str, Any]] = {
     "gemma3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                       query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768),
+    # Phi-3.5-mini: 32 layers, 32 heads of 96 (no GQA), fused qkv/gate_up, LongRoPE from 4096 to 131072
+    # (48 factors each; these stand in for the checkpoint's, short near 1, long up to ~60).
+    "phi3.5-mini": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                        max_position_embeddings=131072, original_max_position_embeddings=4096,
+                        sliding_window=262144, rope_parameters=dict(
+                            rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=1.0,
+                            original_max_position_embeddings=4096,
+                            short_factor=[1.0 + 2.0 * i / 47 for i in range(48)],
+                            long_factor=[1.0 + 59.0 * i / 47 for i in range(48)])),
 }
 # OLMoE-1B-7B's layer shape (hidden 2048, 16 heads, 64 experts of 1024, 8 per token, its 50k vocabulary)
 # with 2 of its 16 layers, so that the random model fits in 2 GB of bf16.
@@ -68,12 +78,16 @@ def build_model(vocab_size: int = 49152, max_position_embeddings: int | None = N
     return path
 
 
-def build_gemma_model(shape: str) -> str:
-    """A random model of one of `GEMMA_SHAPES` in bf16 (built once, cached), with the bench tokenizer."""
+def build_gemma_model(shape: str, num_layers: int | None = None) -> str:
+    """A random model of one of `GEMMA_SHAPES` in bf16 (built once, cached), with the bench tokenizer;
+    `num_layers` keeps only the first layers (a short run of a model too large for the machine)."""
     from transformers import AutoConfig
 
     values = dict(GEMMA_SHAPES[shape])
     path = os.path.join(bench_root(), shape)
+    if num_layers is not None and num_layers != values["num_hidden_layers"]:
+        values["num_hidden_layers"] = num_layers
+        path += f"-{num_layers}l"
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,9 +1,10 @@
 """Base-model throughput: loraserve vs transformers `generate` on the same batch, in one run.
 
-SmolLM-135M-shaped random Llama (or `--shape gemma2-2b` / `gemma3-1b` / `olmoe-2l`: random models of
-those configs; the MoE one takes `--skip-ceiling`), 32 requests, greedy, fixed prompt and output lengths.
+SmolLM-135M-shaped random Llama (or `--shape gemma2-2b` / `gemma3-1b` / `phi3.5-mini` / `olmoe-2l`:
+random models of those configs; `--num-layers N` keeps their first N layers; the MoE one takes
+`--skip-ceiling`), 32 requests, greedy, fixed prompt and output lengths.
 Usage: python benchmarks/throughput.py [--shape smollm] [--num-requests 32] [--prompt-len 64] [--gen-len 64]
-       [--dtype auto] [--repeats 3] [--skip-ceiling]
+       [--dtype auto] [--repeats 3] [--skip-ceiling] [--num-layers N]
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def run_transformers(path: str, prompts: list[list[int]], gen_len: int, dtype: t
     return len(prompts) * gen_len / seconds
 
 
-def loraserve_run(path: str, num_requests: int, gen_len: int, dtype: str) -> Callable[[list[list[int]]], None]:
+def loraserve_run(path: str, num_requests: int, gen_len: int, dtype: str,
+                  max_model_len: int | None = None) -> Callable[[list[list[int]]], None]:
     """One greedy `generate` over the given prompts, of fixed-length outputs (checked)."""
-    llm = LLM(path, dtype=dtype, max_num_seqs=num_requests)
+    llm = LLM(path, dtype=dtype, max_num_seqs=num_requests, max_model_len=max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
 
     def run(ids: list[list[int]]) -> None:
@@ -104,20 +106,25 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm", choices=["smollm", *GEMMA_SHAPES, *MOE_SHAPES])
     parser.add_argument("--repeats", type=int, default=TIMED_RUNS, help="timed runs per system (the best counts)")
     parser.add_argument("--skip-ceiling", action="store_true", help="leave out the linear-layers-only row")
+    parser.add_argument("--num-layers", type=int, default=None, help="keep the shape's first N layers only")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
     dtype_name = str(dtype).replace("torch.", "")
     shapes = {**GEMMA_SHAPES, **MOE_SHAPES}
     if args.shape == "smollm":
         path = build_model()
+    elif args.shape in MOE_SHAPES:
+        path = build_moe_model(args.shape)
     else:
-        path = build_moe_model(args.shape) if args.shape in MOE_SHAPES else build_gemma_model(args.shape)
+        path = build_gemma_model(args.shape, args.num_layers)
     vocab_size = 49152 if args.shape == "smollm" else shapes[args.shape]["vocab_size"]
     prompts = random_prompts(args.num_requests, args.prompt_len, vocab_size)
     print(f"{platform.processor() or platform.machine()}, torch threads={torch.get_num_threads()}, {dtype_name}, "
-          f"{args.shape}, {args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated) tokens")
+          f"{args.shape}{'' if args.num_layers is None else f' ({args.num_layers} layers)'}, {args.num_requests} requests x ({args.prompt_len} prompt + {args.gen_len} generated) tokens")
     hf = run_transformers(path, prompts, args.gen_len, dtype, args.repeats)
-    runs = {"ours": loraserve_run(path, args.num_requests, args.gen_len, dtype_name)}
+    # Phi-3.5's 131072 positions would not fit a KV cache here; the run needs prompt + generated tokens.
+    max_model_len = 4096 if args.shape == "phi3.5-mini" else None
+    runs = {"ours": loraserve_run(path, args.num_requests, args.gen_len, dtype_name, max_model_len)}
     if not args.skip_ceiling:
         ceiling = matmul_floor_run(path, args.num_requests, args.prompt_len, args.gen_len, dtype)
         runs["floor"] = lambda ids: ceiling()
@@ -128,6 +135,7 @@ def main() -> None:
         rows.append(("linear layers only (ceiling)", rates["floor"]))
     print_table("Base-model throughput", rows, "transformers generate")
     name = "throughput" if args.shape == "smollm" else f"throughput-{args.shape}"
+    name += "" if args.num_layers is None else f"-{args.num_layers}l"
     save_results(name, {"dtype": dtype_name, "args": vars(args), "tok_per_s": dict(rows)})
 
 

@@ -45,10 +45,20 @@ def block_hash(parent: bytes | None, token_ids: Seq[int], salt: str | None) -> b
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        rope_switch_length: int | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # LongRoPE models (`KVCacheSpec.rope_switch_length`): a sequence longer than this when it is
+        # (re)admitted computes every block on the long factors, so its blocks are salted apart.
+        self.rope_switch_length = rope_switch_length
+        self.long_rope_seqs: set[int] = set()
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
@@ -91,7 +101,10 @@ class BlockManager:
         """
         hashes: list[bytes] = []
         block_ids: list[int] = []
-        salt = salt_key(cache_salt)
+        self.long_rope_seqs.discard(seq.seq_id)
+        if self.rope_switch_length is not None and seq.num_tokens > self.rope_switch_length:
+            self.long_rope_seqs.add(seq.seq_id)
+        salt = self._salt(seq, cache_salt)
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None or salt is None:
             self.seq_hashes[seq.seq_id] = hashes
             return block_ids
@@ -119,7 +132,7 @@ class BlockManager:
     def commit_computed(self, seq: Sequence, cache_salt: CacheSalt | None) -> None:
         """Register every newly full, computed block of `seq` in the prefix cache (none while the
         salt is unknown: a later call catches up)."""
-        salt = salt_key(cache_salt)
+        salt = self._salt(seq, cache_salt)
         if not self.enable_prefix_caching or salt is None:
             return
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
@@ -141,6 +154,8 @@ class BlockManager:
         for block in parent.block_ids:
             self.ref_counts[block] += 1
         self.seq_hashes[child_seq_id] = list(self.seq_hashes.get(parent.seq_id, []))
+        if parent.seq_id in self.long_rope_seqs:  # same rope factors as its parent's blocks
+            self.long_rope_seqs.add(child_seq_id)
         return list(parent.block_ids)
 
     def shared_write_block(self, seq: Sequence) -> int | None:
@@ -161,6 +176,10 @@ class BlockManager:
         self.ref_counts[block] -= 1
         return self._take_block()
 
+    def _salt(self, seq: Sequence, cache_salt: CacheSalt | None) -> str | None:
+        salt = salt_key(cache_salt)
+        return salt + "|long-rope" if salt is not None and seq.seq_id in self.long_rope_seqs else salt
+
     def free(self, seq: Sequence) -> None:
         """Release a finished or preempted sequence's blocks (cached ones stay reusable); the caller
         then forgets them."""
@@ -172,6 +191,7 @@ class BlockManager:
                 else:
                     self.free_ids.append(block)
         self.seq_hashes.pop(seq.seq_id, None)
+        self.long_rope_seqs.discard(seq.seq_id)
 
     def check_consistency(self, block_tables: Iterable[list[int]]) -> str | None:
         """What is wrong with the bookkeeping, given the block ids every live sequence holds; None if

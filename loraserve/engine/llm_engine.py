@@ -13,10 +13,11 @@ import time
 from collections.abc import Collection
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.beam_search import BeamSearchParams
 from loraserve.config import EngineConfig
 from loraserve.engine.admission import check_admission
@@ -63,7 +64,10 @@ class LLMEngine:
                 )
             self.lora = LoRAManager(self.model, config.lora, config.model.dtype, config.device)
         num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        spec: KVCacheSpec = cast(Any, self.model).kv_cache_spec()  # (narrowed to nn.Module above)
+        self.block_manager = BlockManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, spec.rope_switch_length
+        )
         self._seq_counter = itertools.count()  # the scheduler draws forked beams' ids from it too
         self.scheduler = Scheduler(
             config.scheduler,

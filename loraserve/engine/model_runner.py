@@ -149,7 +149,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
-        query_lens, context_lens, block_tables = [], [], []
+        query_lens, context_lens, block_tables, seq_lens = [], [], [], []
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -158,6 +158,7 @@ class ModelRunner:
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             block_tables.append(seq.block_ids)
+            seq_lens.append(seq.num_tokens)
             if lora_slots is not None:
                 slot = lora_slots[seq.lora_id] if seq.lora_id else -1
                 token_slots.extend([slot] * item.num_new_tokens)
@@ -169,7 +170,9 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
-            ForwardBatch(attn=attn, lora=None if lora_slots is None else self._mapping(token_slots)),
+            ForwardBatch(
+                attn=attn, lora=None if lora_slots is None else self._mapping(token_slots), seq_lens=seq_lens
+            ),
         )
         return self._select_logits(scheduled, hidden)
 

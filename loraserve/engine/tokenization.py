@@ -26,12 +26,18 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         return None
     from transformers import AutoTokenizer
 
+    # From the model's own folder, the config already parsed (with the fixes transformers needs, e.g.
+    # Phi-3's "su" rope) saves transformers parsing config.json again.
+    own = (
+        {"config": model_config.hf_config} if model_config.tokenizer in ("", model_config.model_path) else {}
+    )
     try:
         return AutoTokenizer.from_pretrained(
             model_config.tokenizer or model_config.model_path,
             trust_remote_code=model_config.trust_remote_code,
             use_fast=model_config.tokenizer_mode != "slow",
             revision=model_config.tokenizer_revision,
+            **own,
         )
     except (OSError, ValueError) as exc:
         raise ValueError(
@@ -128,7 +134,9 @@ def _cut(text: str, start: int, chunk_chars: int) -> int:
     return match.start() + 1 if match is not None else len(text)
 
 
-def prepare_prompt(prompt: PromptInput, tokenizer: Any, model_config: ModelConfig) -> tuple[str | None, list[int]]:
+def prepare_prompt(
+    prompt: PromptInput, tokenizer: Any, model_config: ModelConfig
+) -> tuple[str | None, list[int]]:
     """Return (prompt text or None, token ids), raising ValueError for anything unusable."""
     text: str | None = None
     if isinstance(prompt, dict):
@@ -144,7 +152,9 @@ def prepare_prompt(prompt: PromptInput, tokenizer: Any, model_config: ModelConfi
     elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)
     else:
-        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}; use a str or a list of token ids.")
+        raise ValueError(
+            f"Unsupported prompt type {type(prompt).__name__}; use a str or a list of token ids."
+        )
     if ids is None:
         if not isinstance(text, str):
             raise ValueError("'prompt' must be a string.")

@@ -1,4 +1,5 @@
-"""The `loraserve` command: `serve` (the OpenAI-compatible server) and `demo` (offline generations).
+"""The `loraserve` command: `serve` (the OpenAI-compatible server), `demo` (offline generations) and
+`models` (which architectures run natively, which on the transformers backend, where adapters apply).
 
 Imports stay lazy so `loraserve --help` and flag errors answer instantly.
 """
@@ -50,7 +51,37 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         default=None,
         help="A question to ask (repeatable; default: the capital of France).",
     )
+    models = commands.add_parser(
+        "models",
+        help="List the architectures that run natively and where they take LoRA adapters.",
+        description="The native architectures and where their LoRA adapters apply; with --all also every "
+        "causal LM the installed transformers runs through the transformers backend.",
+    )
+    models.add_argument(
+        "--all", action="store_true", help="Also list the transformers backend's architectures."
+    )
+    models.add_argument("--json", action="store_true", help="One JSON object per line instead of a table.")
     return parser, serve
+
+
+def _print_models(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from loraserve.models.registry import describe
+
+    rows = describe(include_transformers=args.all)
+    if args.json:
+        for row in rows:
+            print(json.dumps(dataclasses.asdict(row)))
+        return 0
+    width = max(len(row.architecture) for row in rows)
+    print(f"{'ARCHITECTURE':<{width}}  {'RUNS':<12}  LORA ADAPTERS ON")
+    for row in rows:
+        print(f"{row.architecture:<{width}}  {row.implementation:<12}  {row.lora}")
+    if not args.all:
+        print("(every other causal LM transformers knows runs on the transformers backend: --all lists them)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         from loraserve.entrypoints.openai.cli.launcher import serve_main
 
         return serve_main(args, "loraserve serve")
+    if args.command == "models":
+        return _print_models(args)
     from loraserve.demo.run import run_demo
     from loraserve.entrypoints.openai.cli.launcher import configure_logging, one_line
 

@@ -126,6 +126,16 @@ def _remote_code_error(model: str, detail: str) -> ValueError:
     )
 
 
+def _rename_su_rope(raw: dict[str, Any]) -> None:
+    """Early Phi-3 configs name LongRoPE "su"; transformers renames it only after checking the
+    LongRoPE fields, which then miss `original_max_position_embeddings` and fail, so rename first."""
+    scaling = raw.get("rope_scaling")
+    if isinstance(scaling, dict) and "su" in (scaling.get("type"), scaling.get("rope_type")):
+        raw["rope_scaling"] = {**scaling, "type": "longrope"} | (
+            {"rope_type": "longrope"} if "rope_type" in scaling else {}
+        )
+
+
 def _parse_hf_config(
     model: str, model_path: str, overrides_kw: dict[str, Any], overrides_fn: Any, trust_remote_code: bool
 ) -> Any:
@@ -142,6 +152,7 @@ def _parse_hf_config(
     model_type = _overridden_model_type(raw.get("model_type"), overrides_kw, overrides_fn)
     is_type_overridden = model_type != raw.get("model_type")
     raw.update(overrides_kw)
+    _rename_su_rope(raw)
     if model_type:
         raw["model_type"] = model_type
     auto_map = raw.get("auto_map") or {}

@@ -26,7 +26,7 @@ from loraserve.model_loader.staging import publish, stage
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"  # 2: Phi-3 LongRoPE read from the file
 _COMPLETE = "COMPLETE.json"
 _HASH_CHUNK = 16 << 20
 
@@ -86,7 +86,9 @@ def inspect_gguf(path: str) -> GGUFSummary:
         raise GGUFError(f"GGUF file {os.path.basename(path)} has no general.architecture field.")
     arch = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
-        known = ", ".join(name for name in GGUF_SUPPORTED_ARCHITECTURES if name not in ("general", "tokenizer"))
+        known = ", ".join(
+            name for name in GGUF_SUPPORTED_ARCHITECTURES if name not in ("general", "tokenizer")
+        )
         raise GGUFError(
             f"GGUF file {os.path.basename(path)} has architecture {arch!r}, which cannot be converted "
             f"(GGUF architectures that load: {known})."
@@ -163,6 +165,7 @@ def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: s
         config = AutoConfig.from_pretrained(_config_file(hf_config_path))
     else:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        _add_longrope(config, path)
     config.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     with torch.device("meta"):  # only the parameter names, to map GGUF names onto HF ones
@@ -176,6 +179,40 @@ def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: s
         os.path.join(out_dir, "model.safetensors"),
         metadata={"format": "pt", "source": "gguf"},
     )
+
+
+def _add_longrope(config: Any, path: str) -> None:
+    """Phi-3.5-style files keep LongRoPE as `rope_factors_long` / `rope_factors_short` tensors and the
+    original length in `phi3.rope.scaling.original_context_length`, which transformers' reader does
+    not turn into config; without them the model would run on plain rope. Set them as the HF config
+    has them (the attention factor as the file gives it, else transformers derives the same one)."""
+    if getattr(config, "model_type", None) != "phi3":
+        return
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    factors = {
+        t.name: [float(v) for v in t.data] for t in reader.tensors if t.name.startswith("rope_factors_")
+    }
+    original = reader.fields.get("phi3.rope.scaling.original_context_length")
+    if (
+        "rope_factors_long.weight" not in factors
+        or "rope_factors_short.weight" not in factors
+        or original is None
+    ):
+        return
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update(
+        rope_type="longrope",
+        long_factor=factors["rope_factors_long.weight"],
+        short_factor=factors["rope_factors_short.weight"],
+        original_max_position_embeddings=int(original.parts[original.data[0]][0]),
+    )
+    attn = reader.fields.get("phi3.rope.scaling.attn_factor")
+    if attn is not None:
+        params["attention_factor"] = float(attn.parts[attn.data[0]][0])
+    config.original_max_position_embeddings = params["original_max_position_embeddings"]
+    config.rope_parameters = params
 
 
 def _missing_weights(skeleton: Any, tensors: dict[str, torch.Tensor], config: Any) -> list[str]:

@@ -188,11 +188,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs, hf_config: Any, dtype: torch.dtype) -> None:
+    def __init__(
+        self, args: LlamaArgs, hf_config: Any, dtype: torch.dtype, rotary: RotaryEmbedding | None = None
+    ) -> None:
+        """`rotary`: the layers' rope, where the model's is not the config's plain one (Phi-3's LongRoPE)."""
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(hf_config, args.head_dim, args.max_positions)
+        if rotary is None:
+            rotary = RotaryEmbedding(hf_config, args.head_dim, args.max_positions)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, rotary, i, dtype) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary: RotaryEmbedding = rotary  # the layers' shared one (registered as theirs first)

@@ -3,7 +3,8 @@
 The table maps the names found in `config.json`'s `architectures` to `(module, class)` pairs that are
 imported only when chosen, so resolving (or listing) architectures never imports torch model code.
 Architectures without a native implementation can run through the transformers backend
-(`TransformersForCausalLM`) when transformers itself knows them as causal LMs.
+(`TransformersForCausalLM`) when transformers itself knows them as causal LMs. `describe()` lists both,
+with what takes adapters (the `loraserve models` command and docs/models.md print it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("loraserve.models.qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("loraserve.models.qwen_moe", "Qwen3MoeForCausalLM"),
     "OlmoeForCausalLM": ("loraserve.models.olmoe", "OlmoeForCausalLM"),
+    "Phi3ForCausalLM": ("loraserve.models.phi3", "Phi3ForCausalLM"),
 }
 _TRANSFORMERS_BACKEND = ("loraserve.models.transformers_fallback", "TransformersForCausalLM")
 
@@ -57,6 +59,54 @@ def register_model(arch_name: str, target: str | type[nn.Module]) -> None:
 def get_supported_archs() -> list[str]:
     """Architecture names with a native implementation, sorted."""
     return sorted(_NATIVE_MODELS)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureSupport:
+    """One row of `describe()`: how an architecture runs and where its LoRA adapters apply."""
+
+    architecture: str
+    implementation: str  # "native" or "transformers"
+    lora: str
+
+
+# Where adapters apply, by implementation (both serve them in mixed batches with PEFT's outputs; an
+# adapter on any other module is refused at load by name, and a model with no LoRA-capable module at
+# all is refused at startup with --enable-lora, in one line).
+NATIVE_LORA = "q/k/v/o and gate/up/down (q/k/v and gate/up adapters as slices of the packed layers)"
+_NATIVE_LORA_NOTES = {
+    "GPT2LMHeadModel": "c_attn, attn.c_proj, c_fc, mlp.c_proj (Conv1D, fan_in_fan_out)",
+    "Phi3ForCausalLM": "qkv_proj, o_proj, gate_up_proj, down_proj as in the checkpoint; adapters on "
+    "q/k/v or gate/up apply as slices of the fused layers",
+    "Gemma3ForConditionalGeneration": f"the language model's {NATIVE_LORA} (text only)",
+}
+TRANSFORMERS_LORA = "its nn.Linear and Conv1D modules (not the vocab projection, not MoE experts)"
+
+
+def describe(include_transformers: bool = True) -> list[ArchitectureSupport]:
+    """What runs natively, what runs on the transformers backend (every causal LM the installed
+    transformers knows that has no native implementation), and where each takes adapters."""
+    rows = [
+        ArchitectureSupport(name, "native", _NATIVE_LORA_NOTES.get(name, NATIVE_LORA))
+        for name in get_supported_archs()
+    ]
+    if include_transformers:
+        others = sorted(_transformers_causal_lm_names() - set(_NATIVE_MODELS))
+        rows += [ArchitectureSupport(name, "transformers", TRANSFORMERS_LORA) for name in others]
+    return rows
+
+
+def describe_markdown() -> str:
+    """docs/models.md's table: the native architectures, then a line for the transformers backend
+    (whose list follows the installed transformers: `loraserve models --all` prints it)."""
+    lines = ["| Architecture | Runs | LoRA adapters on |", "| --- | --- | --- |"]
+    lines += [f"| `{r.architecture}` | native | {r.lora} |" for r in describe(include_transformers=False)]
+    lines += [
+        "",
+        "Every other causal LM the installed transformers knows runs on the transformers backend "
+        f"(`loraserve models --all` lists them), adapters on {TRANSFORMERS_LORA}.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _normalize_native(name: str) -> str | None:

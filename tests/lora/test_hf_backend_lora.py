@@ -9,7 +9,6 @@ logprob within the dtype's noise, and each generated token within that noise of 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
+from support.fused_adapters import split_to_fused
 
 from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter, save_random_model
@@ -241,47 +241,11 @@ def test_mixed_batch_matches_peft(
     run = lora_cpu.run
     monkeypatch.setattr(lora_cpu, "run", lambda *args: kernel_calls.append(args[0].dtype) or run(*args))
     path, adapters = built(arch)
-    _serve_and_check(path, adapters, dtype)
+    # Phi-3 runs natively by default (tests/models/test_phi3.py); here its fused modules go through
+    # the backend's HFLinear slices.
+    _serve_and_check(path, adapters, dtype, model_impl="transformers" if arch == "phi3" else "auto")
     # The C kernel really ran where it was on (it serves float32 and bf16 CPU tensors), and only there.
     assert bool(kernel_calls) == (cpu_kernel == "1" and lora_cpu.kernel_available())
-
-
-def _split_to_fused(folder: str, out: str, parts: dict[str, list[str]], sizes: dict[str, list[int]]) -> None:
-    """The PEFT adapter on fused modules equivalent to one on their parts: A stacked by rank, B block-diagonal."""
-    tensors = safetensors.torch.load_file(os.path.join(folder, "adapter_model.safetensors"))
-    config = json.loads(Path(folder, "adapter_config.json").read_text())
-    fused: dict[str, torch.Tensor] = {}
-    for key, value in tensors.items():
-        if not any(f".{p}." in key for subs in parts.values() for p in subs):
-            fused[key] = value
-    modules = {key.rsplit(".", 2)[0] for key in tensors}  # "<parent>.<leaf>"
-    for whole, subs in parts.items():
-        for parent in sorted({m.rpartition(".")[0] for m in modules if m.rpartition(".")[2] in subs}):
-            a = [tensors.get(f"{parent}.{s}.lora_A.weight") for s in subs]
-            b = [tensors.get(f"{parent}.{s}.lora_B.weight") for s in subs]
-            rank = next(t.shape[0] for t in a if t is not None)
-            in_features = next(t.shape[1] for t in a if t is not None)
-            stacked_a = torch.cat([t if t is not None else torch.zeros(rank, in_features) for t in a])
-            block_b = torch.zeros(sum(sizes[whole]), rank * len(subs))
-            row = 0
-            for j, (t, size) in enumerate(zip(b, sizes[whole], strict=True)):
-                if t is not None:
-                    block_b[row : row + size, j * rank : (j + 1) * rank] = t
-                row += size
-            fused[f"{parent}.{whole}.lora_A.weight"] = stacked_a
-            fused[f"{parent}.{whole}.lora_B.weight"] = block_b
-    os.makedirs(out, exist_ok=True)
-    # A fused module of n parts has rank n r and alpha n alpha: the same scaling. o_proj stays as it is.
-    r, alpha = config["r"], config["lora_alpha"]
-    config.update(
-        r=r,
-        lora_alpha=alpha,
-        target_modules=sorted(parts) + ["o_proj"],
-        rank_pattern={whole: r * len(subs) for whole, subs in parts.items()},
-        alpha_pattern={whole: alpha * len(subs) for whole, subs in parts.items()},
-    )
-    Path(out, "adapter_config.json").write_text(json.dumps(config))
-    safetensors.torch.save_file(fused, os.path.join(out, "adapter_model.safetensors"))
 
 
 def test_split_qkv_and_gate_up_adapters_apply_to_phi3_fused_layers(built: Any, tmp_path: Path) -> None:
@@ -315,13 +279,13 @@ def test_split_qkv_and_gate_up_adapters_apply_to_phi3_fused_layers(built: Any, t
         peft.save_pretrained(split[f"s{i}"])
         llama = peft.unload()
         fused[f"s{i}"] = str(tmp_path / f"f{i}")
-        _split_to_fused(
+        split_to_fused(
             split[f"s{i}"],
             fused[f"s{i}"],
             {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]},
             sizes,
         )
-    _serve_and_check(path, split, "float32", peft_adapters=fused)
+    _serve_and_check(path, split, "float32", peft_adapters=fused, model_impl="transformers")
 
 
 def test_gpt2_conv1d_on_the_transformers_backend_matches_peft(

@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.gguf_files import write_tiny_llama_gguf
+from support.gguf_files import (
+    byte_vocab_size,
+    write_phi3_gguf_from_hf,
+    write_tiny_family_gguf,
+    write_tiny_llama_gguf,
+)
+from support.parity import hf_greedy, random_prompts
+from support.tiny_phi3 import ORIGINAL, phi3_config
 
 from loraserve import LLM, SamplingParams
 from loraserve.model_loader.gguf import GGUFError, find_gguf_file, gguf_folder
@@ -35,9 +42,10 @@ def transformers_greedy(path: str, num_tokens: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(PROMPT)["input_ids"]
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False,
-                             min_new_tokens=num_tokens)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False, min_new_tokens=num_tokens
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def our_greedy(llm: LLM, num_tokens: int) -> list[int]:
@@ -54,6 +62,57 @@ def test_gguf_file_and_folder_serve_what_transformers_computes(tmp_path: Any, ca
     assert llm.engine.config.model.served_model_name == path
     folder_llm = LLM(str(tmp_path), dtype="float32")  # a folder holding one .gguf
     assert our_greedy(folder_llm, 8) == want
+
+
+@pytest.mark.parametrize(
+    ("arch", "model_type", "native"),
+    [
+        ("phi3", "phi3", "Phi3ForCausalLM"),
+        ("gemma2", "gemma2", "Gemma2ForCausalLM"),
+        ("gemma3", "gemma3_text", "Gemma3ForCausalLM"),
+    ],
+)
+def test_other_family_files_serve_natively_what_transformers_computes(
+    tmp_path: Any, cache_root: str, arch: str, model_type: str, native: str
+) -> None:
+    """Phi-3 (fused qkv and gate/up in the file), Gemma-2 and Gemma-3 GGUF files: converted through the
+    same cache into the family's HF folder, served by the native class, greedy tokens equal to
+    transformers' on the same file (fed token by token: no EOS rule, as the request ignores EOS)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = write_tiny_family_gguf(str(tmp_path / f"{arch}.gguf"), arch)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f"{arch}.gguf", dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f"{arch}.gguf")(PROMPT)["input_ids"]
+    want = hf_greedy(model.eval(), ids, 8)
+    assert len(set(want)) > 2  # the tiny model does not just repeat a token
+    llm = LLM(path, dtype="float32")
+    assert type(llm.engine.model).__name__ == native
+    assert our_greedy(llm, 8) == want
+    folder = gguf_folder(path, torch.float32)  # the cached conversion, found again
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["model_type"] == model_type
+
+
+def test_phi3_file_with_longrope_serves_what_the_hf_model_computes(tmp_path: Any, cache_root: str) -> None:
+    """A Phi-3.5-style file (LongRoPE factors as tensors, the original length in the metadata, which
+    transformers' reader leaves out): converted with its LongRoPE, the greedy tokens equal the HF
+    model's it was written from, on a prompt within the original length and one past it."""
+    from transformers import AutoModelForCausalLM
+
+    config = phi3_config("phi3.5", byte_vocab_size())
+    config.sliding_window = None  # GGUF files carry no Phi-3 window
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    path = write_phi3_gguf_from_hf(str(tmp_path / "phi35.gguf"), hf)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=64)
+    rotary = llm.engine.model.model.rotary
+    assert rotary.long and rotary.original == ORIGINAL
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts((12, 30), byte_vocab_size(), seed=3)
+    for prompt, out in zip(
+        prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
 
 
 def test_conversion_is_cached_by_content(tmp_path: Any, cache_root: str) -> None:
@@ -90,7 +149,16 @@ def test_tokenizer_and_hf_config_path_flags_override_the_metadata(
     config["max_position_embeddings"] = 64
     (config_dir / "config.json").write_text(json.dumps(config))
     parser, serve_parser = make_parser()
-    flags = ["serve", path, "--dtype", "float32", "--tokenizer", tokenizer_dir, "--hf-config-path", str(config_dir)]
+    flags = [
+        "serve",
+        path,
+        "--dtype",
+        "float32",
+        "--tokenizer",
+        tokenizer_dir,
+        "--hf-config-path",
+        str(config_dir),
+    ]
     args = check_serve_args(serve_parser, parser.parse_args(flags))
     model_config = EngineArgs.from_cli_args(args).create_engine_config().model
     assert model_config.max_model_len == 64

@@ -30,6 +30,7 @@ NATIVE = [
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",

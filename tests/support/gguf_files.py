@@ -6,6 +6,8 @@ transformers' GGUF reader, our converter's engine, reads them as it reads real f
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 HIDDEN = 64
@@ -53,16 +55,18 @@ def write_tiny_llama_gguf(
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    )
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, shape in _tensor_shapes(len(tokens)):
-        values = (rng.standard_normal(shape) * (weight_std if len(shape) == 2 else 0.01) + (len(shape) == 1)).astype(
-            np.float32
-        )
+        values = (
+            rng.standard_normal(shape) * (weight_std if len(shape) == 2 else 0.01) + (len(shape) == 1)
+        ).astype(np.float32)
         raw_type = (raw_types or {}).get(name)
         if raw_type is None:
             writer.add_tensor(name, values)
@@ -105,3 +109,189 @@ def _tensor_shapes(vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
         ]
     shapes += [("output_norm.weight", (HIDDEN,)), ("output.weight", (vocab_size, HIDDEN))]
     return shapes
+
+
+FAMILY_HEAD_DIM = {"phi3": HIDDEN // NUM_HEADS, "gemma2": 32, "gemma3": 32}
+
+
+def write_tiny_family_gguf(path: str, arch: str, seed: int = 0, weight_std: float = 0.5) -> str:
+    """A 2-layer GGUF of another family in llama.cpp's layout: "phi3" (fused attn_qkv, ffn_up holding
+    gate and up), "gemma2" / "gemma3" (head_dim 32 != hidden / heads, a sliding window shorter than the
+    prompts, sandwich norms; Gemma-3 with q/k norms). Same byte-level tokenizer as the Llama one."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tokens, merges = _vocab()
+    head_dim = FAMILY_HEAD_DIM[arch]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(NUM_LAYERS)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(NUM_HEADS)
+    writer.add_head_count_kv(NUM_KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if arch != "phi3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(4)
+    if arch == "phi3":
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(
+            [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+        )
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    else:  # transformers reads Gemma files' vocabularies as sentencepiece ones
+        tokens = _sentencepiece_vocab()
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
+        types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.UNKNOWN] + [gguf.TokenType.BYTE] * 256
+        writer.add_token_types(types + [gguf.TokenType.NORMAL] * (len(tokens) - len(types)))
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+    writer.add_vocab_size(len(tokens))
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, shape in _family_shapes(arch, len(tokens), head_dim):
+        # Random norm weights around 1 (the stored value; Gemma's reader takes 1 off) and weights large
+        # enough that the tiny model's greedy tokens vary.
+        std = weight_std if len(shape) == 2 else 0.3
+        mean = float(len(shape) == 1)
+        if arch != "phi3" and ".post_" in name:  # Gemma's sandwich norms scale the sublayers up against
+            mean = 4.0  # the sqrt(hidden)-scaled embedding, as trained ones do (else the model echoes)
+        if arch != "phi3" and name == "token_embd.weight":
+            std = 0.1
+        values = (rng.standard_normal(shape) * std + mean).astype(np.float32)
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _sentencepiece_vocab() -> list[str]:
+    """<pad> <eos> <bos> <unk>, the 256 byte tokens, then pieces in merge order (best first)."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces = [
+        "\u2581t",
+        "he",
+        "\u2581the",
+        "\u2581c",
+        "at",
+        "\u2581cat",
+        "in",
+        "\u2581in",
+        "\u2581h",
+        "\u2581hat",
+    ]
+    return (
+        ["<pad>", "<eos>", "<bos>", "<unk>"]
+        + [f"<0x{b:02X}>" for b in range(256)]
+        + pieces
+        + letters
+        + ["\u2581"]
+    )
+
+
+def _family_shapes(arch: str, vocab_size: int, head_dim: int) -> list[tuple[str, tuple[int, ...]]]:
+    q, kv = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
+    shapes: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab_size, HIDDEN))]
+    for layer in range(NUM_LAYERS):
+        prefix = f"blk.{layer}."
+        shapes.append((prefix + "attn_norm.weight", (HIDDEN,)))
+        if arch == "phi3":
+            shapes += [
+                (prefix + "attn_qkv.weight", (q + 2 * kv, HIDDEN)),
+                (prefix + "attn_output.weight", (HIDDEN, q)),
+                (prefix + "ffn_norm.weight", (HIDDEN,)),
+                (prefix + "ffn_up.weight", (2 * FFN, HIDDEN)),
+                (prefix + "ffn_down.weight", (HIDDEN, FFN)),
+            ]
+            continue
+        shapes += [
+            (prefix + "attn_q.weight", (q, HIDDEN)),
+            (prefix + "attn_k.weight", (kv, HIDDEN)),
+            (prefix + "attn_v.weight", (kv, HIDDEN)),
+            (prefix + "attn_output.weight", (HIDDEN, q)),
+            (prefix + "post_attention_norm.weight", (HIDDEN,)),
+            (prefix + "ffn_norm.weight", (HIDDEN,)),
+            (prefix + "ffn_gate.weight", (FFN, HIDDEN)),
+            (prefix + "ffn_up.weight", (FFN, HIDDEN)),
+            (prefix + "ffn_down.weight", (HIDDEN, FFN)),
+            (prefix + "post_ffw_norm.weight", (HIDDEN,)),
+        ]
+        if arch == "gemma3":
+            shapes += [
+                (prefix + "attn_q_norm.weight", (head_dim,)),
+                (prefix + "attn_k_norm.weight", (head_dim,)),
+            ]
+    shapes.append(("output_norm.weight", (HIDDEN,)))
+    if arch == "phi3":
+        shapes.append(("output.weight", (vocab_size, HIDDEN)))
+    return shapes
+
+
+def byte_vocab_size() -> int:
+    return len(_vocab()[0])
+
+
+def write_phi3_gguf_from_hf(path: str, model: Any) -> str:
+    """An HF Phi-3 model (vocab of `byte_vocab_size()`) as llama.cpp writes it: fused attn_qkv and
+    ffn_up, LongRoPE as `rope_factors_long` / `rope_factors_short` tensors and the original length."""
+    import gguf
+
+    cfg = model.config
+    rope = cfg.rope_parameters
+    tokens, merges = _vocab()
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    )
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.qkv_proj": "attn_qkv",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    for layer in range(cfg.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            writer.add_tensor(
+                f"blk.{layer}.{gguf_name}.weight", state[f"model.layers.{layer}.{hf_name}.weight"]
+            )
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

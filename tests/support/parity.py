@@ -1,0 +1,101 @@
+"""Checks of served outputs against transformers / PEFT on tiny random models (native model tests):
+greedy tokens and prompt logprobs equal in float32, bf16 outputs within bf16 noise of float32."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from loraserve import SamplingParams
+
+# bf16 keeps 8 significant bits, and random models amplify it: transformers' own bf16 logprobs land
+# up to ~0.1 from its float32 ones. Ours round elsewhere (fused kernels, float32 sums), so the two
+# errors are independent: ours must stay within BF16_FACTOR times transformers' bf16 error on the same
+# tokens (at least BF16_FLOOR), while the adapters move the logprobs by far more (checked by callers).
+BF16_FLOOR, BF16_FACTOR = 0.05, 3.0
+
+
+def random_prompts(lengths: tuple[int, ...], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def hf_greedy(model: Any, prompt: list[int], num_new: int) -> list[int]:
+    """Greedy tokens from the model fed one token at a time with its cache: no end-of-sequence rule
+    (`generate`'s min_new_tokens would mask EOS, which the served requests, ignoring EOS, may pick)."""
+    cache, ids, tokens = None, torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(num_new):
+            result = model(ids, past_key_values=cache, use_cache=True)
+            cache = result.past_key_values
+            tokens.append(int(result.logits[0, -1].argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def greedy_params(num_new: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+
+
+def check_exact(out: Any, prompt: list[int], tokens: list[int], reference: torch.Tensor) -> None:
+    """float32: the same greedy tokens and every prompt logprob within 1e-4."""
+    assert out.outputs[0].token_ids == tokens
+    for pos in range(1, len(prompt)):
+        assert math.isclose(
+            out.prompt_logprobs[pos][prompt[pos]].logprob,
+            reference[pos - 1, prompt[pos]].item(),
+            abs_tol=1e-4,
+        )
+
+
+def check_bf16(out: Any, prompt: list[int], reference_of: Any, bf16_of: Any, what: str) -> None:
+    """One bf16 output against the float32 reference scoring the same tokens: every logprob, and the
+    gap of every generated token to the reference's greedy choice, within BF16_FACTOR times the reference
+    model's own bf16 error on those tokens (near-ties may break either way in bf16, so greedy sequences are
+    not compared exactly)."""
+    completion = out.outputs[0]
+    ids = prompt + list(completion.token_ids)
+    ours = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(prompt))]
+    ours += [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+    rows, nxt = torch.arange(len(ids) - 1), torch.tensor(ids[1:])
+    reference = reference_of(ids)[:-1]
+    theirs = reference[rows, nxt]
+    tol = max(BF16_FLOOR, BF16_FACTOR * (bf16_of(ids)[:-1][rows, nxt] - theirs).abs().max().item())
+    errors = (torch.tensor(ours, dtype=torch.float32) - theirs).abs().max().item()
+    gaps = (reference[len(prompt) - 1 :].max(-1).values - theirs[len(prompt) - 1 :]).max().item()
+    assert errors <= tol and gaps <= tol, f"{what}: error {errors:.4f}, gap {gaps:.4f}, bound {tol:.4f}"
+
+
+def peft_model(base_path: str, adapters: dict[str, str]) -> Any:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    names = list(adapters)
+    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    return model.eval()
+
+
+def peft_logprobs(model: Any, name: str | None, ids: list[int]) -> torch.Tensor:
+    if name is None:
+        with model.disable_adapter():
+            return hf_logprobs(model, ids)
+    model.set_adapter(name)
+    return hf_logprobs(model, ids)
+
+
+def peft_greedy(model: Any, name: str | None, prompt: list[int], num_new: int) -> list[int]:
+    if name is None:
+        with model.disable_adapter():
+            return hf_greedy(model, prompt, num_new)
+    model.set_adapter(name)
+    return hf_greedy(model, prompt, num_new)
