@@ -44,6 +44,7 @@ from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
+from loraserve.lora.mix import mix_adapters
 from loraserve.lora.registry import AdapterRegistry
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.single_flight import SingleFlight
@@ -263,6 +264,9 @@ class LoRAManager:
             if lora_id in self._host:
                 return
             lora_request, digest = self._registry.requests[lora_id], self._registry.digests[lora_id]
+        if lora_request.is_mix:
+            self._reload_mix(lora_request, digest, step_ids)
+            return
         name, key = lora_request.lora_name, _changed_key(lora_id)
         folder = self._locations.known_folder(lora_request) or lora_request.lora_path
         files = self._failed.check(key, folder)
@@ -289,6 +293,18 @@ class LoRAManager:
             self._failed.record(key, files, error)
             raise error
         self._failed.forget(key)
+
+    def _reload_mix(self, lora_request: LoRARequest, digest: PendingDigest, step_ids: set[int]) -> None:
+        """Build an evicted mix again from its components (each from the host cache, else its files);
+        a component whose content changed makes another mix, which is not served under this one."""
+        reloaded = self.load(lora_request, protected=step_ids)
+        if reloaded.identity.digest != digest.result():
+            with self._lock:
+                self._drop(lora_request.lora_id)
+            raise LoRAAdapterChangedError(
+                f"LoRA mix '{lora_request.lora_name}': one of its adapters changed since the mix was first "
+                "served; request the mix again by its adapters' names to serve their new weights."
+            )
 
     def end_step(self) -> None:
         """The step is over: its adapters may be evicted again (their requests reload them if needed)."""
@@ -349,6 +365,8 @@ class LoRAManager:
         its local folder (`~` expanded, a Hub repo downloaded), the memory of broken files (the same
         files fail again at once, after a few stats), the read. A failure is counted and leaves no
         trace, its location included; a failure of these files is remembered."""
+        if lora_request.is_mix:
+            return self._read_mix(lora_request)
         key = (lora_request.lora_name, lora_request.lora_path)
         start = time.perf_counter()
         try:
@@ -365,6 +383,19 @@ class LoRAManager:
                 self._host.count_failure()
             raise
         return lora_model, time.perf_counter() - start
+
+    def _read_mix(self, lora_request: LoRARequest) -> tuple[LoRAModel, float]:
+        """A mix's virtual adapter (`lora.mix`), built from its components as they are loaded (each
+        component is loaded, and cached, like any adapter; none of the step's adapters is evicted)."""
+        start = time.perf_counter()
+        parts = [(self.load(component), weight) for component, weight in lora_request.mix]
+        try:
+            mixed = mix_adapters(lora_request, parts, self.lora_config.max_lora_rank)
+        except LoRAAdapterError:
+            with self._lock:
+                self._host.count_failure()
+            raise
+        return mixed, time.perf_counter() - start
 
     def _put(self, lora_model: LoRAModel, keep: Collection[int], elapsed: float) -> LoRAModel:
         """Cache a fresh read (evicted adapters leave their slots) and upload it to a free slot; the

@@ -1,4 +1,4 @@
-"""Per-request LoRA scale through the engine (`LoRARequest(..., scale=)`) against PEFT's `set_scale`:
+"""Per-request LoRA scale through the engine (`LoRARequest(..., scale=)`) against PEFT's `set_scale` (tests/support/peft_oracle.py):
 one adapter at several scales, a plain adapter and base requests in one batch, on the C kernel and the
 torch ops, in float32 and bfloat16; and the prefix cache, which never shares KV across scales."""
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.peft_oracle import logprob_error, peft_logprobs
 
 from loraserve import LLM, SamplingParams
 from loraserve.batch.lora_mapping import LoRABatchMapping
@@ -56,27 +57,6 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def _peft_logprobs(
-    base_path: str, adapters: dict[str, str], name: str | None, scale: float, ids: list[int]
-) -> torch.Tensor:
-    """[len(ids), vocab] next-token logprobs under PEFT with adapter `name` at `scale` (PEFT's
-    `set_scale`: scaling = scale * alpha / r on every LoRA layer)."""
-    from peft import PeftModel
-    from peft.tuners.lora import LoraLayer
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
-    if name is None:
-        with torch.no_grad():
-            return torch.log_softmax(base(torch.tensor([ids])).logits[0].float(), -1)
-    model = PeftModel.from_pretrained(base, adapters[name], adapter_name=name)
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            module.set_scale(name, scale)
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-
-
 def _run(llm: LLM, adapters: dict[str, str], prompts: list[list[int]]) -> list[Any]:
     ids = {name: i + 1 for i, name in enumerate(adapters)}
     requests = [None if n is None else LoRARequest(n, ids[n], adapters[n], scale=s) for n, s in CASES]
@@ -112,18 +92,12 @@ def test_scales_in_one_batch_match_peft_set_scale(
     llm = LLM(path, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=8, enable_prefix_caching=False)
     outputs = _run(llm, adapters, prompts)
     assert any(scaled_steps)  # the steps really carried per-token scales
-    for out, prompt, (name, scale) in zip(outputs, prompts, CASES, strict=True):
-        completion = out.outputs[0]
-        ids = prompt + list(completion.token_ids)
-        ours = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(prompt))]
-        ours += [pos[tok].logprob for pos, tok in zip(completion.logprobs, completion.token_ids, strict=True)]
-        reference = _peft_logprobs(path, adapters, name, scale, ids)[:-1]
-        theirs = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-        error = (torch.tensor(ours) - theirs).abs().max().item()
-        assert error <= TOLERANCE[dtype], f"{name} at scale {scale}: {error:.5f}"
+    for out, prompt, case in zip(outputs, prompts, CASES, strict=True):
+        ids = prompt + list(out.outputs[0].token_ids)
+        error, gap = logprob_error(out, prompt, peft_logprobs(path, adapters, case, ids))
+        assert error <= TOLERANCE[dtype], f"{case}: {error:.5f}"
         if dtype == "float32":  # and greedy: each generated token is PEFT's argmax
-            gaps = reference[len(prompt) - 1 :].max(-1).values - theirs[len(prompt) - 1 :]
-            assert gaps.max().item() <= 1e-4
+            assert gap <= 1e-4
 
 
 def test_scale_changes_the_output_and_one_is_the_plain_adapter(

@@ -33,7 +33,8 @@ def _backend(tensor: torch.Tensor) -> ModuleType:
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> None:
-    """y[i] += B[s_i] A[s_i] x[i] (+ bias[s_i]) for every token i whose slot s_i >= 0, in place.
+    """y[i] += c_i (B[s_i] A[s_i] x[i] (+ bias[s_i])) for every token i whose slot s_i >= 0, in place
+    (c_i the token's scale, `mapping.scales`, 1 without).
 
     x [..., in]; y [..., out] contiguous (a layer's output). Computed in the buffers' dtype; a layer
     none of whose slots the step uses costs two integer tests."""
@@ -57,7 +58,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: Lo
         # Row max_loras of the padded table is zero: tokens without an adapter add nothing.
         table = F.pad(buffers.bias, (0, 0, 0, 1))
         rows = torch.where(mapping.token_slots < 0, buffers.max_loras, mapping.token_slots)
-        delta.add_(table.index_select(0, rows))
+        bias_rows = table.index_select(0, rows)
+        if mapping.scales is not None:  # a request's scale multiplies its adapter's whole term, as PEFT's
+            bias_rows.mul_(mapping.scales.by_token)
+        delta.add_(bias_rows)
     if not same_dtype:
         y2.add_(delta.to(y2.dtype))
 
