@@ -22,6 +22,7 @@ from loraserve.engine.admission import check_request_size
 from loraserve.engine.fair_admission import AdmissionHold
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
 from loraserve.entrypoints.openai.metrics.vllm_metrics import FinishedRequest
+from loraserve.entrypoints.openai.serving.adapter_selection import select_adapter
 from loraserve.entrypoints.openai.serving.client_identity import current_client
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError, api_error_from_exception
@@ -104,7 +105,7 @@ class OpenAIServing:
             raise EngineDeadError(str(self.engine.dead_error or "the engine loop stopped"))
         if request.model == "":  # vLLM serves the default model for an empty name
             request.model = None
-        lora_request = await self.models.resolve_model(request.model)
+        lora_request = await select_adapter(request, self.models)
         name = request.model if request.model is not None else self.models.served_model_name
         return name, lora_request
 
