@@ -163,3 +163,45 @@ def test_prefix_cache_keeps_scales_apart(tiny_model: Any, adapters: dict[str, st
 def test_lora_request_refuses_bad_scales(bad: object) -> None:
     with pytest.raises(ValueError, match=r"scale must be a finite number within \[-4, 4\]"):
         LoRARequest("a", 1, "/nowhere", scale=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cpu_kernel", ["1", "0"])
+def test_a_scale_scales_the_adapter_bias_too(
+    tiny_model: Any, hf_model: Any, tmp_path: Any, cpu_kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PEFT's set_scale multiplies lora_B's output, its bias included: so does a request's scale."""
+    monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
+    path = tiny_model("llama")
+    adapter = str(tmp_path / "bias")
+    save_peft_adapter(
+        hf_model(path),
+        adapter,
+        seed=77,
+        base_name=path,
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "o_proj", "down_proj"],
+        lora_bias=True,
+    )
+    llm = LLM(
+        path,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=8,
+        enable_lora_bias=True,
+        enable_prefix_caching=False,
+    )
+    prompts = _prompts(3, seed=5)
+    scales = [0.5, 1.0, -1.5]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=[LoRARequest("bias", 1, adapter, scale=s) for s in scales],
+    )
+    for out, prompt, scale in zip(outputs, prompts, scales, strict=True):
+        ids = prompt + list(out.outputs[0].token_ids)
+        error, _ = logprob_error(out, prompt, peft_logprobs(path, {"bias": adapter}, ("bias", scale), ids))
+        assert error <= 1e-4, f"scale {scale}: {error:.5f}"
