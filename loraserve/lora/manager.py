@@ -44,9 +44,9 @@ from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
-from loraserve.lora.mix import mix_adapters
+from loraserve.lora.mix import MIX_LABEL, mix_adapters
 from loraserve.lora.registry import AdapterRegistry
-from loraserve.lora.request import LoRARequest
+from loraserve.lora.request import MIX_PATH_PREFIX, LoRARequest
 from loraserve.lora.single_flight import SingleFlight
 from loraserve.lora.slot_table import SlotTable
 from loraserve.lora.targets import LoRATargets
@@ -438,16 +438,18 @@ class LoRAManager:
         """Adapter names by residency level, each list sorted and without repeats: "host" = in host
         memory, "slot" = in a compute slot. A slot holds only adapters that are in host memory, so
         every "slot" name is also a "host" name (an adapter replaced in place may appear twice
-        under one name while its old requests finish: it is listed once)."""
+        under one name while its old requests finish: it is listed once). Mixes are listed as
+        MIX_LABEL: their names hold clients' weights."""
         with self._lock:
             host, slot = set(), set()
             for lora_id in self._host.ids():
                 lora_model = self._host.peek(lora_id)
                 if lora_model is None:
                     continue
-                host.add(lora_model.name)
+                name = MIX_LABEL if lora_model.path.startswith(MIX_PATH_PREFIX) else lora_model.name
+                host.add(name)
                 if self._slots.slot_of(lora_id) is not None:
-                    slot.add(lora_model.name)
+                    slot.add(name)
             return {"slot": sorted(slot), "host": sorted(host)}
 
     def stats(self) -> dict[str, int | float | list[float]]:

@@ -27,6 +27,8 @@ from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
 
+MIX_LABEL = "(mix)"  # every mix's name in metrics and residency lists: a mix's name holds client weights
+
 
 def mix_adapters(request: LoRARequest, parts: Sequence[tuple[LoRAModel, float]], max_rank: int) -> LoRAModel:
     """The virtual adapter of `request` (a mix: `request.mix`) from its components' loaded adapters,

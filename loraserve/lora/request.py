@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, replace
 # The most adapters one mix may name (their ranks must also fit --max-lora-rank together).
 MAX_MIX_ADAPTERS = 8
 
+MIX_PATH_PREFIX = "mix:"  # the lora_path of a mix (`LoRARequest.mixed`)
+
 # The largest |scale| a request may set (vLLM PR #52757's `lora_scale`: a multiplier on top of the
 # adapter's own alpha / r, 1.0 its stock strength). Negative scales subtract the adapter's effect
 # ("negation"); past 4 the adapter's term leaves the range its load-time checks bounded.
@@ -78,7 +80,7 @@ class LoRARequest:
         path names the components' ids too, so one id cannot stand for two mixes."""
         mix = _checked_mix(tuple(parts))
         name = ",".join(f"{p.lora_name}={w:g}" for p, w in mix)
-        path = "mix:" + ",".join(f"{p.lora_id}:{p.lora_name}={w!r}" for p, w in mix)
+        path = MIX_PATH_PREFIX + ",".join(f"{p.lora_id}:{p.lora_name}={w!r}" for p, w in mix)
         return cls(name, lora_int_id, path, mix=mix)
 
     @property

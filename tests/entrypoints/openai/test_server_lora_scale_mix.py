@@ -215,3 +215,14 @@ def test_chat_takes_the_same_fields(stack: dict) -> None:
     mix = [{"name": "french", "weight": 0.7}, {"name": "pirate", "weight": 0.3}]
     assert tokens("tiny", adapters=mix) == tokens("french=0.7,pirate=0.3")
     assert tokens("french", lora_scale=0.0) == tokens("tiny")
+
+
+def test_metrics_label_weighted_models_by_served_names(stack: dict) -> None:
+    """A client's weights must not become label values: each weight would be a series of its own."""
+    server = stack["server"]
+    for model in ("french=0.61,pirate=0.39", "pirate=0.37"):
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
+        assert server.http.post("/v1/completions", json=body, timeout=30).status_code == 200
+    text = server.http.get("/metrics").text
+    assert [line for line in text.splitlines() if "0.61" in line or "0.37" in line] == []
+    assert 'model_name="pirate"' in text

@@ -269,6 +269,12 @@ class OpenAIServing:
             sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
             current_client().api_key,
         )  # all or none: no prompt starts unless the whole call has room
+        # Metrics are labelled by a served name: a weighted `model` ("pirate=0.3", a mix) is the
+        # client's text, which would give every weight its own series.
+        if lora_request is not None and lora_request.is_mix:
+            model_name = self.models.served_model_name
+        elif lora_request is not None:
+            model_name = lora_request.lora_name
         run = self._run(prompts, lora_request, model_name, group_id, hold, arrival, arrival_wall)
         async with hold, aclosing(run) as outputs:
             async for item in outputs:
