@@ -146,6 +146,11 @@ class LLMEngine:
             lora_request = self.lora.successor(replace(lora_request, scale=1.0))
             salt = self.lora.register(lora_request)
             if scale != 1.0:
+                if self.lora.uses_dora(lora_request.lora_id):
+                    raise LoRAAdapterError(
+                        f"LoRA adapter {lora_request.lora_name!r} is a DoRA adapter, whose output scale depends "
+                        "on the adapter's strength: it cannot be scaled per request (use scale 1)."
+                    )
                 lora_request = replace(lora_request, scale=scale)
                 salt = ScaledSalt(salt, scale)
         request_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None

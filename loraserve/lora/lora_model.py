@@ -53,6 +53,15 @@ class LoRAModel:
         """Name + content digest (waits for the digest if it is still being hashed)."""
         return AdapterIdentity(self.name, self.pending_digest.result())
 
+    @property
+    def uses_dora(self) -> bool:
+        """Whether any module carries a DoRA scale (PEFT's use_dora)."""
+        for lora in self.loras.values():
+            parts = lora.slices if isinstance(lora, PackedLoRALayerWeights) else [lora]
+            if any(p is not None and p.dora_scale is not None for p in parts):
+                return True
+        return False
+
     def get_lora(self, module_name: str) -> ModuleLoRA | None:
         return self.loras.get(module_name)
 

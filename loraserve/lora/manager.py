@@ -81,6 +81,7 @@ class LoRAManager:
         # Rebound, never mutated, so that other threads' keep() reads it without the lock.
         self._retained: frozenset[int] = frozenset()
         self._demand: Callable[[], Callable[[], Sequence[int]] | None] | None = None
+        self._dora_ids: frozenset[int] = frozenset()  # loaded adapters with DoRA scales (any thread reads)
 
     def follow_demand(self, source: Callable[[], Sequence[int]]) -> None:
         """`source()` (called on the engine thread, at each step and before each first load) names
@@ -115,6 +116,10 @@ class LoRAManager:
         with self._lock:
             self._registry.add(lora_request, digest)
         return digest
+
+    def uses_dora(self, lora_id: int) -> bool:
+        """Whether a loaded adapter is a DoRA one (its requests cannot set a scale: g depends on it)."""
+        return lora_id in self._dora_ids
 
     def is_registered(self, lora_id: int) -> bool:
         with self._lock:
@@ -356,6 +361,8 @@ class LoRAManager:
                 return cached
             lora_model, elapsed = self._read(lora_request)
             with self._lock:
+                if lora_model.uses_dora:
+                    self._dora_ids = self._dora_ids | {lora_id}
                 step = self._in_use if protected is None else frozenset(protected)
                 keep = self._slots.pinned_ids | step | self._retained | frozenset(also_keep)
                 return self._put(lora_model, keep, elapsed)

@@ -33,6 +33,12 @@ MIX_LABEL = "(mix)"  # every mix's name in metrics and residency lists: a mix's 
 def mix_adapters(request: LoRARequest, parts: Sequence[tuple[LoRAModel, float]], max_rank: int) -> LoRAModel:
     """The virtual adapter of `request` (a mix: `request.mix`) from its components' loaded adapters,
     in `request.mix` order, each with its weight."""
+    dora = [model.name for model, _ in parts if model.uses_dora]
+    if dora:
+        raise LoRAAdapterError(
+            f"LoRA mix '{request.lora_name}': {dora[0]!r} is a DoRA adapter, and DoRA adapters cannot be mixed "
+            "(their output scale is not linear in the weights)."
+        )
     names = sorted({name for model, _ in parts for name in model.loras})
     loras: dict[str, ModuleLoRA] = {}
     for name in names:

@@ -66,6 +66,26 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: Lo
         y2.add_(delta.to(y2.dtype))
 
 
+def apply_dora(
+    y: torch.Tensor, base_bias: torch.Tensor | None, buffers: LoRABuffers, mapping: LoRABatchMapping
+) -> None:
+    """y[i] = g[s_i] * (y[i] - b) + b for the tokens whose slot holds a DoRA adapter here, in place:
+    PEFT's unmerged DoRA, y = g * (x W^T + s B A x) + b, once the LoRA term is in y. Rows of other
+    slots are left bit-for-bit alone (their g is exactly 1, as is row max_loras for slot -1)."""
+    if not buffers.dora_mask & mapping.active_mask:
+        return
+    assert buffers.dora is not None
+    y2 = y.view(-1, y.shape[-1])
+    rows = torch.where(mapping.token_slots < 0, buffers.max_loras, mapping.token_slots)
+    dora_rows = buffers.dora[rows]
+    uses = (dora_rows != 1.0).any(dim=1)
+    scaled = y2.float() if base_bias is None else y2.float() - base_bias.float()
+    scaled = scaled * dora_rows
+    if base_bias is not None:
+        scaled = scaled + base_bias.float()
+    y2.copy_(torch.where(uses[:, None], scaled.to(y2.dtype), y2))
+
+
 def lora_shrink(
     x: torch.Tensor, a_stacked: torch.Tensor, mapping: LoRABatchMapping, scale: float = 1.0
 ) -> torch.Tensor:
@@ -78,4 +98,4 @@ def lora_expand(
     return _backend(y).lora_expand(y, t, b_stacked, mapping, offset)
 
 
-__all__ = ["LoRABuffers", "add_lora", "lora_expand", "lora_shrink"]
+__all__ = ["LoRABuffers", "add_lora", "apply_dora", "lora_expand", "lora_shrink"]
