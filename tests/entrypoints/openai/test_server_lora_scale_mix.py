@@ -24,6 +24,7 @@ ADAPTERS = {
     "french": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
     "pirate": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]),
     "wide": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "o_proj", "up_proj"]),
 }
 TOL = 2e-3
 PROMPT = [5, 17, 33, 90, 4, 61, 250, 7, 12, 19, 3, 44]
@@ -97,6 +98,7 @@ REQUESTS: list[tuple[str, dict[str, Any], Any]] = [
         ((("wide", -1.0), ("pirate", 1.5)), 1.0),
     ),
     ("pirate=0.25", {}, ("pirate", 0.25)),
+    ("dora", {}, ("dora", 1.0)),
 ]
 
 
@@ -150,7 +152,7 @@ def test_prefix_cache_is_kept_apart_by_scale_and_mix(stack: dict) -> None:
             "tiny",
             {"lora": [{"id": 7, "scale": 1.0}]},
             "lora",
-            "No LoRA adapter has id 7: this server lists 3",
+            "No LoRA adapter has id 7: this server lists 4",
         ),
         ("french", {"lora": [{"id": 0, "scale": 1.0}]}, "model", "set 'model' to the base model"),
         ("tiny", {"adapters": [{"name": "tiny", "weight": 1.0}]}, "adapters", "names the base model"),
@@ -165,6 +167,8 @@ def test_prefix_cache_is_kept_apart_by_scale_and_mix(stack: dict) -> None:
             "model",
             r"total rank at .* is 20 \(8 \+ 4 \+ 8\), above --max-lora-rank=16",
         ),
+        ("dora", {"lora_scale": 0.5}, "model", "is a DoRA adapter, whose output scale .* cannot be scaled"),
+        ("dora=0.5,pirate=0.5", {}, "model", "'dora' is a DoRA adapter, and DoRA adapters cannot be mixed"),
     ],
 )
 def test_bad_selections_are_refused_with_400(
@@ -175,7 +179,7 @@ def test_bad_selections_are_refused_with_400(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert re.search(text, error["message"]), error
-    if param != "model" or "rank" not in text:
+    if param != "model" or not any(word in text for word in ("rank", "DoRA")):
         assert error["param"] == param
     # The server goes on serving.
     assert (
@@ -192,9 +196,10 @@ def test_lora_adapters_lists_the_ids_lora_entries_use(stack: dict) -> None:
         {"id": 0, "name": "french", "scale": 1.0},
         {"id": 1, "name": "pirate", "scale": 1.0},
         {"id": 2, "name": "wide", "scale": 1.0},
+        {"id": 3, "name": "dora", "scale": 1.0},
     ]
     models = [card["id"] for card in stack["server"].http.get("/v1/models").json()["data"]]
-    assert models == ["tiny", "french", "pirate", "wide"]  # the same order, after the base model
+    assert models == ["tiny", "french", "pirate", "wide", "dora"]  # the same order, after the base model
 
 
 def test_chat_takes_the_same_fields(stack: dict) -> None:
