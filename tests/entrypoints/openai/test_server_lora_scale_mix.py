@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 import torch
-from support.harness import RunningServer
+from support.harness import RunningServer, wait_for
 from support.peft_oracle import peft_logprobs
 
 from loraserve.entrypoints.openai.server.api_server import ServerOptions
@@ -231,3 +231,27 @@ def test_metrics_label_weighted_models_by_served_names(stack: dict) -> None:
     text = server.http.get("/metrics").text
     assert [line for line in text.splitlines() if "0.61" in line or "0.37" in line] == []
     assert 'model_name="pirate"' in text
+
+
+def test_forgotten_mixes_leave_the_engine(stack: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server remembers the newest MAX_MIXES mixes; older ones are unregistered from the engine, so
+    clients sending ever new weights cannot grow the engine's registry without bound."""
+    from loraserve.entrypoints.openai.serving import serving_models
+
+    monkeypatch.setattr(serving_models, "MAX_MIXES", 2)
+    server = stack["server"]
+
+    def mixes() -> set[str]:
+        listed = server.call(lambda: server.engine.list_loras())
+        return {r.lora_name for r in listed if r.is_mix}
+
+    before = mixes()
+    names = [f"french={w},pirate=0.5" for w in ("0.11", "0.12", "0.13", "0.14")]
+    for name in names:
+        body = {"model": name, "prompt": PROMPT, "max_tokens": 1}
+        assert server.http.post("/v1/completions", json=body, timeout=30).status_code == 200
+    wait_for(lambda: not (mixes() - before) & set(names[:2]), 30, "the forgotten mixes to be removed")
+    assert set(names[2:]) <= mixes()
+    # A forgotten mix asked again is served again (under a new id).
+    body = {"model": names[0], "prompt": PROMPT, "max_tokens": 1}
+    assert server.http.post("/v1/completions", json=body, timeout=30).status_code == 200

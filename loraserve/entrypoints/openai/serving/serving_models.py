@@ -13,6 +13,7 @@ per-name locks are keyed by skeleton, so two such names never register side by s
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -102,6 +103,7 @@ class OpenAIServingModels:
         # Mixes served so far, by their components and weights (LoRARequest.mixed's path): the same
         # mix keeps its id, hence its slot and host-cache entry. The newest MAX_MIXES are kept.
         self._mixes: OrderedDict[str, LoRARequest] = OrderedDict()
+        self._retiring: set[asyncio.Task[bool]] = set()  # removals of forgotten mixes, until done
         self.name_locks = NamedLocks()  # confusable_key(name) -> lock held while it is resolved or loaded
         self.metrics = metrics
 
@@ -220,8 +222,18 @@ class OpenAIServingModels:
         mix = self._mixes.pop(key, None) or LoRARequest.mixed(parts, next(self._lora_ids))
         self._mixes[key] = mix
         while len(self._mixes) > MAX_MIXES:
-            self._mixes.popitem(last=False)
+            _, old = self._mixes.popitem(last=False)
+            # The engine forgets it too (once its requests finish): else every distinct weight a client
+            # sends would stay registered. The same mix asked again later gets a new id.
+            task = asyncio.get_running_loop().create_task(self.engine.remove_lora(old.lora_id))
+            self._retiring.add(task)
+            task.add_done_callback(self._retired)
         return mix
+
+    def _retired(self, task: asyncio.Task[bool]) -> None:
+        self._retiring.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("Removing a forgotten LoRA mix failed: %s", task.exception())
 
     def _serves_base(self, adapter_base: str | None) -> bool:
         """Whether an adapter's base_model_name_or_path is a name or model path this server serves."""
