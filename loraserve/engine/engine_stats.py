@@ -7,9 +7,21 @@ from typing import TYPE_CHECKING, Any
 
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.scheduler import Scheduler
+from loraserve.lora.mix import MIX_LABEL
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
+    from loraserve.lora.request import LoRARequest
+
+
+
+def adapter_label(lora_request: LoRARequest | None) -> str:
+    """The metrics' name of a request's adapter: "" for the base model, MIX_LABEL for a mix (a mix's
+    name holds a client's weights: each would be a series of its own; an adapter literally named
+    "(mix)" would share the label)."""
+    if lora_request is None:
+        return ""
+    return MIX_LABEL if lora_request.is_mix else lora_request.lora_name
 
 
 def engine_stats(
@@ -17,15 +29,15 @@ def engine_stats(
 ) -> dict[str, Any]:
     """Numbers (gauges; monotonic counters such as `num_step_failures`, `lora_num_loads`,
     `lora_num_load_failures`), `{adapter name: count}` maps (`running_by_adapter`,
-    `waiting_by_adapter`; "" is the base model), and lists of new observations (`lora_load_seconds`,
+    `waiting_by_adapter`; "" is the base model, MIX_LABEL every mix), and lists of new observations (`lora_load_seconds`,
     drained by each call). With LoRA: `max_lora` (the number of compute slots) and
     `lora_adapters_loaded` = {"slot": [names], "host": [names]} (`LoRAManager.resident_adapters`)."""
     running, waiting = scheduler.running, scheduler.waiting
     stats: dict[str, Any] = {
         "num_running": len(running),
         "num_waiting": len(waiting),
-        "running_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in running)),
-        "waiting_by_adapter": dict(Counter(seq.request.lora_name or "" for seq in waiting)),
+        "running_by_adapter": dict(Counter(adapter_label(seq.request.lora_request) for seq in running)),
+        "waiting_by_adapter": dict(Counter(adapter_label(seq.request.lora_request) for seq in waiting)),
         "num_preemptions": scheduler.num_preemptions,
         "num_step_failures": num_step_failures,
         "prefix_cache_queries": block_manager.num_prefix_queries,

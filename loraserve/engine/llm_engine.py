@@ -27,7 +27,7 @@ from loraserve.engine.engine_stats import engine_stats, residency_levels
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.scheduler import SampledToken, ScheduledSeq, Scheduler
-from loraserve.engine.sequence import BeamGroup, CacheSalt, Request, RequestSalt, Sequence
+from loraserve.engine.sequence import BeamGroup, CacheSalt, Request, RequestSalt, ScaledSalt, Sequence
 from loraserve.engine.step_failures import StepFailures, request_error
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.errors import LoRAAdapterError
@@ -150,8 +150,18 @@ class LLMEngine:
                 raise LoRAAdapterError(
                     f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not enabled (enable_lora=True)."
                 )
-            lora_request = self.lora.successor(lora_request)  # replaced in place meanwhile: the new one
+            scale = lora_request.scale  # the request's, never the registered adapter's
+            # replaced in place meanwhile: the new one
+            lora_request = self.lora.successor(replace(lora_request, scale=1.0))
             salt = self.lora.register(lora_request)
+            if scale != 1.0:
+                if self.lora.uses_dora(lora_request.lora_id):
+                    raise LoRAAdapterError(
+                        f"LoRA adapter {lora_request.lora_name!r} is a DoRA adapter, whose output scale depends "
+                        "on the adapter's strength: it cannot be scaled per request (use scale 1)."
+                    )
+                lora_request = replace(lora_request, scale=scale)
+                salt = ScaledSalt(salt, scale)
         request_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if request_salt:
             salt = RequestSalt(salt, str(request_salt))
@@ -376,7 +386,9 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load, validate and register an adapter; False if its id is registered already, unless
-        `lora_request.load_inplace`: then its weights are read again (no request may be using it)."""
+        `lora_request.load_inplace`: then its weights are read again (no request may be using it).
+        A scale is a request's, not the adapter's: it is not kept."""
+        lora_request = replace(lora_request, scale=1.0)
         manager = self._lora_manager()
         if manager.is_registered(lora_request.lora_id):
             if not lora_request.load_inplace:

@@ -27,6 +27,9 @@ from loraserve.engine.sequence import BeamCandidates, Sequence
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
 
+# What a step's LoRA mapping is built from: the token slots and the token scales (None: all 1).
+_MappingKey = tuple[tuple[int, ...], tuple[float, ...] | None]
+
 
 @dataclass(slots=True)
 class PromptLogprobChunk:
@@ -90,7 +93,7 @@ class ModelRunner:
         self.spec: KVCacheSpec = self.model.kv_cache_spec()
         # The last step's LoRA mapping and the token slots it was built from: decode steps of an
         # unchanged batch reuse it (it is immutable, and its index tensors are only read).
-        self._lora_mapping: tuple[tuple[int, ...], LoRABatchMapping] | None = None
+        self._lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None
         shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -149,6 +152,8 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
+        token_scales: list[float] = []
+        scaled = lora_slots is not None and any(s.seq.lora_scale != 1.0 for s in scheduled)
         query_lens, context_lens, block_tables, seq_lens = [], [], [], []
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -162,7 +167,10 @@ class ModelRunner:
             if lora_slots is not None:
                 slot = lora_slots[seq.lora_id] if seq.lora_id else -1
                 token_slots.extend([slot] * item.num_new_tokens)
+                if scaled:
+                    token_scales.extend([seq.lora_scale] * item.num_new_tokens)
 
+        scales = token_scales if scaled else None
         attn = build_attention_metadata(
             query_lens, context_lens, block_tables, self.block_size, self.device, self.spec.sliding_window
         )
@@ -171,17 +179,21 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
             ForwardBatch(
-                attn=attn, lora=None if lora_slots is None else self._mapping(token_slots), seq_lens=seq_lens
+                attn=attn,
+                lora=None if lora_slots is None else self._mapping(token_slots, scales),
+                seq_lens=seq_lens,
             ),
         )
         return self._select_logits(scheduled, hidden)
 
-    def _mapping(self, token_slots: list[int]) -> LoRABatchMapping:
-        key = tuple(token_slots)
+    def _mapping(self, token_slots: list[int], token_scales: list[float] | None) -> LoRABatchMapping:
+        key = (tuple(token_slots), None if token_scales is None else tuple(token_scales))
         if self._lora_mapping is None or self._lora_mapping[0] != key:
             self._lora_mapping = (
                 key,
-                LoRABatchMapping.build(token_slots, self.device, max_loras=self.max_loras),
+                LoRABatchMapping.build(
+                    token_slots, self.device, max_loras=self.max_loras, token_scales=token_scales
+                ),
             )
         return self._lora_mapping[1]
 

@@ -45,6 +45,22 @@ class RequestSalt:
         return f"{'' if self.adapter is None else self.adapter.result()}|cache_salt:{self.salt}"
 
 
+@dataclass(frozen=True, slots=True)
+class ScaledSalt:
+    """An adapter's digest joined to a request's LoRA scale (not 1.0): KV computed at one scale is
+    never reused at another, while every request at one scale shares it (the scale is the float's
+    repr, so 0.3 and 0.30000001 differ)."""
+
+    adapter: CacheSalt
+    scale: float
+
+    def done(self) -> bool:
+        return self.adapter.done()
+
+    def result(self) -> str:
+        return f"{self.adapter.result()}|lora_scale:{self.scale!r}"
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -88,6 +104,12 @@ class Sequence:
     def lora_id(self) -> int:
         lora = self.request.lora_request
         return lora.lora_id if lora is not None else 0
+
+    @property
+    def lora_scale(self) -> float:
+        """The request's scale of its adapter's term (1.0 without one)."""
+        lora = self.request.lora_request
+        return lora.scale if lora is not None else 1.0
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from loraserve.errors import LoRAAdapterError
 from loraserve.layers.linear import Linear
+from loraserve.lora.dora import dora_scale
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.targets import LoRATargets
 from loraserve.lora.weights import LoRALayerWeights
@@ -26,6 +27,7 @@ _PREFIX = "base_model.model."
 _LORA_KEY = re.compile(
     r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$"
 )
+_DORA_KEY = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$")
 _BASE_BIAS_KEY = re.compile(r"^(?P<module>.+?)(?:\.base_layer)?\.bias$")
 _ROUNDING = 1.01  # a stored value may round up by 2^-8 of itself in bf16
 
@@ -36,6 +38,7 @@ class ModuleTensors:
     lora_b: torch.Tensor | None = None
     lora_b_bias: torch.Tensor | None = None
     base_bias: torch.Tensor | None = None
+    magnitude: torch.Tensor | None = None  # DoRA's lora_magnitude_vector
 
 
 def group_keys(
@@ -49,8 +52,12 @@ def group_keys(
         stripped = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
         if ".lora_embedding_" in stripped:
             raise LoRAAdapterError(f"LoRA adapter '{name}': LoRA on embeddings is not supported ({key})")
-        if ".lora_magnitude_vector" in stripped:
-            raise LoRAAdapterError(f"LoRA adapter '{name}': loraserve does not yet support DoRA ({key})")
+        dora = _DORA_KEY.match(stripped)
+        if dora:
+            if dora["adapter"]:
+                adapter_names.add(dora["adapter"])
+            grouped.setdefault(dora["module"], ModuleTensors()).magnitude = tensor
+            continue
         match = _LORA_KEY.match(stripped)
         bias_match = _BASE_BIAS_KEY.match(stripped) if base_bias_allowed else None
         if match:
@@ -190,7 +197,35 @@ def layer_weights(
             "next normalisation overflows; lora_alpha or the weights are far too large"
         )
     bias = combined_bias(parts, scaling, base, out_start, out_end, module_name, name)
-    return LoRALayerWeights(module_name, rank, lora_a, lora_b, scaling, bias)  # the caller sets the dtype
+    weights = LoRALayerWeights(module_name, rank, lora_a, lora_b, scaling, bias)  # the caller sets the dtype
+    if parts.magnitude is not None or (helper.use_dora and rank):
+        weights.dora_scale = _dora_scale(parts, weights, base, out_start, out_end, helper, name)
+    return weights
+
+
+def _dora_scale(
+    parts: ModuleTensors, weights: LoRALayerWeights, base: Linear, start: int, end: int, helper: PEFTHelper,
+    name: str,
+) -> torch.Tensor:
+    """DoRA's g = m / ||W + s B A|| (`dora.py`), checked: a magnitude for every adapted module of a
+    DoRA adapter, of the module's shape, and a finite g."""
+    module_name = weights.module_name
+    if not helper.use_dora or parts.magnitude is None or not weights.rank:
+        raise LoRAAdapterError(
+            f"LoRA adapter '{name}': {module_name} has "
+            + ("a DoRA magnitude but use_dora is off" if not helper.use_dora else "no DoRA magnitude vector")
+        )
+    if tuple(parts.magnitude.shape) != (end - start,) or not parts.magnitude.is_floating_point():
+        raise LoRAAdapterError(
+            f"LoRA adapter '{name}': {module_name} DoRA magnitude has shape {tuple(parts.magnitude.shape)}, "
+            f"expected ({end - start},)"
+        )
+    scale = dora_scale(base, start, end, weights.lora_a, weights.lora_b, weights.scaling, parts.magnitude)
+    if not bool(torch.isfinite(scale).all()):
+        raise LoRAAdapterError(
+            f"LoRA adapter '{name}': {module_name} DoRA scale (magnitude / weight norm) is not finite"
+        )
+    return scale
 
 
 def combined_bias(

@@ -103,6 +103,8 @@ class ExpertsWithLoRA:
         _per_expert(x, a, counts, shrunk)
         own = slots.unsqueeze(1) == torch.arange(self.max_loras, device=slots.device)  # [P, S]
         shrunk.view(x.shape[0], self.max_loras, self.max_lora_rank).mul_(own.unsqueeze(-1).to(a.dtype))
+        if mapping.scales is not None:  # per-request scales: each row's t = A x times its token's scale
+            shrunk.mul_(mapping.scales.by_token.index_select(0, tokens).to(a.dtype))
         delta = x.new_empty(x.shape[0], b.shape[1])
         _per_expert(shrunk, b, counts, delta)
         out.add_(delta.to(out.dtype))

@@ -144,6 +144,7 @@ class LinearWithLoRA(Linear):
                 )
         if batch is not None and batch.lora is not None:
             ops.add_lora(y, x, self.lora_buffers, batch.lora)
+            ops.apply_dora(y, self.bias, self.lora_buffers, batch.lora)
         return y
 
     def extra_repr(self) -> str:

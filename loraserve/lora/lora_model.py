@@ -25,7 +25,7 @@ from loraserve.lora.expert_checks import expert_weights
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.targets import LoRATargets
-from loraserve.lora.weights import LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
+from loraserve.lora.weights import ExpertLoRAWeights, LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,17 @@ class LoRAModel:
     def identity(self) -> AdapterIdentity:
         """Name + content digest (waits for the digest if it is still being hashed)."""
         return AdapterIdentity(self.name, self.pending_digest.result())
+
+    @property
+    def uses_dora(self) -> bool:
+        """Whether any module carries a DoRA scale (PEFT's use_dora)."""
+        for lora in self.loras.values():
+            if isinstance(lora, ExpertLoRAWeights):  # PEFT has no DoRA on expert parameters
+                continue
+            parts = lora.slices if isinstance(lora, PackedLoRALayerWeights) else [lora]
+            if any(p is not None and p.dora_scale is not None for p in parts):
+                return True
+        return False
 
     def get_lora(self, module_name: str) -> ModuleLoRA | None:
         return self.loras.get(module_name)

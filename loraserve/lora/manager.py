@@ -44,8 +44,9 @@ from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
+from loraserve.lora.mix import MIX_LABEL, mix_adapters
 from loraserve.lora.registry import AdapterRegistry
-from loraserve.lora.request import LoRARequest
+from loraserve.lora.request import MIX_PATH_PREFIX, LoRARequest
 from loraserve.lora.single_flight import SingleFlight
 from loraserve.lora.slot_table import SlotTable
 from loraserve.lora.targets import LoRATargets
@@ -80,6 +81,7 @@ class LoRAManager:
         # Rebound, never mutated, so that other threads' keep() reads it without the lock.
         self._retained: frozenset[int] = frozenset()
         self._demand: Callable[[], Callable[[], Sequence[int]] | None] | None = None
+        self._dora_ids: frozenset[int] = frozenset()  # loaded adapters with DoRA scales (any thread reads)
 
     def follow_demand(self, source: Callable[[], Sequence[int]]) -> None:
         """`source()` (called on the engine thread, at each step and before each first load) names
@@ -114,6 +116,10 @@ class LoRAManager:
         with self._lock:
             self._registry.add(lora_request, digest)
         return digest
+
+    def uses_dora(self, lora_id: int) -> bool:
+        """Whether a loaded adapter is a DoRA one (its requests cannot set a scale: g depends on it)."""
+        return lora_id in self._dora_ids
 
     def is_registered(self, lora_id: int) -> bool:
         with self._lock:
@@ -263,6 +269,9 @@ class LoRAManager:
             if lora_id in self._host:
                 return
             lora_request, digest = self._registry.requests[lora_id], self._registry.digests[lora_id]
+        if lora_request.is_mix:
+            self._reload_mix(lora_request, digest, step_ids)
+            return
         name, key = lora_request.lora_name, _changed_key(lora_id)
         folder = self._locations.known_folder(lora_request) or lora_request.lora_path
         files = self._failed.check(key, folder)
@@ -289,6 +298,18 @@ class LoRAManager:
             self._failed.record(key, files, error)
             raise error
         self._failed.forget(key)
+
+    def _reload_mix(self, lora_request: LoRARequest, digest: PendingDigest, step_ids: set[int]) -> None:
+        """Build an evicted mix again from its components (each from the host cache, else its files);
+        a component whose content changed makes another mix, which is not served under this one."""
+        reloaded = self.load(lora_request, protected=step_ids)
+        if reloaded.identity.digest != digest.result():
+            with self._lock:
+                self._drop(lora_request.lora_id)
+            raise LoRAAdapterChangedError(
+                f"LoRA mix '{lora_request.lora_name}': one of its adapters changed since the mix was first "
+                "served; request the mix again by its adapters' names to serve their new weights."
+            )
 
     def end_step(self) -> None:
         """The step is over: its adapters may be evicted again (their requests reload them if needed)."""
@@ -340,6 +361,8 @@ class LoRAManager:
                 return cached
             lora_model, elapsed = self._read(lora_request)
             with self._lock:
+                if lora_model.uses_dora:
+                    self._dora_ids = self._dora_ids | {lora_id}
                 step = self._in_use if protected is None else frozenset(protected)
                 keep = self._slots.pinned_ids | step | self._retained | frozenset(also_keep)
                 return self._put(lora_model, keep, elapsed)
@@ -349,6 +372,8 @@ class LoRAManager:
         its local folder (`~` expanded, a Hub repo downloaded), the memory of broken files (the same
         files fail again at once, after a few stats), the read. A failure is counted and leaves no
         trace, its location included; a failure of these files is remembered."""
+        if lora_request.is_mix:
+            return self._read_mix(lora_request)
         key = (lora_request.lora_name, lora_request.lora_path)
         start = time.perf_counter()
         try:
@@ -365,6 +390,19 @@ class LoRAManager:
                 self._host.count_failure()
             raise
         return lora_model, time.perf_counter() - start
+
+    def _read_mix(self, lora_request: LoRARequest) -> tuple[LoRAModel, float]:
+        """A mix's virtual adapter (`lora.mix`), built from its components as they are loaded (each
+        component is loaded, and cached, like any adapter; none of the step's adapters is evicted)."""
+        start = time.perf_counter()
+        parts = [(self.load(component), weight) for component, weight in lora_request.mix]
+        try:
+            mixed = mix_adapters(lora_request, parts, self.lora_config.max_lora_rank)
+        except LoRAAdapterError:
+            with self._lock:
+                self._host.count_failure()
+            raise
+        return mixed, time.perf_counter() - start
 
     def _put(self, lora_model: LoRAModel, keep: Collection[int], elapsed: float) -> LoRAModel:
         """Cache a fresh read (evicted adapters leave their slots) and upload it to a free slot; the
@@ -407,16 +445,18 @@ class LoRAManager:
         """Adapter names by residency level, each list sorted and without repeats: "host" = in host
         memory, "slot" = in a compute slot. A slot holds only adapters that are in host memory, so
         every "slot" name is also a "host" name (an adapter replaced in place may appear twice
-        under one name while its old requests finish: it is listed once)."""
+        under one name while its old requests finish: it is listed once). Mixes are listed as
+        MIX_LABEL: their names hold clients' weights."""
         with self._lock:
             host, slot = set(), set()
             for lora_id in self._host.ids():
                 lora_model = self._host.peek(lora_id)
                 if lora_model is None:
                     continue
-                host.add(lora_model.name)
+                name = MIX_LABEL if lora_model.path.startswith(MIX_PATH_PREFIX) else lora_model.name
+                host.add(name)
                 if self._slots.slot_of(lora_id) is not None:
-                    slot.add(lora_model.name)
+                    slot.add(name)
             return {"slot": sorted(slot), "host": sorted(host)}
 
     def stats(self) -> dict[str, int | float | list[float]]:

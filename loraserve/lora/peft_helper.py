@@ -98,8 +98,9 @@ class PEFTHelper:
                 where = f" (rank_pattern {module!r})" if module else ""
                 field = "rank_pattern" if module else "r"
                 v.fail(field, f"LoRA rank {rank}{where} is greater than max_lora_rank {max_lora_rank}")
-        if v.get("use_dora", False):
-            v.fail("use_dora", "loraserve does not yet support DoRA")
+        use_dora = bool(v.get("use_dora", False))
+        if use_dora and bool(v.get("lora_bias", False)):
+            v.fail("use_dora", "DoRA with lora_bias is not supported")
         modules_to_save = v.name_list("modules_to_save")
         if modules_to_save:
             v.fail(
@@ -127,7 +128,7 @@ class PEFTHelper:
             fan_in_fan_out=bool(v.get("fan_in_fan_out", False)),
             bias=bias,
             lora_bias=lora_bias,
-            use_dora=False,
+            use_dora=use_dora,
             modules_to_save=modules_to_save,
             peft_type="LORA",
             base_model_name_or_path=v.get("base_model_name_or_path", None),

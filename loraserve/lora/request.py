@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+# The most adapters one mix may name (their ranks must also fit --max-lora-rank together).
+MAX_MIX_ADAPTERS = 8
+
+MIX_PATH_PREFIX = "mix:"  # the lora_path of a mix (`LoRARequest.mixed`)
+
+# The largest |scale| a request may set (vLLM PR #52757's `lora_scale`: a multiplier on top of the
+# adapter's own alpha / r, 1.0 its stock strength). Negative scales subtract the adapter's effect
+# ("negation"); past 4 the adapter's term leaves the range its load-time checks bounded.
+MAX_LORA_SCALE = 4.0
+
+
+def check_lora_scale(scale: object, name: str = "lora_scale") -> float:
+    """`scale` as a float, or ValueError naming `name`: a finite number within +-MAX_LORA_SCALE."""
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or abs(scale) > MAX_LORA_SCALE
+    ):
+        raise ValueError(
+            f"{name} must be a finite number within [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}], got {scale!r}"
+        )
+    return float(scale)
 
 
 @dataclass(frozen=True)
@@ -14,6 +40,11 @@ class LoRARequest:
     `lora_int_id` field keep vLLM's spelling, which user code passes and reads; loraserve's own code
     reads the id as `lora_id`. `lora_path` may start with `~` or be a Hugging Face repo id.
     `load_inplace` (vLLM's flag): registering it again re-reads its weights (`LLMEngine.add_lora`).
+    `scale` multiplies this request's LoRA term (1.0: the adapter as trained; `check_lora_scale`'s
+    bounds). It is the request's, not the adapter's: requests of one adapter at different scales share
+    its slot and batch together, and their prefix-cache entries are kept apart by scale.
+    `mix` makes this a mix of other adapters, (component, weight) pairs (`LoRARequest.mixed` builds
+    one): served as one virtual adapter of their concatenated ranks (`lora.mix`) under this id.
     """
 
     lora_name: str
@@ -21,6 +52,8 @@ class LoRARequest:
     lora_path: str = field(compare=False)
     base_model_name: str | None = field(default=None, compare=False)
     load_inplace: bool = field(default=False, compare=False)
+    scale: float = field(default=1.0, compare=False)
+    mix: tuple[tuple[LoRARequest, float], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -37,7 +70,44 @@ class LoRARequest:
             raise ValueError(
                 f"LoRA adapter {self.lora_name!r}: lora_path must be a string, got {type(self.lora_path).__name__}"
             )
+        object.__setattr__(self, "scale", check_lora_scale(self.scale, "scale"))
+        if self.mix:
+            object.__setattr__(self, "mix", _checked_mix(self.mix))
+
+    @classmethod
+    def mixed(cls, parts: Sequence[tuple[LoRARequest, float]], lora_int_id: int) -> LoRARequest:
+        """The mix of `parts` (component, weight) under id `lora_int_id`, named "a=0.7,b=0.3"; its
+        path names the components' ids too, so one id cannot stand for two mixes."""
+        mix = _checked_mix(tuple(parts))
+        name = ",".join(f"{p.lora_name}={w:g}" for p, w in mix)
+        path = MIX_PATH_PREFIX + ",".join(f"{p.lora_id}:{p.lora_name}={w!r}" for p, w in mix)
+        return cls(name, lora_int_id, path, mix=mix)
+
+    @property
+    def is_mix(self) -> bool:
+        return bool(self.mix)
 
     @property
     def lora_id(self) -> int:
         return self.lora_int_id
+
+
+def _checked_mix(parts: tuple[tuple[LoRARequest, float], ...]) -> tuple[tuple[LoRARequest, float], ...]:
+    """The (component, weight) pairs, or ValueError: 1 to MAX_MIX_ADAPTERS distinct plain adapters
+    (by id), each weight a finite number within +-MAX_LORA_SCALE."""
+    if not 1 <= len(parts) <= MAX_MIX_ADAPTERS:
+        raise ValueError(f"a LoRA mix names 1 to {MAX_MIX_ADAPTERS} adapters, got {len(parts)}")
+    checked: list[tuple[LoRARequest, float]] = []
+    for part in parts:
+        if not isinstance(part, tuple) or len(part) != 2 or not isinstance(part[0], LoRARequest):
+            raise ValueError(f"a LoRA mix is (LoRARequest, weight) pairs, got {part!r}")
+        adapter, weight = part
+        if adapter.is_mix:
+            raise ValueError(f"LoRA adapter {adapter.lora_name!r} is a mix itself; mix its adapters instead")
+        checked.append(
+            (replace(adapter, scale=1.0), check_lora_scale(weight, f"the weight of {adapter.lora_name!r}"))
+        )
+    ids = [p.lora_id for p, _ in checked]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a LoRA mix names an adapter twice; give it one weight")
+    return tuple(checked)

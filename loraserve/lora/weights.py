@@ -26,6 +26,7 @@ class LoRALayerWeights:
     lora_b: torch.Tensor
     scaling: float
     bias: torch.Tensor | None = None
+    dora_scale: torch.Tensor | None = None  # DoRA: float32 [out], y = g * (x W^T + delta) + b
 
     @property
     def in_features(self) -> int:
@@ -37,14 +38,16 @@ class LoRALayerWeights:
 
     @property
     def num_bytes(self) -> int:
-        tensors = [self.lora_a, self.lora_b] + ([self.bias] if self.bias is not None else [])
+        tensors = [self.lora_a, self.lora_b] + [t for t in (self.bias, self.dora_scale) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def row_slice(self, start: int, end: int) -> LoRALayerWeights:
         """The same adapter restricted to output rows [start, end) (shares A; views of B and bias)."""
         bias = self.bias[start:end] if self.bias is not None else None
-        return LoRALayerWeights(self.module_name, self.rank, self.lora_a, self.lora_b[start:end],
-                                self.scaling, bias)
+        dora = self.dora_scale[start:end] if self.dora_scale is not None else None
+        return LoRALayerWeights(
+            self.module_name, self.rank, self.lora_a, self.lora_b[start:end], self.scaling, bias, dora
+        )
 
 
 @dataclass(slots=True)

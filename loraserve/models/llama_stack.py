@@ -241,7 +241,8 @@ class DecoderStack:
     def _lora_layers(self, mapping: LoRABatchMapping, num_tokens: int) -> ctypes.Array[ctypes.c_int64] | None:
         """The LoRA kernel's layer arguments of each linear (0: no term this step) where
         `lora_cpu.serving` says the kernel runs the term, the rule `ops.add_lora` asks too; None when
-        some layer's term needs another path (or has a bias term, which the stack does not add)."""
+        some layer's term needs another path (or has a bias term or a DoRA scale, which the stack does
+        not apply)."""
         if mapping.num_tokens != num_tokens:
             return None
         terms: list[Any] = []  # each linear's kernel args; None: no LoRA term this step
@@ -252,7 +253,9 @@ class DecoderStack:
                     terms.append(None)
                     continue
                 args = buffers.cpu_kernel_args
-                if not self.has_lora_kernel or buffers.bias_mask & mapping.active_mask or args is None \
+                # A bias term and DoRA's output scale are the loop's (`ops.add_lora`, `ops.apply_dora`).
+                if not self.has_lora_kernel or (buffers.bias_mask | buffers.dora_mask) & mapping.active_mask \
+                        or args is None \
                         or (args.in_features, args.out_features) != (linear.in_features, linear.out_features):
                     return None
                 terms.append(args)

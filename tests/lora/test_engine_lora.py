@@ -239,7 +239,8 @@ def test_bad_adapters_fail_alone(tiny_model: Any, llama_adapters: dict[str, str]
     bad = {
         "greater than max_lora_rank": _edit_config(llama_adapters["all7_r8"], str(tmp_path / "big"), r=64),
         # vLLM's texts, which clients and ported tests match.
-        "does not yet support DoRA": _edit_config(good, str(tmp_path / "dora"), use_dora=True),
+        # use_dora without the magnitude vectors of a DoRA checkpoint
+        "no DoRA magnitude vector": _edit_config(good, str(tmp_path / "dora"), use_dora=True),
         "only supports modules_to_save being None": _edit_config(
             good, str(tmp_path / "mts"), modules_to_save=["lm_head"]
         ),

@@ -474,3 +474,56 @@ def test_per_expert_module_adapters_match_peft(
         _check_exact(outputs[i], prompt, _greedy(model, prompt), _logprobs(model, prompt))
     moved = (_logprobs(peft, prompts[-1]) - _logprobs(hf, prompts[-1])).abs().max()
     assert moved > 1.0
+
+
+def _peft_scaled(base_path: str, adapters: dict[str, tuple[str, float]]) -> Any:
+    """PEFT with every named adapter active at once, each LoRA term's scaling times its weight: the sum of
+    weighted adapters, which is what a scaled adapter (one entry) or a linear mix computes."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    (first, (first_path, _)), *rest = adapters.items()
+    model = PeftModel.from_pretrained(base, first_path, adapter_name=first)
+    for name, (path, _) in rest:
+        model.load_adapter(path, adapter_name=name)
+    model.base_model.set_adapter(list(adapters))
+    for module in model.modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict):
+            for name, (_, weight) in adapters.items():
+                if name in scaling:
+                    scaling[name] *= weight
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_scaled_and_mixed_expert_adapters_match_peft(
+    arch: str, moe_models: dict[str, tuple[str, Any]], tmp_path: Any
+) -> None:
+    """A per-request scale and a two-adapter mix reach the expert LoRA terms too (not only attention):
+    in one batch with the plain adapter and the base model, against PEFT with the same weights."""
+    path, hf = moe_models[arch]
+    kwargs = ADAPTERS["attn_experts_r8"]
+    folders = {name: str(tmp_path / name) for name in ("a", "b")}
+    for seed, folder in enumerate(folders.values()):
+        save_peft_adapter(hf, folder, seed=90 + seed, base_name=path, **kwargs)
+    a, b = (LoRARequest(name, i + 1, folder) for i, (name, folder) in enumerate(folders.items()))
+    scaled = LoRARequest("a", 1, folders["a"], scale=0.5)
+    mix = LoRARequest.mixed([(a, 0.7), (b, -0.4)], lora_int_id=3)
+    prompts = _prompts(hf.config.vocab_size, seed=3)[:2]
+    cases = [(lora, i) for lora in (None, a, scaled, mix) for i in range(len(prompts))]
+    llm = LLM(path, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16)
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompts[i]} for _, i in cases], _params(), [lora for lora, _ in cases], use_tqdm=False
+    )
+    references = [
+        _peft_reference(path, None),
+        _peft_reference(path, folders["a"]),
+        _peft_scaled(path, {"a": (folders["a"], 0.5)}),
+        _peft_scaled(path, {"a": (folders["a"], 0.7), "b": (folders["b"], -0.4)}),
+    ]
+    for number, (out, (_, i)) in enumerate(zip(outputs, cases, strict=True)):
+        peft = references[number // len(prompts)]
+        _check_exact(out, prompts[i], _greedy(peft, prompts[i]), _logprobs(peft, prompts[i]))
+    plain, half = (_logprobs(references[k], prompts[0]) for k in (1, 2))
+    assert (plain - half).abs().max().item() > 0.1  # the scale changes the expert-adapted model

@@ -12,14 +12,16 @@ L, R, IN, OUT = 6, 8, 40, 56
 
 
 def build_mapping(
-    slots: list[int], max_loras: int | None = None, layout: str | None = None, device: str = "cpu"
+    slots: list[int], max_loras: int | None = None, layout: str | None = None, device: str = "cpu",
+    token_scales: list[float] | None = None,
 ) -> LoRABatchMapping:
     """The step's mapping, its layout forced by name ("padded_all": the grid over all max_loras slots)."""
     if layout is None:
-        return LoRABatchMapping.build(slots, device, max_loras=max_loras)
+        return LoRABatchMapping.build(slots, device, max_loras=max_loras, token_scales=token_scales)
     all_slots = layout == "padded_all"
     forced = LoRALayout.PADDED if all_slots else LoRALayout(layout)
-    return LoRABatchMapping.build(slots, device, max_loras=max_loras, layout=forced, all_slots=all_slots)
+    return LoRABatchMapping.build(slots, device, max_loras=max_loras, layout=forced, all_slots=all_slots,
+                                  token_scales=token_scales)
 
 
 def make_buffers(
@@ -41,15 +43,17 @@ def run_cpu_kernel(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mappi
 
 def naive_lora(
     x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[int], scale: float,
-    t_dtype: torch.dtype = torch.float64,
+    t_dtype: torch.dtype = torch.float64, token_scales: list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token float64 reference: t[i] = scale * A[s] x[i]; delta[i] = B[s] t[i], with t rounded to
-    `t_dtype` (to nearest even) in between where the code under test rounds it (`KernelBuild.t_dtype`)."""
+    """Per-token float64 reference: t[i] = scale * c_i * A[s] x[i] (c_i = token_scales[i], 1 without);
+    delta[i] = B[s] t[i], with t rounded to `t_dtype` (to nearest even) in between where the code under
+    test rounds it (`KernelBuild.t_dtype`)."""
     t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
     delta = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
     for i, s in enumerate(slots):
         if s >= 0:
-            t[i] = (scale * (a[s].double() @ x[i].double())).to(t_dtype).double()
+            c = 1.0 if token_scales is None else token_scales[i]
+            t[i] = (scale * c * (a[s].double() @ x[i].double())).to(t_dtype).double()
             delta[i] = b[s].double() @ t[i]
     return t, delta
 
@@ -58,13 +62,16 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.5, "rtol": 0.05}
 
 
-def lora_magnitude(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[int]) -> torch.Tensor:
-    """Per element of delta = B[s] A[s] x: sum_k |t_k B[s][:, k]| with t = A[s] x exact (float64), the
+def lora_magnitude(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[int], token_scales: list[float] | None = None
+) -> torch.Tensor:
+    """Per element of delta = B[s] A[s] x: sum_k |t_k B[s][:, k]| with t = c_i A[s] x exact (float64), the
     size of what a bf16 LoRA sum rounds (t, its products with B, delta). [T, out]."""
     mag = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
     for i, s in enumerate(slots):
         if s >= 0:
-            mag[i] = b[s].double().abs() @ (a[s].double() @ x[i].double()).abs()
+            c = 1.0 if token_scales is None else abs(token_scales[i])
+            mag[i] = c * (b[s].double().abs() @ (a[s].double() @ x[i].double()).abs())
     return mag
 
 

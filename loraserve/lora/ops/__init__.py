@@ -33,7 +33,8 @@ def _backend(tensor: torch.Tensor) -> ModuleType:
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: LoRABatchMapping) -> None:
-    """y[i] += B[s_i] A[s_i] x[i] (+ bias[s_i]) for every token i whose slot s_i >= 0, in place.
+    """y[i] += c_i (B[s_i] A[s_i] x[i] (+ bias[s_i])) for every token i whose slot s_i >= 0, in place
+    (c_i the token's scale, `mapping.scales`, 1 without).
 
     x [..., in]; y [..., out] contiguous (a layer's output). Computed in the buffers' dtype; a layer
     none of whose slots the step uses costs two integer tests."""
@@ -57,9 +58,32 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, buffers: LoRABuffers, mapping: Lo
         # Row max_loras of the padded table is zero: tokens without an adapter add nothing.
         table = F.pad(buffers.bias, (0, 0, 0, 1))
         rows = torch.where(mapping.token_slots < 0, buffers.max_loras, mapping.token_slots)
-        delta.add_(table.index_select(0, rows))
+        bias_rows = table.index_select(0, rows)
+        if mapping.scales is not None:  # a request's scale multiplies its adapter's whole term, as PEFT's
+            bias_rows.mul_(mapping.scales.by_token)
+        delta.add_(bias_rows)
     if not same_dtype:
         y2.add_(delta.to(y2.dtype))
+
+
+def apply_dora(
+    y: torch.Tensor, base_bias: torch.Tensor | None, buffers: LoRABuffers, mapping: LoRABatchMapping
+) -> None:
+    """y[i] = g[s_i] * (y[i] - b) + b for the tokens whose slot holds a DoRA adapter here, in place:
+    PEFT's unmerged DoRA, y = g * (x W^T + s B A x) + b, once the LoRA term is in y. Rows of other
+    slots are left bit-for-bit alone (their g is exactly 1, as is row max_loras for slot -1)."""
+    if not buffers.dora_mask & mapping.active_mask:
+        return
+    assert buffers.dora is not None
+    y2 = y.view(-1, y.shape[-1])
+    rows = torch.where(mapping.token_slots < 0, buffers.max_loras, mapping.token_slots)
+    dora_rows = buffers.dora[rows]
+    uses = (dora_rows != 1.0).any(dim=1)
+    scaled = y2.float() if base_bias is None else y2.float() - base_bias.float()
+    scaled = scaled * dora_rows
+    if base_bias is not None:
+        scaled = scaled + base_bias.float()
+    y2.copy_(torch.where(uses[:, None], scaled.to(y2.dtype), y2))
 
 
 def lora_shrink(
@@ -74,4 +98,4 @@ def lora_expand(
     return _backend(y).lora_expand(y, t, b_stacked, mapping, offset)
 
 
-__all__ = ["LoRABuffers", "add_lora", "lora_expand", "lora_shrink"]
+__all__ = ["LoRABuffers", "add_lora", "apply_dora", "lora_expand", "lora_shrink"]

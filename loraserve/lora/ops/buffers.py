@@ -31,7 +31,10 @@ class LoRABuffers:
     bias:          [L, out] per-slot bias added as is, or None when adapter biases are off.
     slice_offsets: [n + 1] int64 output offset of each slice (qkv: 0, q, q+k, q+k+v).
     ranks:         [L, n] int32 rank written in slot s for slice q (0: none); updated in place.
-    active_mask / bias_mask: bit s set when the adapter in slot s has A/B (a bias) here.
+    dora:          [L + 1, out] float32 DoRA scale g per slot (1 where a slot's adapter is no DoRA
+                   one; row L, for tokens without an adapter, always 1).
+    active_mask / bias_mask / dora_mask: bit s set when the adapter in slot s has A/B (a bias, a DoRA
+                   scale) here.
     cpu_kernel_args: the C kernel's per-layer arguments, set once (None: it cannot serve these).
     """
 
@@ -43,9 +46,14 @@ class LoRABuffers:
     max_rank: int
     active_mask: int = 0
     bias_mask: int = 0
+    dora_mask: int = 0
+    dora: torch.Tensor | None = None
     cpu_kernel_args: lora_cpu.LayerArgs | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if self.dora is None:
+            out_features = int(self.slice_offsets[-1])
+            self.dora = torch.ones(self.lora_a.shape[0] + 1, out_features, device=self.lora_a.device)
         self.cpu_kernel_args = lora_cpu.layer_args(
             self.lora_a, self.lora_b_t, self.slice_offsets, self.ranks, self.max_rank
         )
@@ -86,6 +94,18 @@ class LoRABuffers:
             max_rank=max_rank,
         )
 
+    def _write_dora(self, slot: int, parts: list[LoRALayerWeights | None], offsets: list[int]) -> None:
+        """The slot's DoRA scales (1 for slices without one), or back to 1 for a non-DoRA adapter."""
+        assert self.dora is not None
+        bit = 1 << slot
+        has_dora = any(part is not None and part.dora_scale is not None for part in parts)
+        if has_dora or self.dora_mask & bit:
+            self.dora[slot].fill_(1.0)
+            for q, part in enumerate(parts):
+                if part is not None and part.dora_scale is not None:
+                    self.dora[slot, offsets[q] : offsets[q + 1]].copy_(part.dora_scale)
+        self.dora_mask = self.dora_mask | bit if has_dora else self.dora_mask & ~bit
+
     @property
     def lora_b(self) -> torch.Tensor:
         """[L, out, n*R] view of the B buffers."""
@@ -118,6 +138,7 @@ class LoRABuffers:
             for q, part in enumerate(parts):
                 if part is not None and part.bias is not None:
                     self.bias[slot, offsets[q] : offsets[q + 1]].copy_(part.bias)
+        self._write_dora(slot, parts, offsets)
         if writer is None:
             out.flush()
         if new_ranks != old_ranks:

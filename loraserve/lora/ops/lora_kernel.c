@@ -3,9 +3,10 @@
  * Semantics (the pure-torch twin is lora_torch.add_lora): for every active token p of the step
  * (token_ids[p], grouped into segments of one slot each) and every slice q of the layer (packed
  * qkv / gate_up have several, a plain layer one), with s the segment's slot and r = ranks[s, q]:
- *     t = A[s, q*R : q*R + r, :] @ x[token]                                        (shrink)
+ *     t = scale[p] * A[s, q*R : q*R + r, :] @ x[token]                             (shrink)
  *     y[token, off[q] : off[q+1]] += t @ Bt[s, q*R : q*R + r, off[q] : off[q+1]]   (expand)
- * A is [L, n*R, in] and Bt is [L, n*R, out], both contiguous: the block-diagonal slot buffers of
+ * (scale[p] is the token's per-request LoRA scale, 1 when the step has none; it scales the float32 sums
+ * before t is stored, so t is rounded once.) A is [L, n*R, in] and Bt is [L, n*R, out], both contiguous: the block-diagonal slot buffers of
  * LinearWithLoRA. Only their non-zero blocks are read (never the off-diagonal zeros of a packed
  * layer, never the rows past an adapter's rank), so a decode step streams each adapter's weights
  * from memory once. x, y, A and Bt share one element type. In bfloat16, products are summed in
@@ -171,10 +172,22 @@ ALWAYS_INLINE void store_sums_4x4_bf16(__m512 acc[ROW_BLOCK][TOKEN_BLOCK], int T
 #endif
 #endif
 
-/* out[tk * ld + r] = a[r * n : (r + 1) * n] . xs[tk][0 : n] for r < R, tk < T (float32 sums, stored
+/* The per-token scale of a scaled step (sc[tk], NULL: none) applied to the float32 accumulators before
+ * they are summed and stored, so t is rounded once, after the scale (as the torch twin rounds it). */
+#define SCALE_ACCS(acc, R, T, sc, vtype, mul, set1)                                            \
+    do {                                                                                        \
+        if (sc)                                                                                 \
+            for (int tk_ = 0; tk_ < (T); ++tk_) {                                               \
+                const vtype s_ = set1((sc)[tk_]);                                               \
+                for (int r_ = 0; r_ < (R); ++r_) acc[r_][tk_] = mul(acc[r_][tk_], s_);          \
+            }                                                                                   \
+    } while (0)
+
+/* out[tk * ld + r] = sc[tk] * a[r * n : (r + 1) * n] . xs[tk][0 : n] for r < R, tk < T (sc NULL: a
+ * scale of 1; float32 sums, stored
  * as tbf16). Inlined with constant R and T, the R * T sums live in registers. */
 ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16 *const *xs, int T,
-                                     tbf16 *out, int64_t ld) {
+                                     const float *sc, tbf16 *out, int64_t ld) {
     if (R > ROW_BLOCK || T > TOKEN_BLOCK) __builtin_unreachable();
     int64_t j = 0;
 #if defined(LORA_AVX512)
@@ -190,6 +203,7 @@ ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16
             for (int r = 0; r < R; ++r) acc[r][tk] = dot_pairs(acc[r][tk], av[r], xv);
         }
     }
+    SCALE_ACCS(acc, R, T, sc, __m512, _mm512_mul_ps, _mm512_set1_ps);
     if (R == ROW_BLOCK) {
 #ifdef LORA_BF16_DOT
         store_sums_4x4_bf16(acc, T, out, ld);
@@ -223,12 +237,12 @@ ALWAYS_INLINE void shrink_block_bf16(const bf16 *a, int64_t n, int R, const bf16
         for (int tk = 0; tk < T; ++tk) {
             float sum = tbf16_to_f32(out[tk * ld + r]);
             for (int64_t i = j; i < n; ++i) sum += bf16_to_f32(a[r * n + i]) * bf16_to_f32(xs[tk][i]);
-            out[tk * ld + r] = f32_to_tbf16(sum);
+            out[tk * ld + r] = f32_to_tbf16(sc ? sum * sc[tk] : sum);
         }
 }
 
 ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const float *const *xs, int T,
-                                    float *out, int64_t ld) {
+                                    const float *sc, float *out, int64_t ld) {
     if (R > ROW_BLOCK || T > TOKEN_BLOCK) __builtin_unreachable();
     int64_t j = 0;
 #if defined(LORA_AVX512)
@@ -244,6 +258,7 @@ ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const floa
             for (int r = 0; r < R; ++r) acc[r][tk] = _mm512_fmadd_ps(av[r], xv, acc[r][tk]);
         }
     }
+    SCALE_ACCS(acc, R, T, sc, __m512, _mm512_mul_ps, _mm512_set1_ps);
     for (int r = 0; r < R; ++r)
         for (int tk = 0; tk < T; ++tk) out[tk * ld + r] = _mm512_reduce_add_ps(acc[r][tk]);
     return;
@@ -269,7 +284,7 @@ ALWAYS_INLINE void shrink_block_f32(const float *a, int64_t n, int R, const floa
         for (int tk = 0; tk < T; ++tk) {
             float sum = out[tk * ld + r];
             for (int64_t i = j; i < n; ++i) sum += a[r * n + i] * xs[tk][i];
-            out[tk * ld + r] = sum;
+            out[tk * ld + r] = sc ? sum * sc[tk] : sum;
         }
 }
 
@@ -466,7 +481,7 @@ static inline void thread_range(int64_t n, int64_t *lo, int64_t *hi) {
     *hi = n * (tid + 1) / nth;
 }
 
-#define SHRINK_CALL(fn, type, R_, T_) fn((const type *)a_rows, in, R_, (const type *const *)xs, T_, out, ld)
+#define SHRINK_CALL(fn, type, R_, T_) fn((const type *)a_rows, in, R_, (const type *const *)xs, T_, sc, out, ld)
 #define SHRINK_BY_SIZE(fn, type)                                                                  \
     do {                                                                                          \
         if (R == ROW_BLOCK && T == TOKEN_BLOCK) SHRINK_CALL(fn, type, ROW_BLOCK, TOKEN_BLOCK);   \
@@ -476,15 +491,17 @@ static inline void thread_range(int64_t n, int64_t *lo, int64_t *hi) {
     } while (0)
 
 /* t[p * ld + row] for the R rows of A at a_rows and the tokens p of one segment (t of float, or of
- * tbf16 for bf16 layers). */
+ * tbf16 for bf16 layers), each token's row times scales[p] (scales NULL: unscaled). */
 static void shrink_item(int elem, const char *a_rows, int64_t in, int R, const void *x, int64_t x_stride,
-                        const int64_t *token_ids, int64_t start, int64_t len, void *t, int64_t ld) {
+                        const int64_t *token_ids, const float *scales, int64_t start, int64_t len, void *t,
+                        int64_t ld) {
     const int64_t size = elem == LORA_BF16 ? 2 : 4;
     for (int64_t m = 0; m < len; m += TOKEN_BLOCK) {
         const int T = len - m < TOKEN_BLOCK ? (int)(len - m) : TOKEN_BLOCK;
         const void *xs[TOKEN_BLOCK];
         for (int tk = 0; tk < T; ++tk) xs[tk] = (const char *)x + size * token_ids[start + m + tk] * x_stride;
         void *out = (char *)t + t_elem_size(elem) * (start + m) * ld;
+        const float *sc = scales ? scales + start + m : NULL;
         if (elem == LORA_BF16) SHRINK_BY_SIZE(shrink_block_bf16, bf16);
         else SHRINK_BY_SIZE(shrink_block_f32, float);
     }
@@ -528,6 +545,7 @@ typedef struct {
     const int32_t *ranks;
     const int64_t *token_ids, *seg_slots, *seg_starts, *seg_lens, *shrink_first, *expand_first;
     const SliceChunk *chunks;
+    const float *scales; /* per active token, in token_ids order; NULL: every scale is 1 */
 } Step;
 
 /* A thread's walk over its items: item `item` is sub-item `sub` (of per_group) of the token group
@@ -588,7 +606,7 @@ ALWAYS_INLINE void shrink_at(const Step *s, const Cursor *c, int64_t lo, const v
     const char *a_rows = s->a + s->size * (slot * s->stacked_rank + row) * s->in;
     if (t == NULL) {
         if (!read_before(s, c, s->num_slices * s->row_blocks, lo)) prefetch_rows(a_rows, s->size * s->in * R, 0, 1);
-    } else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, c->first, c->last - c->first,
+    } else shrink_item(s->elem, a_rows, s->in, R, x, x_stride, s->token_ids, s->scales, c->first, c->last - c->first,
                        (char *)t + s->t_size * row, s->stacked_rank);
 }
 
@@ -748,8 +766,9 @@ int64_t lora_weight_ranges(const int64_t *layer, const int64_t *step, int64_t *o
 /* Returns 0 on success, 1 when the scratch buffers cannot be allocated (nothing written then).
  * layer: {elem, in_features, out_features, a, bt, max_rank, num_slices, slice_offsets, ranks}, with
  * elem LORA_F32 or LORA_BF16 (the type of x, y, a and bt) and the last two pointers to int64 [n + 1]
- * and int32 [L, n]; step: {token_ids, seg_slots, seg_starts, seg_lens, num_segs, num_active}, the
- * first four pointers to int64 arrays. Two arrays built once (per layer, per step) instead of 20
+ * and int32 [L, n]; step: {token_ids, seg_slots, seg_starts, seg_lens, num_segs, num_active, scales},
+ * the first four pointers to int64 arrays, scales to float32 [num_active] (per active token in
+ * token_ids order: t = scale * A x) or 0 when every scale is 1. Two arrays built once (per layer, per step) instead of 20
  * arguments per call: ctypes converts every argument of every call. The caller guarantees:
  * token_ids < rows of x and y, seg_slots < L, slice offsets increasing from 0 to out_features
  * (lora_cpu.py checks all three). */
@@ -788,7 +807,8 @@ int lora_fused(const int64_t *layer, const int64_t *step, const void *x, int64_t
     first_items(seg_lens, num_segs, num_chunks, expand_first);
     const Step s = {elem, elem == LORA_BF16 ? 2 : 4, t_elem_size(elem), in_features, out_features, max_rank,
                     num_slices, stacked_rank, row_blocks, num_chunks, num_segs, (const char *)a, (const char *)bt,
-                    ranks, token_ids, seg_slots, seg_starts, seg_lens, shrink_first, expand_first, chunks};
+                    ranks, token_ids, seg_slots, seg_starts, seg_lens, shrink_first, expand_first, chunks,
+                    (const float *)(intptr_t)step[6]};
 
     /* Each thread takes a contiguous range of items, so it can prefetch the ones it does next. */
 #pragma omp parallel num_threads(num_threads)

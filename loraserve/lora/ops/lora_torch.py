@@ -4,6 +4,8 @@ No op gathers a weight matrix per token: tokens are grouped by slot using the st
 `LoRABatchMapping`, whose layout (runs / grouped / padded, `batch/lora_layout.py`) was chosen once per step.
 Per-op dispatch (~10-30 us for a small matmul) dominates on CPU, hence one matmul per run, per slot
 or one bmm for all slots; the measurements behind the choice are in benchmarks/README.md.
+A step with per-request scales (`mapping.scales`) multiplies each token's row of t = A x by its
+scale (one more op per shrink, in the layout's order); a step without them runs no extra op.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from loraserve.batch.lora_mapping import LoRABatchMapping
 def lora_shrink(
     x: torch.Tensor, a_stacked: torch.Tensor, mapping: LoRABatchMapping, scale: float = 1.0
 ) -> torch.Tensor:
-    """Semantics: t[i] = scale * a_stacked[s_i] @ x[i] for tokens with slot s_i >= 0, else 0; row i
-    reads only slot s_i's weights, so a non-finite slot reaches only its own tokens' rows.
+    """Semantics: t[i] = scale * c_i * a_stacked[s_i] @ x[i] for tokens with slot s_i >= 0, else 0, with
+    c_i the token's scale (`mapping.scales.by_token`, 1 without); row i reads only slot s_i's weights,
+    so a non-finite slot reaches only its own tokens' rows.
 
     Shape: x [T, in]; a_stacked [L, R, in] (any strides); returns t [T, R] in x's dtype.
     """
@@ -41,6 +44,8 @@ def lora_shrink(
             for slot, start, end in plan.runs:
                 torch.mm(xs[start:end], a_stacked[slot].t(), out=ts[start:end])
             t.index_copy_(0, token_ids, ts)
+    if mapping.scales is not None:
+        t.mul_(mapping.scales.by_token)
     if scale != 1.0:
         t.mul_(scale)
     return t
@@ -85,8 +90,9 @@ def add_lora(
     mapping: LoRABatchMapping,
     offset: int = 0,
 ) -> torch.Tensor:
-    """Semantics: y[i, offset:offset+out] += b_stacked[s_i] @ a_stacked[s_i] @ x[i] for tokens with
-    slot s_i >= 0, i.e. `lora_expand(y, lora_shrink(x, a, m), b, m, offset)` with the same isolation;
+    """Semantics: y[i, offset:offset+out] += b_stacked[s_i] @ (c_i * a_stacked[s_i] @ x[i]) for tokens
+    with slot s_i >= 0 (c_i the token's scale, 1 without), i.e.
+    `lora_expand(y, lora_shrink(x, a, m), b, m, offset)` with the same isolation;
     the intermediate stays in the mapping's layout (no scatter/gather between the two matmuls),
     which saves 3-4 ops per layer.
 
@@ -95,10 +101,13 @@ def add_lora(
     """
     out_features = b_stacked.shape[1]
     target = y[:, offset : offset + out_features]
-    plan = mapping.torch_plan
+    plan, scales = mapping.torch_plan, mapping.scales
     if plan.padded is not None:
         pad = plan.padded
         tp = torch.bmm(_gather_padded(x, pad), _slot_weights(a_stacked, pad).transpose(1, 2))
+        if scales is not None:
+            assert scales.by_grid is not None
+            tp.mul_(scales.by_grid)
         b_t = _slot_weights(b_stacked, pad).transpose(1, 2)
         if pad.contiguous_start is not None:
             start = pad.contiguous_start
@@ -111,13 +120,19 @@ def add_lora(
             target.index_add_(0, pad.cell_tokens, _filled_rows(torch.bmm(tp, b_t), pad))
     elif plan.layout is LoRALayout.RUNS:
         for slot, start, end in plan.runs:
-            target[start:end].addmm_(F.linear(x[start:end], a_stacked[slot]), b_stacked[slot].t())
+            t = F.linear(x[start:end], a_stacked[slot])
+            if scales is not None:
+                t.mul_(scales.by_token[start:end])
+            target[start:end].addmm_(t, b_stacked[slot].t())
     else:
         token_ids = mapping.segments.token_ids
         xs = x.index_select(0, token_ids)
         ys = torch.empty(xs.shape[0], out_features, dtype=y.dtype, device=y.device)
         for slot, start, end in plan.runs:
-            torch.mm(F.linear(xs[start:end], a_stacked[slot]), b_stacked[slot].t(), out=ys[start:end])
+            t = F.linear(xs[start:end], a_stacked[slot])
+            if scales is not None:
+                t.mul_(scales.by_segment[start:end])
+            torch.mm(t, b_stacked[slot].t(), out=ys[start:end])
         target.index_add_(0, token_ids, ys)
     return y
 

@@ -23,10 +23,11 @@ _BLOCK_N = 64
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, t_ptr, token_ids_ptr, seg_starts_ptr, seg_lens_ptr, slots_ptr,
+    x_ptr, a_ptr, t_ptr, token_ids_ptr, seg_starts_ptr, seg_lens_ptr, slots_ptr, scales_ptr,
     in_features, rank, scale,
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_tm, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -58,6 +59,9 @@ def _shrink_kernel(
         )
         acc += tl.dot(x_tile, a_tile, input_precision=PRECISION)
     acc = acc * scale
+    if HAS_SCALES:  # each token's own scale, in segment order (mapping.scales.by_segment)
+        row_scales = tl.load(scales_ptr + seg_start + offs_m, mask=mask_m, other=1.0)
+        acc = acc * row_scales[:, None]
     tl.store(
         t_ptr + tokens[:, None] * stride_tm + offs_r[None, :] * stride_tr,
         acc.to(t_ptr.dtype.element_ty),
@@ -118,7 +122,8 @@ def _block_r(rank: int) -> int:
 def lora_shrink(
     x: torch.Tensor, a_stacked: torch.Tensor, mapping: LoRABatchMapping, scale: float = 1.0
 ) -> torch.Tensor:
-    """Triton `lora_torch.lora_shrink`: t[i] = scale * a_stacked[s_i] @ x[i], 0 for slot -1."""
+    """Triton `lora_torch.lora_shrink`: t[i] = scale * c_i * a_stacked[s_i] @ x[i] (c_i the token's
+    scale, `mapping.scales`), 0 for slot -1."""
     return _shrink(x, a_stacked, mapping, scale, x.dtype)
 
 
@@ -132,11 +137,14 @@ def _shrink(
     block_r = _block_r(rank)
     seg = mapping.segments
     grid = (triton.cdiv(seg.max_len, _BLOCK_M), triton.cdiv(rank, block_r), len(mapping.active_slots))
+    scales = mapping.scales
+    row_scales = seg.lens if scales is None else scales.by_segment  # any pointer when unread
     _shrink_kernel[grid](
-        x, a_stacked, t, seg.token_ids, seg.starts, seg.lens, seg.slots, x.shape[1], rank, float(scale),
-        x.stride(0), x.stride(1), a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2),
+        x, a_stacked, t, seg.token_ids, seg.starts, seg.lens, seg.slots, row_scales, x.shape[1], rank,
+        float(scale), x.stride(0), x.stride(1), a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2),
         t.stride(0), t.stride(1),
         BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K, PRECISION=_precision(x.dtype),
+        HAS_SCALES=scales is not None,
     )  # fmt: skip
     return t
 

@@ -222,6 +222,10 @@ def _add_info_routes(
     async def list_models() -> JSONResponse:
         return JSONResponse(models.list_models().model_dump())
 
+    @app.get("/lora-adapters")  # llama.cpp's list: a request's `lora` entries name adapters by `id`
+    async def lora_adapters() -> JSONResponse:
+        return JSONResponse(models.lora_adapter_list())
+
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> JSONResponse:
         for card in models.list_models().data:

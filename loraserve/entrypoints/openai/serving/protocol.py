@@ -60,6 +60,20 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class AdapterWeight(OpenAIBaseModel):
+    """One adapter of a mix (`adapters`): its name and weight."""
+
+    name: str
+    weight: StrictFloat | StrictInt = 1.0
+
+
+class LlamaCppLoRA(OpenAIBaseModel):
+    """llama.cpp's per-request adapter entry (`lora`): the adapter's index in GET /lora-adapters."""
+
+    id: StrictInt
+    scale: StrictFloat | StrictInt = 1.0
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions, with vLLM's extra sampling parameters."""
 
@@ -104,6 +118,10 @@ class SamplingRequest(OpenAIBaseModel):
     length_penalty: StrictFloat = 1.0
     early_stopping: StrictBool | Literal["never"] = False
     cache_salt: str | None = None  # salts this request's prefix-cache keys
+    # The adapter's scale and adapter mixes (adapter_selection.py reads them).
+    lora_scale: StrictFloat | StrictInt | None = None
+    adapters: Annotated[list[AdapterWeight], Field(max_length=64)] | None = None
+    lora: Annotated[list[LlamaCppLoRA], Field(max_length=64)] | None = None  # llama.cpp's form
     # Structured outputs (structured_request.py maps them): OpenAI's response_format, vLLM's
     # structured_outputs object and its older guided_* fields.
     response_format: ResponseFormat | None = None

@@ -23,6 +23,7 @@ from loraserve.engine.admission import check_request_size
 from loraserve.engine.fair_admission import AdmissionHold
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
 from loraserve.entrypoints.openai.metrics.vllm_metrics import FinishedRequest
+from loraserve.entrypoints.openai.serving.adapter_selection import select_adapter
 from loraserve.entrypoints.openai.serving.beam_request import beam_search_params, check_beam_fields
 from loraserve.entrypoints.openai.serving.client_identity import current_client
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
@@ -107,7 +108,7 @@ class OpenAIServing:
             raise EngineDeadError(str(self.engine.dead_error or "the engine loop stopped"))
         if request.model == "":  # vLLM serves the default model for an empty name
             request.model = None
-        lora_request = await self.models.resolve_model(request.model)
+        lora_request = await select_adapter(request, self.models)
         name = request.model if request.model is not None else self.models.served_model_name
         return name, lora_request
 
@@ -287,6 +288,12 @@ class OpenAIServing:
             sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
             current_client().api_key,
         )  # all or none: no prompt starts unless the whole call has room
+        # Metrics are labelled by a served name: a weighted `model` ("pirate=0.3", a mix) is the
+        # client's text, which would give every weight its own series.
+        if lora_request is not None and lora_request.is_mix:
+            model_name = self.models.served_model_name
+        elif lora_request is not None:
+            model_name = lora_request.lora_name
         run = self._run(prompts, lora_request, model_name, group_id, hold, arrival, arrival_wall)
         async with hold, aclosing(run) as outputs:
             async for item in outputs:

@@ -13,9 +13,11 @@ per-name locks are keyed by skeleton, so two such names never register side by s
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -46,6 +48,8 @@ from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
 logger = logging.getLogger(__name__)
+
+MAX_MIXES = 1024  # distinct mixes whose ids the server remembers
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,10 @@ class OpenAIServingModels:
             confusable_key(path.name): path.name for path in self.base_model_paths
         }
         self._lora_ids = itertools.count(1)
+        # Mixes served so far, by their components and weights (LoRARequest.mixed's path): the same
+        # mix keeps its id, hence its slot and host-cache entry. The newest MAX_MIXES are kept.
+        self._mixes: OrderedDict[str, LoRARequest] = OrderedDict()
+        self._retiring: set[asyncio.Task[bool]] = set()  # removals of forgotten mixes, until done
         self.name_locks = NamedLocks()  # confusable_key(name) -> lock held while it is resolved or loaded
         self.metrics = metrics
 
@@ -207,6 +215,25 @@ class OpenAIServingModels:
                 param="model",
             )
         raise APIError(not_found_message(name), HTTPStatus.NOT_FOUND, param="model")
+
+    def mix_request(self, parts: list[tuple[LoRARequest, float]]) -> LoRARequest:
+        """The mix of these (adapter, weight) pairs, under the id it had before or a fresh one."""
+        key = LoRARequest.mixed(parts, 1).lora_path
+        mix = self._mixes.pop(key, None) or LoRARequest.mixed(parts, next(self._lora_ids))
+        self._mixes[key] = mix
+        while len(self._mixes) > MAX_MIXES:
+            _, old = self._mixes.popitem(last=False)
+            # The engine forgets it too (once its requests finish): else every distinct weight a client
+            # sends would stay registered. The same mix asked again later gets a new id.
+            task = asyncio.get_running_loop().create_task(self.engine.remove_lora(old.lora_id))
+            self._retiring.add(task)
+            task.add_done_callback(self._retired)
+        return mix
+
+    def _retired(self, task: asyncio.Task[bool]) -> None:
+        self._retiring.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("Removing a forgotten LoRA mix failed: %s", task.exception())
 
     def _serves_base(self, adapter_base: str | None) -> bool:
         """Whether an adapter's base_model_name_or_path is a name or model path this server serves."""
@@ -325,6 +352,14 @@ class OpenAIServingModels:
         raise APIError(
             f"No lora adapter has lora_int_id {request.lora_int_id}.", HTTPStatus.NOT_FOUND, "lora_int_id"
         )
+
+    def lora_adapter_list(self) -> list[dict[str, object]]:
+        """GET /lora-adapters (llama.cpp's server): each adapter's `id` (its index in /v1/models'
+        adapters, what a request's `lora` entries name), name and scale (1.0: scales are per request)."""
+        return [
+            {"id": i, "name": lora.lora_name, "scale": 1.0}
+            for i, lora in enumerate(self.lora_requests.values())
+        ]
 
     def list_models(self) -> ModelList:
         """GET /v1/models: every served base name, then every registered adapter."""

@@ -1,0 +1,91 @@
+"""A batch of 16 requests, each with its own LoRA scale or its own adapter mix, against the same batch
+with plain adapters: generated tok/s, timed in turn (`interleaved_timed`), the ratios the figure.
+
+- plain: 16 requests over 16 rank-16 adapters (one slot each, 16 slots).
+- scaled: the same 16 requests, each at its own scale (0.25 to 2.125): the same slots, plus one
+  multiply of t = A x per token per LoRA layer.
+- mixed: 16 requests, each a mix of its own two of 8 rank-8 adapters with its own weights: each mix is
+  one rank-16 virtual adapter in a slot, so the step reads as many adapter weights as the plain batch.
+SmolLM-135M-shaped random Llama (benchmarks.common), all 7 projections adapted.
+Usage: python -m benchmarks.lora_scale_mix [--dtype auto] [--threads 1] [--gen-len 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.common import (
+    build_adapters,
+    build_model,
+    cpu_class,
+    interleaved_timed,
+    limit_threads,
+    random_prompts,
+    save_results,
+)
+from benchmarks.lora_throughput import generate_run
+from loraserve import LLM, LoRARequest
+
+VOCAB_SIZE = 49152
+NUM_REQUESTS = 16
+
+
+def batches(path: str) -> dict[str, list[LoRARequest | None]]:
+    """The three batches' adapter per request."""
+    plain = [
+        LoRARequest(f"r16-{i}", i + 1, p) for i, p in enumerate(build_adapters(path, NUM_REQUESTS, rank=16))
+    ]
+    parts = [LoRARequest(f"r8-{i}", 100 + i, p) for i, p in enumerate(build_adapters(path, 8, rank=8))]
+    scaled = [
+        LoRARequest(r.lora_name, r.lora_id, r.lora_path, scale=0.25 + 0.125 * i) for i, r in enumerate(plain)
+    ]
+    mixed = [
+        LoRARequest.mixed([(parts[i % 8], 0.3 + 0.05 * i), (parts[(i // 8 + 1 + i) % 8], 0.7)], 200 + i)
+        for i in range(NUM_REQUESTS)
+    ]
+    return {"plain": list(plain), "scaled": list(scaled), "mixed": list(mixed)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--gen-len", type=int, default=16)
+    args = parser.parse_args()
+    limit_threads(args.threads)
+    path = build_model()
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        max_num_seqs=NUM_REQUESTS,
+        enable_lora=True,
+        max_loras=NUM_REQUESTS,
+        max_lora_rank=16,
+        max_cpu_loras=64,
+    )
+    runs = {name: generate_run(llm, args.gen_len, loras) for name, loras in batches(path).items()}
+    prompts = random_prompts(NUM_REQUESTS, args.prompt_len, VOCAB_SIZE, seed=5)
+    timings = interleaved_timed(runs, prompts)
+    tok_s = {name: NUM_REQUESTS * args.gen_len / seconds for name, (seconds, _) in timings.items()}
+    where = cpu_class()
+    print(
+        f"\n{NUM_REQUESTS} requests, {args.prompt_len} prompt + {args.gen_len} generated tokens, {args.dtype}; {where}"
+    )
+    for name, value in tok_s.items():
+        print(f"  {name:<8}{value:>8.1f} tok/s  {value / tok_s['plain']:.3f}x plain")
+    save_results(
+        "lora_scale_mix",
+        {
+            "cpu": where,
+            "dtype": args.dtype,
+            "tok_per_s": tok_s,
+            "vs_plain": {k: v / tok_s["plain"] for k, v in tok_s.items()},
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
