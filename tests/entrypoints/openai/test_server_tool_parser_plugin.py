@@ -47,6 +47,10 @@ def files(tiny_model: Any, hf_model: Any, tmp_path_factory: pytest.TempPathFacto
 def test_a_plugin_parser_serves_auto_tool_choice(
     files: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from loraserve.entrypoints.openai.tool_parsers import ToolParserManager
+
+    # The server runs in this process: the plugin's parser goes into a copy of the registry, restored after.
+    monkeypatch.setattr(ToolParserManager, "tool_parsers", dict(ToolParserManager.tool_parsers))
     port = free_port()
     argv = [files["model"], "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
             "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={files['adapter']}",
