@@ -6,12 +6,13 @@
  * bytes (signed: Q8_0, Q4_0 as q - 8, Q6_K as q - 32; unsigned: Q4_1, Q4_K, Q5_K), s one float per
  * 16 weights (equal halves except Q6_K) and `add` one float (0 for the signed formats).
  *
- * quant_linear (decode: few rows): each row of x is quantized per 32 values to int8 (scale amax/127,
+ * quant_linear (decode: few rows): bf16 x is quantized per 32 values to int8 (scale amax/127,
  * round to nearest: llama.cpp's q8_0 for activations), and every block's integer dot product with its
  * 32 quantized activations is scaled once: sum_blocks dx * (s * idot + add * sum(xq)). A step reads
  * each weight byte once. Integer dot products: AVX512-VNNI's vpdpbusd (u8 x s8; signed weights go in
  * as |q| with x's signs flipped where q < 0), AVX2's vpmaddubsw + vpmaddwd (the same operands: |q| <=
- * 128 and |xq| <= 127 keep its int16 pair sums from saturating), or portable C.
+ * 128 and |xq| <= 127 keep its int16 pair sums from saturating), or portable C. float32 x stays
+ * float32 (that dtype is the precise one): each block is widened to float32 in registers and FMA'd.
  * quant_dequantize (prefill: many rows): rows [n0, n1) of W as float32 or bf16, for a tile product.
  * Parallel over output rows with OpenMP (torch's libgomp: the library is loaded after torch).
  * Semantics of quant_linear: float32 sums, one rounding to x's dtype at the end, bias added before it.
@@ -227,6 +228,51 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
 #endif
 }
 
+/* The float32 path (x float32): out[i] = row . x[r0 + i] with each block dequantized in registers,
+ * the activations unrounded (the float32 serving dtype is the precise one). */
+static inline __attribute__((always_inline)) void row_dot_f32(int type, const uint8_t *row, int64_t k, const float *x,
+                                                              int64_t ldx, int64_t r0, int mr, float *out) {
+    const int is_signed = type == 0 || type == 1 || type == 5;
+#if QK_PATH > 0
+    __m256 acc[MR];
+    for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / 32; b++) {
+        blockinfo bi;
+        const uint8_t *p = block_info(type, row, b, &bi);
+        const __m256i q = unpack_vec(type, p, b);
+        const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+        __m256 w[4];
+        for (int g = 0; g < 4; g++) {
+            const __m128i eight = g & 1 ? _mm_srli_si128(halves[g / 2], 8) : halves[g / 2];
+            const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+            w[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(g < 2 ? bi.s0 : bi.s1), _mm256_set1_ps(bi.add));
+        }
+        for (int m = 0; m < MR; m++) {
+            if (m >= mr) break;
+            const float *xb = x + (r0 + m) * ldx + b * 32;
+            for (int g = 0; g < 4; g++) acc[m] = _mm256_fmadd_ps(w[g], _mm256_loadu_ps(xb + 8 * g), acc[m]);
+        }
+    }
+    for (int m = 0; m < mr; m++) out[m] = hsum8(acc[m]);
+#else
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < k / 32; b++) {
+        blockinfo bi;
+        int8_t q[32];
+        float w[32];
+        const uint8_t *p = block_info(type, row, b, &bi);
+        unpack_scalar(type, p, b, q);
+        for (int i = 0; i < 32; i++)
+            w[i] = (i < 16 ? bi.s0 : bi.s1) * (is_signed ? (float)q[i] : (float)(uint8_t)q[i]) + bi.add;
+        for (int m = 0; m < mr; m++) {
+            const float *xb = x + (r0 + m) * ldx + b * 32;
+            for (int i = 0; i < 32; i++) acc[m] += w[i] * xb[i];
+        }
+    }
+    for (int m = 0; m < mr; m++) out[m] = acc[m];
+#endif
+}
+
 /* Row r of x, k values (float32 or bf16), as int8 per 32 with their scales. */
 static void quantize_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t k, int8_t *xq, float *dx,
                          float *dxs) {
@@ -249,14 +295,16 @@ static void quantize_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int6
     }
 }
 
+/* x_f32 (or NULL: the int8 path over qx) is float32 x with row stride ldx. */
 static inline __attribute__((always_inline)) void chunk_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
-                                                             int64_t n1, int64_t k, const qx_t *qx, int64_t m,
-                                                             float *acc /*[m][N_CHUNK]*/) {
+                                                             int64_t n1, int64_t k, const qx_t *qx, const float *x_f32,
+                                                             int64_t ldx, int64_t m, float *acc /*[m][N_CHUNK]*/) {
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
         const int mr = (int)(m - r0 < MR ? m - r0 : MR);
         for (int64_t n = n0; n < n1; n++) {
             float out[MR];
-            row_dot(type, w + n * row_bytes, k, qx, r0, mr, out);
+            if (x_f32 != NULL) row_dot_f32(type, w + n * row_bytes, k, x_f32, ldx, r0, mr, out);
+            else row_dot(type, w + n * row_bytes, k, qx, r0, mr, out);
             for (int i = 0; i < mr; i++) acc[(r0 + i) * N_CHUNK + (n - n0)] = out[i];
         }
     }
@@ -280,7 +328,9 @@ int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_bf16, const
         return 2;
     }
     const qx_t qx = {xq, scales, scales + m * nb};
-    for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, xq + r * k, scales + r * nb, scales + m * nb + r * nb);
+    const float *x_f32 = x_bf16 ? NULL : (const float *)x;
+    if (x_bf16)
+        for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, xq + r * k, scales + r * nb, scales + m * nb + r * nb);
     const int64_t num_chunks = (n + N_CHUNK - 1) / N_CHUNK;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -290,12 +340,12 @@ int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_bf16, const
             if (acc == NULL) continue;
             const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
             switch (type) {
-            case 0: chunk_rows(0, wp, row_bytes, n0, n1, k, &qx, m, acc); break;
-            case 1: chunk_rows(1, wp, row_bytes, n0, n1, k, &qx, m, acc); break;
-            case 2: chunk_rows(2, wp, row_bytes, n0, n1, k, &qx, m, acc); break;
-            case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, &qx, m, acc); break;
-            case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, &qx, m, acc); break;
-            default: chunk_rows(5, wp, row_bytes, n0, n1, k, &qx, m, acc); break;
+            case 0: chunk_rows(0, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
+            case 1: chunk_rows(1, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
+            case 2: chunk_rows(2, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
+            case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
+            case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
+            default: chunk_rows(5, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
             }
             for (int64_t r = 0; r < m; r++)
                 for (int64_t j = n0; j < n1; j++) {
