@@ -174,38 +174,54 @@ static inline float hsum8(__m256 v) {
 #endif
 
 typedef struct {
+    int64_t nb;       /* 32-blocks per row */
     const int8_t *xq; /* [m][k] */
     const float *dx;  /* [m][k / 32] activation scales */
     const float *dxs; /* [m][k / 32] scale * sum of the block's quants */
 } qx_t;
+
+#if QK_PATH > 0
+/* One block of the int8 path for rows r0 .. r0 + mr - 1: acc += dx * s * (q . xq), add += dx * add * sum(xq). */
+static inline __attribute__((always_inline)) void int8_block(int type, const uint8_t *row, int64_t b, const qx_t *qx,
+                                                             int64_t r0, int mr, __m256 *acc, float *add) {
+    const int is_signed = type == 0 || type == 1 || type == 5;
+    const int64_t nb_row = qx->nb;
+    blockinfo bi;
+    const uint8_t *p = block_info(type, row, b, &bi);
+    const __m256i q = unpack_vec(type, p, b);
+    const __m256 s = _mm256_setr_m128(_mm_set1_ps(bi.s0), _mm_set1_ps(bi.s1));
+    for (int m = 0; m < MR; m++) {
+        if (m >= mr) break;
+        const int64_t at = (r0 + m) * nb_row + b;
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(qx->xq + at * 32));
+        const __m256 d = _mm256_cvtepi32_ps(dot32(q, x, is_signed));
+        acc[m] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(qx->dx[at])), acc[m]);
+        if (!is_signed) add[m] += bi.add * qx->dxs[at];
+    }
+}
+#endif
 
 /* out[i] = sum over the row's blocks for rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` is a
  * constant after inlining, so each format gets its own loop. */
 static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *row, int64_t k, const qx_t *qx,
                                                           int64_t r0, int mr, float *out) {
     const int64_t nb = k / 32;
-    const int is_signed = type == 0 || type == 1 || type == 5, has_add = !is_signed;
-    float add[MR] = {0};
 #if QK_PATH > 0
-    __m256 acc[MR];
-    for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        blockinfo bi;
-        const uint8_t *p = block_info(type, row, b, &bi);
-        const __m256i q = unpack_vec(type, p, b);
-        const __m256 s = _mm256_setr_m128(_mm_set1_ps(bi.s0), _mm_set1_ps(bi.s1));
-        for (int m = 0; m < MR; m++) {
-            if (m >= mr) break;
-            const int64_t at = (r0 + m) * nb + b;
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(qx->xq + at * 32));
-            const __m256 d = _mm256_cvtepi32_ps(dot32(q, x, is_signed));
-            acc[m] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(qx->dx[at])), acc[m]);
-            if (has_add) add[m] += bi.add * qx->dxs[at];
-        }
+    /* Two accumulators per row, blocks alternating between them: one chain of dependent FMAs per row
+     * would hold the loop to its latency (4 cycles a block). */
+    __m256 acc0[MR], acc1[MR];
+    float add0[MR], add1[MR];
+    for (int m = 0; m < MR; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), add0[m] = add1[m] = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        int8_block(type, row, b, qx, r0, mr, acc0, add0);
+        int8_block(type, row, b + 1, qx, r0, mr, acc1, add1);
     }
-    for (int m = 0; m < mr; m++) out[m] = hsum8(acc[m]) + add[m];
+    if (b < nb) int8_block(type, row, b, qx, r0, mr, acc0, add0);
+    for (int m = 0; m < mr; m++) out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m])) + (add0[m] + add1[m]);
 #else
-    float acc[MR] = {0};
+    const int is_signed = type == 0 || type == 1 || type == 5, has_add = !is_signed;
+    float acc[MR] = {0}, add[MR] = {0};
     for (int64_t b = 0; b < nb; b++) {
         blockinfo bi;
         int8_t q[32];
@@ -234,8 +250,9 @@ static inline __attribute__((always_inline)) void row_dot_f32(int type, const ui
                                                               int64_t ldx, int64_t r0, int mr, float *out) {
     const int is_signed = type == 0 || type == 1 || type == 5;
 #if QK_PATH > 0
-    __m256 acc[MR];
-    for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+    __m256 acc[MR][4]; /* one per 8 weights of a block: independent FMA chains */
+    for (int m = 0; m < MR; m++)
+        for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 32; b++) {
         blockinfo bi;
         const uint8_t *p = block_info(type, row, b, &bi);
@@ -250,10 +267,11 @@ static inline __attribute__((always_inline)) void row_dot_f32(int type, const ui
         for (int m = 0; m < MR; m++) {
             if (m >= mr) break;
             const float *xb = x + (r0 + m) * ldx + b * 32;
-            for (int g = 0; g < 4; g++) acc[m] = _mm256_fmadd_ps(w[g], _mm256_loadu_ps(xb + 8 * g), acc[m]);
+            for (int g = 0; g < 4; g++) acc[m][g] = _mm256_fmadd_ps(w[g], _mm256_loadu_ps(xb + 8 * g), acc[m][g]);
         }
     }
-    for (int m = 0; m < mr; m++) out[m] = hsum8(acc[m]);
+    for (int m = 0; m < mr; m++)
+        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
 #else
     float acc[MR] = {0};
     for (int64_t b = 0; b < k / 32; b++) {
@@ -327,7 +345,7 @@ int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_bf16, const
         free(xq), free(scales);
         return 2;
     }
-    const qx_t qx = {xq, scales, scales + m * nb};
+    const qx_t qx = {nb, xq, scales, scales + m * nb};
     const float *x_f32 = x_bf16 ? NULL : (const float *)x;
     if (x_bf16)
         for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, xq + r * k, scales + r * nb, scales + m * nb + r * nb);
