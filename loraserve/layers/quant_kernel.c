@@ -379,8 +379,41 @@ int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_bf16, const
     return 0;
 }
 
+#if QK_PATH > 0
+/* 8 floats at p as float32 or bf16 (to nearest even: weights are finite). */
+static inline void store8(void *out, int64_t at, __m256 v, int out_bf16) {
+    if (!out_bf16) {
+        _mm256_storeu_ps((float *)out + at, v);
+        return;
+    }
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + at),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+/* One block of row r dequantized with the vector unpacking; s * q + add unfused (see below). */
+static inline __attribute__((always_inline)) void dequantize_block(int type, const uint8_t *row, int64_t b, void *out,
+                                                                   int64_t at, int out_bf16) {
+    const int is_signed = type == 0 || type == 1 || type == 5;
+    blockinfo bi;
+    const uint8_t *p = block_info(type, row, b, &bi);
+    const __m256i q = unpack_vec(type, p, b);
+    const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int g = 0; g < 4; g++) {
+        const __m128i eight = g & 1 ? _mm_srli_si128(halves[g / 2], 8) : halves[g / 2];
+        const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(g < 2 ? bi.s0 : bi.s1)),
+                                       _mm256_set1_ps(bi.add));
+        store8(out, at + 8 * g, v, out_bf16);
+    }
+}
+#endif
+
 /* Rows [n0, n1) of w = {address, n, k, type} as float32 (out_bf16 = 0) or bf16, [n1 - n0, k] dense at
  * out. Returns 0, or 1 as quant_linear does. */
+__attribute__((optimize("fp-contract=off"))) /* s * q + add rounded twice, as the torch twin computes it */
 int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int out_bf16, int num_threads) {
     const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
     const int64_t k = w[2];
@@ -390,6 +423,17 @@ int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int ou
     const int is_signed = type == 0 || type == 1 || type == 5;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = n0; r < n1; r++) {
+#if QK_PATH > 0
+        switch (type) {
+        case 0: for (int64_t b = 0; b < nb; b++) dequantize_block(0, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
+        case 1: for (int64_t b = 0; b < nb; b++) dequantize_block(1, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
+        case 2: for (int64_t b = 0; b < nb; b++) dequantize_block(2, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
+        case 3: for (int64_t b = 0; b < nb; b++) dequantize_block(3, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
+        case 4: for (int64_t b = 0; b < nb; b++) dequantize_block(4, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
+        default: for (int64_t b = 0; b < nb; b++) dequantize_block(5, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
+        }
+        (void)is_signed;
+#else
         for (int64_t b = 0; b < nb; b++) {
             blockinfo bi;
             int8_t q[32];
@@ -403,6 +447,7 @@ int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int ou
                 else ((float *)out)[at + i] = v;
             }
         }
+#endif
     }
     return 0;
 }
