@@ -60,7 +60,10 @@ def convert_tensors(
         if result.name not in names:
             continue
         name = names[result.name]
-        values = torch.from_numpy(np.ascontiguousarray(result.weights))
+        array = result.weights
+        if not (array.flags.writeable and array.flags.c_contiguous):  # the reader's read-only file mapping
+            array = np.array(array)
+        values = torch.from_numpy(array)
         if not quantized or qtype is None:
             tensors[name] = values
             continue
