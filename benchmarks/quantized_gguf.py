@@ -83,7 +83,9 @@ def runner(llm: Any, gen_len: int) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--gen-len", type=int, default=64)
@@ -119,11 +121,17 @@ def main() -> None:
     for name, system in systems.items():
         one_tps, many_tps = rows[name]["one sequence"], rows[name][f"{args.concurrent} concurrent"]
         floor_ms = system["weight_bytes"] / (bandwidth * 1e9) * 1e3
-        print(f"{name:<24}{one_tps:>12.1f}{many_tps:>16.1f}{system['weight_bytes'] / 1e6:>12.1f}"
-              f"{floor_ms:>15.2f}{1e3 / one_tps:>15.2f}{system['rss_mb']:>9.0f}")
-        results["systems"][name] = {"one_sequence_tps": one_tps, "concurrent_tps": many_tps,
-                                    "weight_bytes": system["weight_bytes"], "floor_ms": floor_ms,
-                                    "rss_after_load_mb": system["rss_mb"]}
+        print(
+            f"{name:<24}{one_tps:>12.1f}{many_tps:>16.1f}{system['weight_bytes'] / 1e6:>12.1f}"
+            f"{floor_ms:>15.2f}{1e3 / one_tps:>15.2f}{system['rss_mb']:>9.0f}"
+        )
+        results["systems"][name] = {
+            "one_sequence_tps": one_tps,
+            "concurrent_tps": many_tps,
+            "weight_bytes": system["weight_bytes"],
+            "floor_ms": floor_ms,
+            "rss_after_load_mb": system["rss_mb"],
+        }
     save_results("quantized_gguf", results)
 
 
