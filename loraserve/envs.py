@@ -142,6 +142,13 @@ def cache_root() -> str:
     return get_env("CACHE_ROOT", default) or default
 
 
+def gguf_dequantize() -> bool:
+    """A GGUF file's quantized tensors dequantized on load into the serving dtype ("1" or "true"), as
+    before weights stayed quantized; unset, the Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linears of Llama/Qwen
+    files stay in their formats (model_loader/gguf_quantized.py)."""
+    return _is_true(get_env("GGUF_DEQUANTIZE"))
+
+
 def cpu_packed_linear() -> bool:
     """Reorder linear weights on CPU for the C linear kernel or oneDNN (default on; "0" keeps dense
     weights and `F.linear`)."""

@@ -9,6 +9,11 @@ On CPU, `pack_cpu_linears` reorders each weight once for the kernel that runs it
 (`gemm_cpu`, where it serves the dtype on this CPU: small-M decode products run near the vector
 units' peak) or else oneDNN's blocked layout (faster than `F.linear` on a dense weight). The dense
 copy is then released (except where the tensor is shared, e.g. tied embeddings).
+
+A layer may instead hold its weight block-quantized (`quant_parts`, one GGUF-format weight per output
+slice, loaded with `load_quant_shard`; `layers/quant`): its forward runs the quantized kernel into each
+slice and it has no dense copy. A packed layer whose checkpoint mixes quantized and dense shards is
+dequantized at `finish_loading`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.layers import gemm_cpu
+from loraserve.layers.quant import kernel as quant_kernel
+from loraserve.layers.quant.formats import QuantTensor
 from loraserve.native import huge_pages
 
 
@@ -43,6 +50,7 @@ class Linear(nn.Module):
         )
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout of `weight` (CPU only)
         self.kernel_weight: gemm_cpu.PackedWeight | None = None  # the C kernel's layout (CPU only)
+        self.quant_parts: list[quant_kernel.QuantWeight | None] | None = None  # per slice, when quantized
 
     def slice_offsets(self) -> list[int]:
         offsets = [0]
@@ -65,13 +73,60 @@ class Linear(nn.Module):
                              f"checkpoint {tuple(tensor.shape)}")
         target.copy_(tensor)
 
+    def load_quant_shard(self, tensor: QuantTensor, shard: int | None) -> None:
+        """Keep a block-quantized checkpoint weight for the whole layer or one output slice."""
+        offsets = self.slice_offsets()
+        want = (self.out_features if shard is None else offsets[shard + 1] - offsets[shard], self.in_features)
+        if tensor.shape != want:
+            raise ValueError(f"shape mismatch for weight (shard {shard}): model {want}, checkpoint {tensor.shape}")
+        if self.quant_parts is None:
+            self.quant_parts = [None] * len(self.output_sizes)
+        if shard is None and len(self.output_sizes) > 1:  # one tensor for every slice: split its rows
+            for i in range(len(self.output_sizes)):
+                part = QuantTensor(tensor.blocks[offsets[i] : offsets[i + 1]], tensor.qtype, (offsets[i + 1] - offsets[i], self.in_features))
+                self.quant_parts[i] = quant_kernel.prepare(part)
+        else:
+            self.quant_parts[shard or 0] = quant_kernel.prepare(tensor)
+
+    def finish_loading(self) -> None:
+        """After the checkpoint: a fully quantized layer drops its dense weight (replaced, not resized:
+        a tied LM head shares it with the embedding); a partly quantized one is dequantized into it."""
+        parts = self.quant_parts
+        if parts is None:
+            return
+        dtype = self.weight.dtype
+        if all(part is not None for part in parts):
+            self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=self.weight.device), requires_grad=False)
+            return
+        offsets = self.slice_offsets()
+        with torch.no_grad():
+            for i, part in enumerate(parts):
+                if part is not None:
+                    self.weight.data[offsets[i] : offsets[i + 1]] = quant_kernel.dequantize_rows(part, torch.float32)
+        self.quant_parts = None
+
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_parts is not None:
+            return self._quant_forward(x, self.quant_parts)
         # A weight packed for the C kernel has no other copy: `linear` raises where it does not serve x.
         if self.kernel_weight is not None:
             return gemm_cpu.linear(x, self.kernel_weight, self.bias)
         if self.packed_weight is not None:
             return _packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _quant_forward(self, x: torch.Tensor, parts: list[quant_kernel.QuantWeight | None]) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if len(parts) == 1 and parts[0] is not None:
+            out = quant_kernel.linear(rows, parts[0], self.bias)
+        else:
+            out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+            offsets = self.slice_offsets()
+            for i, part in enumerate(parts):
+                assert part is not None  # finish_loading leaves no gaps
+                bias = None if self.bias is None else self.bias[offsets[i] : offsets[i + 1]]
+                quant_kernel.linear(rows, part, bias, out=out[:, offsets[i] : offsets[i + 1]])
+        return out.view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         return self.base_forward(x)

@@ -49,6 +49,7 @@ class LinearWithLoRA(Linear):
         self.bias = base.bias
         self.packed_weight = base.packed_weight
         self.kernel_weight = base.kernel_weight
+        self.quant_parts = base.quant_parts
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         # Set (on the base layer) by models whose layers are called without the batch: the HF backend.

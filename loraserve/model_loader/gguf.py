@@ -5,6 +5,10 @@ reader turns its metadata into a config and a tokenizer (with the chat template)
 tensors, which are saved as safetensors in the serving dtype. The native model classes then load that
 folder, so LoRA adapters trained on the HF model apply on top. The cache folder is keyed by the file's
 sha256 and the dtype, so a changed file is converted again and never meets stale weights.
+
+Quantized Llama/Qwen files keep their linear weights quantized (gguf_quantized.py; the folder's
+`quantized.json` says which), unless LORASERVE_GGUF_DEQUANTIZE is set: the old dense folder, in its own
+cache entry.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 
 from loraserve import envs
+from loraserve.model_loader import gguf_quantized
 from loraserve.model_loader.staging import publish, stage
 
 logger = logging.getLogger(__name__)
@@ -113,22 +118,24 @@ def gguf_folder(path: str, dtype: torch.dtype, hf_config_path: str | None = None
     """The cached HF-format folder for GGUF file `path` in `dtype`, converting it on first use."""
     summary = inspect_gguf(path)
     digest = file_digest(path)
-    key = _cache_key(digest, dtype, hf_config_path)
+    keep = not envs.gguf_dequantize() and gguf_quantized.keeps_quantized(summary.architecture, summary.tensor_types)
+    key = _cache_key(digest, dtype, hf_config_path, keep)
     folder = os.path.join(envs.cache_root(), "gguf", key)
     if os.path.isfile(os.path.join(folder, _COMPLETE)):
         return folder
     staging = stage(os.path.dirname(folder), ".convert-")
     start = time.perf_counter()
     logger.info(
-        "Converting GGUF %s (%s; %s) to %s once; the result is cached in %s.",
+        "Converting GGUF %s (%s; %s) to %s%s once; the result is cached in %s.",
         os.path.basename(path),
         summary.architecture,
         ", ".join(summary.tensor_types),
         dtype,
+        " with its quantized linears kept" if keep else "",
         folder,
     )
     try:
-        _convert_into(staging, path, dtype, hf_config_path)
+        _convert_into(staging, path, dtype, hf_config_path, keep)
         _write_json(os.path.join(staging, _COMPLETE), {"source": path, "sha256": digest, "dtype": str(dtype)})
         publish(staging, folder, _COMPLETE)
     finally:
@@ -137,8 +144,8 @@ def gguf_folder(path: str, dtype: torch.dtype, hf_config_path: str | None = None
     return folder
 
 
-def _cache_key(digest: str, dtype: torch.dtype, hf_config_path: str | None) -> str:
-    parts = [digest, str(dtype), CONVERTER_VERSION]
+def _cache_key(digest: str, dtype: torch.dtype, hf_config_path: str | None, keep_quantized: bool) -> str:
+    parts = [digest, str(dtype), CONVERTER_VERSION] + (["quantized-1"] if keep_quantized else [])
     if hf_config_path:
         with open(_config_file(hf_config_path), "rb") as f:
             parts.append(hashlib.sha256(f.read()).hexdigest())
@@ -155,7 +162,7 @@ def _config_file(hf_config_path: str) -> str:
     return config_file
 
 
-def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: str | None) -> None:
+def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: str | None, keep: bool) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -170,6 +177,14 @@ def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: s
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     with torch.device("meta"):  # only the parameter names, to map GGUF names onto HF ones
         skeleton = AutoModelForCausalLM.from_config(config)
+    if keep:
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        kept, index = gguf_quantized.convert_tensors(path, skeleton, tied)
+        missing = _missing_weights(skeleton, kept, config)
+        if missing:
+            raise GGUFError(f"GGUF file {name} lacks weights the model needs: {missing[:5]}.")
+        gguf_quantized.save_tensors(out_dir, kept, index, dtype)
+        return
     tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
     missing = _missing_weights(skeleton, tensors, config)
     if missing:
@@ -215,7 +230,7 @@ def _add_longrope(config: Any, path: str) -> None:
     config.rope_parameters = params
 
 
-def _missing_weights(skeleton: Any, tensors: dict[str, torch.Tensor], config: Any) -> list[str]:
+def _missing_weights(skeleton: Any, tensors: dict[str, Any], config: Any) -> list[str]:
     tied = getattr(config, "tie_word_embeddings", False)
     expected = [name for name, _ in skeleton.named_parameters() if not (tied and name == "lm_head.weight")]
     return [name for name in expected if name not in tensors]

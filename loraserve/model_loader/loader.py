@@ -15,6 +15,7 @@ from torch import nn
 from loraserve import envs
 from loraserve.config import ModelConfig
 from loraserve.layers.linear import Linear, pack_cpu_linears
+from loraserve.layers.quant.formats import QuantTensor
 from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.model_loader.weights import iterate_weights
 from loraserve.models.registry import resolve_model_cls
@@ -34,8 +35,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _count_tensors(
-    weights: Iterator[tuple[str, torch.Tensor]], counter: list[int]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    weights: Iterator[tuple[str, torch.Tensor | QuantTensor]], counter: list[int]
+) -> Iterator[tuple[str, Any]]:
     for item in weights:
         counter[0] += 1
         yield item
@@ -55,6 +56,8 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
         _dummy_weights(model)
     else:
         weights = iterate_weights(model_config.model_path, model_config.config_format, model_config.load_format)
+        if not getattr(model, "loads_quantized", False):  # the transformers backend: dense weights only
+            weights = iter(_dequantized(weights, model_config.dtype))
         model.load_weights(_count_tensors(weights, num_tensors))
     model.eval()
     for module in model.modules():  # rope tables as long as max_model_len (VLLM_ALLOW_LONG_MAX_MODEL_LEN)
@@ -75,6 +78,13 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
     if device.type == "cpu" and envs.cpu_packed_linear():
         _pack_linears(model)
     return model
+
+
+def _dequantized(
+    weights: Iterator[tuple[str, torch.Tensor | QuantTensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    for name, tensor in weights:
+        yield name, tensor.dequantize(dtype) if isinstance(tensor, QuantTensor) else tensor
 
 
 def _dummy_weights(model: nn.Module) -> None:

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 
 from loraserve import envs
-from loraserve.model_loader import mistral
+from loraserve.layers.quant.formats import QuantTensor
+from loraserve.model_loader import gguf_quantized, mistral
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +181,9 @@ def _with_progress(
 
 def iterate_weights(
     model_path: str, config_format: str = "hf", load_format: str = "auto"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor under its HF name, one file at a time (CPU tensors)."""
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """Every checkpoint tensor under its HF name, one file at a time (CPU tensors; a GGUF folder's
+    kept-quantized weights as QuantTensors)."""
     if config_format == "auto":
         has_params = os.path.isfile(os.path.join(model_path, mistral.PARAMS_FILE))
         config_format = "mistral" if has_params else "hf"
@@ -192,4 +194,15 @@ def iterate_weights(
     if config_format != "hf":
         raise ValueError(f"config_format must be 'hf', 'mistral' or 'auto', got {config_format!r}.")
     files, is_safetensors = hf_weight_files(model_path, load_format)
-    return _with_progress(files, iterate_safetensors if is_safetensors else iterate_pickle)
+    weights = _with_progress(files, iterate_safetensors if is_safetensors else iterate_pickle)
+    index = gguf_quantized.read_index(model_path)
+    return _quantized(weights, index) if index else weights
+
+
+def _quantized(
+    weights: Iterator[tuple[str, torch.Tensor]], index: dict[str, tuple[str, tuple[int, int]]]
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """The tensors `quantized.json` names as QuantTensors (a GGUF folder's kept-quantized weights)."""
+    for name, tensor in weights:
+        entry = index.get(name)
+        yield name, tensor if entry is None else gguf_quantized.as_quant_tensor(tensor, entry)

@@ -10,6 +10,7 @@ from torch import nn
 
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.linear import Linear
+from loraserve.layers.quant.formats import QuantTensor
 
 
 class NativeCausalLM(nn.Module):
@@ -21,6 +22,7 @@ class NativeCausalLM(nn.Module):
     """
 
     is_native = True
+    loads_quantized = True  # `load_weights` takes QuantTensor checkpoint tensors (kept quantized in Linears)
     packed_modules_mapping: dict[str, list[str]] = {}
     transposed_weight_modules: tuple[str, ...] = ()
     ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -61,11 +63,19 @@ class NativeCausalLM(nn.Module):
         for ckpt_name, tensor in weights:
             if ckpt_name.endswith(self.ignored_weight_suffixes):
                 continue
-            if self.tie_word_embeddings and ckpt_name.startswith("lm_head."):
-                continue
             name, shard = self._packed_target(ckpt_name)
             module_name, _, leaf = name.rpartition(".")
             module = modules.get(module_name)
+            if isinstance(tensor, QuantTensor):
+                # A tied LM head may still get its own quantized copy (GGUF's token_embd, kept quantized).
+                if not isinstance(module, Linear) or leaf != "weight" or module_name.endswith(self.transposed_weight_modules):
+                    tensor = tensor.dequantize()
+                else:
+                    module.load_quant_shard(tensor, shard)
+                    loaded.add(name if shard is None else f"{name}#{shard}")
+                    continue
+            if self.tie_word_embeddings and ckpt_name.startswith("lm_head."):
+                continue
             if isinstance(module, Linear):
                 if module_name.endswith(self.transposed_weight_modules) and leaf == "weight":
                     tensor = tensor.t()
@@ -82,6 +92,9 @@ class NativeCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}")
             loaded.add(name if shard is None else f"{name}#{shard}")
         self._check_all_loaded(loaded)
+        for module in modules.values():
+            if isinstance(module, Linear):
+                module.finish_loading()
 
     def _check_all_loaded(self, loaded: set[str]) -> None:
         missing = []

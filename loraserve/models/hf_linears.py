@@ -52,6 +52,7 @@ class HFLinear(Linear):
         self.bias = bias
         self.packed_weight = None
         self.kernel_weight = None
+        self.quant_parts = None
         self.step_binding = binding
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:

@@ -1,0 +1,152 @@
+"""GGUF's block-quantized weight formats: their byte layouts, a torch dequantizer (the twin of the C
+kernels and their oracle's source) and the float64 reference product.
+
+A quantized [out, in] weight is `out` rows of `in / block_size` blocks, each block `type_size` bytes,
+stored row after row (`QuantTensor.blocks`, uint8 [out, row_bytes]). Every block holds one or more
+scales and small integers; `dequantize` reads them as gguf.quants does (the layouts' source of truth,
+tests/layers/quant checks the two agree). In the kernels every format is read 32 weights at a time:
+    value = scale(half) * q + add,  q a signed or unsigned byte, `scale` one per 16 weights (Q6_K) or 32
+so one integer dot product with 32 quantized activations serves every format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class QuantType:
+    """One block format: `ggml_type` is GGML's enum value (GGUF's tensor type), `code` the kernels'."""
+
+    name: str
+    ggml_type: int
+    block_size: int
+    type_size: int
+    code: int
+
+
+QUANT_TYPES: dict[str, QuantType] = {
+    t.name: t
+    for t in (
+        QuantType("Q8_0", 8, 32, 34, 0),
+        QuantType("Q4_0", 2, 32, 18, 1),
+        QuantType("Q4_1", 3, 32, 20, 2),
+        QuantType("Q4_K", 12, 256, 144, 3),
+        QuantType("Q5_K", 13, 256, 176, 4),
+        QuantType("Q6_K", 14, 256, 210, 5),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantTensor:
+    """A quantized [out, in] weight as the checkpoint stores it: `blocks` uint8 [out, in / block_size *
+    type_size] (rows may be permuted or sliced as whole rows: blocks never cross a row)."""
+
+    blocks: torch.Tensor
+    qtype: QuantType
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        out, inp = self.shape
+        if inp % self.qtype.block_size:
+            raise ValueError(
+                f"{self.qtype.name} needs rows of a multiple of {self.qtype.block_size}, got {inp}"
+            )
+        want = (out, inp // self.qtype.block_size * self.qtype.type_size)
+        if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != want:
+            raise ValueError(
+                f"{self.qtype.name} [{out}, {inp}] needs uint8 blocks {want}, "
+                f"got {self.blocks.dtype} {tuple(self.blocks.shape)}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.blocks, self.qtype, self.shape).to(dtype)
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of every block, as float32 [blocks, 1]."""
+    return b[:, at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
+    """Bytes [blocks, groups * 32] -> [blocks, 2 * groups, 32]: each 32-byte group's low nibbles, then
+    its high nibbles (the K-quants' order)."""
+    q = qs.reshape(qs.shape[0], groups, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    return (q & 15).reshape(qs.shape[0], 2 * groups, 32)
+
+
+def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 scale bytes -> (8 six-bit scales, 8 six-bit mins) per block, as int."""
+    s = scales.reshape(-1, 3, 4).int()
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return sc, mn
+
+
+def _dequantize_blocks(b: torch.Tensor, name: str) -> torch.Tensor:
+    """uint8 [blocks, type_size] -> float32 [blocks, block_size]."""
+    n = b.shape[0]
+    if name == "Q8_0":
+        return _f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+    if name in ("Q4_0", "Q4_1"):
+        start = 2 if name == "Q4_0" else 4
+        qs = b[:, start : start + 16]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+        return _f16(b, 0) * (q - 8) if name == "Q4_0" else _f16(b, 0) * q + _f16(b, 2)
+    if name in ("Q4_K", "Q5_K"):
+        sc, mn = k_scales(b[:, 4:16])
+        scale = (_f16(b, 0) * sc.float()).unsqueeze(-1)
+        minimum = (_f16(b, 2) * mn.float()).unsqueeze(-1)
+        if name == "Q4_K":
+            q = _nibbles(b[:, 16:144], 4).float()
+        else:
+            bits = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+            high = (b[:, 16:48].reshape(n, 1, 32) >> bits) & 1
+            q = (_nibbles(b[:, 48:176], 4) | (high << 4)).float()
+        return (scale * q - minimum).reshape(n, 256)
+    if name == "Q6_K":
+        low = (
+            b[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+        ) & 15
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+        high = (b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3
+        q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).float() - 32
+        scale = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()
+        return (scale.unsqueeze(-1) * q.reshape(n, 16, 16)).reshape(n, 256)
+    raise ValueError(f"unknown quantization type {name}")
+
+
+def dequantize(blocks: torch.Tensor, qtype: QuantType, shape: tuple[int, int]) -> torch.Tensor:
+    """The float32 [out, in] weight that `blocks` (uint8 [out, row_bytes]) encode in `qtype`."""
+    out, inp = shape
+    flat = blocks.reshape(-1, qtype.type_size)
+    return _dequantize_blocks(flat, qtype.name).reshape(out, inp)
+
+
+def reference_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b in float64 with W the exact dequantized weight: the kernels' test oracle."""
+    y = x.double() @ weight.dequantize(torch.float64).T
+    return y if bias is None else y + bias.double()
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantTensor:
+    """A float [out, in] weight (in a multiple of 32) as Q8_0: per 32 weights a float16 scale amax/127
+    and round-to-nearest int8s, the on-load int8 of a float checkpoint (and the same bytes
+    gguf.quants.quantize writes, up to its rounding of halves)."""
+    out, inp = weight.shape
+    if inp % 32:
+        raise ValueError(f"Q8_0 needs rows of a multiple of 32 weights, got {inp}")
+    w = weight.detach().float().reshape(out, inp // 32, 32)
+    d = (w.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    inv = torch.where(d == 0, torch.zeros_like(d, dtype=torch.float32), 1 / d.float())
+    q = torch.round(w * inv).clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(out, -1)
+    return QuantTensor(blocks.contiguous(), QUANT_TYPES["Q8_0"], (out, inp))

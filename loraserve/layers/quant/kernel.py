@@ -1,0 +1,169 @@
+"""The CPU linear over a block-quantized weight (quant_kernel.c): y = x W^T + b with W kept in its GGUF
+format in memory.
+
+Two paths, by row count: up to `DECODE_ROWS` rows (decode), the kernel's `quant_linear`, which streams
+the weight's bytes once: bf16 activations are quantized per 32 values to int8 for integer dot products
+(as llama.cpp does), float32 ones stay float32 (blocks widened in registers: that dtype is the precise
+one); more rows (prefill, big batches), tiles of W dequantized into a cache-sized buffer in x's dtype
+and multiplied by torch (oneDNN), so the product stays compute-bound. Without a C compiler both paths are
+the twin: torch's dequantize then F.linear.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from loraserve.layers.quant.formats import QuantTensor
+from loraserve.native.build import load_library
+
+DECODE_ROWS = 16  # at most this many rows take the integer path (measured: benchmarks/README.md, "Quantized")
+TILE_BYTES = 1 << 20  # a dequantized tile of the prefill path: about L2's size
+PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_lib: Any = None
+_loaded = False
+
+
+def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
+    """A build of quant_kernel.c (None without a compiler); `extra_flags` select other code paths."""
+    lib = load_library("loraserve.layers", "quant_kernel.c", extra_flags=extra_flags)
+    if lib is None:
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.quant_linear.argtypes = [ctypes.POINTER(i64), ptr, i64, i32, ptr, ptr, i64, i64, i32]
+    lib.quant_linear.restype = i32
+    lib.quant_dequantize.argtypes = [ctypes.POINTER(i64), i64, i64, ptr, i32, i32]
+    lib.quant_dequantize.restype = i32
+    lib.quant_kernel_path.restype = i32
+    return lib
+
+
+def kernel_library() -> Any:
+    """The loaded kernel (built once per process), or None where it cannot be built."""
+    global _lib, _loaded
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _lib = build_kernel()
+                _loaded = True
+    return _lib
+
+
+def use_library(lib: Any) -> None:
+    """Swap in another build (tests run every code path on one CPU this way; None: the twin)."""
+    global _lib, _loaded
+    with _lock:
+        _lib, _loaded = lib, True
+
+
+def kernel_path() -> str:
+    """The integer dot product this process's build runs ("twin" without a build)."""
+    lib = kernel_library()
+    return "twin" if lib is None else PATHS[int(lib.quant_kernel_path())]
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A quantized weight as the kernel reads it; `args` ({address, out, in, type code}) bound once.
+    `tensor.blocks` must not be replaced while the weight is in use (the kernel reads it raw)."""
+
+    tensor: QuantTensor
+    args: Any = None
+
+    @property
+    def out_features(self) -> int:
+        return self.tensor.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.tensor.shape[1]
+
+    def call_args(self) -> Any:
+        if self.args is None:
+            blocks = self.tensor.blocks
+            self.args = (ctypes.c_int64 * 4)(blocks.data_ptr(), *self.tensor.shape, self.tensor.qtype.code)
+        return self.args
+
+
+def prepare(tensor: QuantTensor) -> QuantWeight:
+    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU)."""
+    blocks = tensor.blocks.contiguous().cpu()
+    return QuantWeight(QuantTensor(blocks, tensor.qtype, tensor.shape))
+
+
+def linear(
+    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear(x, dequantized W, bias) for float32 or bf16 x [..., in] -> [..., out] (float32 sums,
+    one rounding to x's dtype; on the decode path bf16 activations are quantized to int8 per 32, so the
+    result is within amax/254 per block of x times sum |w| of it). `out`, if given, is a [rows, out]
+    view (row stride free, columns contiguous) the result is written into (a packed layer's slice)."""
+    if x.dtype not in _DTYPES or not x.is_cpu:
+        raise TypeError(f"quantized linear: x is {x.dtype} on {x.device}; it takes float32 or bf16 on CPU")
+    n, k = weight.tensor.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"quantized linear: x has {x.shape[-1]} features, the weight takes {k}")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=x.dtype) if out is None else out
+    lib = _lib if _loaded else kernel_library()
+    if lib is None:
+        y.copy_(F.linear(rows, weight.tensor.dequantize(x.dtype), bias))
+    elif rows.shape[0] <= DECODE_ROWS:
+        status = lib.quant_linear(
+            weight.call_args(),
+            rows.data_ptr(),
+            rows.stride(0),
+            _DTYPES[x.dtype],
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            y.stride(0),
+            rows.shape[0],
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"the quantized linear kernel refused its arguments (status {status})")
+    else:
+        _tiled(lib, rows, weight, bias, y)
+    return y if out is not None or x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def _tiled(
+    lib: Any, rows: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None, y: torch.Tensor
+) -> None:
+    """The prefill path: tiles of W's rows dequantized in x's dtype, each multiplied by torch."""
+    n, k = weight.tensor.shape
+    tile_rows = max(16, TILE_BYTES // (k * rows.element_size()) // 16 * 16)
+    tile = torch.empty(min(tile_rows, n), k, dtype=rows.dtype)
+    for n0 in range(0, n, tile_rows):
+        n1 = min(n, n0 + tile_rows)
+        status = lib.quant_dequantize(
+            weight.call_args(), n0, n1, tile.data_ptr(), _DTYPES[rows.dtype], torch.get_num_threads()
+        )
+        if status != 0:
+            raise RuntimeError(f"the quantized linear kernel refused its arguments (status {status})")
+        y[:, n0:n1] = F.linear(rows, tile[: n1 - n0], None if bias is None else bias[n0:n1])
+
+
+def dequantize_rows(weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole dense weight in `dtype` (float32 or bf16) through the kernel where it is built."""
+    lib = kernel_library()
+    n, k = weight.tensor.shape
+    if lib is None or dtype not in _DTYPES:
+        return weight.tensor.dequantize(dtype)
+    dense = torch.empty(n, k, dtype=dtype)
+    if lib.quant_dequantize(
+        weight.call_args(), 0, n, dense.data_ptr(), _DTYPES[dtype], torch.get_num_threads()
+    ):
+        raise RuntimeError("the quantized linear kernel refused its arguments")
+    return dense

@@ -1,0 +1,152 @@
+"""The quantized linear kernel (quant_kernel.c) against the float64 dequantize-then-matmul reference, for
+every format on every build this machine can run (AVX512-VNNI, AVX2, portable C) and both paths (the
+integer decode path up to DECODE_ROWS rows, the dequantized-tile path above), and its torch twin.
+
+Tolerances come from what each path rounds: the decode path quantizes each 32 activations to int8
+(error at most amax/254 per value, so a block adds at most amax/254 * sum |w| of it) where x is bf16,
+and keeps float32 x as it is; the tile path
+rounds the weights to x's dtype; both sum in float32 and round once to x's dtype."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+
+import pytest
+import torch
+from support.quant_blocks import random_quant_tensor
+
+from loraserve.layers.quant import kernel as qk
+from loraserve.layers.quant.formats import QUANT_TYPES, QuantTensor, reference_linear
+from loraserve.native.build import cpu_flags
+
+# name: (flags after -march=native, CPU flags it needs, the path it must report)
+BUILDS: dict[str, tuple[tuple[str, ...], set[str], str]] = {
+    "avx512_vnni": ((), {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512_vnni"),
+    "avx2": (("-mno-avx512f", "-mno-avxvnni"), {"avx2", "fma"}, "avx2"),
+    "portable": (("-mno-avx",), set(), "portable"),
+}
+# (rows, out): one row, a 4-row group with tails, the last decode row count, the tile path
+ROWS_OUT = [(1, 1), (3, 37), (5, 16), (qk.DECODE_ROWS, 33), (qk.DECODE_ROWS + 1, 50), (40, 19)]
+
+
+def _in_features(name: str) -> list[int]:
+    """K-quants take multiples of 256; the 32-blocks odd multiples of 32 too."""
+    return [256, 512] if QUANT_TYPES[name].block_size == 256 else [32, 96, 544]
+
+
+@pytest.fixture(params=list(BUILDS))
+def build(request: pytest.FixtureRequest) -> Iterator[str]:
+    flags, needs, path = BUILDS[request.param]
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
+        pytest.skip(f"this build needs an x86-64 CPU with {sorted(needs)}")
+    lib = qk.build_kernel(flags)
+    if lib is None:
+        pytest.skip("no C compiler: the kernel is not built here")
+    own = qk.kernel_library()
+    qk.use_library(lib)
+    assert qk.kernel_path() == path
+    yield request.param
+    qk.use_library(own)
+
+
+def _bounds(x: torch.Tensor, tensor: QuantTensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(float64 reference, sum |x||w| (+|b|), the int8 activations' error bound per output)."""
+    ref = reference_linear(x, tensor, bias)
+    w = tensor.dequantize(torch.float64).abs()
+    xd = x.double().abs()
+    magnitude = xd @ w.T + (0 if bias is None else bias.double().abs())
+    m, k = x.shape
+    amax = xd.reshape(m, k // 32, 32).amax(-1)  # [m, blocks]
+    w_sums = w.reshape(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
+    return ref, magnitude, (amax / 254) @ w_sums.T
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, tensor: QuantTensor, bias: torch.Tensor | None) -> None:
+    ref, magnitude, act = _bounds(x, tensor, bias)
+    bound = 2e-6 * magnitude  # float32 sums
+    if x.shape[0] <= qk.DECODE_ROWS and x.dtype == torch.bfloat16:
+        bound = bound + act
+    elif x.dtype == torch.bfloat16:
+        bound = bound + 2.0**-9 * magnitude  # weights rounded to bf16 in the tile
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * (ref.abs() + bound)  # one rounding of the result
+    error = (y.double() - ref).abs()
+    worst = int(torch.argmax(error - bound))
+    assert bool((error <= bound).all()), (
+        f"error {error.flatten()[worst]:.4g} > bound {bound.flatten()[worst]:.4g}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(QUANT_TYPES))
+def test_every_format_on_every_build_matches_reference(build: str, name: str, dtype: torch.dtype) -> None:
+    qtype = QUANT_TYPES[name]
+    g = torch.Generator().manual_seed(5)
+    for i, (rows, out) in enumerate(ROWS_OUT):
+        for k in _in_features(name):
+            tensor = random_quant_tensor(qtype, out, k, seed=i * 7 + k)
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            bias = torch.randn(out, generator=g).to(dtype) if i % 2 else None
+            y = qk.linear(x, qk.prepare(tensor), bias)
+            assert y.shape == (rows, out) and y.dtype == dtype
+            _check(y, x, tensor, bias)
+
+
+@pytest.mark.parametrize("name", list(QUANT_TYPES))
+def test_decode_path_is_exact_for_activations_int8_represents(build: str, name: str) -> None:
+    """bf16 activations that are int8 times a power of two, amax 127 in every block, quantize without
+    error: what is left is float32 summation and the result's rounding, so a wrong scale, min or nibble
+    shows at once; float32 x on the same path is exact to float32 sums."""
+    qtype = QUANT_TYPES[name]
+    k = _in_features(name)[-1]
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-127, 128, (3, k), generator=g).float()
+    q.view(3, k // 32, 32)[:, :, 0] = 127.0
+    x = (q * 2.0**-5).bfloat16()
+    tensor = random_quant_tensor(qtype, 29, k, seed=2)
+    weight = qk.prepare(tensor)
+    ref, magnitude, _ = _bounds(x, tensor, None)
+    y = qk.linear(x, weight)
+    assert bool(((y.double() - ref).abs() <= 2e-6 * magnitude + 2.0**-8 * ref.abs()).all())
+    y32 = qk.linear(x.float(), weight)
+    assert bool(((y32.double() - ref).abs() <= 2e-6 * magnitude + 1e-30).all())
+
+
+@pytest.mark.parametrize("name", list(QUANT_TYPES))
+def test_kernel_dequantize_matches_the_twin(build: str, name: str) -> None:
+    tensor = random_quant_tensor(QUANT_TYPES[name], 21, 512, seed=4)
+    weight = qk.prepare(tensor)
+    want = tensor.dequantize()
+    got = qk.dequantize_rows(weight, torch.float32)
+    assert torch.equal(got, want)  # s * q + add unfused, as the twin computes it
+    torch.testing.assert_close(
+        qk.dequantize_rows(weight, torch.bfloat16), want.bfloat16(), rtol=2.0**-7, atol=0
+    )
+
+
+def test_twin_without_a_build_and_leading_dims_and_out_slices() -> None:
+    tensor = random_quant_tensor(QUANT_TYPES["Q4_K"], 24, 256, seed=6)
+    weight = qk.prepare(tensor)
+    x = torch.randn(2, 3, 256)
+    y = qk.linear(x, weight)
+    assert y.shape == (2, 3, 24)
+    out = torch.zeros(6, 30)
+    qk.linear(x.reshape(6, 256), weight, out=out[:, 4:28])
+    assert torch.equal(out[:, 4:28], y.reshape(6, 24)) and not out[:, :4].any() and not out[:, 28:].any()
+    own = qk.kernel_library()
+    qk.use_library(None)
+    try:
+        assert qk.kernel_path() == "twin"
+        twin = qk.linear(x.reshape(6, 256), weight)
+    finally:
+        qk.use_library(own)
+    _check(twin, x.reshape(6, 256), tensor, None)
+
+
+def test_bad_inputs_are_refused() -> None:
+    weight = qk.prepare(random_quant_tensor(QUANT_TYPES["Q8_0"], 4, 64, seed=0))
+    with pytest.raises(ValueError, match="64"):
+        qk.linear(torch.randn(2, 32), weight)
+    with pytest.raises(TypeError, match="float16"):
+        qk.linear(torch.randn(2, 64).half(), weight)
