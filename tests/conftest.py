@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -20,6 +21,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The suite runs the C linear kernel wherever it serves the dtype, also on AMX CPUs, whose bf16 default is
 # oneDNN (gemm_cpu.prefers_onednn; tests/layers/test_linear_packing.py tests that choice itself).
 os.environ.setdefault("LORASERVE_CPU_GEMM_KERNEL", "1")
+# Without CUDA, Triton's kernels run under its interpreter (tests/support/triton_lora.py, the Triton
+# op tests): `@triton.jit` reads the variable when a kernel is defined, and PEFT imports Triton, so it
+# is set here, before any test module loads.
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _rss_mb() -> int:

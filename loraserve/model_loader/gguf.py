@@ -31,7 +31,7 @@ from loraserve.model_loader.staging import publish, stage
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
-CONVERTER_VERSION = "2"  # 2: Phi-3 LongRoPE read from the file
+CONVERTER_VERSION = "3"  # 2: Phi-3 LongRoPE read from the file; 3: Qwen MoE expert widths
 _COMPLETE = "COMPLETE.json"
 _HASH_CHUNK = 16 << 20
 
@@ -77,6 +77,16 @@ class GGUFSummary:
     tensor_types: tuple[str, ...]
 
 
+# llama.cpp's names for architectures transformers' reader lists under its own model type (it renames
+# them the same way when it loads the file).
+_HF_ARCH_NAMES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+}
+
+
 def inspect_gguf(path: str) -> GGUFSummary:
     """Read the header and refuse, by name, an architecture or a tensor type that cannot be converted."""
     from gguf import GGUFReader, dequantize
@@ -90,13 +100,21 @@ def inspect_gguf(path: str) -> GGUFSummary:
     if field is None:
         raise GGUFError(f"GGUF file {os.path.basename(path)} has no general.architecture field.")
     arch = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    if _HF_ARCH_NAMES.get(arch, arch) not in GGUF_SUPPORTED_ARCHITECTURES:
         known = ", ".join(
             name for name in GGUF_SUPPORTED_ARCHITECTURES if name not in ("general", "tokenizer")
         )
         raise GGUFError(
             f"GGUF file {os.path.basename(path)} has architecture {arch!r}, which cannot be converted "
             f"(GGUF architectures that load: {known})."
+        )
+    experts = reader.fields.get(f"{arch}.expert_count")
+    if arch in ("llama", "mistral") and experts is not None and int(experts.parts[experts.data[0]][0]) > 0:
+        # transformers reads a llama-architecture file as a dense Llama: a Mixtral file's experts
+        # (`ffn_*_exps`) have nowhere to go.
+        raise GGUFError(
+            f"GGUF file {os.path.basename(path)} has architecture {arch!r} with experts (Mixtral-style), which "
+            "transformers' GGUF reader cannot convert; serve the model's HF checkpoint instead."
         )
     checked: dict[str, None] = {}
     for tensor in reader.tensors:
@@ -173,6 +191,7 @@ def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: s
     else:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         _add_longrope(config, path)
+        _add_moe_widths(config, path)
     config.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     with torch.device("meta"):  # only the parameter names, to map GGUF names onto HF ones
@@ -228,6 +247,31 @@ def _add_longrope(config: Any, path: str) -> None:
         params["attention_factor"] = float(attn.parts[attn.data[0]][0])
     config.original_max_position_embeddings = params["original_max_position_embeddings"]
     config.rope_parameters = params
+
+
+# llama.cpp's MoE metadata transformers' reader drops (it leaves the config's defaults, the widths of
+# Qwen1.5-MoE-A2.7B / Qwen3-30B-A3B), under `{arch}.` -> the HF config attribute.
+_MOE_FIELDS = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",
+}
+
+
+def _add_moe_widths(config: Any, path: str) -> None:
+    """Set the expert widths (and top-k renormalisation) a Qwen2-MoE / Qwen3-MoE file states."""
+    if getattr(config, "model_type", None) not in ("qwen2_moe", "qwen3_moe"):
+        return
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch_field = reader.fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode("utf-8", errors="replace")
+    for key, attribute in _MOE_FIELDS.items():
+        field = reader.fields.get(f"{arch}.{key}")
+        if field is not None:
+            value = field.parts[field.data[0]][0]
+            setattr(config, attribute, bool(value) if attribute == "norm_topk_prob" else int(value))
 
 
 def _missing_weights(skeleton: Any, tensors: dict[str, Any], config: Any) -> list[str]:

@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 import transformers
 from support.fused_adapters import split_to_fused
+from support.triton_lora import check_mixed_batch_through_triton, needs_triton
 
 from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter, save_random_model
@@ -357,3 +358,15 @@ def test_architecture_with_no_lora_capable_module_is_refused_at_startup_in_one_l
     ):
         LLM(path, dtype="float32", enable_lora=True)
     LLM(path, dtype="float32")  # without LoRA it serves
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["phi3", "granite", "gpt_neox"])
+def test_mixed_batch_matches_peft_through_triton(
+    built: Any, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend's targeted linears (Phi-3's fused slices, Granite's multipliers, GPT-NeoX's fused
+    query_key_value) through the Triton kernels under the interpreter, float32, against PEFT."""
+    path, adapters = built(arch)
+    impl = "transformers" if arch == "phi3" else "auto"
+    check_mixed_batch_through_triton(monkeypatch, path, adapters, _prompts(1, seed=5)[0], model_impl=impl)

@@ -15,11 +15,13 @@ import pytest
 import torch
 from support.gguf_files import (
     byte_vocab_size,
+    write_moe_gguf_from_hf,
     write_phi3_gguf_from_hf,
     write_tiny_family_gguf,
     write_tiny_llama_gguf,
 )
 from support.parity import hf_greedy, random_prompts
+from support.tiny_moe import moe_config
 from support.tiny_phi3 import ORIGINAL, phi3_config
 
 from loraserve import LLM, SamplingParams
@@ -115,6 +117,40 @@ def test_phi3_file_with_longrope_serves_what_the_hf_model_computes(tmp_path: Any
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
 
 
+@pytest.mark.parametrize(
+    ("arch", "native"), [("qwen2_moe", "Qwen2MoeForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")]
+)
+def test_moe_file_serves_natively_what_the_hf_model_computes(
+    tmp_path: Any, cache_root: str, arch: str, native: str
+) -> None:
+    """A Qwen2-MoE (shared expert and its gate, a dense layer) / Qwen3-MoE (head_dim != hidden / heads,
+    q/k norms) GGUF file with stacked `ffn_*_exps` experts: converted through the same cache, served by
+    the native class, greedy tokens equal to the HF model's it was written from and to its folder's."""
+    from transformers import AutoModelForCausalLM
+
+    config = moe_config(arch, byte_vocab_size())
+    config.mlp_only_layers = []  # llama.cpp's qwen2moe has no dense layers
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # decisive routers, as trained ones are (see tests/support/tiny_moe.py)
+        for name, param in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(4.0)
+    path = write_moe_gguf_from_hf(str(tmp_path / f"{arch}.gguf"), hf)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=64)
+    assert type(llm.engine.model).__name__ == native
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts((5, 17), byte_vocab_size(), seed=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        want = hf_greedy(hf, prompt, 6)
+        assert len(set(want)) > 1  # the tiny model does not just repeat a token
+        assert list(out.outputs[0].token_ids) == want
+    folder = gguf_folder(path, torch.float32)  # the cached conversion, as an HF folder transformers loads
+    converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert hf_greedy(converted, prompts[1], 6) == hf_greedy(hf, prompts[1], 6)
+
+
 def test_conversion_is_cached_by_content(tmp_path: Any, cache_root: str) -> None:
     first = write_tiny_llama_gguf(str(tmp_path / "a.gguf"), seed=0)
     folder = gguf_folder(first, torch.float32)
@@ -175,6 +211,13 @@ def test_unloadable_files_are_refused_by_name(tmp_path: Any, cache_root: str) ->
     arch = write_tiny_llama_gguf(str(tmp_path / "arch.gguf"), arch="mamba3000")
     with pytest.raises(GGUFError, match="architecture 'mamba3000'"):
         LLM(arch)
+    # MoE families transformers' reader does not convert: OLMoE, and Mixtral (llama with experts).
+    olmoe = write_tiny_llama_gguf(str(tmp_path / "olmoe.gguf"), arch="olmoe")
+    with pytest.raises(GGUFError, match="olmoe.gguf has architecture 'olmoe', which cannot be converted"):
+        LLM(olmoe)
+    mixtral = write_tiny_llama_gguf(str(tmp_path / "mixtral.gguf"), expert_count=8)
+    with pytest.raises(GGUFError, match="mixtral.gguf has architecture 'llama' with experts"):
+        LLM(mixtral)
     quant = write_tiny_llama_gguf(str(tmp_path / "quant.gguf"), raw_types={"blk.1.ffn_down.weight": "Q8_K"})
     with pytest.raises(GGUFError, match="'blk.1.ffn_down.weight' uses quantization type Q8_K"):
         LLM(quant)

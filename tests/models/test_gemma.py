@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from support.tiny_gemma import GEMMA_ARCHS, gemma_config, save_tiny_gemma
+from support.triton_lora import check_mixed_batch_through_triton, needs_triton
 from transformers import AutoTokenizer
 
 from loraserve import LLM, SamplingParams
@@ -291,3 +292,18 @@ def test_mixed_batch_matches_peft(
         if name is not None:  # each adapter moves its logprobs far beyond any bound above
             moved = (reference_of(prompts[i]) - _peft_logprobs(peft, None, prompts[i])).abs().max().item()
             assert moved > 1.0, f"adapter {name} hardly changes the model: {moved:.3f}"
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", GEMMA_ARCHS)
+def test_mixed_batch_matches_peft_through_triton(
+    arch: str,
+    gemma_models: dict[str, tuple[str, Any]],
+    gemma_adapters: dict[str, dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The mixed batch through the Triton kernels under the interpreter (float32; a prompt past the
+    sliding window), against PEFT."""
+    path, hf = gemma_models[arch]
+    prompt = _prompts(hf.config.vocab_size, seed=1)[-1][:9]
+    check_mixed_batch_through_triton(monkeypatch, path, gemma_adapters[arch], prompt)

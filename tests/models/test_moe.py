@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from support.tiny_moe import MOE_ARCHS, moe_config, save_fused_layout, save_tiny_moe
+from support.triton_lora import check_mixed_batch_through_triton, needs_triton
 from test_gemma import BF16_FACTOR, BF16_FLOOR, _check_exact, _logprobs, _params, _prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -514,7 +515,10 @@ def test_scaled_and_mixed_expert_adapters_match_peft(
     cases = [(lora, i) for lora in (None, a, scaled, mix) for i in range(len(prompts))]
     llm = LLM(path, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16)
     outputs = llm.generate(
-        [{"prompt_token_ids": prompts[i]} for _, i in cases], _params(), [lora for lora, _ in cases], use_tqdm=False
+        [{"prompt_token_ids": prompts[i]} for _, i in cases],
+        _params(),
+        [lora for lora, _ in cases],
+        use_tqdm=False,
     )
     references = [
         _peft_reference(path, None),
@@ -527,3 +531,18 @@ def test_scaled_and_mixed_expert_adapters_match_peft(
         _check_exact(out, prompts[i], _greedy(peft, prompts[i]), _logprobs(peft, prompts[i]))
     plain, half = (_logprobs(references[k], prompts[0]) for k in (1, 2))
     assert (plain - half).abs().max().item() > 0.1  # the scale changes the expert-adapted model
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_mixed_batch_matches_peft_through_triton(
+    arch: str,
+    moe_models: dict[str, tuple[str, Any]],
+    moe_adapters: dict[str, dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The mixed batch with the attention (and dense MLP) LoRA terms through the Triton kernels under
+    the interpreter, float32 (expert terms run the torch ops by design), against PEFT."""
+    path, hf = moe_models[arch]
+    prompt = _prompts(hf.config.vocab_size, seed=1)[-1][:9]
+    check_mixed_batch_through_triton(monkeypatch, path, moe_adapters[arch], prompt)

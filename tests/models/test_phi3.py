@@ -30,6 +30,7 @@ from support.parity import (
     random_prompts,
 )
 from support.tiny_phi3 import ORIGINAL, PHI3_ARCHS, phi3_config, respell_as_su, save_tiny_phi3
+from support.triton_lora import check_mixed_batch_through_triton, needs_triton
 from transformers import AutoTokenizer
 
 from loraserve import LLM, SamplingParams
@@ -321,3 +322,17 @@ def test_a_long_prompt_prefilled_in_chunks_stays_on_the_long_factors(
     prompt = random_prompts((30,), hf.config.vocab_size, seed=2)[0]
     out = _generate(llm, [prompt])[0]
     check_exact(out, prompt, hf_greedy(hf, prompt, NUM_NEW), hf_logprobs(hf, prompt))
+
+
+@needs_triton
+def test_mixed_batch_matches_peft_through_triton(
+    phi3_models: dict[str, tuple[str, Any]],
+    phi3_adapters: dict[str, tuple[dict[str, str], dict[str, str]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fused and split adapters in one batch through the Triton kernels under the interpreter (float32,
+    Phi-3.5's LongRoPE, the prompt past the window), against PEFT on the fused equivalents."""
+    path, hf = phi3_models["phi3.5"]
+    served, scored = phi3_adapters["phi3.5"]
+    prompt = random_prompts((12,), hf.config.vocab_size, seed=3)[0]
+    check_mixed_batch_through_triton(monkeypatch, path, served, prompt, scored=scored)

@@ -41,10 +41,12 @@ def write_tiny_llama_gguf(
     weight_std: float = 0.02,
     hidden: int = HIDDEN,
     ffn: int = FFN,
+    expert_count: int = 0,
 ) -> str:
     """A 2-layer Llama GGUF at `path` (random weights from `seed`); `raw_types` forces tensor types
     (the K-quants, which gguf cannot quantize, as random blocks of about `weight_std`); K-quants need
-    `hidden` and `ffn` multiples of 256."""
+    `hidden` and `ffn` multiples of 256; `expert_count` states experts in the header (as a Mixtral file
+    does; the tensors stay dense)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -58,6 +60,9 @@ def write_tiny_llama_gguf(
     writer.add_head_count_kv(NUM_KV_HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
+    if expert_count:
+        writer.add_expert_count(expert_count)
+        writer.add_expert_used_count(2)
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -311,3 +316,88 @@ def write_phi3_gguf_from_hf(path: str, model: Any) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_moe_gguf_from_hf(path: str, model: Any) -> str:
+    """An HF Qwen2-MoE / Qwen3-MoE model (vocab of `byte_vocab_size()`) as llama.cpp writes it: stacked
+    `ffn_{gate,up,down}_exps` [E, ...], the router as `ffn_gate_inp`, Qwen2-MoE's shared expert as
+    `ffn_*_shexp` and its gate as `ffn_gate_inp_shexp`, Qwen3's q/k norms."""
+    import gguf
+
+    cfg = model.config
+    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg.model_type]
+    tokens, merges = _vocab()
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    )
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    for layer in range(cfg.num_hidden_layers):
+        for hf_name, gguf_name in _moe_layer_names(state, f"model.layers.{layer}.").items():
+            value = state[hf_name]
+            if gguf_name == "ffn_gate_up_exps":  # transformers holds gate and up stacked: [E, 2I, H]
+                half = value.shape[1] // 2
+                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(value[:, :half]))
+                writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(value[:, half:]))
+                continue
+            if gguf_name == "ffn_gate_inp_shexp":  # llama.cpp keeps the shared expert's gate as [hidden]
+                value = value.reshape(-1)
+            kind = "bias" if hf_name.endswith(".bias") else "weight"
+            writer.add_tensor(f"blk.{layer}.{gguf_name}.{kind}", value)
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _moe_layer_names(state: dict[str, Any], prefix: str) -> dict[str, str]:
+    names = {
+        "input_layernorm.weight": "attn_norm",
+        "self_attn.q_proj.weight": "attn_q",
+        "self_attn.k_proj.weight": "attn_k",
+        "self_attn.v_proj.weight": "attn_v",
+        "self_attn.q_proj.bias": "attn_q",
+        "self_attn.k_proj.bias": "attn_k",
+        "self_attn.v_proj.bias": "attn_v",
+        "self_attn.o_proj.weight": "attn_output",
+        "self_attn.q_norm.weight": "attn_q_norm",
+        "self_attn.k_norm.weight": "attn_k_norm",
+        "post_attention_layernorm.weight": "ffn_norm",
+        "mlp.gate.weight": "ffn_gate_inp",
+        "mlp.experts.gate_up_proj": "ffn_gate_up_exps",
+        "mlp.experts.down_proj": "ffn_down_exps",
+        "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj.weight": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj.weight": "ffn_down_shexp",
+        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp",
+        "mlp.gate_proj.weight": "ffn_gate",  # a dense layer (Qwen2-MoE's mlp_only_layers)
+        "mlp.up_proj.weight": "ffn_up",
+        "mlp.down_proj.weight": "ffn_down",
+    }
+    return {prefix + suffix: name for suffix, name in names.items() if prefix + suffix in state}
