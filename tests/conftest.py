@@ -132,6 +132,13 @@ def _tiny_config(arch: str, vocab_size: int) -> Any:
 
 
 @pytest.fixture(scope="session")
+def smollm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One LORASERVE_CACHE_ROOT for the SmolLM2 test modules: each converts the GGUF once per (dtype,
+    quantized) key and the others reuse it (a conversion is tens of seconds)."""
+    return str(tmp_path_factory.mktemp("smollm-cache"))
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from loraserve.demo.random_model import build_tokenizer
 

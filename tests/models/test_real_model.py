@@ -49,9 +49,9 @@ ADAPTERS = {
 
 
 @pytest.fixture(scope="module")
-def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def cache_root(smollm_cache_root: str) -> Any:
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
         yield
 
 

@@ -29,13 +29,13 @@ NUM_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def setup(tmp_path_factory: pytest.TempPathFactory, smollm_cache_root: str) -> Any:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert GGUF_PATH is not None
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
         folder, name = os.path.dirname(GGUF_PATH), os.path.basename(GGUF_PATH)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()

@@ -8,8 +8,6 @@ within MEAN_TOL on average.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from loraserve import LLM, SamplingParams
@@ -39,9 +37,11 @@ def _greedy(llm: LLM) -> list[tuple[list[int], list[int], list[float]]]:
     return runs
 
 
-def test_quantized_bf16_greedy_equals_dequantized(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantized_bf16_greedy_equals_dequantized(
+    smollm_cache_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert GGUF_PATH is not None
-    monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
     monkeypatch.delenv("LORASERVE_GGUF_DEQUANTIZE", raising=False)
     quantized = LLM(GGUF_PATH, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     kept = [

@@ -40,15 +40,17 @@ SCHEMAS = {"get_weather": WEATHER, "web_search": SEARCH}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
+def server(smollm_cache_root: str) -> Iterator[RunningServer]:
     from loraserve.engine.arg_utils import EngineArgs
     from loraserve.engine.async_engine import AsyncLLMEngine
 
-    engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(model=GGUF_PATH, max_model_len=1024, kv_cache_memory_bytes=64 << 20)
-    )
-    with RunningServer(engine, ServerOptions(served_model_names=[SERVED_MODEL_NAME])) as running:
-        yield running
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
+        engine = AsyncLLMEngine.from_engine_args(
+            EngineArgs(model=GGUF_PATH, max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+        )
+        with RunningServer(engine, ServerOptions(served_model_names=[SERVED_MODEL_NAME])) as running:
+            yield running
 
 
 def _calls(
