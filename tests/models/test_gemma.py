@@ -9,11 +9,14 @@ slots than adapters, through the C LoRA kernel and the torch ops, in both dtypes
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import pytest
 import torch
+from support.parity import check_bf16 as _check_bf16
+from support.parity import check_exact as _check_exact
+from support.parity import greedy_params, random_prompts
+from support.parity import hf_logprobs as _logprobs
 from support.tiny_gemma import GEMMA_ARCHS, gemma_config, save_tiny_gemma
 from support.triton_lora import check_mixed_batch_through_triton, needs_triton
 from transformers import AutoTokenizer
@@ -27,12 +30,6 @@ from loraserve.models.gemma import FULL, SLIDING
 
 NUM_NEW = 8
 PROMPT_LENGTHS = (3, 17, 30)  # the longer prompts reach past the 6-token window
-# bf16 keeps 8 significant bits, and these random models (large weights, 2 to 7 layers) amplify it:
-# transformers' own bf16 logprobs land up to ~0.12 from its float32 ones. Ours round elsewhere (fused
-# kernels, float32 sums), so the two errors are independent: ours must stay within BF16_FACTOR times
-# transformers' bf16 error on the same tokens (at least BF16_FLOOR), while the adapters move the
-# logprobs by far more (checked below).
-BF16_FLOOR, BF16_FACTOR = 0.05, 3.0
 ADAPTERS: dict[str, dict[str, Any]] = {
     "all7_r8": dict(
         r=8,
@@ -71,13 +68,7 @@ def gemma_adapters(
 
 
 def _prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def _logprobs(model: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return random_prompts(PROMPT_LENGTHS, vocab_size, seed)
 
 
 def _greedy(model: Any, prompt: list[int]) -> list[int]:
@@ -93,36 +84,7 @@ def _greedy(model: Any, prompt: list[int]) -> list[int]:
 
 
 def _params() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0, logprobs=0)
-
-
-def _check_exact(out: Any, prompt: list[int], tokens: list[int], reference: torch.Tensor) -> None:
-    """float32: the same greedy tokens and every prompt logprob within 1e-4."""
-    assert out.outputs[0].token_ids == tokens
-    for pos in range(1, len(prompt)):
-        assert math.isclose(
-            out.prompt_logprobs[pos][prompt[pos]].logprob,
-            reference[pos - 1, prompt[pos]].item(),
-            abs_tol=1e-4,
-        )
-
-
-def _check_bf16(out: Any, prompt: list[int], reference_of: Any, bf16_of: Any, what: str) -> None:
-    """One bf16 output against the float32 reference scoring the same tokens: every logprob, and the
-    gap of every generated token to the reference's greedy choice, within BF16_FACTOR times the reference
-    model's own bf16 error on those tokens (near-ties may break either way in bf16, so greedy sequences are
-    not compared exactly)."""
-    completion = out.outputs[0]
-    ids = prompt + list(completion.token_ids)
-    ours = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(prompt))]
-    ours += [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-    rows, nxt = torch.arange(len(ids) - 1), torch.tensor(ids[1:])
-    reference = reference_of(ids)[:-1]
-    theirs = reference[rows, nxt]
-    tol = max(BF16_FLOOR, BF16_FACTOR * (bf16_of(ids)[:-1][rows, nxt] - theirs).abs().max().item())
-    errors = (torch.tensor(ours, dtype=torch.float32) - theirs).abs().max().item()
-    gaps = (reference[len(prompt) - 1 :].max(-1).values - theirs[len(prompt) - 1 :]).max().item()
-    assert errors <= tol and gaps <= tol, f"{what}: error {errors:.4f}, gap {gaps:.4f}, bound {tol:.4f}"
+    return greedy_params(NUM_NEW)
 
 
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from support.parity import BF16_FACTOR, BF16_FLOOR
 from support.tiny_moe import MOE_ARCHS, moe_config, save_fused_layout, save_tiny_moe
 from support.triton_lora import check_mixed_batch_through_triton, needs_triton
-from test_gemma import BF16_FACTOR, BF16_FLOOR, _check_exact, _logprobs, _params, _prompts
+from test_gemma import _check_exact, _logprobs, _params, _prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraserve import LLM
