@@ -61,8 +61,9 @@ def build_smollm2_demo(gguf_path: str, show_progress: bool = True) -> SmolLMDemo
     demo = SmolLMDemo(gguf_path, {name: os.path.join(root, name) for name in DEMO_ADAPTER_JOBS})
     if os.path.isfile(os.path.join(root, _COMPLETE)):
         return demo
-    # Train on the weights the server will serve: the GGUF dequantized into the default dtype.
-    model_dir = gguf_folder(gguf_path, resolve_dtype("auto", torch.device("cpu")))
+    # Train on the GGUF dequantized into the default dtype (transformers trains dense weights; the
+    # server then serves the adapters on the file's quantized linears, as QLoRA adapters are served).
+    model_dir = gguf_folder(gguf_path, resolve_dtype("auto", torch.device("cpu")), keep_quantized=False)
     staging = stage(os.path.dirname(root), ".train-")
     try:
         examples = {name: training_examples(name) for name in DEMO_ADAPTER_JOBS}

@@ -132,11 +132,19 @@ def inspect_gguf(path: str) -> GGUFSummary:
     return GGUFSummary(arch, tuple(checked))
 
 
-def gguf_folder(path: str, dtype: torch.dtype, hf_config_path: str | None = None) -> str:
-    """The cached HF-format folder for GGUF file `path` in `dtype`, converting it on first use."""
+def gguf_folder(
+    path: str, dtype: torch.dtype, hf_config_path: str | None = None, keep_quantized: bool | None = None
+) -> str:
+    """The cached HF-format folder for GGUF file `path` in `dtype`, converting it on first use.
+    `keep_quantized`: None keeps quantized linears where loraserve serves them (unless
+    LORASERVE_GGUF_DEQUANTIZE=1); False always dequantizes (a folder transformers itself can load)."""
     summary = inspect_gguf(path)
     digest = file_digest(path)
-    keep = not envs.gguf_dequantize() and gguf_quantized.keeps_quantized(summary.architecture, summary.tensor_types)
+    keep = (
+        keep_quantized is not False
+        and not envs.gguf_dequantize()
+        and gguf_quantized.keeps_quantized(summary.architecture, summary.tensor_types)
+    )
     key = _cache_key(digest, dtype, hf_config_path, keep)
     folder = os.path.join(envs.cache_root(), "gguf", key)
     if os.path.isfile(os.path.join(folder, _COMPLETE)):

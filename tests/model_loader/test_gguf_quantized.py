@@ -104,6 +104,20 @@ def test_cache_entries_and_the_dequantize_switch(
     assert size < 0.6 * os.path.getsize(os.path.join(dense, "model.safetensors"))
 
 
+def test_a_dense_folder_on_request_is_one_transformers_loads(
+    tiny: str, cache_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """keep_quantized=False (the demo trains its adapters on it) gives the dense folder whatever the
+    default, and transformers loads it (a quantized folder's uint8 blocks it would refuse)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.delenv("LORASERVE_GGUF_DEQUANTIZE", raising=False)
+    dense = gguf_folder(tiny, torch.float32, keep_quantized=False)
+    assert dense != gguf_folder(tiny, torch.float32)
+    assert not os.path.isfile(os.path.join(dense, QUANT_INDEX))
+    AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+
+
 def _peft_errors(peft_model: Any, tokenizer: Any, jobs: list[Any], outputs: list[Any]) -> torch.Tensor:
     """|our logprob - PEFT's| of every generated token (teacher forcing, PEFT in float32)."""
     errors = []
