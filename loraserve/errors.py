@@ -15,6 +15,11 @@ class LoRAAdapterGoneError(LoRAAdapterNotFoundError):
     """A registered adapter must be read again but its folder is gone from disk (HTTP 404)."""
 
 
+class LoRAAdapterVersionError(LoRAAdapterNotFoundError):
+    """A request names a content version (a digest prefix) that the adapter it names does not hold
+    (HTTP 404): it is never served other weights instead."""
+
+
 class LoRAAdapterBaseMismatchError(LoRAAdapterError):
     """A resolver found an adapter, but its adapter_config.json names another base model than the one
     it was asked for (HTTP 400, unless the server also answers to that name: `adapter_base` is the

@@ -295,6 +295,14 @@ class AsyncLLMEngine:
     async def list_loras(self) -> list[LoRARequest]:
         return list(await self._call(lambda engine: engine.list_loras()))
 
+    async def lora_digest(self, lora_id: int) -> str:
+        """The content digest of a registered adapter (hashed off the event loop)."""
+        return await asyncio.to_thread(self.engine.lora_digest, lora_id)
+
+    def lora_version_residency(self) -> dict[str, str]:
+        """Version keys ("name@<12 digest digits>") -> "slot" / "host" (`LLMEngine.lora_version_residency`)."""
+        return self.engine.lora_version_residency()
+
     def lora_residency(self) -> dict[str, str]:
         """Adapter name -> "slot" (in a compute slot) or "host" (in memory only), for routing."""
         return self.engine.lora_residency()

@@ -30,7 +30,7 @@ from loraserve.engine.scheduler import SampledToken, ScheduledSeq, Scheduler
 from loraserve.engine.sequence import BeamGroup, CacheSalt, Request, RequestSalt, ScaledSalt, Sequence
 from loraserve.engine.step_failures import StepFailures, request_error
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
-from loraserve.errors import LoRAAdapterError
+from loraserve.errors import LoRAAdapterError, LoRAAdapterVersionError
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
 from loraserve.structured_output.manager import MaskJob, StructuredOutputs
@@ -152,8 +152,11 @@ class LLMEngine:
                 )
             scale = lora_request.scale  # the request's, never the registered adapter's
             # replaced in place meanwhile: the new one
-            lora_request = self.lora.successor(replace(lora_request, scale=1.0))
+            version = lora_request.version  # checked against what is registered, never registered
+            lora_request = self.lora.successor(replace(lora_request, scale=1.0, version=None))
             salt = self.lora.register(lora_request)
+            if version is not None:
+                check_lora_version(lora_request, version, salt.result())
             if scale != 1.0:
                 if self.lora.uses_dora(lora_request.lora_id):
                     raise LoRAAdapterError(
@@ -388,7 +391,7 @@ class LLMEngine:
         """Load, validate and register an adapter; False if its id is registered already, unless
         `lora_request.load_inplace`: then its weights are read again (no request may be using it).
         A scale is a request's, not the adapter's: it is not kept."""
-        lora_request = replace(lora_request, scale=1.0)
+        lora_request = replace(lora_request, scale=1.0, version=None)
         manager = self._lora_manager()
         if manager.is_registered(lora_request.lora_id):
             if not lora_request.load_inplace:
@@ -436,6 +439,16 @@ class LLMEngine:
     def list_loras(self) -> list[LoRARequest]:
         return self.lora.list_requests() if self.lora is not None else []
 
+    def lora_digest(self, lora_id: int) -> str:
+        """The content digest of a registered adapter (waits while it hashes; any thread); what
+        `LoRARequest.version` prefixes. LoRAAdapterNotFoundError when it is not registered."""
+        return self._lora_manager().digest(lora_id)
+
+    def lora_version_residency(self) -> dict[str, str]:
+        """Version keys ("name@<12 digest digits>") -> "slot" or "host", every registered adapter in memory (any
+        thread): what a replica reports to the router, which routes by version."""
+        return self.lora.resident_versions() if self.lora is not None else {}
+
     def lora_residency(self) -> dict[str, str]:
         """Adapter name -> its highest residency level, "slot" or "host", for every adapter in memory
         (any thread; what a replica reports to the adapter-affinity router)."""
@@ -454,3 +467,13 @@ def _stop_dead_ends(sampled: list[SampledToken], masks: MaskJob | None) -> list[
         replace(t, finish_reason="stop", stop_reason=None) if t.seq.seq_id in masks.dead_ends else t
         for t in sampled
     ]
+
+
+def check_lora_version(lora_request: LoRARequest, version: str, digest: str) -> None:
+    """LoRAAdapterVersionError unless the adapter registered under the request's id holds content
+    `version` (a digest prefix) names: a request pinned to a version never runs on other weights."""
+    if not digest.startswith(version):
+        raise LoRAAdapterVersionError(
+            f"The model `{lora_request.lora_name}@{version}` does not exist: LoRA adapter "
+            f"'{lora_request.lora_name}' (id {lora_request.lora_id}) holds version {digest[:12]}."
+        )

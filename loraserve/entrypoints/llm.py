@@ -161,6 +161,12 @@ class LLM:
     def pin_lora(self, lora_id: int) -> bool:
         return self.engine.pin_lora(lora_id)
 
+    def lora_digest(self, lora_request: LoRARequest) -> str:
+        """The content digest of an adapter (registering it first if needed): a `LoRARequest` with
+        `version=` a prefix of it (8+ hex digits) runs only on that content."""
+        self.engine.add_lora(lora_request)
+        return self.engine.lora_digest(lora_request.lora_id)
+
     def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()
 

@@ -46,7 +46,7 @@ from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.mix import MIX_LABEL, mix_adapters
 from loraserve.lora.registry import AdapterRegistry
-from loraserve.lora.request import MIX_PATH_PREFIX, LoRARequest
+from loraserve.lora.request import MIX_PATH_PREFIX, LoRARequest, version_key
 from loraserve.lora.single_flight import SingleFlight
 from loraserve.lora.slot_table import SlotTable
 from loraserve.lora.targets import LoRATargets
@@ -129,6 +129,15 @@ class LoRAManager:
         """Registered adapters, less those being removed."""
         with self._lock:
             return self._registry.listed()
+
+    def digest(self, lora_id: int) -> str:
+        """The content digest of a registered adapter (the prefix-cache salt; waits while it is still
+        hashing); LoRAAdapterNotFoundError when it is not registered. Any thread."""
+        with self._lock:
+            pending = self._registry.digests.get(lora_id)
+        if pending is None:
+            raise LoRAAdapterNotFoundError(f"LoRA id {lora_id} is not registered.")
+        return pending.result()
 
     def successor(self, lora_request: LoRARequest) -> LoRARequest:
         """The adapter serving `lora_request` now: itself, or what replaced it in place (any thread)."""
@@ -458,6 +467,21 @@ class LoRAManager:
                 if self._slots.slot_of(lora_id) is not None:
                     slot.add(name)
             return {"slot": sorted(slot), "host": sorted(host)}
+
+    def resident_versions(self) -> dict[str, str]:
+        """Registered adapters held in memory, by `LoRARequest.version_key` of their digest ("name@<12
+        digits>") -> "slot" or "host": what a replica tells the router, so that two versions of one
+        name are never taken for each other. Digests still hashing are left out. Any thread."""
+        with self._lock:
+            levels: dict[str, str] = {}
+            for lora_id in self._host.ids():
+                lora_request = self._registry.requests.get(lora_id)
+                pending = self._registry.digests.get(lora_id)
+                if lora_request is None or pending is None or lora_request.is_mix or not pending.done():
+                    continue
+                key = version_key(lora_request.lora_name, pending.result())
+                levels[key] = "slot" if self._slots.slot_of(lora_id) is not None else "host"
+            return levels
 
     def stats(self) -> dict[str, int | float | list[float]]:
         """Counters and occupancy, keys prefixed `lora_`; `lora_load_seconds` lists the disk load

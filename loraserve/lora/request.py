@@ -16,6 +16,31 @@ MIX_PATH_PREFIX = "mix:"  # the lora_path of a mix (`LoRARequest.mixed`)
 # ("negation"); past 4 the adapter's term leaves the range its load-time checks bounded.
 MAX_LORA_SCALE = 4.0
 
+# A content version is named by a prefix of its digest (`lora.digest`, sha256 hex): at least this many
+# hex digits, so that a typo does not address another version by chance.
+MIN_VERSION_DIGITS = 8
+VERSION_KEY_DIGITS = 12  # the digest digits in `LoRARequest.version_key` and in listed version names
+_HEX = frozenset("0123456789abcdef")
+
+
+def check_version(version: object, name: str = "version") -> str:
+    """`version` lower-cased, or ValueError naming `name`: 8 to 64 hex digits (a digest prefix)."""
+    if (
+        not isinstance(version, str)
+        or not MIN_VERSION_DIGITS <= len(version) <= 64
+        or not set(version.lower()) <= _HEX
+    ):
+        raise ValueError(
+            f"{name} must be a prefix of the adapter's content digest: {MIN_VERSION_DIGITS} to 64 hex "
+            f"digits, got {ascii(version)[:80]}"
+        )
+    return version.lower()
+
+
+def version_key(name: str, digest: str) -> str:
+    """The version key "name@<12 digest digits>": one content version, as versions are listed and routed."""
+    return f"{name}@{digest[:VERSION_KEY_DIGITS]}"
+
 
 def check_lora_scale(scale: object, name: str = "lora_scale") -> float:
     """`scale` as a float, or ValueError naming `name`: a finite number within +-MAX_LORA_SCALE."""
@@ -45,6 +70,9 @@ class LoRARequest:
     its slot and batch together, and their prefix-cache entries are kept apart by scale.
     `mix` makes this a mix of other adapters, (component, weight) pairs (`LoRARequest.mixed` builds
     one): served as one virtual adapter of their concatenated ranks (`lora.mix`) under this id.
+    `version`, a prefix of the content digest (`check_version`), pins the request to that content:
+    the engine refuses it (`LoRAAdapterVersionError`, 404) when the adapter registered under this id
+    holds other content (the server sets the full digest of the version a name resolved to).
     """
 
     lora_name: str
@@ -54,6 +82,7 @@ class LoRARequest:
     load_inplace: bool = field(default=False, compare=False)
     scale: float = field(default=1.0, compare=False)
     mix: tuple[tuple[LoRARequest, float], ...] = field(default=(), compare=False)
+    version: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -73,6 +102,8 @@ class LoRARequest:
         object.__setattr__(self, "scale", check_lora_scale(self.scale, "scale"))
         if self.mix:
             object.__setattr__(self, "mix", _checked_mix(self.mix))
+        if self.version is not None:
+            object.__setattr__(self, "version", check_version(self.version))
 
     @classmethod
     def mixed(cls, parts: Sequence[tuple[LoRARequest, float]], lora_int_id: int) -> LoRARequest:
@@ -90,6 +121,12 @@ class LoRARequest:
     @property
     def lora_id(self) -> int:
         return self.lora_int_id
+
+    @property
+    def version_key(self) -> str:
+        """The version key ("name@<12 digest digits>") for a pinned version, else the name: what routes by version
+        (the Ray router's model id, the replicas' residency reports)."""
+        return version_key(self.lora_name, self.version) if self.version else self.lora_name
 
 
 def _checked_mix(parts: tuple[tuple[LoRARequest, float], ...]) -> tuple[tuple[LoRARequest, float], ...]:

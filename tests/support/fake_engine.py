@@ -8,6 +8,7 @@ to end numbers come from the real engine (test_server_e2e.py).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import threading
@@ -72,6 +73,7 @@ class FakeEngine:
     model_config: FakeModelConfig = field(init=False)
     lora_config: LoRAConfig | None = field(init=False)
     loras: dict[int, LoRARequest] = field(default_factory=dict)
+    digests: dict[int, str] = field(default_factory=dict)  # lora id -> the digest of its folder's files
     add_lora_calls: list[str] = field(default_factory=list)
     running: dict[str, int] = field(default_factory=dict)  # request id -> lora id (0 = base)
     aborted: list[str] = field(default_factory=list)
@@ -266,8 +268,21 @@ class FakeEngine:
                 f"Adapter {lora_request.lora_name!r}: rank r={config['r']} exceeds max_lora_rank={self.max_lora_rank}."
             )
         self.loras[lora_request.lora_id] = lora_request
+        # The fake's content digest: the folder's files, as the real engine's covers config and weights.
+        digest = hashlib.sha256()
+        for entry in sorted(os.listdir(lora_request.lora_path)):
+            entry_path = os.path.join(lora_request.lora_path, entry)
+            if os.path.isfile(entry_path):
+                with open(entry_path, "rb") as f:
+                    digest.update(entry.encode() + b"\0" + f.read())
+        self.digests[lora_request.lora_id] = digest.hexdigest()
         self.load_latencies.append(0.002)
         return True
+
+    async def lora_digest(self, lora_id: int) -> str:
+        if lora_id not in self.loras:
+            raise LoRAAdapterNotFoundError(f"LoRA id {lora_id} is not registered.")
+        return self.digests[lora_id]
 
     async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
         await self.add_lora(lora_request)

@@ -10,12 +10,16 @@ Order of preference for a request of adapter X:
 A hot adapter spreads: once every replica holding it has `spread_queue_depth` of its requests in
 flight, the least loaded replica without it takes the next one (and holds it from then on), so one
 adapter never queues behind a single replica while others idle.
+"X" is one content version ("name@<12 digest digits>", `LoRARequest.version_key`): replicas report
+residency under those keys, so a replica that holds only the previous version of a name is no
+holder of the new one (`replica_load`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 SLOT = "slot"
 HOST = "host"
@@ -45,6 +49,28 @@ def known_residency(
     if sent_at is not None and sent_at >= report_time - grace_s:
         return SLOT
     return None
+
+
+def replica_load(
+    replica_id: str,
+    queue_len: int,
+    report: dict[str, Any] | None,
+    model_id: str,
+    sent_at: float | None = None,
+    num_adapter_in_flight: int = 0,
+    grace_s: float = 1.0,
+) -> ReplicaLoad:
+    """What the router knows of one replica for a request of `model_id` (a version key, "" for the
+    base model): the replica's last `report` (`EngineReplica.record_routing_stats`: "time" and
+    "residency" by version key), when the router last sent `model_id` there and how many of its
+    requests it has in flight there. Only the report's entry for this very key counts."""
+    if not model_id:
+        return ReplicaLoad(replica_id, queue_len)
+    report = report or {}
+    residency = known_residency(
+        (report.get("residency") or {}).get(model_id), float(report.get("time", 0.0)), sent_at, grace_s
+    )
+    return ReplicaLoad(replica_id, queue_len, num_adapter_in_flight, residency)
 
 
 def _holder_order(replica: ReplicaLoad) -> tuple[bool, int, str]:

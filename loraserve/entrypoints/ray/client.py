@@ -2,8 +2,12 @@
 
 The ingress keeps everything the single-process server does (validation, tokenization, chat
 templates, the adapter names and ids, resolvers, errors); only engine calls cross to a replica,
-routed by adapter (`router.py`) through the deployment handle, with the adapter name as the
-multiplexed model id.
+routed by adapter (`router.py`) through the deployment handle, with the adapter's version key
+(`LoRARequest.version_key`, "name@<12 digest digits>") as the multiplexed model id: the router ranks
+replicas by what they hold of that version, never of another version of the name. Every request
+carries the digest the ingress resolved (`LoRARequest.version`), so a replica whose copy of the
+adapter holds other content refuses it (404) rather than serve other weights. The digests the
+ingress knows are those its loads (on one replica) reported.
 
 Failures stay OpenAI-shaped: an error raised in a replica is re-raised here as itself (so it maps to
 the same status as in one process); a replica that dies fails its requests with
@@ -28,7 +32,7 @@ from loraserve.entrypoints.ray.deployment import ReplicaHello, ReplicaInfo
 from loraserve.entrypoints.ray.known_replicas import known_replica_ids
 from loraserve.entrypoints.ray.replica_header import note_replica
 from loraserve.entrypoints.ray.router import TARGET_PREFIX
-from loraserve.errors import EngineShutdownError, ReplicaUnavailableError
+from loraserve.errors import EngineShutdownError, LoRAAdapterNotFoundError, ReplicaUnavailableError
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -62,6 +66,7 @@ class ReplicaClient:
         self._closed = False
         self._streams: dict[str, Any] = {}  # request id -> its DeploymentResponseGenerator
         self._background: set[asyncio.Task[bool]] = set()
+        self._digests: dict[int, str] = {}  # lora id -> the content digest the loading replica reported
         self.stats_timeout_s = envs.replica_stats_timeout()
 
     @classmethod
@@ -90,7 +95,7 @@ class ReplicaClient:
         group_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        model_id = lora_request.lora_name if lora_request is not None else ""
+        model_id = lora_request.version_key if lora_request is not None else ""
         for attempt in range(2):
             self._check_open()
             handle = self._handle.options(stream=True, multiplexed_model_id=model_id)
@@ -152,18 +157,27 @@ class ReplicaClient:
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Validated (and loaded) on the replica that its requests will go to."""
         self._check_open()
-        handle = self._handle.options(multiplexed_model_id=lora_request.lora_name)
-        replica_id, added = await self._call(handle.add_lora.remote(lora_request))
+        handle = self._handle.options(multiplexed_model_id=lora_request.version_key)
+        replica_id, added, digest = await self._call(handle.add_lora.remote(lora_request))
         note_replica(replica_id)
+        self._digests[lora_request.lora_id] = digest
         return bool(added)
+
+    async def lora_digest(self, lora_id: int) -> str:
+        """The digest the replica that loaded `lora_id` reported (`add_lora`)."""
+        digest = self._digests.get(lora_id)
+        if digest is None:
+            raise LoRAAdapterNotFoundError(f"LoRA id {lora_id} was not loaded through this ingress.")
+        return digest
 
     async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
         """The adapter's replica swaps it in place; the others drop the old id once its requests end
         (in the background) and read the new one when a request first needs it."""
         self._check_open()
-        handle = self._handle.options(multiplexed_model_id=lora_request.lora_name)
-        replica_id, replaced = await self._call(handle.replace_lora.remote(old_lora_id, lora_request))
+        handle = self._handle.options(multiplexed_model_id=lora_request.version_key)
+        replica_id, replaced, digest = await self._call(handle.replace_lora.remote(old_lora_id, lora_request))
         note_replica(replica_id)
+        self._digests[lora_request.lora_id] = digest
         others = known_replica_ids() - {replica_id}
         task = asyncio.get_running_loop().create_task(self._remove_on(others, old_lora_id))
         self._background.add(task)  # referenced until done, or the loop may drop it
@@ -173,7 +187,9 @@ class ReplicaClient:
     async def remove_lora(self, lora_id: int) -> bool:
         """Removed from every replica; returns once its running requests have finished everywhere."""
         self._check_open()
-        return await self._remove_on(known_replica_ids(), lora_id)
+        removed = await self._remove_on(known_replica_ids(), lora_id)
+        self._digests.pop(lora_id, None)
+        return removed
 
     async def _remove_on(self, replica_ids: set[str], lora_id: int) -> bool:
         calls = [

@@ -2,9 +2,11 @@
 
 Replicas share nothing but the adapter store: each request carries its full `LoRARequest` (name, id
 and path, assigned by the ingress), and a replica registers an adapter the first time a request
-needs it. A replica reports which adapters it holds (slot or host memory) and how many requests it
-runs per adapter to the router (`record_routing_stats`); a dead engine fails its health check, so
-Serve replaces the replica.
+needs it. A replica reports which adapter versions it holds (slot or host memory, keyed
+"name@<12 digest digits>" as the router's model ids are) and how many requests it runs per version
+to the router (`record_routing_stats`); a dead engine fails its health check, so Serve replaces the
+replica. Loads answer with the content digest the replica registered, which the ingress then pins
+every request of that version to.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class EngineReplica:
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncLLMEngine.from_engine_args(engine_args)
         await self.engine.start()
-        self._in_flight: Counter[str] = Counter()  # adapter name ("" base) -> requests inside generate
+        self._in_flight: Counter[str] = Counter()  # version key ("" base) -> requests inside generate
 
     async def info(self) -> ReplicaInfo:
         engine = self.engine
@@ -74,7 +76,7 @@ class EngineReplica:
         yield ReplicaHello(self.replica_id)
         if lora_request is not None:
             lora_request = await local_adapter(lora_request, self.engine.model_config.model)
-        name = lora_request.lora_name if lora_request is not None else ""
+        name = lora_request.version_key if lora_request is not None else ""
         self._in_flight[name] += 1  # counted as resident from now: the router sends its next ones here
         try:
             outputs = self.engine.generate(
@@ -91,15 +93,18 @@ class EngineReplica:
         await self.engine.check_admission(num_seqs, num_prefill_tokens)
         return self.replica_id
 
-    async def add_lora(self, lora_request: LoRARequest) -> tuple[str, bool]:
+    async def add_lora(self, lora_request: LoRARequest) -> tuple[str, bool, str]:
+        """(this replica, added, the content digest registered)."""
         local = await local_adapter(lora_request, self.engine.model_config.model)
-        return self.replica_id, await self.engine.add_lora(local)
+        added = await self.engine.add_lora(local)
+        return self.replica_id, added, await self.engine.lora_digest(lora_request.lora_id)
 
-    async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> tuple[str, bool]:
-        lora_request = await local_adapter(lora_request, self.engine.model_config.model)
+    async def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> tuple[str, bool, str]:
         if not self.engine.engine.is_lora_registered(old_lora_id):  # never served here: a plain add
-            return self.replica_id, await self.engine.add_lora(lora_request)
-        return self.replica_id, await self.engine.replace_lora(old_lora_id, lora_request)
+            return await self.add_lora(lora_request)
+        lora_request = await local_adapter(lora_request, self.engine.model_config.model)
+        replaced = await self.engine.replace_lora(old_lora_id, lora_request)
+        return self.replica_id, replaced, await self.engine.lora_digest(lora_request.lora_id)
 
     async def remove_lora(self, lora_id: int) -> tuple[str, bool]:
         if not self.engine.engine.is_lora_registered(lora_id):
@@ -107,8 +112,9 @@ class EngineReplica:
         return self.replica_id, await self.engine.remove_lora(lora_id)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """For the router: adapters held (slot or host; those with requests inside count as slot)."""
-        residency = self.engine.lora_residency()
+        """For the router: adapter versions held (slot or host; those with requests inside count as
+        slot), keyed as the router's model ids are (`LoRARequest.version_key`)."""
+        residency = self.engine.lora_version_residency()
         for name in self._in_flight:
             if name:
                 residency[name] = "slot"

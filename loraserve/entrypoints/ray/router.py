@@ -1,7 +1,10 @@
 """`AffinityRouter`: Ray Serve's request router for the engine replicas, ranking them by adapter affinity.
 
 It runs inside the process that holds the deployment handle (the HTTP ingress). The request's
-multiplexed model id is its adapter name ("" for the base model); `affinity.rank_replicas` decides.
+multiplexed model id is its adapter's version key, "name@<12 digest digits>" ("" for the base model),
+and replicas report residency under the same keys: a replica holding only another version of the
+name is no holder of this one (it would load this version cold, and refuses to serve other content
+for it). `affinity.rank_replicas` decides.
 
 What it knows of each replica, freshest first:
 - the requests it routed there itself and that have not completed, per adapter (exact, instant);
@@ -26,9 +29,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from loraserve.entrypoints.ray.affinity import (
     DEFAULT_SPREAD_QUEUE_DEPTH,
     ReplicaLoad,
-    known_residency,
     rank_replicas,
     rank_without_adapter,
+    replica_load,
 )
 from loraserve.entrypoints.ray.known_replicas import track_router
 
@@ -64,17 +67,11 @@ class AffinityRouter(RequestRouter):
 
     def _load_of(self, replica: RunningReplica, adapter: str) -> ReplicaLoad:
         rid = replica.replica_id.unique_id
-        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
-        if not adapter:
-            return ReplicaLoad(rid, queue_len or 0)
-        stats = replica.routing_stats or {}
-        residency = known_residency(
-            (stats.get("residency") or {}).get(adapter),
-            float(stats.get("time", 0.0)),
-            self._sent.get((adapter, rid)),
-            REPORT_GRACE_S,
-        )
-        return ReplicaLoad(rid, queue_len or 0, self._in_flight[(adapter, rid)], residency)
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return replica_load(
+            rid, queue_len, replica.routing_stats, adapter, self._sent.get((adapter, rid)),
+            self._in_flight[(adapter, rid)], REPORT_GRACE_S,
+        )  # fmt: skip
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         adapter = pending_request.metadata.multiplexed_model_id

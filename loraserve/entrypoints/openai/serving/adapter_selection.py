@@ -1,7 +1,7 @@
 """Which adapter, at which scale, or which mix of adapters a completion or chat request asks for.
 
 Four spellings, one result (a `LoRARequest`, or None for the base model):
-- `model`: an adapter's name, as before; or "name=weight,..." for clients that can only set `model`
+- `model`: an adapter's name (or `name@version`, one held content version), as before; or "name=weight,..." for clients that can only set `model`
   ("pirate=0.3": one adapter at scale 0.3; "french=0.7,pirate=0.3": a mix). A name that is itself a
   loaded adapter's always means that adapter.
 - `lora_scale` (vLLM PR #52757's name): the scale of the adapter (or mix) that `model` selects.
@@ -84,7 +84,7 @@ async def _parts(
             raise _bad("'adapters' names no adapter.", "adapters")
         return await _resolve(named, models, "adapters")
     if request.lora is not None:
-        listed = list(models.lora_requests.values())
+        listed = [lora for _, _, lora in models.listed_adapters()]
         chosen: list[tuple[LoRARequest, float]] = []
         for entry in request.lora:
             if not 0 <= entry.id < len(listed):

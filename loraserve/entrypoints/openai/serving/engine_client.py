@@ -103,6 +103,11 @@ class EngineClient(Protocol):
         running ones finish on the old weights."""
         ...
 
+    async def lora_digest(self, lora_id: int) -> str:
+        """The content digest (sha256 hex) of a registered adapter: its version, what `name@digest`
+        addresses; LoRAAdapterNotFoundError when it is not registered."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """A snapshot for /metrics: numbers, {adapter: count} maps, lists of new observations."""
         ...

@@ -11,7 +11,16 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # Stop strings are matched against the new text of every sequence at every step: bound that work.
@@ -330,6 +339,8 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    digest: str | None = None  # an adapter version's content digest (sha256 hex)
+    version: str | None = None  # its label, when the load request gave one
 
 
 class ModelList(OpenAIBaseModel):
@@ -342,6 +353,7 @@ class LoadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str | None = None
     lora_path: str | None = None
     load_inplace: StrictBool = False  # replace the weights of an adapter loaded under this name
+    version: StrictStr | None = None  # a label for the version loaded: name@label addresses it
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

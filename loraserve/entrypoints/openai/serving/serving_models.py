@@ -9,6 +9,9 @@ then NFKC-normalised (`names.canonical_name`) before it is looked up, locked, re
 so look-alike spellings of one name are that name. A new name whose skeleton (`names.confusable_key`)
 equals that of a registered adapter or a served base name is refused (400) before anything loads; the
 per-name locks are keyed by skeleton, so two such names never register side by side.
+
+Each adapter name holds content versions (`adapter_versions`): the plain name is the newest,
+`name@<digest prefix>` or `name@<label>` one held version; load_inplace publishes a new version.
 """
 
 from __future__ import annotations
@@ -18,11 +21,17 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 
 from loraserve import envs
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
+from loraserve.entrypoints.openai.serving.adapter_versions import (
+    AdapterVersion,
+    AdapterVersions,
+    check_label,
+    split_version,
+)
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import INVALID_USER_INPUT, APIError
 from loraserve.entrypoints.openai.serving.name_locks import NamedLocks
@@ -94,7 +103,8 @@ class OpenAIServingModels:
             lora_resolvers = [LoRAResolverRegistry.get_resolver(name) for name in names]
         # Resolvers are never consulted unless runtime updating is on, so keep none at all otherwise.
         self.lora_resolvers = list(lora_resolvers) if allow_runtime_lora_updating else []
-        self.lora_requests: dict[str, LoRARequest] = {}
+        self.lora_requests: dict[str, LoRARequest] = {}  # name -> its newest version
+        self.versions = AdapterVersions()  # name -> the versions held, the newest last
         # confusable_key -> the registered adapter or base name it belongs to
         self._name_keys: dict[str, str] = {
             confusable_key(path.name): path.name for path in self.base_model_paths
@@ -144,6 +154,13 @@ class OpenAIServingModels:
         name = checked_name(name, "model")  # before it is logged, counted or handed to a resolver
         if name in self.lora_requests:
             return self.lora_requests[name]
+        plain, ref = split_version(name)
+        if ref is not None:  # name@version: that name (loaded or resolved), then one of its versions
+            if self.is_base_model(plain):
+                raise APIError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
+            newest = await self.resolve_model(plain)
+            assert newest is not None
+            return self.versions.find(newest.lora_name, ref).request
         if not self.lora_enabled or not self.allow_runtime_lora_updating or not self.lora_resolvers:
             raise APIError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
         async with self.name_locks.hold(confusable_key(name)):
@@ -225,15 +242,13 @@ class OpenAIServingModels:
             _, old = self._mixes.popitem(last=False)
             # The engine forgets it too (once its requests finish): else every distinct weight a client
             # sends would stay registered. The same mix asked again later gets a new id.
-            task = asyncio.get_running_loop().create_task(self.engine.remove_lora(old.lora_id))
-            self._retiring.add(task)
-            task.add_done_callback(self._retired)
+            self._retire(old)
         return mix
 
     def _retired(self, task: asyncio.Task[bool]) -> None:
         self._retiring.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            logger.warning("Removing a forgotten LoRA mix failed: %s", task.exception())
+            logger.warning("Removing a retired LoRA adapter or mix failed: %s", task.exception())
 
     def _serves_base(self, adapter_base: str | None) -> bool:
         """Whether an adapter's base_model_name_or_path is a name or model path this server serves."""
@@ -242,8 +257,11 @@ class OpenAIServingModels:
         paths = {self.base_model_name, *(path.model_path for path in self.base_model_paths)}
         return adapter_base in paths or self.is_base_model(adapter_base)
 
-    async def _add_lora(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
-        """Register one adapter in the engine under a fresh id; nothing is kept if the engine refuses it."""
+    async def _add_lora(
+        self, name: str, path: str, base_model_name: str | None, label: str | None = None
+    ) -> LoRARequest:
+        """Register one adapter in the engine under a fresh id as the first version of `name`; nothing
+        is kept if the engine refuses it."""
         lora_request = LoRARequest(
             lora_name=name,
             lora_int_id=next(self._lora_ids),
@@ -254,13 +272,45 @@ class OpenAIServingModels:
         await self.engine.add_lora(lora_request)
         if self.metrics is not None:
             self.metrics.lora_add_seconds.observe(time.perf_counter() - start)
-        self.lora_requests[name] = lora_request
+        lora_request = await self._publish(lora_request, label)
         self._name_keys[confusable_key(name)] = name
         return lora_request
 
-    async def _replace_lora(self, loaded: LoRARequest, path: str) -> LoRARequest:
-        """load_inplace: new weights under the same name (and a new id, so that requests running on the
-        old weights finish on them); the name points at the new adapter once the engine serves it."""
+    async def _publish(self, lora_request: LoRARequest, label: str | None) -> LoRARequest:
+        """Make the registered `lora_request` its name's newest version, pinned to its digest (every
+        request the name resolves to then runs on that content or fails); the oldest held version
+        beyond `KEEP_VERSIONS` is retired. The same content as a held version is that version."""
+        name = lora_request.lora_name
+        try:
+            digest = await self.engine.lora_digest(lora_request.lora_id)
+        except BaseException:
+            self._retire(lora_request)  # registered but never published: the engine forgets it too
+            raise
+        same = next((v for v in self.versions.held(name) if v.digest == digest), None)
+        if same is not None:  # nothing new: keep the held registration (and its id, slot, cache)
+            self._retire(lora_request)
+            self.versions.remove(name, same)
+            lora_request, label = same.request, label or same.label
+        lora_request = replace(lora_request, version=digest)
+        for old in self.versions.publish(AdapterVersion(lora_request, digest, label)):
+            self._retire(old.request)  # removed once the requests running on it end
+        self.lora_requests[name] = lora_request
+        return lora_request
+
+    def _retire(self, lora_request: LoRARequest) -> None:
+        """Remove an adapter from the engine in the background (its running requests finish first)."""
+        task = asyncio.get_running_loop().create_task(self.engine.remove_lora(lora_request.lora_id))
+        self._retiring.add(task)
+        task.add_done_callback(self._retired)
+
+    def held_versions(self, name: str) -> list[AdapterVersion]:
+        """The versions of adapter `name` that can be addressed now, oldest first."""
+        return self.versions.held(canonical_name(name))
+
+    async def _replace_lora(self, loaded: LoRARequest, path: str, label: str | None) -> LoRARequest:
+        """load_inplace: a new version of the name under a new id, so that requests running on the old
+        weights finish on them; the name points at the new version once the engine serves it, and the
+        previous one stays addressable as name@digest (`adapter_versions` says how long)."""
         lora_request = LoRARequest(
             lora_name=loaded.lora_name,
             lora_int_id=next(self._lora_ids),
@@ -268,11 +318,10 @@ class OpenAIServingModels:
             base_model_name=loaded.base_model_name,
         )
         start = time.perf_counter()
-        await self.engine.replace_lora(loaded.lora_id, lora_request)
+        await self.engine.add_lora(lora_request)  # the held versions stay registered beside it
         if self.metrics is not None:
             self.metrics.lora_add_seconds.observe(time.perf_counter() - start)
-        self.lora_requests[loaded.lora_name] = lora_request
-        return lora_request
+        return await self._publish(lora_request, label)
 
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
         """POST /v1/load_lora_adapter: validate, then register (or, with load_inplace, replace the
@@ -287,6 +336,7 @@ class OpenAIServingModels:
             )
         name = checked_name(name, "lora_name")  # before anything registers, logs or counts them
         check_path(path, "lora_path")
+        label = check_label(request.version)
         if not self.lora_enabled:
             raise APIError(
                 "LoRA is not enabled; start the server with --enable-lora.",
@@ -301,6 +351,13 @@ class OpenAIServingModels:
                 "lora_name",
                 INVALID_USER_INPUT,
             )
+        if "@" in name and name not in self.lora_requests:
+            raise APIError(
+                f"The adapter name {ascii(name)} contains '@', which addresses a version (name@version).",
+                HTTPStatus.BAD_REQUEST,
+                "lora_name",
+                INVALID_USER_INPUT,
+            )
         async with self.name_locks.hold(confusable_key(name)):
             loaded = self.lora_requests.get(name)
             if loaded is not None and not request.load_inplace:
@@ -311,11 +368,12 @@ class OpenAIServingModels:
                     INVALID_USER_INPUT,
                 )
             self._refuse_confusable(name, "lora_name")
+            self.versions.check_label_free(name, label)
             try:
                 if loaded is None:
-                    await self._add_lora(name, path, None)
+                    await self._add_lora(name, path, None, label)
                 else:
-                    await self._replace_lora(loaded, path)
+                    await self._replace_lora(loaded, path, label)
             except LoRAAdapterNotFoundError as exc:
                 raise APIError(str(exc), HTTPStatus.NOT_FOUND, "lora_path") from exc
             except ValueError as exc:  # LoRAAdapterError and any other validation failure
@@ -324,17 +382,25 @@ class OpenAIServingModels:
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
-        """POST /v1/unload_lora_adapter: forget the name at once, then wait for its running requests."""
-        name = self._find_unload_target(request)
+        """POST /v1/unload_lora_adapter: forget the name (every version; `name@version`: that one, the
+        one before it becoming the newest) at once, then wait for their running requests."""
+        target = self._find_unload_target(request)
+        name, ref = (target, None) if target in self.lora_requests else split_version(target)
         async with self.name_locks.hold(confusable_key(name)):
-            lora_request = self.lora_requests.pop(name, None)
-            if lora_request is None:
-                raise APIError(not_found_message(name), HTTPStatus.NOT_FOUND, "lora_name")
-            if not self.is_base_model(name):
-                self._name_keys.pop(confusable_key(name), None)
-            await self.engine.remove_lora(lora_request.lora_id)
-        logger.info("Unloaded LoRA adapter %r.", name)
-        return f"Success: LoRA adapter '{name}' removed successfully."
+            if name not in self.lora_requests:
+                raise APIError(not_found_message(target), HTTPStatus.NOT_FOUND, "lora_name")
+            one = self.versions.find(name, ref) if ref is not None else None
+            removed = self.versions.remove(name, one)
+            held = self.versions.held(name)
+            if held:
+                self.lora_requests[name] = held[-1].request
+            else:
+                self.lora_requests.pop(name, None)
+                if not self.is_base_model(name):
+                    self._name_keys.pop(confusable_key(name), None)
+            await asyncio.gather(*(self.engine.remove_lora(v.request.lora_id) for v in removed))
+        logger.info("Unloaded LoRA adapter %r.", target)
+        return f"Success: LoRA adapter '{target}' removed successfully."
 
     def _find_unload_target(self, request: UnloadLoRAAdapterRequest) -> str:
         if request.lora_name:
@@ -349,27 +415,44 @@ class OpenAIServingModels:
         for lora_request in self.lora_requests.values():
             if lora_request.lora_id == request.lora_int_id:
                 return lora_request.lora_name
+        for version in self.versions.older():
+            if version.request.lora_id == request.lora_int_id:
+                return version.key
         raise APIError(
             f"No lora adapter has lora_int_id {request.lora_int_id}.", HTTPStatus.NOT_FOUND, "lora_int_id"
         )
 
+    def listed_adapters(self) -> list[tuple[str, AdapterVersion | None, LoRARequest]]:
+        """(listed name, version, request): each name's newest version under the name, in load
+        order, then the older versions still held as name@<12 digest digits>. A request's `lora`
+        entries index this list; old indices stay valid when a name gets a new version."""
+        newest = [(name, self._newest(name), lora) for name, lora in self.lora_requests.items()]
+        return newest + [(v.key, v, v.request) for v in self.versions.older()]
+
+    def _newest(self, name: str) -> AdapterVersion | None:
+        held = self.versions.held(name)
+        return held[-1] if held else None
+
     def lora_adapter_list(self) -> list[dict[str, object]]:
         """GET /lora-adapters (llama.cpp's server): each adapter's `id` (its index in /v1/models'
-        adapters, what a request's `lora` entries name), name and scale (1.0: scales are per request)."""
+        adapters, what a request's `lora` entries name), name, scale (1.0: scales are per request)
+        and content digest."""
         return [
-            {"id": i, "name": lora.lora_name, "scale": 1.0}
-            for i, lora in enumerate(self.lora_requests.values())
+            {"id": i, "name": name, "scale": 1.0, "digest": version.digest if version else None}
+            for i, (name, version, _) in enumerate(self.listed_adapters())
         ]
 
     def list_models(self) -> ModelList:
-        """GET /v1/models: every served base name, then every registered adapter."""
+        """GET /v1/models: every served base name, then every adapter's newest version under its
+        name, then the older versions held (`listed_adapters`), each with its digest and label."""
         max_model_len = self.engine.model_config.max_model_len
         cards = [
             ModelCard(id=path.name, root=path.model_path, max_model_len=max_model_len)
             for path in self.base_model_paths
         ]
-        for lora in self.lora_requests.values():
+        for name, version, lora in self.listed_adapters():
             base = lora.base_model_name
             parent = base if base and self.is_base_model(base) else self.served_model_name
-            cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path, parent=parent))
+            digest, label = (version.digest, version.label) if version else (None, None)
+            cards.append(ModelCard(id=name, root=lora.lora_path, parent=parent, digest=digest, version=label))
         return ModelList(data=cards)
