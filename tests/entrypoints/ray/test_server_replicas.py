@@ -203,6 +203,33 @@ def test_runtime_load_reload_and_unload_reach_the_replicas(cluster: dict[str, An
     assert "extra" not in {s["lora_name"] for s in metric_samples(url, "loraserve:lora_adapter_loaded")}
 
 
+@pytest.mark.ray
+@needs_ray
+def test_versions_of_one_name_route_by_digest(cluster: dict[str, Any]) -> None:
+    url, store = cluster["server"].url, cluster["store"]
+    first = {"lora_name": "vpol", "lora_path": str(store / adapter_name(7)), "version": "v1"}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=first, timeout=60).status_code == 200
+    v1_home = replica_of(complete(url, "vpol", PROMPTS[0]))
+    second = {**first, "lora_path": str(store / adapter_name(8)), "version": "v2", "load_inplace": True}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=second, timeout=60).status_code == 200
+    cards = {card["id"]: card for card in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]}
+    old = next(card for name, card in cards.items() if name.startswith("vpol@"))
+    listed = {entry["name"]: entry["digest"] for entry in httpx.get(f"{url}/lora-adapters", timeout=60).json()}
+    assert listed["vpol"] == cards["vpol"]["digest"] != old["digest"] == listed[old["id"]]
+    jobs = [(model, prompt) for model in ("vpol", "vpol@v1", old["id"]) for prompt in PROMPTS]
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda job: complete(url, *job), jobs))
+    assert [r.status_code for r in responses] == [200] * len(jobs), [r.text for r in responses]
+    oracle = oracle_texts(cluster["model_dir"], store, {(adapter_name(i), p) for i in (7, 8) for p in PROMPTS})
+    folder = {"vpol": adapter_name(8), "vpol@v1": adapter_name(7), old["id"]: adapter_name(7)}
+    for (model, prompt), response in zip(jobs, responses):  # each version's own weights, on any replica
+        assert response.json()["choices"][0]["text"] == oracle[(folder[model], prompt)], (model, prompt)
+    v1_replicas = {replica_of(r) for (model, _), r in zip(jobs, responses) if model != "vpol"}
+    assert v1_replicas == {v1_home}  # the old version stays with the replica that holds it
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "vpol"}, timeout=60).status_code == 200
+    assert complete(url, "vpol@v1", PROMPTS[0]).status_code == 404
+
+
 def metric_samples(url: str, name: str) -> list[dict[str, str]]:
     """The labels of every sample of family `name` on the ingress's /metrics (value 1 or not)."""
     text = httpx.get(f"{url}/metrics", timeout=120).text
