@@ -519,12 +519,13 @@ class LoRAManager:
                     slot.add(name)
             return {"slot": sorted(slot), "host": sorted(host)}
 
-    def stats(self) -> dict[str, int | float | list[float]]:
+    def stats(self) -> dict[str, int | float | str | list[float]]:
         """Counters and occupancy, keys prefixed `lora_`; `lora_load_seconds` lists the disk load
         latencies observed since the previous call (a histogram's new observations)."""
         with self._lock:
             counters = {**asdict(self._host.counters), **asdict(self._slots.counters)}
-            out: dict[str, int | float | list[float]] = {f"lora_{k}": v for k, v in counters.items()}
+            out: dict[str, int | float | str | list[float]] = {f"lora_{k}": v for k, v in counters.items()}
+            out["lora_eviction_policy"] = self._host.policy
             out["lora_num_cached"] = self._host.num_cached
             out["lora_num_loading"] = len(self._flights)
             out["lora_num_active_slots"] = self._slots.num_used
