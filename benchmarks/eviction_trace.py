@@ -210,10 +210,12 @@ def main() -> None:
     parser.add_argument("--max-cpu-loras", type=int, default=32)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {list(CONFIGS)}")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="the trace's seed")
+    parser.add_argument("--out", default="eviction_trace", help="results file name in benchmarks/results/")
     args = parser.parse_args()
     limit_threads(args.threads)
     shape = TraceShape(
-        args.num_requests, args.num_adapters, args.zipf_s, args.concurrency, 16, args.max_tokens
+        args.num_requests, args.num_adapters, args.zipf_s, args.concurrency, 16, args.max_tokens, args.seed
     )
     trace = zipf_trace(shape)
     model, requests, s3_root = build_assets(trace)
@@ -231,7 +233,7 @@ def main() -> None:
     result = ratios(rows)
     if result:
         print("cost+prefetch / lru: " + ", ".join(f"{k} {v:.2f}x" for k, v in result.items()))
-    save_results("eviction_trace", {"cpu": cpu_class(), "args": vars(args), "rows": rows, "ratios": result})
+    save_results(args.out, {"cpu": cpu_class(), "args": vars(args), "rows": rows, "ratios": result})
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def test_a_waiting_requests_adapter_is_back_before_its_turn(setup: tuple[str, Pa
     loads_before = engine.lora.stats()["lora_num_loads"]
     engine.step()  # p0 runs; the prefetch thread reads p1 back meanwhile
     assert engine.lora.wait_prefetch_idle(timeout=60)
-    assert "r1" in _waiting(engine) and "p1" in _host(engine)  # back before its turn
+    # Back before its turn; p0 (running) stayed, p2 (needed after p1) made room.
+    assert "r1" in _waiting(engine) and _host(engine) == ["p0", "p1"]
     stats = engine.lora.stats()
     assert stats["lora_num_prefetches"] == 1 and stats["lora_num_loads"] == loads_before + 1
     loads_at_turn: list[int] = []
