@@ -101,7 +101,11 @@ def test_residency_follows_slots_and_host_cache(engine_and_adapters) -> None:
             for s in family.samples
             if s.name.endswith("_total")
         }
-        assert events == {("host_eviction", "cost"): 2.0, ("prefetch", "cost"): 0.0, ("prefetch_failure", "cost"): 0.0}
+        assert events == {
+            ("host_eviction", "cost"): 2.0,
+            ("prefetch", "cost"): 0.0,
+            ("prefetch_failure", "cost"): 0.0,
+        }
 
 
 def test_requests_info_names_running_and_waiting_adapters(tokenizer, tmp_path) -> None:
