@@ -1,7 +1,10 @@
 """The discrete-event model behind benchmarks/cluster_sim.py: R engine replicas, A adapters.
 
-Each replica is the engine in miniature: a host cache (LRU, `max_cpu_loras`) filled by `num_loaders`
-loaders (`cold_load_s` per adapter, off the step loop, one read per adapter however many ask), a
+Each replica is the engine in miniature: a host cache (`max_cpu_loras`, the engine's own `LRUCache`
+under `eviction` "lru" or "cost", weighing each adapter by its load seconds) filled by `num_loaders`
+loaders (`cold_load_s` per adapter, off the step loop, one read per adapter however many ask; with
+`rank_mix` an adapter's load scales with its rank, 8/16/32/64 in turn, and a `remote_fraction` of
+the adapters sit on a store `remote_factor` times slower), a
 slot table (LRU, `max_loras`), and continuous batching: at each step boundary waiting requests join
 in arrival order while the batch has room (`max_num_seqs`) and slots for their adapters; a step costs
 `Costs.step_s(batch, prompt tokens of the joining requests, slot uploads)` and gives each sequence one
@@ -23,6 +26,7 @@ from typing import Any
 
 from benchmarks.cluster_costs import Costs
 from loraserve.entrypoints.ray.affinity import HOST, SLOT, ReplicaLoad, rank_replicas
+from loraserve.lora.lru import LRUCache
 
 POLICIES = ("random", "p2c", "affinity")
 
@@ -40,10 +44,25 @@ class SimConfig:
     max_loras: int = 16
     max_cpu_loras: int = 64
     max_num_seqs: int = 64
-    num_loaders: int = 1  # adapter loads one replica runs at once (CPU-bound locally; more for a remote store)
+    num_loaders: int = (
+        1  # adapter loads one replica runs at once (CPU-bound locally; more for a remote store)
+    )
     spread_queue_depth: int = 8
     warmup_fraction: float = 0.2  # requests arriving in this first part are not measured
     seed: int = 0
+    eviction: str = "lru"  # the host cache's policy (LoRAConfig.lora_eviction_policy)
+    rank_mix: bool = False  # adapter a has rank RANKS[a % 4]; its load takes rank / 8 x cold_load_s
+    remote_fraction: float = 0.0  # adapters on the slow store: every (1 / fraction)-th, by index
+    remote_factor: float = 1.0  # how much slower a load from that store is
+
+    def load_s(self, adapter: int, cold_load_s: float) -> float:
+        """Seconds to load `adapter` into host memory."""
+        seconds = cold_load_s * (RANKS[adapter % len(RANKS)] / RANKS[0] if self.rank_mix else 1.0)
+        remote = self.remote_fraction > 0 and (adapter // 4) % round(1 / self.remote_fraction) == 0
+        return seconds * (self.remote_factor if remote else 1.0)
+
+
+RANKS = (8, 16, 32, 64)
 
 
 @dataclass(slots=True)
@@ -58,7 +77,7 @@ class SimRequest:
 @dataclass(slots=True)
 class Replica:
     index: int
-    host: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    host: LRUCache[int, float] = field(default_factory=lambda: LRUCache(1 << 30))  # adapter -> load seconds
     slots: OrderedDict[int, None] = field(default_factory=OrderedDict)
     loading: dict[int, list[SimRequest]] = field(default_factory=dict)
     loaders_free_at: list[float] = field(default_factory=list)  # a heap, one entry per loader
@@ -88,7 +107,12 @@ class Cluster:
     def __init__(self, config: SimConfig, costs: Costs) -> None:
         self.config, self.costs = config, costs
         self.rng = random.Random(config.seed)
-        self.replicas = [Replica(i, loaders_free_at=[0.0] * config.num_loaders) for i in range(config.num_replicas)]
+        self.replicas = [
+            Replica(i, LRUCache(1 << 30, None, config.eviction, lambda _, load_s: load_s),
+                    loaders_free_at=[0.0] * config.num_loaders)
+            for i in range(config.num_replicas)
+        ]  # fmt: skip
+        self.load_seconds: list[tuple[float, float]] = []  # (start, store seconds) of each cold load
         self.holders: dict[int, set[int]] = {}  # adapter -> replicas holding or loading it
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
@@ -140,13 +164,15 @@ class Cluster:
         adapter = request.adapter
         if adapter in replica.host:
             request.is_hit = True
-            replica.host.move_to_end(adapter)
+            replica.host.get(adapter)
             replica.waiting.append(request)
             self.maybe_step(now, replica)
         elif adapter in replica.loading:
             replica.loading[adapter].append(request)
         else:
-            done = max(now, heapq.heappop(replica.loaders_free_at)) + self.costs.cold_load_s
+            load_s = self.config.load_s(adapter, self.costs.cold_load_s)
+            self.load_seconds.append((now, load_s))
+            done = max(now, heapq.heappop(replica.loaders_free_at)) + load_s
             heapq.heappush(replica.loaders_free_at, done)
             replica.loading[adapter] = [request]
             self.holders.setdefault(adapter, set()).add(replica.index)
@@ -154,15 +180,17 @@ class Cluster:
             self.push(done, "loaded", (replica, adapter))
 
     def loaded(self, now: float, replica: Replica, adapter: int) -> None:
-        replica.host[adapter] = None
-        busy = {r.adapter for r in replica.running} | {r.adapter for r in replica.waiting} | set(replica.loading)
-        for old in list(replica.host):
-            if len(replica.host) <= self.config.max_cpu_loras:
+        replica.host.put(adapter, self.config.load_s(adapter, self.costs.cold_load_s))
+        busy = (
+            {r.adapter for r in replica.running} | {r.adapter for r in replica.waiting} | set(replica.loading)
+        )
+        while len(replica.host) > self.config.max_cpu_loras:
+            old = replica.host.victim(busy)  # adapters with requests stay (the cache may overflow meanwhile)
+            if old is None:
                 break
-            if old not in busy:  # adapters with requests stay (the cache may overflow meanwhile)
-                del replica.host[old]
-                replica.slots.pop(old, None)
-                self.holders[old].discard(replica.index)
+            replica.host.evict(old)
+            replica.slots.pop(old, None)
+            self.holders[old].discard(replica.index)
         replica.waiting.extend(replica.loading.pop(adapter))
         self.maybe_step(now, replica)
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from loraserve import envs
 from loraserve.option_types import non_negative_seconds, positive_int, queue_share
 from loraserve.options import at_least, check_options, option
 
@@ -279,6 +280,15 @@ class LoRAConfig:
     enable_lora_bias: bool = option(
         False, action="store_true", group="LoRA", help="Accept adapters with bias terms."
     )
+    lora_eviction_policy: str | None = option(
+        None,
+        choices=("lru", "cost"),
+        group="LoRA",
+        help="loraserve only: how the host cache picks the adapter to evict: 'cost' weighs recency and "
+        "frequency by each adapter's expected reload time (its size, its source's measured speed), "
+        "'lru' the least recently requested; either keeps the adapters queued requests need (default: "
+        "$LORASERVE_LORA_EVICTION_POLICY, else cost).",
+    )
     # vLLM's --lora-target-modules: LoRA only on these module names (e.g. ("o_proj", "qkv_proj")); an
     # adapter's weights for other modules are skipped with a warning. None: every LoRA-capable module.
     target_modules: tuple[str, ...] | None = None
@@ -289,6 +299,11 @@ class LoRAConfig:
     @property
     def cpu_capacity(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    @property
+    def eviction_policy(self) -> str:
+        """The host cache's eviction policy: the option, else LORASERVE_LORA_EVICTION_POLICY, else "cost"."""
+        return self.lora_eviction_policy or envs.lora_eviction_policy() or "cost"
 
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")

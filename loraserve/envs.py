@@ -79,6 +79,22 @@ def lora_resolver_s3_region() -> str | None:
     return get_env("LORA_RESOLVER_S3_REGION") or None
 
 
+def lora_prefetch() -> bool:
+    """Read back, beside the step, the evicted adapters that queued requests need (default on; "0"
+    leaves them to the step's own load). Read when an engine's LoRA manager is built."""
+    return _switch("LORA_PREFETCH")
+
+
+def lora_eviction_policy() -> str | None:
+    """LORA_EVICTION_POLICY, the env twin of --lora-eviction-policy ("lru" or "cost"); None if unset."""
+    value = (get_env("LORA_EVICTION_POLICY") or "").strip().lower()
+    if not value:
+        return None
+    if value not in ("lru", "cost"):
+        raise ValueError(f"LORASERVE_LORA_EVICTION_POLICY must be 'lru' or 'cost', got {value!r}")
+    return value
+
+
 def lora_resolver_s3_cache_dir() -> str:
     """Where downloaded adapters are kept (default: <cache_root>/s3-adapters)."""
     return get_env("LORA_RESOLVER_S3_CACHE_DIR") or os.path.join(cache_root(), "s3-adapters")

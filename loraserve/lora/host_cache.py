@@ -1,18 +1,20 @@
 """`HostCache`: validated adapters in host memory, at most `max_cpu_loras`, and their counters.
 
-A plain LRU (`lru.LRUCache`) of what `adapter_read.read_adapter` returns, by id, in the order requests
-asked for them (`hit` on each request's arrival, not each step: the steps take adapters in the
-scheduler's turn order, which cycles through them, the pattern that defeats LRU). To make room it
-evicts first the least recently requested adapter no queued request needs (`set_needed`), and an
-adapter the queue needs only when every one is needed (then the one needed last). It reads nothing
-and calls nobody: the manager reads, puts the result here, and frees the slots of the adapters
-`add` reports evicted. Not thread-safe: the manager holds its lock around every call.
+An `lru.LRUCache` of what `adapter_read.read_adapter` returns, by id, under policy "lru" (recency) or
+"cost" (GreedyDual: recency and frequency weighed by each adapter's expected reload seconds, which
+the `cost_of` callback gives when a victim is chosen), touched in the order requests asked for them
+(`hit` on each request's arrival, not each step: the steps take adapters in the scheduler's turn
+order, which cycles through them, the pattern that defeats LRU). To make room it evicts first, in
+policy order, the adapters no queued request needs (`set_needed`), and an adapter the queue needs
+only when every one is needed (then the one needed last). It reads nothing and calls nobody: the
+manager reads, puts the result here, and frees the slots of the adapters `add` reports evicted.
+Not thread-safe: the manager holds its lock around every call.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from loraserve.errors import LoRAAdapterError
@@ -36,9 +38,12 @@ class HostCounters:
 class HostCache:
     """Loaded adapters by id, at most `capacity`; see the module docstring for the eviction order."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(
+        self, capacity: int, policy: str = "lru", cost_of: Callable[[LoRAModel], float] | None = None
+    ) -> None:
         self.counters = HostCounters()
-        self._adapters: LRUCache[int, LoRAModel] = LRUCache(capacity, self._evicted)
+        cost = None if cost_of is None else (lambda _id, lora_model: cost_of(lora_model))
+        self._adapters: LRUCache[int, LoRAModel] = LRUCache(capacity, self._evicted, policy, cost)
         self._needed: tuple[int, ...] = ()  # adapters queued requests use, soonest needed first
         self._just_evicted: list[int] = []  # the evictions of the `add` in progress
         self._new_latencies: list[float] = []
@@ -46,6 +51,10 @@ class HostCache:
     @property
     def capacity(self) -> int:
         return self._adapters.capacity
+
+    @property
+    def policy(self) -> str:
+        return self._adapters.policy
 
     @property
     def num_cached(self) -> int:
@@ -67,6 +76,11 @@ class HostCache:
         if cached is not None:
             self.counters.num_host_hits += 1
         return cached
+
+    @property
+    def needed(self) -> tuple[int, ...]:
+        """The adapters queued requests use, soonest needed first (as `set_needed` last said)."""
+        return self._needed
 
     def set_needed(self, lora_ids: tuple[int, ...]) -> None:
         """The adapters that queued requests still use, soonest needed first: evicted only when

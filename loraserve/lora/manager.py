@@ -30,6 +30,7 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
+from loraserve import envs
 from loraserve.config import LoRAConfig
 from loraserve.errors import (
     LoRAAdapterChangedError,
@@ -40,11 +41,13 @@ from loraserve.errors import (
 from loraserve.lora.adapter_path import AdapterLocations
 from loraserve.lora.adapter_read import ReadLimits, read_adapter
 from loraserve.lora.digest import PendingDigest
+from loraserve.lora.eviction import ReloadCosts, source_of
 from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.mix import MIX_LABEL, mix_adapters
+from loraserve.lora.prefetch import Prefetcher
 from loraserve.lora.registry import AdapterRegistry
 from loraserve.lora.request import MIX_PATH_PREFIX, LoRARequest, version_key
 from loraserve.lora.single_flight import SingleFlight
@@ -73,7 +76,16 @@ class LoRAManager:
         self._locations = AdapterLocations()  # lora_path (maybe ~ or a Hub repo id) -> local folder
         # The same broken files fail fast, without another read; fingerprinted where they really are.
         self._failed = FailedLoads()
-        self._host = HostCache(lora_config.cpu_capacity)
+        costs = self._costs = ReloadCosts()  # expected reload seconds, for the "cost" policy
+        self._host = HostCache(
+            lora_config.cpu_capacity,
+            lora_config.eviction_policy,
+            lambda m: costs.expected_seconds(m.path, m.num_bytes),
+        )
+        # Evicted adapters the queue needs are read back beside the step (LORASERVE_LORA_PREFETCH=0: off).
+        self._prefetcher = Prefetcher(self._prefetch_one) if envs.lora_prefetch() else None
+        if self._prefetcher is not None:
+            weakref.finalize(self, self._prefetcher.close)
         self._flights = SingleFlight()  # one disk read per adapter however many threads ask
         self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
         # Adapters being removed (unloaded or replaced in place) whose requests still run: their cached
@@ -262,6 +274,7 @@ class LoRAManager:
         self._refresh_needed()
         with self._lock:
             self._in_use = frozenset(lora_ids)
+        self._prefetch_waiting(lora_ids)
         failed: dict[int, Exception] = {}
         for lora_id in lora_ids:
             try:
@@ -270,7 +283,7 @@ class LoRAManager:
                 failed[lora_id] = exc
         return self.activate(lora_ids - failed.keys()), failed
 
-    def _reload(self, lora_id: int, step_ids: set[int]) -> None:
+    def _reload(self, lora_id: int, step_ids: set[int] | None, also_keep: Collection[int] = ()) -> None:
         """Read an evicted adapter again. Its registered content is the only one it may serve: files
         gone -> LoRAAdapterGoneError; other content, or files that no longer load ->
         LoRAAdapterChangedError (remembered until the files change again, so its requests fail fast)."""
@@ -279,13 +292,13 @@ class LoRAManager:
                 return
             lora_request, digest = self._registry.requests[lora_id], self._registry.digests[lora_id]
         if lora_request.is_mix:
-            self._reload_mix(lora_request, digest, step_ids)
+            self._reload_mix(lora_request, digest, step_ids, also_keep)
             return
         name, key = lora_request.lora_name, _changed_key(lora_id)
         folder = self._locations.known_folder(lora_request) or lora_request.lora_path
         files = self._failed.check(key, folder)
         try:
-            reloaded = self.load(lora_request, protected=step_ids)
+            reloaded = self.load(lora_request, protected=step_ids, also_keep=also_keep)
         except LoRAAdapterError as e:
             if not os.path.isdir(folder):
                 raise LoRAAdapterGoneError(
@@ -308,10 +321,16 @@ class LoRAManager:
             raise error
         self._failed.forget(key)
 
-    def _reload_mix(self, lora_request: LoRARequest, digest: PendingDigest, step_ids: set[int]) -> None:
+    def _reload_mix(
+        self,
+        lora_request: LoRARequest,
+        digest: PendingDigest,
+        step_ids: set[int] | None,
+        also_keep: Collection[int],
+    ) -> None:
         """Build an evicted mix again from its components (each from the host cache, else its files);
         a component whose content changed makes another mix, which is not served under this one."""
-        reloaded = self.load(lora_request, protected=step_ids)
+        reloaded = self.load(lora_request, protected=step_ids, also_keep=also_keep)
         if reloaded.identity.digest != digest.result():
             with self._lock:
                 self._drop(lora_request.lora_id)
@@ -319,6 +338,43 @@ class LoRAManager:
                 f"LoRA mix '{lora_request.lora_name}': one of its adapters changed since the mix was first "
                 "served; request the mix again by its adapters' names to serve their new weights."
             )
+
+    # ---- prefetch (engine thread asks, the prefetch thread reads) ---------------------------------
+    def _prefetch_waiting(self, step_ids: Collection[int]) -> None:
+        """Name to the prefetch thread the queued adapters, soonest needed first, that are out of host
+        memory or out of a slot: as many as the host cache holds beside the pinned ones."""
+        if self._prefetcher is None:
+            return
+        with self._lock:
+            room = self._host.capacity - len(self._slots.pinned_ids)
+            wanted = [
+                i for i in self._host.needed[:room]
+                if i not in step_ids and i in self._registry.requests
+                and (i not in self._host or (self._slots.slot_of(i) is None and self._slots.has_free))
+            ]  # fmt: skip
+        self._prefetcher.want(wanted)
+
+    def _prefetch_one(self, lora_id: int) -> bool:
+        """Bring one queued adapter back (prefetch thread): read it as the step would (`_reload`),
+        evicting none the step uses or the queue needs sooner, then into a free slot. True if it did."""
+        with self._lock:
+            if lora_id not in self._registry.requests or lora_id in self._registry.pending_removals:
+                return False
+            needed = self._host.needed
+            sooner = needed[: needed.index(lora_id)] if lora_id in needed else needed
+            did = lora_id not in self._host
+        if did:
+            self._reload(lora_id, None, sooner)  # None: the step as it is when the read is done
+        with self._lock:
+            lora_model = self._host.peek(lora_id)
+            if lora_model is not None and self._slots.slot_of(lora_id) is None and self._slots.has_free:
+                self._admit(lora_model)
+                did = True
+        return did
+
+    def wait_prefetch_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the prefetch thread has nothing left to read (True; False after `timeout`)."""
+        return self._prefetcher is None or self._prefetcher.wait_idle(timeout)
 
     def end_step(self) -> None:
         """The step is over: its adapters may be evicted again (their requests reload them if needed)."""
@@ -356,11 +412,14 @@ class LoRAManager:
 
     # ---- loading (any thread) -------------------------------------------------------------------
     def load(
-        self, lora_request: LoRARequest, protected: Collection[int] | None = None, also_keep: Collection[int] = ()
+        self,
+        lora_request: LoRARequest,
+        protected: Collection[int] | None = None,
+        also_keep: Collection[int] = (),
     ) -> LoRAModel:
         """The adapter from the host cache, else read, validated and cached (and written into a free
         slot, if any). To make room the cache evicts no pinned adapter, no `protected` one (default:
-        the adapters of the current step), no retained one (being removed while requests run) and
+        the adapters of the current step, as it is once the read is done), no retained one (being removed while requests run) and
         none of `also_keep`. The read runs outside the lock; concurrent loads of one id read once."""
         lora_id = lora_request.lora_id
         with self._flights.hold(lora_id):  # a per-id lock: loads of other adapters go on
@@ -369,6 +428,7 @@ class LoRAManager:
             if cached is not None:
                 return cached
             lora_model, elapsed = self._read(lora_request)
+            self._costs.observe(source_of(lora_model.path), lora_model.num_bytes, elapsed)
             with self._lock:
                 if lora_model.uses_dora:
                     self._dora_ids = self._dora_ids | {lora_id}
@@ -483,17 +543,20 @@ class LoRAManager:
                 levels[key] = "slot" if self._slots.slot_of(lora_id) is not None else "host"
             return levels
 
-    def stats(self) -> dict[str, int | float | list[float]]:
+    def stats(self) -> dict[str, int | float | str | list[float]]:
         """Counters and occupancy, keys prefixed `lora_`; `lora_load_seconds` lists the disk load
         latencies observed since the previous call (a histogram's new observations)."""
         with self._lock:
             counters = {**asdict(self._host.counters), **asdict(self._slots.counters)}
-            out: dict[str, int | float | list[float]] = {f"lora_{k}": v for k, v in counters.items()}
+            out: dict[str, int | float | str | list[float]] = {f"lora_{k}": v for k, v in counters.items()}
+            out["lora_eviction_policy"] = self._host.policy
             out["lora_num_cached"] = self._host.num_cached
             out["lora_num_loading"] = len(self._flights)
             out["lora_num_active_slots"] = self._slots.num_used
             out["lora_num_pinned"] = len(self._slots.pinned_ids)
             out["lora_load_seconds"] = self._host.drain_latencies()
+            if self._prefetcher is not None:
+                out.update({f"lora_{k}": v for k, v in asdict(self._prefetcher.counters).items()})
             return out
 
 

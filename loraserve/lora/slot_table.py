@@ -44,6 +44,10 @@ class SlotTable:
         return len(self._slots)
 
     @property
+    def has_free(self) -> bool:
+        return bool(self._free)
+
+    @property
     def pinned_ids(self) -> frozenset[int]:
         return frozenset(self._pinned)
 

@@ -94,6 +94,18 @@ def test_residency_follows_slots_and_host_cache(engine_and_adapters) -> None:
         bad = {"lora_name": "bad", "lora_path": paths["a"] + "-missing"}
         assert server.http.post("/v1/load_lora_adapter", json=bad).status_code == 404
         assert loads(server)["success"] == 4
+        events = {
+            (s.labels["event"], s.labels["policy"]): s.value
+            for family in text_string_to_metric_families(server.http.get("/metrics").text)
+            if family.name == "loraserve:lora_cache_events"
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
+        assert events == {
+            ("host_eviction", "cost"): 2.0,
+            ("prefetch", "cost"): 0.0,
+            ("prefetch_failure", "cost"): 0.0,
+        }
 
 
 def test_requests_info_names_running_and_waiting_adapters(tokenizer, tmp_path) -> None:

@@ -7,6 +7,9 @@ Each metric is exported twice, under `loraserve:` and `vllm:` (routers look for 
   too, so it has both series; an adapter with neither is not resident (reading it costs a load).
 - `lora_loads_total{outcome}`: adapter loads from storage into host memory, `outcome="success"`
   (first loads and reloads after eviction) or `"failure"`.
+- `loraserve:lora_cache_events_total{event, policy}` (loraserve's name only: vLLM has none):
+  `event="host_eviction"`, `"prefetch"` (an evicted adapter read back beside the step for a queued
+  request) or `"prefetch_failure"`, `policy` the host cache's eviction policy ("lru" or "cost").
 - `lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters}` = the scrape time
   (Unix seconds), vLLM's labels and value: the adapters of the running and waiting requests, each
   comma-separated (sorted here), and the number of compute slots. One series, the current one.
@@ -33,6 +36,25 @@ def _adapter_names(counts: Any) -> str:
     if not isinstance(counts, Mapping):
         return ""
     return ",".join(sorted(str(name) for name, count in counts.items() if name and count))
+
+
+_CACHE_EVENTS = (
+    ("host_eviction", "lora_num_host_evictions"),
+    ("prefetch", "lora_num_prefetches"),
+    ("prefetch_failure", "lora_num_prefetch_failures"),
+)
+
+
+def _cache_events(prefix: str, stats: Mapping[str, Any], names: list[str], values: list[str]) -> Metric:
+    events = CounterMetricFamily(
+        prefix + "lora_cache_events",
+        "Host-cache evictions and prefetches of adapters, by the host cache's eviction policy.",
+        labels=["event", "policy", *names],
+    )
+    policy = str(stats.get("lora_eviction_policy", "lru"))
+    for event, key in _CACHE_EVENTS:
+        events.add_metric([event, policy, *values], float(stats.get(key, 0)))
+    return events
 
 
 def lora_families(stats: Mapping[str, Any], now: float, extra: Mapping[str, str]) -> Iterator[Metric]:
@@ -68,6 +90,8 @@ def lora_families(stats: Mapping[str, Any], now: float, extra: Mapping[str, str]
         loads.add_metric(["success", *values], float(stats.get("lora_num_loads", 0)))
         loads.add_metric(["failure", *values], float(stats.get("lora_num_load_failures", 0)))
         yield loads
+        if prefix == PREFIXES[0]:
+            yield _cache_events(prefix, stats, names, values)
         info = GaugeMetricFamily(
             prefix + "lora_requests_info", "Running stats on lora requests.", labels=[*_INFO_LABELS, *names]
         )
