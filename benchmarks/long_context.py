@@ -8,19 +8,28 @@ transformers: the model's own decode step, a [B, 1] forward with a `DynamicCache
 `ctx - 1` random keys and values per layer (no prefill to pay for), plus the greedy pick; the cache is
 cropped back after each step so every step sees the same context.
 Both report the median step in milliseconds.
+The KV-read bound (issue 26): what the step costs at the longest context over the shortest, against
+the time to read the extra KV once (batch x extra tokens x layers x K and V rows) at the read bandwidth
+measured in the same run (`benchmarks.bandwidth`), for loraserve's engine step and for its attention
+alone (`benchmarks.attention`'s step over the model's layers, caches of that context); goal <= 1.5x.
 Usage: python -m benchmarks.long_context [--contexts 128,1024,2048] [--batch 16] [--steps 8] [--dtype auto]
+       python -m benchmarks.long_context --contexts 128,1900 --no-transformers --threads 1  (the bound row)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from benchmarks.attention import make_step
+from benchmarks.bandwidth import probe_buffer, read_bandwidth_gbs, read_once_gbs
 from benchmarks.common import build_model, cpu_class, limit_threads, random_prompts, save_results
 from loraserve import LLM, SamplingParams
 from loraserve.config import resolve_device, resolve_dtype
@@ -79,8 +88,14 @@ def make_llm(path: str, dtype: str, contexts: list[int], batch: int) -> LLM:
     blocks plus a few blocks each for the decoded tokens."""
     block_size = 16
     blocks_per_seq = math.ceil(max(contexts) / block_size) + 4
-    return LLM(path, dtype=dtype, max_num_seqs=batch, block_size=block_size,
-               num_kv_blocks=batch * blocks_per_seq, max_model_len=max(contexts))
+    return LLM(
+        path,
+        dtype=dtype,
+        max_num_seqs=batch,
+        block_size=block_size,
+        num_kv_blocks=batch * blocks_per_seq,
+        max_model_len=max(contexts),
+    )
 
 
 def filled_cache(model: Any, batch: int, length: int, dtype: torch.dtype) -> Any:
@@ -109,8 +124,13 @@ def transformers_step_ms(model: Any, ctx: int, batch: int, steps: int, dtype: to
     with torch.inference_mode():
         for _ in range(steps + 1):  # the first step is a warm-up
             begin = time.perf_counter()
-            out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                        use_cache=True)
+            out = model(
+                input_ids=tokens,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
             next_tokens = out.logits[:, -1].argmax(dim=-1, keepdim=True)
             times.append(time.perf_counter() - begin)
             assert cache.get_seq_length() == ctx
@@ -119,8 +139,14 @@ def transformers_step_ms(model: Any, ctx: int, batch: int, steps: int, dtype: to
     return 1000 * statistics.median(times[1:])
 
 
-def run_long_context(path: str, dtype: torch.dtype, contexts: list[int], batch: int = 16,
-                     steps: int = 8) -> dict[int, dict[str, float]]:
+def run_long_context(
+    path: str,
+    dtype: torch.dtype,
+    contexts: list[int],
+    batch: int = 16,
+    steps: int = 8,
+    with_transformers: bool = True,
+) -> dict[int, dict[str, float]]:
     """{ctx: {"loraserve_ms": .., "transformers_ms": ..}}: median decode step of `batch` sequences."""
     from transformers import AutoModelForCausalLM
 
@@ -135,12 +161,78 @@ def run_long_context(path: str, dtype: torch.dtype, contexts: list[int], batch: 
         results[ctx]["loraserve_ms"] = loraserve_step_ms(llm, ctx, batch, steps, "long")
         print(f"  loraserve ctx={ctx}: {results[ctx]['loraserve_ms']:.1f} ms/step", flush=True)
     del llm
+    if not with_transformers:
+        return results
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     transformers_step_ms(model, contexts[0], batch, 2, dtype)  # warm-up, as above
     for ctx in contexts:
         results[ctx]["transformers_ms"] = transformers_step_ms(model, ctx, batch, steps, dtype)
         print(f"  transformers ctx={ctx}: {results[ctx]['transformers_ms']:.1f} ms/step", flush=True)
     return results
+
+
+def model_shape(path: str) -> dict[str, int]:
+    """The attention shape of the model at `path` (its config.json): layers, heads, KV heads, head dim."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    return {
+        "layers": cfg["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": cfg.get("num_key_value_heads", heads),
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    }
+
+
+def kv_bytes_per_token(shape: dict[str, int], dtype: torch.dtype) -> int:
+    """Bytes of one token's K and V rows over every layer: what one more token of context reads."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * elem
+
+
+def attention_step_ms(
+    shape: dict[str, int], dtype: torch.dtype, contexts: list[int], batch: int, reps: int
+) -> tuple[dict[int, float], float]:
+    """({ctx: ms}, GB/s): the decode step's attention alone (KV write + kernel, every layer) and the
+    read bandwidth, each the best of `reps`; the contexts and the bandwidth probe take turns, so that
+    all of them see the same machine load (on shared cores it swings by several times in a minute)."""
+    args = argparse.Namespace(block_size=16, **shape)
+    steps = {ctx: make_step(args, batch, 1, ctx, dtype) for ctx in contexts}
+    probe = probe_buffer()
+    best, gbs = dict.fromkeys(contexts, float("inf")), 0.0
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # the first round warms up (kernel build, page faults)
+            for ctx, step in steps.items():
+                begin = time.perf_counter()
+                step()
+                if rep:
+                    best[ctx] = min(best[ctx], 1000 * (time.perf_counter() - begin))
+            gbs = max(gbs, read_once_gbs(probe))
+    return best, gbs
+
+
+def kv_bound(ms_short: float, ms_long: float, extra_bytes: int, gbs: float) -> dict[str, float]:
+    """The extra step time of the long context against reading its extra KV once at `gbs`."""
+    bound_ms = extra_bytes / (gbs * 1e9) * 1e3
+    return {"extra_ms": ms_long - ms_short, "bound_ms": bound_ms, "ratio": (ms_long - ms_short) / bound_ms}
+
+
+def print_kv_bound(
+    rows: dict[str, dict[str, float]], short: int, long: int, extra_bytes: int, batch: int
+) -> None:
+    print(
+        f"\nKV-read bound: {batch} seqs, {long} vs {short} tokens of context: {extra_bytes / 1e6:.0f} MB more KV,"
+        " read once at the read bandwidth measured beside each row"
+    )
+    print(
+        f"{'':>16}{f'ms@{short}':>10}{f'ms@{long}':>11}{'extra ms':>10}{'GB/s':>7}{'bound ms':>10}{'ratio':>8}"
+        "  (goal <= 1.5x)"
+    )
+    for name, row in rows.items():
+        print(
+            f"{name:>16}{row['short_ms']:>10.1f}{row['long_ms']:>11.1f}{row['extra_ms']:>10.1f}"
+            f"{row['read_gbs']:>7.1f}{row['bound_ms']:>10.1f}{row['ratio']:>7.2f}x"
+        )
 
 
 def print_long_context(results: dict[int, dict[str, float]]) -> None:
@@ -151,23 +243,66 @@ def print_long_context(results: dict[int, dict[str, float]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", default="128,1024,2048", help="comma-separated context lengths (tokens)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--contexts", default="128,1024,2048", help="comma-separated context lengths (tokens)"
+    )
     parser.add_argument("--batch", type=int, default=16, help="sequences decoded together")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per context (median)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=None, help="compute threads (1 on cores shared with other jobs)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="compute threads (1 on cores shared with other jobs)"
+    )
+    parser.add_argument("--no-transformers", action="store_true", help="loraserve and the KV-read bound only")
+    parser.add_argument("--attention-only", action="store_true", help="the attention row of the bound only")
     args = parser.parse_args()
     limit_threads(args.threads)
     contexts = sorted(int(x) for x in args.contexts.split(","))
     dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
     dtype_name = str(dtype).replace("torch.", "")
-    print(f"{cpu_class()}, torch threads={torch.get_num_threads()}, {dtype_name}, batch {args.batch}, "
-          f"median of {args.steps} decode steps")
-    results = run_long_context(model_for(contexts), dtype, contexts, args.batch, args.steps)
-    print_long_context(results)
-    save_results("long_context", {"cpu": cpu_class(), "dtype": dtype_name, "args": vars(args),
-                                  "steps_ms": {str(ctx): row for ctx, row in results.items()}})
+    print(
+        f"{cpu_class()}, torch threads={torch.get_num_threads()}, {dtype_name}, batch {args.batch}, "
+        f"median of {args.steps} decode steps"
+    )
+    path = model_for(contexts)
+    shape = model_shape(path)
+    short, long = contexts[0], contexts[-1]
+    results: dict[int, dict[str, float]] = {}
+    gbs = []
+    if not args.attention_only:
+        gbs.append(read_bandwidth_gbs())
+        results = run_long_context(path, dtype, contexts, args.batch, args.steps, not args.no_transformers)
+        gbs.append(read_bandwidth_gbs())  # before and after: the faster bounds the steps harder
+    attention, attention_gbs = attention_step_ms(shape, dtype, [short, long], args.batch, args.steps)
+    extra_bytes = args.batch * (long - short) * kv_bytes_per_token(shape, dtype)
+    rows = [("attention only", attention[short], attention[long], attention_gbs)]
+    if results:
+        rows.insert(
+            0, ("engine step", results[short]["loraserve_ms"], results[long]["loraserve_ms"], max(gbs))
+        )
+    bound_rows = {}
+    for name, short_ms, long_ms, row_gbs in rows:
+        bound_rows[name] = {
+            "short_ms": short_ms,
+            "long_ms": long_ms,
+            "read_gbs": row_gbs,
+            **kv_bound(short_ms, long_ms, extra_bytes, row_gbs),
+        }
+    if results and not args.no_transformers:
+        print_long_context(results)
+    print_kv_bound(bound_rows, short, long, extra_bytes, args.batch)
+    save_results(
+        "long_context",
+        {
+            "cpu": cpu_class(),
+            "dtype": dtype_name,
+            "args": vars(args),
+            "steps_ms": {str(ctx): row for ctx, row in results.items()},
+            "kv_bound": bound_rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ caller keeps its torch twin.
 
 Every kernel includes `simd.h` (this package's shared SIMD vocabulary): it is compiled next to a copy
 of it, and the header's bytes are part of every kernel's digest, so a changed header rebuilds them all.
+A kernel split into parts keeps them beside its source as `<stem>_*.h` (`paged_attention_scores.h`
+for `paged_attention.c`): they are copied beside it too and are part of that kernel's digest.
 
 LORASERVE_CPU_KERNEL_ARCH replaces `native` in `-march=` (e.g. `haswell` for the AVX2 paths,
 `x86-64` for the portable C): the tests use it to run every path on one machine.
@@ -59,6 +61,13 @@ def _headers() -> tuple[tuple[str, bytes], ...]:
     return tuple((name, resources.files("loraserve.native").joinpath(name).read_bytes()) for name in HEADERS)
 
 
+def _kernel_parts(package: str, stem: str) -> tuple[tuple[str, bytes], ...]:
+    """The (name, bytes) of the kernel's own headers, `<stem>_*.h` beside its source, read at each load."""
+    files = resources.files(package)
+    names = sorted(f.name for f in files.iterdir() if f.name.startswith(stem + "_") and f.name.endswith(".h"))
+    return tuple((name, files.joinpath(name).read_bytes()) for name in names)
+
+
 def _build(
     compiler: str,
     flags: tuple[str, ...],
@@ -95,7 +104,8 @@ def load_library(
         logger.info("no C compiler found: %s runs on its torch twin", source_name)
         return None
     source = resources.files(package).joinpath(source_name).read_bytes()
-    headers = _headers()
+    stem = source_name.rsplit(".", 1)[0]
+    headers = _headers() + _kernel_parts(package, stem)
     parts = [
         source,
         *(data for _, data in headers),
@@ -104,7 +114,6 @@ def load_library(
         platform.machine().encode(),
     ]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    stem = source_name.rsplit(".", 1)[0]
     target = os.path.join(envs.cache_root(), "kernels", f"{stem}_{key}.so")
     try:
         if not os.path.exists(target):

@@ -96,3 +96,28 @@ def test_the_header_ships_with_the_package() -> None:
     """What an installed (non-editable) loraserve reads: the header as a package resource."""
     names = dict(build._headers())
     assert set(names) == {"simd.h"} and b"#define W 16" in names["simd.h"]
+
+
+def test_a_kernel_split_into_parts_compiles_with_them_and_rebuilds_when_one_changes(
+    probe_package: str, tmp_path: Path
+) -> None:
+    """A kernel's own `<stem>_*.h` beside its source (paged_attention.c's parts) are copied into the
+    build and are part of its digest; a header of another stem is neither."""
+    package = tmp_path / "src" / probe_package
+    (package / "probe.c").write_bytes(
+        PROBE.replace(b'#include "simd.h"', b'#include "simd.h"\n#include "probe_part.h"')
+    )
+    (package / "probe_part.h").write_bytes(b"#define PROBE_EXTRA 3\n")
+    (package / "other_part.h").write_bytes(b"#error not this one\n")
+    assert _load(probe_package).probe_extra() == 3
+    first = _built(tmp_path)
+    (package / "other_part.h").write_bytes(b"#error still not this one\n")
+    assert _load(probe_package).probe_extra() == 3 and _built(tmp_path) == first  # not its part: cached
+    (package / "probe_part.h").write_bytes(b"#define PROBE_EXTRA 5\n")
+    assert _load(probe_package).probe_extra() == 5
+    assert len(_built(tmp_path)) == 2
+
+
+def test_the_attention_kernels_parts_ship_with_the_package() -> None:
+    names = [name for name, _ in build._kernel_parts("loraserve.layers", "paged_attention")]
+    assert "paged_attention_scores.h" in names and all(n.startswith("paged_attention_") for n in names)

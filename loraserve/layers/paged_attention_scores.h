@@ -1,0 +1,129 @@
+/* A block's scores: each row's q.k against the block's keys (row by row, or tiles transposed once for
+ * many rows), scaled, softcapped and masked to the keys the row sees.
+ *
+ * Part of paged_attention.c's one translation unit (see its header): included there once, in order
+ * (dots, items, scores, values, lanes, then plan), so each part may use what the earlier ones define. */
+#ifndef PAGED_ATTENTION_SCORES_H
+#define PAGED_ATTENTION_SCORES_H
+
+/* Lane j = the scores of row r against the tile's keys (bf16 keys read in place where the CPU has
+ * bf16 dot products, else from their float32 copy). */
+static inline vf row_scores(const Args *a, const Scratch *s, int64_t r, const uint16_t *const *k_bf16,
+                            const float *const *k_rows) {
+#ifdef NATIVE_BF16_DOT
+    if (a->is_bf16) return qk_bf16(s->q_bf16 + r * q_stride_bf16(a->head_dim), k_bf16, a->head_dim);
+#else
+    (void)k_bf16;
+#endif
+    return qk_f32(s->q + r * a->head_dim, k_rows, a->head_dim);
+}
+
+/* Row scores x against the tile's keys: scale, softcap, -inf outside the lanes [lo, hi) the row sees. */
+static inline void store_scores(const Args *a, vf x, int64_t lo, int64_t hi, float *p) {
+    x = vmul(x, vset1(a->scale));
+    if (a->softcap > 0.0f) x = vmul(vset1(a->softcap), vtanh(vmul(x, vset1(1.0f / a->softcap))));
+    vstore(p, vselect(vrange(lo, hi), x, vset1(-INFINITY)), W);
+}
+
+#ifdef NATIVE_BF16_DOT
+/* score_block's tiles t0 (and t0 + W when k1 is not NULL) for many rows: the keys are transposed once,
+ * then each row's scores are dot products of broadcast query pairs with the key columns, eight rows
+ * at a time. */
+static void score_tiles_transposed(const Args *a, const Item *it, Scratch *s, int64_t t0, int64_t nk,
+                                   const uint16_t *const *k0, const uint16_t *const *k1, const int64_t *lo,
+                                   const int64_t *hi) {
+    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads, rows = it->num_queries * group;
+    const int64_t pairs = (d + 1) / 2, qs = q_stride_bf16(d), tiles = k1 != NULL ? 2 : 1;
+    transpose_keys(k0, d, s->kt);
+    if (k1 != NULL) transpose_keys(k1, d, s->kt + pairs * W);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        vf x[16];
+        const uint16_t *q = s->q_bf16 + r0 * qs;
+        const int nr = (int)min64(8, rows - r0);
+#define QK_CASE(NR) \
+        case NR: \
+            if (tiles > 1) qk_transposed(s->kt, pairs, q, qs, NR, 2, x); \
+            else qk_transposed(s->kt, pairs, q, qs, NR, 1, x); \
+            break;
+        switch (nr) {
+        QK_CASE(8) QK_CASE(7) QK_CASE(6) QK_CASE(5) QK_CASE(4) QK_CASE(3) QK_CASE(2) QK_CASE(1)
+        }
+#undef QK_CASE
+        for (int r = 0; r < nr; ++r) {
+            const int64_t qi = (r0 + r) / group;
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t base = t0 + t * W;
+                store_scores(a, x[2 * r + t], lo[qi] - base, min64(hi[qi], nk) - base, s->p + (r0 + r) * KEY_BLOCK + base);
+            }
+        }
+    }
+}
+#endif
+
+/* Scores of one KV head's rows of the item against the block's keys [t_begin, t_end) (of nk; cache
+ * element offsets `offsets`; t_begin a multiple of W) into s->p, -inf where a row does not see a key
+ * (query qi sees [lo[qi], hi[qi])); tiles a row does not see at all cost it no dot products. A share
+ * of the next block is requested per tile when `ahead` is not NULL. */
+static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, const int64_t *offsets,
+                        const int64_t *lo, const int64_t *hi, int64_t t_begin, int64_t t_end, Ahead *ahead) {
+    const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += W) {
+        if (ahead != NULL) prefetch_ahead(ahead, SCORE_PREFETCH);
+        const float *k_rows[W] = {0};
+        const uint16_t *k_bf16[W] = {0};
+        for (int j = 0; j < W; ++j) {
+            const int64_t off = offsets[t0 + j < nk ? t0 + j : t0]; /* past the last key: a real, finite row */
+            if (a->is_bf16) k_bf16[j] = (const uint16_t *)a->k_cache + off;
+            else k_rows[j] = (const float *)a->k_cache + off;
+        }
+        int visible = 0;
+        for (int64_t qi = 0; qi < it->num_queries; ++qi) visible |= lo[qi] < min64(hi[qi], t0 + W) && hi[qi] > t0;
+#ifdef NATIVE_BF16_DOT
+        if (visible && a->is_bf16 && it->num_queries * group >= TRANSPOSE_ROWS) {
+            const uint16_t *k_next[W]; /* the next tile too, when there is one: scored in the same pass */
+            const int pair = t0 + W < t_end;
+            for (int j = 0; pair && j < W; ++j)
+                k_next[j] = (const uint16_t *)a->k_cache + offsets[t0 + W + j < nk ? t0 + W + j : t0 + W];
+            score_tiles_transposed(a, it, s, t0, nk, k_bf16, pair ? k_next : NULL, lo, hi);
+            if (pair) {
+                t0 += W;
+                if (ahead != NULL) prefetch_ahead(ahead, SCORE_PREFETCH);
+            }
+            continue;
+        }
+#endif
+        int converted = 0;
+        for (int64_t qi = 0; qi < it->num_queries; ++qi) {
+            float *p = s->p + qi * group * KEY_BLOCK + t0;
+            if (lo[qi] >= min64(hi[qi], t0 + W) || hi[qi] <= t0) {
+                for (int64_t g = 0; g < group; ++g) vstore(p + g * KEY_BLOCK, vset1(-INFINITY), W);
+                continue;
+            }
+#ifndef NATIVE_BF16_DOT
+            if (a->is_bf16 && !converted) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile for all rows */
+#endif
+            converted = 1;
+#ifdef NATIVE_BF16_DOT
+            if (a->is_bf16 && s->qt != NULL) { /* a group of at most 4 rows (see paged_attention) */
+                const __m512i *qt = (const __m512i *)s->qt + qi * group * quad_stride(d);
+                vf x[4];
+                switch (group) {
+                case 4: qk_bf16_quads(qt, quad_stride(d), 4, k_bf16, d, x); break;
+                case 3: qk_bf16_quads(qt, quad_stride(d), 3, k_bf16, d, x); break;
+                case 2: qk_bf16_quads(qt, quad_stride(d), 2, k_bf16, d, x); break;
+                default: qk_bf16_quads(qt, quad_stride(d), 1, k_bf16, d, x);
+                }
+                for (int64_t g = 0; g < group; ++g)
+                    store_scores(a, x[g], lo[qi] - t0, min64(hi[qi], nk) - t0, p + g * KEY_BLOCK);
+                continue;
+            }
+#endif
+            for (int64_t g = 0; g < group; ++g)
+                store_scores(a, row_scores(a, s, qi * group + g, k_bf16, k_rows), lo[qi] - t0, min64(hi[qi], nk) - t0,
+                             p + g * KEY_BLOCK);
+        }
+        (void)converted, (void)visible, (void)d;
+    }
+}
+
+#endif /* PAGED_ATTENTION_SCORES_H */

@@ -1,0 +1,264 @@
+/* A block's softmax and values: the online softmax per row, the probability-weighted V rows summed into
+ * the accumulators (float32 or bf16 pair dot products), and a block attended by an item of one or of
+ * several KV heads.
+ *
+ * Part of paged_attention.c's one translation unit (see its header): included there once, in order
+ * (dots, items, scores, values, lanes, then plan), so each part may use what the earlier ones define. */
+#ifndef PAGED_ATTENTION_VALUES_H
+#define PAGED_ATTENTION_VALUES_H
+
+/* Rows r < nr of acc (d floats apart) += sum over keys j0 <= j < j1 of p[r * KEY_BLOCK + j] * v[j]:
+ * 2W columns at a time, held in registers across all the keys, so each V row is loaded (and widened,
+ * even and odd bf16 elements apart with one instruction each) once per nr rows. Callers pass constants
+ * for nr and is_bf16 so the unused accumulators and the other dtype's loads vanish. */
+__attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d, const float *p, int nr,
+                                                          const void *v_cache, const int64_t *offsets,
+                                                          int64_t j0, int64_t j1, int is_bf16) {
+    for (int64_t i = 0; i < d; i += PV_COLS) {
+        const int64_t n = d - i;
+        vf sum[4][PV_COLS / W];
+#pragma GCC unroll 16
+        for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; ++c) sum[r][c] = vzero();
+        for (int64_t j = j0; j < j1; ++j) {
+            vf x[PV_COLS / W];
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; c += 2) {
+                if (is_bf16) {
+                    vload_pair_bf16((const uint16_t *)v_cache + offsets[j] + i + c * W, n - c * W, &x[c], &x[c + 1]);
+                } else {
+                    const float *v = (const float *)v_cache + offsets[j] + i + c * W;
+                    x[c] = vload(v, n - c * W);
+                    x[c + 1] = vload(v + W, n - (c + 1) * W);
+                }
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < nr; ++r) {
+                const vf pr = vset1(p[r * KEY_BLOCK + j]);
+#pragma GCC unroll 16
+                for (int c = 0; c < PV_COLS / W; ++c) sum[r][c] = vfma(pr, x[c], sum[r][c]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 16
+            for (int c = 0; c < PV_COLS / W; c += 2) {
+                if (is_bf16) vinterleave(&sum[r][c], &sum[r][c + 1]);
+                float *row = acc + r * d + i + c * W;
+                vstore(row, vadd(vload(row, n - c * W), sum[r][c]), n - c * W);
+                vstore(row + W, vadd(vload(row + W, n - (c + 1) * W), sum[r][c + 1]), n - (c + 1) * W);
+            }
+    }
+}
+
+#ifdef NATIVE_BF16_DOT
+/* The bf16 route of pv_rows: the probabilities rounded to bf16 (as the twin's probs.to(v.dtype) are),
+ * paired by key (pb dword j / 2 = keys j, j + 1; rows KEY_BLOCK / 2 apart), the V rows of two keys
+ * interleaved by 16-bit unpacks, and one pair dot product per 16 lanes: no widening, half the
+ * multiply-adds. Keys from j0 rounded down to even to j1 (a key past nk reads key j's row, with
+ * probability 0). The unpacks leave each 32-column chunk as columns 8k..8k+3 then 8k+4..8k+7 per
+ * 128-bit lane; two permutes per chunk and row put them back. */
+__attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_t d, const uint32_t *pb, int nr,
+                                                              const uint16_t *v_cache, const int64_t *offsets,
+                                                              int64_t nk, int64_t j0, int64_t j1) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t i = 0; i < d; i += 64) {
+        const int64_t n = d - i;
+        vf sum[4][4];
+#pragma GCC unroll 16
+        for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) sum[r][c] = vzero();
+        for (int64_t j = j0 & ~(int64_t)1; j < j1; j += 2) {
+            const uint16_t *va = v_cache + offsets[j] + i, *vb = v_cache + offsets[j + 1 < nk ? j + 1 : j] + i;
+            __m512bh x[4];
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; ++c) {
+                const int64_t left = n - 32 * c;
+                const __mmask32 m = mask32_first(left);
+                const __m512i ka = _mm512_maskz_loadu_epi16(m, va + 32 * c), kb = _mm512_maskz_loadu_epi16(m, vb + 32 * c);
+                x[2 * c] = (__m512bh)_mm512_unpacklo_epi16(ka, kb), x[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(ka, kb);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; ++r) {
+                const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pb[r * (KEY_BLOCK / 2) + j / 2]);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], x[c], pr);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; ++c) {
+                float *row = acc + r * d + i + 32 * c;
+                const int64_t left = n - 32 * c;
+                const vf lo = _mm512_permutex2var_ps(sum[r][2 * c], first, sum[r][2 * c + 1]);
+                const vf hi = _mm512_permutex2var_ps(sum[r][2 * c], second, sum[r][2 * c + 1]);
+                vstore(row, vadd(vload(row, left), lo), left);
+                vstore(row + W, vadd(vload(row + W, left - W), hi), left - W);
+            }
+    }
+}
+
+/* pb row r = row r of p (n lanes, a multiple of W) rounded to bf16, in key pairs. */
+static void pair_probabilities(const float *p, int64_t rows, int64_t n, uint32_t *pb) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n; j += 2 * W) {
+            const float *pr = p + r * KEY_BLOCK + j;
+            uint32_t *dst = pb + r * (KEY_BLOCK / 2) + j / 2;
+            if (n - j >= 2 * W) _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(vload(pr + W, W), vload(pr, W)));
+            else _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(vload(pr, W)));
+        }
+}
+#endif
+
+#define PV_KEYS 32 /* keys per slice of a block's values: between slices, the next block is requested */
+
+/* pv_rows over `rows` rows (probabilities p, KEY_BLOCK apart; with bf16 dot products pb, p paired by
+ * pair_probabilities) for the keys [k0, min(k0 + PV_KEYS, nk)), four rows at a time; each pass reads
+ * only the keys its rows see ([lo, hi) per row). */
+static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, const int64_t *lo, const int64_t *hi,
+                     int64_t nk, const int64_t *offsets, int64_t k0, const uint32_t *pb) {
+    const int64_t d = a->head_dim;
+#ifndef NATIVE_BF16_DOT
+    (void)pb, (void)nk;
+#endif
+    for (int64_t r = 0; r < rows; r += 4) {
+        const int nr = (int)min64(4, rows - r);
+        int64_t j0 = lo[r], j1 = hi[r];
+        for (int k = 1; k < nr; ++k) j0 = min64(j0, lo[r + k]), j1 = max64(j1, hi[r + k]);
+        j0 = max64(j0, k0), j1 = min64(j1, k0 + PV_KEYS);
+        if (j0 >= j1) continue;
+        float *ar = acc + r * d;
+        const float *pr = p + r * KEY_BLOCK;
+#ifdef NATIVE_BF16_DOT
+#define PV_BF16(NR) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, (const uint16_t *)a->v_cache, offsets, nk, j0, j1)
+#else
+#define PV_BF16(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 1)
+#endif
+#define PV_CASE(NR) \
+        if (a->is_bf16) PV_BF16(NR); \
+        else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 0); \
+        break;
+        switch (nr) {
+        case 4: PV_CASE(4)
+        case 3: PV_CASE(3)
+        case 2: PV_CASE(2)
+        default: PV_CASE(1)
+        }
+#undef PV_CASE
+#undef PV_BF16
+    }
+}
+
+/* Online softmax for one row over a block of n scores (a multiple of W): the scores become
+ * probabilities (0 where -inf), the row's max and sum move on, and its accumulator is rescaled. */
+static void softmax_block(float *p, int64_t n, float *m, float *l, float *acc, int64_t d) {
+    vf mx = vset1(-INFINITY);
+    for (int64_t j = 0; j < n; j += W) mx = vmax(mx, vload(p + j, W));
+    const float block_max = vhmax(mx);
+    if (block_max == -INFINITY) { /* the row sees none of the block's keys */
+        for (int64_t j = 0; j < n; j += W) vstore(p + j, vzero(), W);
+        return;
+    }
+    const float m_new = block_max > *m ? block_max : *m;
+    if (m_new > *m && *l > 0.0f) {
+        const vf c = vset1(expf(*m - m_new));
+        for (int64_t i = 0; i < d; i += W) vstore(acc + i, vmul(vload(acc + i, d - i), c), d - i);
+        *l *= expf(*m - m_new);
+    }
+    vf sum = vzero();
+    const vf neg_inf = vset1(-INFINITY), shift = vset1(m_new);
+    for (int64_t j = 0; j < n; j += W) {
+        const vf x = vload(p + j, W);
+        const vf e = vselect(vless(neg_inf, x), vexp(vsub(x, shift)), vzero());
+        sum = vadd(sum, e);
+        vstore(p + j, e, W);
+    }
+    *l += vhsum(sum);
+    *m = m_new;
+}
+
+/* The views of KV head h of the item (rows rows each): its K/V (`offsets` point at the item's first
+ * head) and its rows of the scratch. */
+static inline void head_views(const Args *a, const Scratch *s, int64_t h, int64_t rows, Args *ah, Scratch *sh) {
+    const int64_t d = a->head_dim, esize = a->is_bf16 ? 2 : 4;
+    *ah = *a, *sh = *s;
+    ah->k_cache = (const char *)a->k_cache + h * d * esize, ah->v_cache = (const char *)a->v_cache + h * d * esize;
+    sh->q += h * rows * d, sh->q_bf16 += h * rows * q_stride_bf16(d), sh->acc += h * rows * d;
+    sh->m += h * rows, sh->l += h * rows, sh->p += h * rows * KEY_BLOCK, sh->pb += h * rows * (KEY_BLOCK / 2);
+#ifdef NATIVE_BF16_DOT
+    if (s->qt != NULL) sh->qt = (__m512i *)s->qt + h * rows * quad_stride(d);
+#endif
+}
+
+/* attend_block for an item of one KV head: its whole block scored, then its values summed slice by
+ * slice, the next block requested a share per tile and per slice. */
+static void attend_block_head(const Args *a, Scratch *s, const Item *it, int64_t rows, int64_t nk,
+                              const int64_t *offsets, const int64_t *lo, const int64_t *hi, const int64_t *row_lo,
+                              const int64_t *row_hi, Ahead *ahead) {
+    const int64_t d = a->head_dim, n = (nk + W - 1) / W * W, slices = (nk + PV_KEYS - 1) / PV_KEYS;
+    const int64_t units = ahead->n * ahead->heads; /* the next item may be one of several heads */
+    score_block(a, it, s, nk, offsets, lo, hi, 0, nk, ahead);
+    for (int64_t r = 0; r < rows; ++r) softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
+#ifdef NATIVE_BF16_DOT
+    if (a->is_bf16) pair_probabilities(s->p, rows, n, s->pb);
+#endif
+    for (int64_t j = 0; j < nk; j += PV_KEYS) {
+        prefetch_ahead(ahead, (units - ahead->done + slices - 1) / slices);
+        pv_slice(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, j, s->pb);
+    }
+    prefetch_ahead(ahead, units);
+}
+
+/* attend_block for an item of several KV heads: they take turns every two tiles of scores and every
+ * slice of values, so the pieces of a token's K/V row (all the item's heads: one contiguous run of
+ * the cache) are read close together; meanwhile the next block's rows are requested, a share per turn. */
+static void attend_block_heads(const Args *a, Scratch *s, const Item *it, int64_t rows, int64_t nk,
+                               const int64_t *offsets, const int64_t *lo, const int64_t *hi, const int64_t *row_lo,
+                               const int64_t *row_hi, Ahead *ahead) {
+    const int64_t d = a->head_dim, heads = it->num_kv, n = (nk + W - 1) / W * W;
+    Args ah[MAX_ROWS];
+    Scratch sh[MAX_ROWS];
+    for (int64_t h = 0; h < heads; ++h) head_views(a, s, h, rows, &ah[h], &sh[h]);
+    for (int64_t t = 0; t < nk; t += 2 * W) {
+        for (int64_t h = 0; h < heads; ++h) {
+            prefetch_ahead(ahead, 2 * SCORE_PREFETCH);
+            score_block(&ah[h], it, &sh[h], nk, offsets, lo, hi, t, min64(t + 2 * W, nk), NULL);
+        }
+    }
+    for (int64_t r = 0; r < heads * rows; ++r)
+        softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
+#ifdef NATIVE_BF16_DOT
+    if (a->is_bf16) pair_probabilities(s->p, heads * rows, n, s->pb);
+#endif
+    const int64_t slices = (nk + PV_KEYS - 1) / PV_KEYS;
+    for (int64_t j = 0, i = 0; j < nk; j += PV_KEYS, ++i) {
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t calls = (slices - i) * heads - h;
+            prefetch_ahead(ahead, (ahead->n * ahead->heads - ahead->done + calls - 1) / calls);
+            pv_slice(&ah[h], sh[h].acc, sh[h].p, rows, row_lo, row_hi, nk, offsets, j, sh[h].pb);
+        }
+    }
+    prefetch_ahead(ahead, ahead->n * ahead->heads);
+}
+
+/* The item's rows against the block of keys [k0, k0 + nk) at `offsets`. */
+static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, int64_t nk, const int64_t *offsets,
+                         Ahead *ahead) {
+    const int64_t group = a->num_heads / a->num_kv_heads, rows = it->num_queries * group;
+    /* Per query at most MAX_ROWS queries; per row in scratch, since a group wider than MAX_ROWS
+     * (multi-query models: 48 or 71 heads on one KV head) makes an item of one query and `group` rows. */
+    int64_t lo[MAX_ROWS], hi[MAX_ROWS], *row_lo = s->row_range, *row_hi = s->row_range + rows;
+    for (int64_t qi = 0; qi < it->num_queries; ++qi) {
+        key_range(a, it, qi, &lo[qi], &hi[qi]);
+        lo[qi] = max64(lo[qi], k0) - k0, hi[qi] = min64(hi[qi], k0 + nk) - k0;
+        for (int64_t g = 0; g < group; ++g) row_lo[qi * group + g] = lo[qi], row_hi[qi * group + g] = hi[qi];
+    }
+    if (it->num_kv == 1) attend_block_head(a, s, it, rows, nk, offsets, lo, hi, row_lo, row_hi, ahead);
+    else attend_block_heads(a, s, it, rows, nk, offsets, lo, hi, row_lo, row_hi, ahead);
+}
+
+#endif /* PAGED_ATTENTION_VALUES_H */
