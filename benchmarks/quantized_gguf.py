@@ -82,6 +82,36 @@ def runner(llm: Any, gen_len: int) -> Any:
     return run
 
 
+def bound_rows(
+    systems: dict[str, Any], rows: dict[str, dict[str, float]], bandwidth: float, concurrent: int
+) -> dict[str, dict[str, float]]:
+    """Each system's decode step against its weight-read bound (weight bytes / measured bandwidth):
+    the one sequence's ms/step and its ratio to the bound (the issue's goal: at most 1.25x), and the
+    concurrent rows' ms/step per 32-token step against the same bound (one step reads the weights once
+    whatever the rows). Printed as a table; returned for the results file."""
+    print(
+        f"\n{'system':<24}{'bound ms':>10}{'1 seq ms/step':>15}{'x bound':>9}{f'{concurrent} conc ms/step':>18}"
+        f"{'x bound':>9}"
+    )
+    out: dict[str, dict[str, float]] = {}
+    for name, system in systems.items():
+        bound_ms = system["weight_bytes"] / (bandwidth * 1e9) * 1e3
+        one_ms = 1e3 / rows[name]["one sequence"]
+        many_ms = 1e3 * concurrent / rows[name][f"{concurrent} concurrent"]
+        print(
+            f"{name:<24}{bound_ms:>10.2f}{one_ms:>15.2f}{one_ms / bound_ms:>9.2f}{many_ms:>18.2f}"
+            f"{many_ms / bound_ms:>9.2f}"
+        )
+        out[name] = {
+            "bound_ms": bound_ms,
+            "one_sequence_ms": one_ms,
+            "one_sequence_x_bound": one_ms / bound_ms,
+            "concurrent_step_ms": many_ms,
+            "concurrent_x_bound": many_ms / bound_ms,
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -132,6 +162,7 @@ def main() -> None:
             "floor_ms": floor_ms,
             "rss_after_load_mb": system["rss_mb"],
         }
+    results["bound"] = bound_rows(systems, rows, bandwidth, args.concurrent)
     save_results("quantized_gguf", results)
 
 

@@ -33,6 +33,7 @@
 #endif
 
 #define MR 4        /* rows of x per pass over a weight row: its unpacked blocks are reused that often */
+#define PREFETCH_ROWS 4 /* weight rows ahead of the one being read (past the end: a harmless hint) */
 #define N_CHUNK 16  /* weight rows per work item (a few KB: stays in L1 while the row groups pass) */
 
 static const int BLOCK_SIZE[6] = {32, 32, 32, 256, 256, 256};
@@ -189,13 +190,15 @@ static inline __attribute__((always_inline)) void int8_block(int type, const uin
     blockinfo bi;
     const uint8_t *p = block_info(type, row, b, &bi);
     const __m256i q = unpack_vec(type, p, b);
-    const __m256 s = _mm256_setr_m128(_mm_set1_ps(bi.s0), _mm_set1_ps(bi.s1));
+    /* one scale for the whole block but in Q6_K: then a broadcast of s * dx is all a row needs */
+    const __m256 s = type == 5 ? _mm256_setr_m128(_mm_set1_ps(bi.s0), _mm_set1_ps(bi.s1)) : _mm256_setzero_ps();
     for (int m = 0; m < MR; m++) {
         if (m >= mr) break;
         const int64_t at = (r0 + m) * nb_row + b;
         const __m256i x = _mm256_loadu_si256((const __m256i *)(qx->xq + at * 32));
         const __m256 d = _mm256_cvtepi32_ps(dot32(q, x, is_signed));
-        acc[m] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(qx->dx[at])), acc[m]);
+        const __m256 sd = type == 5 ? _mm256_mul_ps(s, _mm256_set1_ps(qx->dx[at])) : _mm256_set1_ps(bi.s0 * qx->dx[at]);
+        acc[m] = _mm256_fmadd_ps(d, sd, acc[m]);
         if (!is_signed) add[m] += bi.add * qx->dxs[at];
     }
 }
@@ -313,17 +316,34 @@ static void quantize_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int6
     }
 }
 
+/* Weight rows [n0, n1) against x's rows r0 .. r0 + mr - 1; `mr` is a constant after inlining (the
+ * switch below), so the per-row accumulators are registers rather than a stack array. */
+static inline __attribute__((always_inline)) void rows_pass(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                                                            int64_t n1, int64_t k, const qx_t *qx, const float *x_f32,
+                                                            int64_t ldx, int64_t r0, int mr, float *acc) {
+    for (int64_t n = n0; n < n1; n++) {
+        float out[MR];
+        /* a step streams each weight once from memory: ask for rows PREFETCH_ROWS ahead (the hardware
+         * prefetcher alone left a single thread at about half the read bandwidth on the LM head) */
+        if (r0 == 0)
+            for (int64_t at = 0; at < row_bytes; at += 64)
+                __builtin_prefetch(w + (n + PREFETCH_ROWS) * row_bytes + at, 0, 0);
+        if (x_f32 != NULL) row_dot_f32(type, w + n * row_bytes, k, x_f32, ldx, r0, mr, out);
+        else row_dot(type, w + n * row_bytes, k, qx, r0, mr, out);
+        for (int i = 0; i < mr; i++) acc[(r0 + i) * N_CHUNK + (n - n0)] = out[i];
+    }
+}
+
 /* x_f32 (or NULL: the int8 path over qx) is float32 x with row stride ldx. */
 static inline __attribute__((always_inline)) void chunk_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
                                                              int64_t n1, int64_t k, const qx_t *qx, const float *x_f32,
                                                              int64_t ldx, int64_t m, float *acc /*[m][N_CHUNK]*/) {
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
-        const int mr = (int)(m - r0 < MR ? m - r0 : MR);
-        for (int64_t n = n0; n < n1; n++) {
-            float out[MR];
-            if (x_f32 != NULL) row_dot_f32(type, w + n * row_bytes, k, x_f32, ldx, r0, mr, out);
-            else row_dot(type, w + n * row_bytes, k, qx, r0, mr, out);
-            for (int i = 0; i < mr; i++) acc[(r0 + i) * N_CHUNK + (n - n0)] = out[i];
+        switch (m - r0 < MR ? m - r0 : MR) {
+        case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, x_f32, ldx, r0, 1, acc); break;
+        case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, x_f32, ldx, r0, 2, acc); break;
+        case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, x_f32, ldx, r0, 3, acc); break;
+        default: rows_pass(type, w, row_bytes, n0, n1, k, qx, x_f32, ldx, r0, MR, acc); break;
         }
     }
 }
@@ -379,9 +399,34 @@ int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_bf16, const
     return 0;
 }
 
+/* The decoder stack's linear (models/decoder_stack.c's gemm_fn signature): a layer of one or more
+ * quantized output slices, a = {parts, x_bf16, n_total, then per part {address, n, k, type}}; y is
+ * [m, n_total] contiguous, bias [n_total] or NULL. Each slice is the quant_linear call the Python path
+ * (Linear._quant_forward) makes, so the two agree bit for bit. `side` (the dense kernel's LoRA
+ * prefetch) is not used. Returns quant_linear's status, or 1 for a bad part count. */
+int quant_gemm(const int64_t *a, const void *x, int64_t ldx, const void *bias, void *y, int64_t m, int num_threads,
+               const int64_t *side) {
+    (void)side;
+    const int64_t parts = a[0], n_total = a[2];
+    const int x_bf16 = (int)a[1];
+    const int64_t elem = x_bf16 ? 2 : 4;
+    int64_t off = 0;
+    for (int64_t p = 0; p < parts; p++) off += a[3 + 4 * p + 1];
+    if (parts < 1 || off != n_total) return 1;
+    off = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        const int64_t *w = a + 3 + 4 * p;
+        const void *b = bias == NULL ? NULL : (const char *)bias + off * elem;
+        const int status = quant_linear(w, x, ldx, x_bf16, b, (char *)y + off * elem, n_total, m, num_threads);
+        if (status != 0) return status;
+        off += w[1];
+    }
+    return 0;
+}
+
 #if QK_PATH > 0
 /* 8 floats at p as float32 or bf16 (to nearest even: weights are finite). */
-static inline void store8(void *out, int64_t at, __m256 v, int out_bf16) {
+static inline __attribute__((always_inline)) void store8(void *out, int64_t at, __m256 v, int out_bf16) {
     if (!out_bf16) {
         _mm256_storeu_ps((float *)out + at, v);
         return;
@@ -401,6 +446,22 @@ static inline __attribute__((always_inline)) void dequantize_block(int type, con
     const uint8_t *p = block_info(type, row, b, &bi);
     const __m256i q = unpack_vec(type, p, b);
     const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    /* 16 weights a vector and one vcvtne2ps2bf16 (round to nearest even, as store8; no weight is a
+     * float32 denormal, which it would flush) for the block: a quarter of the 256-bit form's work */
+    __m512 v[2];
+    for (int g = 0; g < 2; g++) {
+        const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(halves[g]) : _mm512_cvtepu8_epi32(halves[g]);
+        v[g] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(g == 0 ? bi.s0 : bi.s1)),
+                             _mm512_set1_ps(bi.add));
+    }
+    if (out_bf16) {
+        _mm512_storeu_si512((uint16_t *)out + at, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+    } else {
+        _mm512_storeu_ps((float *)out + at, v[0]);
+        _mm512_storeu_ps((float *)out + at + 16, v[1]);
+    }
+#else
     for (int g = 0; g < 4; g++) {
         const __m128i eight = g & 1 ? _mm_srli_si128(halves[g / 2], 8) : halves[g / 2];
         const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
@@ -408,12 +469,12 @@ static inline __attribute__((always_inline)) void dequantize_block(int type, con
                                        _mm256_set1_ps(bi.add));
         store8(out, at + 8 * g, v, out_bf16);
     }
+#endif
 }
 #endif
 
 /* Rows [n0, n1) of w = {address, n, k, type} as float32 (out_bf16 = 0) or bf16, [n1 - n0, k] dense at
  * out. Returns 0, or 1 as quant_linear does. */
-__attribute__((optimize("fp-contract=off"))) /* s * q + add rounded twice, as the torch twin computes it */
 int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int out_bf16, int num_threads) {
     const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
     const int64_t k = w[2];

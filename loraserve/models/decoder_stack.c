@@ -39,10 +39,12 @@ enum {
     M_COS, M_SIN, M_POSITIONS, /* rope tables [M_POSITIONS, head_dim] float32 */
     M_FIELDS
 };
-/* Per layer: norm weights, each linear's gemm_linear_packed arguments and bias (0: none), caches. */
+/* Per layer: norm weights, each linear's kernel arguments and bias (0: none), caches, then each
+ * linear's kernel (a gemm_fn: gemm_linear_prefetch for a dense packed weight, quant_gemm for a
+ * block-quantized one; M_GEMM is the dense one, kept for the caller's checks). */
 enum {
     L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS, L_O, L_O_BIAS, L_GU, L_GU_BIAS, L_DOWN, L_DOWN_BIAS,
-    L_K_CACHE, L_V_CACHE, L_SLIDING, L_FIELDS
+    L_K_CACHE, L_V_CACHE, L_SLIDING, L_QKV_FN, L_O_FN, L_GU_FN, L_DOWN_FN, L_FIELDS
 };
 /* The step's half. Buffers: r [T, hidden] holds the embeddings and is the residual stream; x, h
  * [T, hidden]; qkv [T, q + 2 kv]; a [T, q]; g [T, 2 inter]; s [T, inter]. */
@@ -58,10 +60,10 @@ int decoder_stack_layout(void) { return M_FIELDS | L_FIELDS << 8 | S_FIELDS << 1
 #define PTR(type, v) ((type)(intptr_t)(v))
 #define FAIL(layer, op, status) return (int)(((layer) << 8) | ((op) << 4) | ((status) & 0xF))
 
-/* y = x W^T + b through gemm_linear_prefetch, then the layer's LoRA term when `lora` is not 0; the
+/* y = x W^T + b through the linear's kernel `fn`, then the layer's LoRA term when `lora` is not 0; the
  * product fetches that term's adapter weights meanwhile (see gemm_kernel.c), so the LoRA kernel finds
  * them in cache instead of waiting on memory at its start. */
-static int linear(const int64_t *m, const int64_t *s, int64_t weight, int64_t bias, int64_t lora, const void *x,
+static int linear(const int64_t *m, const int64_t *s, int64_t fn, int64_t weight, int64_t bias, int64_t lora, const void *x,
                   int64_t ldx, void *y, int64_t ldy) {
     int64_t side[2 + 4 * MAX_SIDE_RUNS]; /* the LoRA term's weights, fetched during the base product */
     const int64_t *sp = NULL;
@@ -69,7 +71,7 @@ static int linear(const int64_t *m, const int64_t *s, int64_t weight, int64_t bi
         PTR(ranges_fn, m[M_LORA_RANGES])(PTR(const int64_t *, lora), PTR(const int64_t *, s[S_LORA_STEP]), side,
                                          MAX_SIDE_RUNS, (int)s[S_THREADS]) > 0)
         sp = side;
-    int status = PTR(gemm_fn, m[M_GEMM])(PTR(const int64_t *, weight), x, ldx, PTR(const void *, bias), y,
+    int status = PTR(gemm_fn, fn)(PTR(const int64_t *, weight), x, ldx, PTR(const void *, bias), y,
                                          s[S_TOKENS], (int)s[S_THREADS], sp);
     if (status != 0) return (OP_GEMM << 4) | (status & 0xF);
     if (lora != 0) {
@@ -106,20 +108,20 @@ int decoder_stack(const int64_t *m, const int64_t *layers, const int64_t *s, flo
         int status;
         if (i == 0) norm(r, hidden, NULL, 0, h, hidden, PTR(const void *, l[L_IN_NORM]), rows, hidden, eps, dtype, threads);
         else norm(x, hidden, r, hidden, h, hidden, PTR(const void *, l[L_IN_NORM]), rows, hidden, eps, dtype, threads);
-        if ((status = linear(m, s, l[L_QKV], l[L_QKV_BIAS], li ? li[0] : 0, h, hidden, qkv, qkv_ld)) != 0)
+        if ((status = linear(m, s, l[L_QKV_FN], l[L_QKV], l[L_QKV_BIAS], li ? li[0] : 0, h, hidden, qkv, qkv_ld)) != 0)
             FAIL(i, status >> 4, status);
         status = PTR(rope_fn, m[M_ROPE])(qkv, qkv_ld, PTR(const int64_t *, s[S_POSITIONS]), PTR(const float *, m[M_COS]),
                                          PTR(const float *, m[M_SIN]), m[M_POSITIONS], rows, m[M_HEADS] + m[M_KV_HEADS],
                                          m[M_HEAD_DIM], dtype, threads);
         if (status != 0) FAIL(i, OP_ROPE, status);
         if ((status = attention(m, s, l, qkv, qkv_ld, elem, scale)) != 0) FAIL(i, OP_ATTENTION, status);
-        if ((status = linear(m, s, l[L_O], l[L_O_BIAS], li ? li[1] : 0, a, m[M_Q], x, hidden)) != 0)
+        if ((status = linear(m, s, l[L_O_FN], l[L_O], l[L_O_BIAS], li ? li[1] : 0, a, m[M_Q], x, hidden)) != 0)
             FAIL(i, status >> 4, status);
         norm(x, hidden, r, hidden, h, hidden, PTR(const void *, l[L_POST_NORM]), rows, hidden, eps, dtype, threads);
-        if ((status = linear(m, s, l[L_GU], l[L_GU_BIAS], li ? li[2] : 0, h, hidden, g, 2 * inter)) != 0)
+        if ((status = linear(m, s, l[L_GU_FN], l[L_GU], l[L_GU_BIAS], li ? li[2] : 0, h, hidden, g, 2 * inter)) != 0)
             FAIL(i, status >> 4, status);
         PTR(silu_fn, m[M_SILU])(g, 2 * inter, act, inter, rows, inter, dtype, threads);
-        if ((status = linear(m, s, l[L_DOWN], l[L_DOWN_BIAS], li ? li[3] : 0, act, inter, x, hidden)) != 0)
+        if ((status = linear(m, s, l[L_DOWN_FN], l[L_DOWN], l[L_DOWN_BIAS], li ? li[3] : 0, act, inter, x, hidden)) != 0)
             FAIL(i, status >> 4, status);
     }
     return 0;

@@ -9,11 +9,15 @@ goes is the Python between them: ~270 wrapper and ctypes calls and ~200 allocati
 for every step the C call does not serve (`run` returns None):
 - models with per-head q/k norms (Qwen3), another activation than SiLU, softcapping, or a linear
   that the C linear kernel does not serve (e.g. fp32 and bf16 on AVX2-only CPUs: oneDNN runs those);
+  a block-quantized linear (GGUF kept quantized) runs through quant_kernel.c's `quant_gemm`, each
+  linear binding its own kernel, and steps of more tokens than the integer path's `DECODE_ROWS`
+  (torch's tile path) stay the loop's;
 - LoRA steps that the LoRA kernel does not serve (a bias term, long prefill segments, another dtype);
 - LORASERVE_CPU_DECODER_STACK=0, a fused or attention kernel switched off, or no C compiler.
 Which kernel serves a call is never decided here: each op family's own predicate says it, the one
-its Python wrapper asks too (`gemm_cpu.serves`, `fused_cpu.norm_weight_serves` and
-`rotary_tables_serve`, `paged_attention_cpu.serves`, `lora_cpu.serving`), so changing a kernel's rule
+its Python wrapper asks too (`gemm_cpu.serves` / `quant_kernel.stack_serves`,
+`fused_cpu.norm_weight_serves` and `rotary_tables_serve`, `paged_attention_cpu.serves`,
+`lora_cpu.serving`), so changing a kernel's rule
 changes the stack's with it. What stays here is what the stack itself can run (its fixed op order,
 one layout for every layer, no LoRA bias term).
 
@@ -37,11 +41,12 @@ from loraserve.batch.attention_metadata import AttentionMetadata
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.layers import fused_cpu, gemm_cpu, paged_attention_cpu
+from loraserve.layers.quant import kernel as quant_kernel
 from loraserve.lora.ops import lora_cpu
 from loraserve.native.build import function_address, load_library
 
 # decoder_stack.c's field counts, the model fields read back here, and its error ops.
-MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 19, 13, 21
+MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 19, 17, 21
 M_HIDDEN, M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 8, 9, 10, 11, 14, 18
 OP_GEMM, OP_ROPE, OP_ATTENTION, OP_LORA = 1, 2, 3, 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -69,17 +74,18 @@ def _library() -> Any:
 
 
 def _kernel_addresses() -> list[int] | None:
-    """gemm_linear_prefetch, rms_norm, silu_and_mul, rotary_inplace, paged_attention, then lora_fused and
+    """gemm_linear_prefetch (0 without the dense kernel: `_layer_serves` then takes quantized linears
+    only), rms_norm, silu_and_mul, rotary_inplace, paged_attention, then lora_fused and
     lora_weight_ranges (0 when the LoRA kernel is missing: LoRA steps then take the Python path); None
     if one of the others is."""
     gemm, fused = gemm_cpu.kernel_library(), fused_cpu.kernel_library()
     attention = paged_attention_cpu.kernel_function()
-    if gemm is None or fused is None or attention is None:
+    if fused is None or attention is None:
         return None
     lora = lora_cpu.fused_function()
     ranges = lora_cpu.weight_ranges_function()
-    return [function_address(fn) for fn in (gemm.gemm_linear_prefetch, fused.rms_norm, fused.silu_and_mul,
-                                            fused.rotary_inplace, attention)] + [
+    return [0 if gemm is None else function_address(gemm.gemm_linear_prefetch)] + [
+        function_address(fn) for fn in (fused.rms_norm, fused.silu_and_mul, fused.rotary_inplace, attention)] + [
         0 if lora is None else function_address(lora), 0 if ranges is None else function_address(ranges)]
 
 
@@ -103,6 +109,7 @@ class BoundObjects:
                                   (mlp._modules, "gate_up_proj"), (mlp._modules, "down_proj")):
                 linear = modules[name]
                 entries += [(modules, name, linear), (linear.__dict__, "kernel_weight", linear.kernel_weight),
+                            (linear.__dict__, "quant_parts", linear.quant_parts),
                             (linear._parameters, "bias", linear._parameters.get("bias"))]
             for name in ("input_layernorm", "post_attention_layernorm"):
                 norm = layer._modules[name]
@@ -117,8 +124,9 @@ class BoundObjects:
             map(operator.is_, map(dict.get, self._dicts, self._keys), self._objects))
 
 
-def _libraries() -> tuple[Any, Any, Any]:
-    return gemm_cpu.kernel_library(), fused_cpu.kernel_library(), lora_cpu.fused_function()
+def _libraries() -> tuple[Any, Any, Any, Any]:
+    return (gemm_cpu.kernel_library(), fused_cpu.kernel_library(), lora_cpu.fused_function(),
+            quant_kernel.kernel_library())
 
 
 class DecoderStack:
@@ -134,8 +142,11 @@ class DecoderStack:
         self.eps, self.scale, self.dtype = eps, scale, dtype
         self._caches_key: tuple[int, ...] = ()
         self._layer_args: ctypes.Array[ctypes.c_int64] | None = None
-        # The linears' argument arrays, held here: the stack's copies of their addresses stay valid.
-        self._gemm_args = [gemm_cpu.call_args(linear.kernel_weight) for group in self.linears for linear in group]
+        # Each linear's (kernel address, argument array), the arrays held here: the stack's copies of
+        # their addresses stay valid.
+        self._gemm = [[_gemm_binding(linear, dtype) for linear in group] for group in self.linears]
+        # Quantized linears serve only the integer path's rows (more rows: torch's tile path, the loop's).
+        self.quantized = any(linear.quant_parts is not None for group in self.linears for linear in group)
 
     @classmethod
     def build(cls, layers: list[Any], rotary: Any) -> DecoderStack | None:
@@ -169,8 +180,8 @@ class DecoderStack:
         if any((c.shape, c.stride(), c.dtype, c.device) != layout for pair in kv_caches for c in pair):
             return None
         values: list[int] = []
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            values += _layer_fields(layer, k_cache, v_cache)
+        for layer, gemm, (k_cache, v_cache) in zip(self.layers, self._gemm, kv_caches):
+            values += _layer_fields(layer, gemm, k_cache, v_cache)
         self._layer_args = (ctypes.c_int64 * (LAYER_FIELDS * len(self.layers)))(*values)
         self._caches_key = key
         return self._layer_args
@@ -181,6 +192,8 @@ class DecoderStack:
         stream, updated in place): returns (last layer's output, residual), as the Python loop does; None
         when this step needs the Python path."""
         meta, num_tokens = batch.attn, residual.shape[0]
+        if self.quantized and num_tokens > quant_kernel.DECODE_ROWS:
+            return None
         if residual.dtype != self.dtype or not residual.is_cpu or not residual.is_contiguous() or num_tokens == 0 \
                 or positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (num_tokens,):
             return None
@@ -276,7 +289,7 @@ def _layer_serves(layer: Any, first: Any, rotary: Any, dtype: torch.dtype) -> bo
             and attn.rotary is rotary and attn.attn.scale == ref.attn.scale and mlp.size == first.mlp.size
             and (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (ref.num_heads, ref.num_kv_heads, ref.head_dim)
             and attn.split_sizes == [attn.num_heads * attn.head_dim] + [attn.num_kv_heads * attn.head_dim] * 2
-            and all(gemm_cpu.serves(lin.kernel_weight, dtype)  # the bias is bound raw: of the dtype, contiguous
+            and all(_linear_serves(lin, dtype)  # the bias is bound raw: of the dtype, contiguous
                     and (lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous()))
                     for lin in _linears(layer))
             and all(fused_cpu.norm_weight_serves(n.weight, dtype, attn.qkv_proj.in_features)
@@ -287,13 +300,27 @@ def _tables_serve(rotary: Any, head_dim: int) -> bool:
     return rotary.head_dim == head_dim and fused_cpu.rotary_tables_serve(rotary.cos_table, rotary.sin_table, head_dim)
 
 
-def _layer_fields(layer: Any, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
+def _linear_serves(linear: Any, dtype: torch.dtype) -> bool:
+    """The rule `Linear.base_forward` follows: quantized slices, else the dense C kernel's weight."""
+    if linear.quant_parts is not None:
+        return quant_kernel.stack_serves(linear.quant_parts, dtype, linear.in_features)
+    return gemm_cpu.serves(linear.kernel_weight, dtype) and gemm_cpu.kernel_library() is not None
+
+
+def _gemm_binding(linear: Any, dtype: torch.dtype) -> tuple[int, Any]:
+    """(kernel address, argument array) of a linear `_linear_serves` accepted."""
+    if linear.quant_parts is not None:
+        return quant_kernel.stack_binding(linear.quant_parts, dtype)
+    return function_address(gemm_cpu.kernel_library().gemm_linear_prefetch), gemm_cpu.call_args(linear.kernel_weight)
+
+
+def _layer_fields(layer: Any, gemm: list[tuple[int, Any]], k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
     attn, mlp = layer.self_attn, layer.mlp
     fields = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        fields += [ctypes.addressof(gemm_cpu.call_args(linear.kernel_weight)),
-                   0 if linear.bias is None else linear.bias.data_ptr()]
-    return fields + [k_cache.data_ptr(), v_cache.data_ptr(), int(attn.attn.use_sliding_window)]
+    for linear, (_, args) in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), gemm):
+        fields += [ctypes.addressof(args), 0 if linear.bias is None else linear.bias.data_ptr()]
+    return fields + [k_cache.data_ptr(), v_cache.data_ptr(), int(attn.attn.use_sliding_window)] + [
+        address for address, _ in gemm]
 
 
 def _raise_for(code: int, dtype: torch.dtype, k_cache: torch.Tensor, block_size: int, num_tokens: int,

@@ -318,3 +318,45 @@ def test_stack_follows_replaced_tensors_and_modules(tiny_model: Any, change: str
     loop = _step(model, caches)
     assert stack_runs == [True, True]
     assert torch.equal(stacked, loop) and torch.equal(stacked_rows, written[rows]) and written[rows].abs().sum() > 0
+
+
+# Every linear of a 2-layer Llama in one of the six block formats (the packed qkv and gate_up mix them).
+QUANT_TYPES = {
+    "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q5_K", "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.attn_output.weight": "Q8_0", "blk.0.ffn_gate.weight": "Q4_0", "blk.0.ffn_up.weight": "Q4_1",
+    "blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_q.weight": "Q8_0", "blk.1.attn_k.weight": "Q8_0",
+    "blk.1.attn_v.weight": "Q4_0", "blk.1.attn_output.weight": "Q4_1", "blk.1.ffn_gate.weight": "Q5_K",
+    "blk.1.ffn_up.weight": "Q4_K", "blk.1.ffn_down.weight": "Q4_K", "output.weight": "Q6_K",
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stack_equals_python_loop_on_quantized_linears(tmp_path: Any, dtype: torch.dtype,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       stack_runs: list[bool | None]) -> None:
+    """A GGUF whose linears stay block-quantized: the stack runs them through quant_gemm, bitwise equal
+    to the loop's quantized linears, on the steps of at most DECODE_ROWS tokens; longer steps (the
+    prompts' prefill: torch's tile path) it leaves to the loop."""
+    from support.gguf_files import write_tiny_llama_gguf
+
+    from loraserve.layers.quant import kernel as quant_kernel
+
+    if quant_kernel.kernel_library() is None or not fused_cpu.kernel_available() \
+            or not paged_attention_cpu.kernel_available():
+        pytest.skip("the quantized, fused or attention kernel is not built here")
+    monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.delenv("LORASERVE_GGUF_DEQUANTIZE", raising=False)
+    path = write_tiny_llama_gguf(str(tmp_path / "q.gguf"), raw_types=QUANT_TYPES, hidden=256, ffn=512)
+    llm = LLM(path, dtype=str(dtype).removeprefix("torch."), max_num_seqs=8, enable_prefix_caching=False)
+    model = llm.engine.model.model
+    assert all(lin.quant_parts is not None for layer in model.layers for lin in
+               (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    g = torch.Generator().manual_seed(3)
+    lengths = [2, 3, 5, quant_kernel.DECODE_ROWS + 9, 30]  # one prompt alone exceeds DECODE_ROWS
+    prompts = [torch.randint(3, 260, (n,), generator=g).tolist() for n in lengths]
+    loop = _outputs(llm, prompts, monkeypatch, stack=False)
+    assert stack_runs == []
+    stacked = _outputs(llm, prompts, monkeypatch, stack=True)
+    assert True in stack_runs and False in stack_runs  # decode steps ran, the long prefill did not
+    assert stacked == loop
+    assert all(math.isfinite(lp) for tokens, steps, _ in stacked for step in steps for lp in step.values())

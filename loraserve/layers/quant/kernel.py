@@ -20,9 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.layers.quant.formats import QuantTensor
-from loraserve.native.build import load_library
+from loraserve.native.build import function_address, load_library
 
-DECODE_ROWS = 16  # at most this many rows take the integer path (measured: benchmarks/README.md, "Quantized")
+# At most this many rows take the integer path. Measured (1 thread, a 3072 x 576 weight, AVX512-VNNI
+# Xeon): int8 against the tile path at 24 rows 1405 vs 1618 us (Q4_1), 1251 vs 1829 (Q8_0), 1718 vs
+# 1652 (Q4_K); at 32 rows the tile path wins but for Q8_0. The integer path's cost grows with the rows
+# (each row's dot products), the tile path's hardly (its dequantizing does not).
+DECODE_ROWS = 24
 TILE_BYTES = 1 << 20  # a dequantized tile of the prefill path: about L2's size
 PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -33,7 +37,10 @@ _loaded = False
 
 def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     """A build of quant_kernel.c (None without a compiler); `extra_flags` select other code paths."""
-    lib = load_library("loraserve.layers", "quant_kernel.c", extra_flags=extra_flags)
+    # No contraction: the tile path rounds s * q + add twice, as the torch twin does (a per-function
+    # optimize attribute instead keeps GCC from inlining the vector helpers: 5x slower).
+    flags = ("-ffp-contract=off", *extra_flags)
+    lib = load_library("loraserve.layers", "quant_kernel.c", extra_flags=flags)
     if lib is None:
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -42,6 +49,7 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     lib.quant_dequantize.argtypes = [ctypes.POINTER(i64), i64, i64, ptr, i32, i32]
     lib.quant_dequantize.restype = i32
     lib.quant_kernel_path.restype = i32
+    lib.quant_gemm.restype = i32
     return lib
 
 
@@ -90,6 +98,28 @@ class QuantWeight:
             blocks = self.tensor.blocks
             self.args = (ctypes.c_int64 * 4)(blocks.data_ptr(), *self.tensor.shape, self.tensor.qtype.code)
         return self.args
+
+
+def stack_serves(parts: list[QuantWeight | None] | None, dtype: torch.dtype, in_features: int) -> bool:
+    """Whether the decoder stack's C linear (`quant_gemm`) runs a layer of these slices in `dtype`:
+    the kernel is built, every slice is there and takes `in_features`. It serves steps of at most
+    `DECODE_ROWS` rows (more take the tile path, which is torch's: the stack leaves those steps)."""
+    return (
+        parts is not None
+        and dtype in _DTYPES
+        and kernel_library() is not None
+        and all(part is not None and part.in_features == in_features for part in parts)
+    )
+
+
+def stack_binding(parts: list[QuantWeight | None], dtype: torch.dtype) -> tuple[int, Any]:
+    """(address of quant_gemm, its argument array for these slices): what the decoder stack binds for a
+    layer `stack_serves` accepted. The array holds raw pointers: the slices must outlive its calls."""
+    fields = [len(parts), _DTYPES[dtype], sum(part.out_features for part in parts if part is not None)]
+    for part in parts:
+        assert part is not None  # stack_serves checked
+        fields += list(part.call_args())
+    return function_address(kernel_library().quant_gemm), (ctypes.c_int64 * len(fields))(*fields)
 
 
 def prepare(tensor: QuantTensor) -> QuantWeight:

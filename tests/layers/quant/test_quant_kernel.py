@@ -26,8 +26,19 @@ BUILDS: dict[str, tuple[tuple[str, ...], set[str], str]] = {
     "avx2": (("-mno-avx512f", "-mno-avxvnni"), {"avx2", "fma"}, "avx2"),
     "portable": (("-mno-avx",), set(), "portable"),
 }
-# (rows, out): one row, a 4-row group with tails, the last decode row count, the tile path
-ROWS_OUT = [(1, 1), (3, 37), (5, 16), (qk.DECODE_ROWS, 33), (qk.DECODE_ROWS + 1, 50), (40, 19)]
+# (rows, out): one row, 4-row groups with tails (3, 5, 17, 33), the last integer-path row count and the
+# first tile-path one, 64 rows; outputs across the kernel's 16-row chunks with tails
+ROWS_OUT = [
+    (1, 1),
+    (3, 37),
+    (5, 16),
+    (16, 33),
+    (17, 50),
+    (qk.DECODE_ROWS, 19),
+    (qk.DECODE_ROWS + 1, 21),
+    (33, 18),
+    (64, 7),
+]
 
 
 def _in_features(name: str) -> list[int]:
