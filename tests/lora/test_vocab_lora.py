@@ -12,6 +12,7 @@ import pytest
 import torch
 from support.peft_oracle import Case, logprob_error, peft_logprobs
 from support.triton_lora import needs_triton, use_triton_lora
+from support.vocab_adapters import save_vocab_adapter
 
 from loraserve import LLM, SamplingParams
 from loraserve.errors import LoRAAdapterError
@@ -41,27 +42,6 @@ CASES: list[Case] = [
 ]
 NUM_NEW = 4
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
-
-
-def save_vocab_adapter(base: Any, out_dir: str, seed: int, base_name: str, **kwargs: Any) -> None:
-    """A PEFT adapter with random LoRA weights, trainable-token rows and saved modules (PEFT's init
-    would leave B zero, the tokens and saved modules equal to the base)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(**kwargs), adapter_name="default")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 0.2)
-            elif "trainable_tokens_delta" in name:
-                param.add_(torch.randn_like(param) * 0.5)
-            elif "modules_to_save" in name:
-                # A fine-tuned copy stays near the base: logits of the base's size, rounded alike in bf16.
-                param.add_(torch.randn_like(param) * 0.05)
-    model.peft_config["default"].base_model_name_or_path = base_name
-    model.save_pretrained(out_dir)
-    model.unload()
 
 
 @pytest.fixture(scope="module", params=["llama", "llama_tied"])
