@@ -94,6 +94,7 @@ class ModelRunner:
         # The last step's LoRA mapping and the token slots it was built from: decode steps of an
         # unchanged batch reuse it (it is immutable, and its index tensors are only read).
         self._lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None
+        self._rows_lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None  # of the logits rows
         shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -233,9 +234,13 @@ class ModelRunner:
         ]
         scales = [s.lora_scale for s, n in zip(seqs, counts, strict=True) for _ in range(n)]
         scaled = any(c != 1.0 for c, slot in zip(scales, slots, strict=True) if slot >= 0)
-        return LoRABatchMapping.build(
-            slots, self.device, max_loras=self.max_loras, token_scales=scales if scaled else None
-        )
+        key = (tuple(slots), tuple(scales) if scaled else None)
+        if self._rows_lora_mapping is None or self._rows_lora_mapping[0] != key:  # decode steps repeat it
+            mapping = LoRABatchMapping.build(
+                slots, self.device, max_loras=self.max_loras, token_scales=scales if scaled else None
+            )
+            self._rows_lora_mapping = (key, mapping)
+        return self._rows_lora_mapping[1]
 
     def _logits(
         self,
