@@ -163,6 +163,12 @@ class LLMEngine:
                         f"LoRA adapter {lora_request.lora_name!r} is a DoRA adapter, whose output scale depends "
                         "on the adapter's strength: it cannot be scaled per request (use scale 1)."
                     )
+                if self.lora.replaces_rows(lora_request.lora_id):
+                    raise LoRAAdapterError(
+                        f"LoRA adapter {lora_request.lora_name!r} replaces vocab weights (trainable tokens or "
+                        "modules_to_save), which have no strength to scale: it cannot be scaled per request "
+                        "(use scale 1)."
+                    )
                 lora_request = replace(lora_request, scale=scale)
                 salt = ScaledSalt(salt, scale)
         request_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None

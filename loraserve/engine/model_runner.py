@@ -94,6 +94,7 @@ class ModelRunner:
         # The last step's LoRA mapping and the token slots it was built from: decode steps of an
         # unchanged batch reuse it (it is immutable, and its index tensors are only read).
         self._lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None
+        self._rows_lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None  # of the logits rows
         shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -184,7 +185,7 @@ class ModelRunner:
                 seq_lens=seq_lens,
             ),
         )
-        return self._select_logits(scheduled, hidden)
+        return self._select_logits(scheduled, hidden, lora_slots)
 
     def _mapping(self, token_slots: list[int], token_scales: list[float] | None) -> LoRABatchMapping:
         key = (tuple(token_slots), None if token_scales is None else tuple(token_scales))
@@ -219,7 +220,44 @@ class ModelRunner:
             output_ids = seq.token_ids[start:]
         return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_token_id)
 
-    def _select_logits(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> StepResult:
+    def _rows_mapping(
+        self, seqs: list[Sequence], counts: list[int], lora_slots: dict[int, int] | None
+    ) -> LoRABatchMapping | None:
+        """The LoRA mapping of logits rows (`counts[k]` rows of `seqs[k]`) for a head that carries
+        adapter terms (`HeadWithLoRA.lora_active`); None otherwise (the head then runs as the base)."""
+        if lora_slots is None or not getattr(self.model.lm_head, "lora_active", False):
+            return None
+        slots = [
+            lora_slots[s.lora_id] if s.lora_id else -1
+            for s, n in zip(seqs, counts, strict=True)
+            for _ in range(n)
+        ]
+        scales = [s.lora_scale for s, n in zip(seqs, counts, strict=True) for _ in range(n)]
+        scaled = any(c != 1.0 for c, slot in zip(scales, slots, strict=True) if slot >= 0)
+        key = (tuple(slots), tuple(scales) if scaled else None)
+        if self._rows_lora_mapping is None or self._rows_lora_mapping[0] != key:  # decode steps repeat it
+            mapping = LoRABatchMapping.build(
+                slots, self.device, max_loras=self.max_loras, token_scales=scales if scaled else None
+            )
+            self._rows_lora_mapping = (key, mapping)
+        return self._rows_lora_mapping[1]
+
+    def _logits(
+        self,
+        rows: torch.Tensor,
+        seqs: list[Sequence],
+        counts: list[int],
+        lora_slots: dict[int, int] | None,
+        float32: bool,
+    ) -> torch.Tensor:
+        mapping = self._rows_mapping(seqs, counts, lora_slots)
+        if mapping is None:
+            return self.model.compute_logits(rows, float32=float32)
+        return self.model.compute_logits(rows, float32=float32, lora=mapping)
+
+    def _select_logits(
+        self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, lora_slots: dict[int, int] | None = None
+    ) -> StepResult:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_spans: list[tuple[Sequence, int, int, int]] = []  # seq, first row, num rows, start position
@@ -234,12 +272,14 @@ class ModelRunner:
                 sample_seqs.append(seq)
             offset += n
         logits = (
-            self.model.compute_logits(hidden[sample_rows], float32=False)
+            self._logits(hidden[sample_rows], sample_seqs, [1] * len(sample_seqs), lora_slots, float32=False)
             if sample_rows
             else hidden.new_empty(0, 0)
         )
         chunks = [
-            PromptLogprobChunk(seq, start, self.model.compute_logits(hidden[first : first + rows]))
+            PromptLogprobChunk(
+                seq, start, self._logits(hidden[first : first + rows], [seq], [rows], lora_slots, True)
+            )
             for seq, first, rows, start in prompt_spans
         ]
         return StepResult(sample_seqs, logits, chunks)

@@ -24,7 +24,6 @@ _UNSUPPORTED_FIELDS: dict[str, str] = {
     "use_qalora": "QA-LoRA",
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
     "layer_replication": "layer replication",
-    "trainable_token_indices": "trainable token embeddings",
     "target_parameters": "LoRA on parameters (target_parameters) other than MoE experts' gate_up_proj and down_proj",
     "arrow_config": "Arrow routing",
     "use_bdlora": "block-diagonal LoRA",

@@ -24,7 +24,14 @@ from loraserve.lora.expert_layers import ExpertsWithLoRA, wrap_experts_for_lora
 from loraserve.lora.ops.block_writer import BlockWriter
 from loraserve.lora.ops.buffers import LoRABuffers
 from loraserve.lora.targets import lora_target_modules
-from loraserve.lora.weights import ExpertLoRAWeights, LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
+from loraserve.lora.vocab_layers import EmbeddingWithLoRA, HeadWithLoRA, wrap_vocab_for_lora
+from loraserve.lora.weights import (
+    ExpertLoRAWeights,
+    LoRALayerWeights,
+    ModuleLoRA,
+    PackedLoRALayerWeights,
+    VocabLoRAWeights,
+)
 from loraserve.native import huge_pages
 
 
@@ -95,8 +102,8 @@ class LinearWithLoRA(Linear):
     def _slice_parts(self, lora: ModuleLoRA) -> list[LoRALayerWeights | None]:
         """The adapter's weights per output slice of this layer, each checked to fit."""
         offsets = self.slice_offsets()
-        if isinstance(lora, ExpertLoRAWeights):
-            raise ValueError(f"{lora.module_name}: expert LoRA weights for a linear layer")
+        if isinstance(lora, ExpertLoRAWeights | VocabLoRAWeights):
+            raise ValueError(f"{lora.module_name}: {type(lora).__name__} for a linear layer")
         if isinstance(lora, PackedLoRALayerWeights):
             if len(lora.slices) != self.num_slices:
                 raise ValueError(
@@ -152,13 +159,14 @@ class LinearWithLoRA(Linear):
         return f"{super().extra_repr()}, max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}"
 
 
-SlotLayer = LinearWithLoRA | ExpertsWithLoRA  # what holds an adapter's weights in slots
+SlotLayer = LinearWithLoRA | ExpertsWithLoRA | EmbeddingWithLoRA | HeadWithLoRA  # what holds weights in slots
 
 
 def wrap_model_for_lora(model: nn.Module, lora_config: LoRAConfig) -> dict[str, SlotLayer]:
     """Replace every LoRA-capable `Linear` of the model (those `lora_config.target_modules` names, when
-    given) by a `LinearWithLoRA`, in place, and give every MoE layer's experts (unless
-    --lora-target-modules leaves out `experts`) an `ExpertsWithLoRA`.
+    given) by a `LinearWithLoRA`, in place, give every MoE layer's experts (unless
+    --lora-target-modules leaves out `experts`) an `ExpertsWithLoRA`, and wrap the vocab modules of
+    models that offer them (`vocab_lora_modules()`: `EmbeddingWithLoRA`, `HeadWithLoRA`).
 
     Idempotent: layers already wrapped are kept. Returns the wrapped layers by full module name.
     """
@@ -192,6 +200,14 @@ def wrap_model_for_lora(model: nn.Module, lora_config: LoRAConfig) -> dict[str, 
         wrapped.update(
             wrap_experts_for_lora(experts, lora_config.max_loras, lora_config.max_lora_rank, lora_config.lora_dtype)
         )
+    vocab_modules = getattr(model, "vocab_lora_modules", None)
+    vocab = list(vocab_modules()) if callable(vocab_modules) else []
+    vocab = [n for n in vocab if allowed is None or n.rpartition(".")[2] in allowed]
+    wrapped.update(
+        wrap_vocab_for_lora(
+            model, vocab, lora_config.max_loras, lora_config.max_lora_rank, lora_config.lora_dtype
+        )
+    )
     return wrapped
 
 

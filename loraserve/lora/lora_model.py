@@ -25,7 +25,14 @@ from loraserve.lora.expert_checks import expert_weights
 from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.targets import LoRATargets
-from loraserve.lora.weights import ExpertLoRAWeights, LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
+from loraserve.lora.vocab_checks import split_vocab_tensors, vocab_weights
+from loraserve.lora.weights import (
+    ExpertLoRAWeights,
+    LoRALayerWeights,
+    ModuleLoRA,
+    PackedLoRALayerWeights,
+    VocabLoRAWeights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +66,17 @@ class LoRAModel:
     def uses_dora(self) -> bool:
         """Whether any module carries a DoRA scale (PEFT's use_dora)."""
         for lora in self.loras.values():
-            if isinstance(lora, ExpertLoRAWeights):  # PEFT has no DoRA on expert parameters
+            if isinstance(lora, ExpertLoRAWeights | VocabLoRAWeights):  # PEFT has no DoRA on these
                 continue
             parts = lora.slices if isinstance(lora, PackedLoRALayerWeights) else [lora]
             if any(p is not None and p.dora_scale is not None for p in parts):
                 return True
         return False
+
+    @property
+    def replaces_rows(self) -> bool:
+        """Whether it replaces vocab weights (trainable tokens, modules_to_save): no scale or mix applies."""
+        return any(isinstance(w, VocabLoRAWeights) and w.replaces_rows for w in self.loras.values())
 
     def get_lora(self, module_name: str) -> ModuleLoRA | None:
         return self.loras.get(module_name)
@@ -116,7 +128,7 @@ class LoRAModel:
             lora_id=lora_request.lora_id,
             name=name,
             path=path or lora_request.lora_path,
-            rank=max(w.rank for w in loras.values()),
+            rank=max((w.rank for w in loras.values()), default=0),
             loras=loras,
             pending_digest=pending,
             num_bytes=num_bytes,
@@ -136,8 +148,9 @@ def _build_loras(
     stays beside B: slots fold it in as they copy B (`LoRABuffers.write`), saving a pass here.
     `bound`: the largest |value| of all tensors when the caller has found it in one pass (else each
     tensor is checked on its own)."""
+    tensors, vocab_groups = split_vocab_tensors(tensors, targets, name)
     by_module = group_keys(tensors, name, peft_helper.bias != "none")
-    if not by_module:
+    if not by_module and not vocab_groups:
         raise LoRAAdapterError(f"LoRA adapter '{name}' has no LoRA weights")
     check_supported(by_module, targets, name)
     value_check = ValueCheck(bound, torch.finfo(dtype).max if dtype.is_floating_point else math.inf)
@@ -157,6 +170,11 @@ def _build_loras(
         )
     packed: dict[str, list[LoRALayerWeights | None]] = {}
     skipped = []
+    for vocab_name, vocab in vocab_weights(vocab_groups, targets, peft_helper, name, value_check).items():
+        if targets.takes_lora(vocab_name):
+            loras[vocab_name] = _vocab_to(vocab, dtype, device)
+        else:
+            skipped.append(vocab_name.rpartition(".")[2])
     for module_name, parts in sorted(by_module.items()):
         base, packed_name, index = targets.locate(module_name)
         if not targets.takes_lora(packed_name or module_name):  # --lora-target-modules left it out
@@ -189,6 +207,17 @@ def _build_loras(
             )
         loras[packed_name] = PackedLoRALayerWeights(packed_name, slices)
     return loras, sum(w.num_bytes for w in loras.values())
+
+
+def _vocab_to(weights: VocabLoRAWeights, dtype: torch.dtype, device: torch.device | str) -> VocabLoRAWeights:
+    if weights.lora is not None:
+        weights.lora = _to(weights.lora, dtype, device)
+    if weights.token_ids is not None and weights.token_rows is not None:
+        weights.token_ids = weights.token_ids.to(device)
+        weights.token_rows = weights.token_rows.to(device=device, dtype=dtype)
+    if weights.full is not None:
+        weights.full = weights.full.to(device=device, dtype=dtype)
+    return weights
 
 
 def _to(weights: LoRALayerWeights, dtype: torch.dtype, device: torch.device | str) -> LoRALayerWeights:

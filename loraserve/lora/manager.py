@@ -94,6 +94,7 @@ class LoRAManager:
         self._retained: frozenset[int] = frozenset()
         self._demand: Callable[[], Callable[[], Sequence[int]] | None] | None = None
         self._dora_ids: frozenset[int] = frozenset()  # loaded adapters with DoRA scales (any thread reads)
+        self._replacing_ids: frozenset[int] = frozenset()  # loaded adapters replacing vocab rows (likewise)
 
     def follow_demand(self, source: Callable[[], Sequence[int]]) -> None:
         """`source()` (called on the engine thread, at each step and before each first load) names
@@ -132,6 +133,11 @@ class LoRAManager:
     def uses_dora(self, lora_id: int) -> bool:
         """Whether a loaded adapter is a DoRA one (its requests cannot set a scale: g depends on it)."""
         return lora_id in self._dora_ids
+
+    def replaces_rows(self, lora_id: int) -> bool:
+        """Whether a loaded adapter replaces vocab weights (trainable tokens, modules_to_save): a
+        replaced row has no strength to scale, so its requests cannot set a scale."""
+        return lora_id in self._replacing_ids
 
     def is_registered(self, lora_id: int) -> bool:
         with self._lock:
@@ -432,6 +438,8 @@ class LoRAManager:
             with self._lock:
                 if lora_model.uses_dora:
                     self._dora_ids = self._dora_ids | {lora_id}
+                if lora_model.replaces_rows:
+                    self._replacing_ids = self._replacing_ids | {lora_id}
                 step = self._in_use if protected is None else frozenset(protected)
                 keep = self._slots.pinned_ids | step | self._retained | frozenset(also_keep)
                 return self._put(lora_model, keep, elapsed)

@@ -25,7 +25,13 @@ from loraserve.errors import LoRAAdapterError
 from loraserve.lora.digest import PendingDigest
 from loraserve.lora.lora_model import LoRAModel
 from loraserve.lora.request import LoRARequest
-from loraserve.lora.weights import ExpertLoRAWeights, LoRALayerWeights, ModuleLoRA, PackedLoRALayerWeights
+from loraserve.lora.weights import (
+    ExpertLoRAWeights,
+    LoRALayerWeights,
+    ModuleLoRA,
+    PackedLoRALayerWeights,
+    VocabLoRAWeights,
+)
 
 MIX_LABEL = "(mix)"  # every mix's name in metrics and residency lists: a mix's name holds client weights
 
@@ -39,6 +45,12 @@ def mix_adapters(request: LoRARequest, parts: Sequence[tuple[LoRAModel, float]],
             f"LoRA mix '{request.lora_name}': {dora[0]!r} is a DoRA adapter, and DoRA adapters cannot be mixed "
             "(their output scale is not linear in the weights)."
         )
+    replacing = [model.name for model, _ in parts if model.replaces_rows]
+    if replacing:
+        raise LoRAAdapterError(
+            f"LoRA mix '{request.lora_name}': {replacing[0]!r} replaces vocab weights (trainable tokens or "
+            "modules_to_save), which cannot be mixed (a replaced row is no sum of terms)."
+        )
     names = sorted({name for model, _ in parts for name in model.loras})
     loras: dict[str, ModuleLoRA] = {}
     for name in names:
@@ -48,7 +60,7 @@ def mix_adapters(request: LoRARequest, parts: Sequence[tuple[LoRAModel, float]],
         lora_id=request.lora_id,
         name=request.lora_name,
         path=request.lora_path,
-        rank=max(w.rank for w in loras.values()),
+        rank=max((w.rank for w in loras.values()), default=0),
         loras=loras,
         pending_digest=mix_digest(parts),
         num_bytes=sum(w.num_bytes for w in loras.values()),
@@ -64,6 +76,9 @@ def mix_digest(parts: Sequence[tuple[LoRAModel, float]]) -> PendingDigest:
 def _mix_module(
     adapter: str, module: str, parts: list[tuple[ModuleLoRA | None, float]], max_rank: int
 ) -> ModuleLoRA:
+    vocab = [(p.lora, w) for p, w in parts if isinstance(p, VocabLoRAWeights) and p.lora is not None]
+    if any(isinstance(p, VocabLoRAWeights) for p, _ in parts):  # an embedding's A [r, vocab] stacks the same
+        return VocabLoRAWeights(module, lora=_concat(adapter, module, vocab, max_rank) if vocab else None)
     experts = [(p, w) for p, w in parts if isinstance(p, ExpertLoRAWeights)]
     if experts:
         return _concat_experts(adapter, module, experts, max_rank)

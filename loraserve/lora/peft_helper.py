@@ -28,6 +28,9 @@ from loraserve.lora.config_fields import CONFIG_NAME, ConfigFields, check_unsupp
 from loraserve.lora.json_bounds import json_depth
 from loraserve.lora.patterns import PatternMatcher
 
+# The vocab modules an adapter may carry LoRA, trainable tokens or a saved copy of (`lora/vocab_checks.py`).
+VOCAB_LEAVES = frozenset({"embed_tokens", "lm_head"})
+
 MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KB
 MAX_CONFIG_DEPTH = 32  # real configs nest 3 levels (a rank_pattern in the config object)
 
@@ -50,11 +53,14 @@ class PEFTHelper:
     bias: str
     lora_bias: bool
     use_dora: bool
-    modules_to_save: tuple[str, ...]
+    modules_to_save: tuple[str, ...]  # only vocab modules (VOCAB_LEAVES): the others are refused
     peft_type: str
     base_model_name_or_path: str | None
     bias_enabled: bool
-    config_json: str  # canonical JSON of the file, part of the adapter's content digest
+    # PEFT's trainable_token_indices by vocab module leaf ("embed_tokens", "lm_head"); a list names the
+    # embedding's (PEFT: and a tied head's).
+    trainable_tokens: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    config_json: str = ""  # canonical JSON of the file, part of the adapter's content digest
     patterns: PatternMatcher = dataclasses.field(
         default_factory=lambda: PatternMatcher(""), compare=False, repr=False
     )
@@ -102,10 +108,11 @@ class PEFTHelper:
         if use_dora and bool(v.get("lora_bias", False)):
             v.fail("use_dora", "DoRA with lora_bias is not supported")
         modules_to_save = v.name_list("modules_to_save")
-        if modules_to_save:
+        if any(m.rpartition(".")[2] not in VOCAB_LEAVES for m in modules_to_save):
             v.fail(
                 "modules_to_save",
-                f"loraserve only supports modules_to_save being None, got {list(modules_to_save)}",
+                "loraserve only supports modules_to_save being None or naming the vocab modules "
+                f"{sorted(VOCAB_LEAVES)}, got {shown(list(modules_to_save))}",
             )
         check_unsupported_features(v, config)
         bias, lora_bias = v.get("bias", "none"), bool(v.get("lora_bias", False))
@@ -130,6 +137,7 @@ class PEFTHelper:
             lora_bias=lora_bias,
             use_dora=use_dora,
             modules_to_save=modules_to_save,
+            trainable_tokens=trainable_tokens(v),
             peft_type="LORA",
             base_model_name_or_path=v.get("base_model_name_or_path", None),
             bias_enabled=enable_lora_bias,
@@ -170,6 +178,27 @@ class PEFTHelper:
             return True
         layer = self.patterns.layer_index(module_name, self.layers_pattern)
         return layer is not None and layer in self.layers_to_transform
+
+
+def trainable_tokens(v: ConfigFields) -> dict[str, tuple[int, ...]]:
+    """PEFT's trainable_token_indices: a list (the input embedding's) or {module: list}, modules
+    being vocab modules only; token ids checked against the vocab when the weights are read."""
+    field = "trainable_token_indices"
+    value = v.config.get(field)
+    if value in (None, [], {}):
+        return {}
+    if isinstance(value, list):
+        return {"embed_tokens": v.int_list(field) or ()}
+    if not isinstance(value, dict) or len(value) > 2:
+        v.fail(field, f"must be a list of token ids or a dict of them by module, got {shown(value)}")
+    out: dict[str, tuple[int, ...]] = {}
+    for module, ids in value.items():
+        leaf = str(module).rpartition(".")[2]
+        if leaf not in VOCAB_LEAVES:
+            v.fail(field, f"trainable tokens are served on {sorted(VOCAB_LEAVES)} only, got {shown(module)}")
+        sub = ConfigFields(v.lora_name, {field: ids}, v.patterns)
+        out[leaf] = sub.int_list(field) or ()
+    return out
 
 
 def read_adapter_config(folder: str | Path, lora_name: str) -> Any:

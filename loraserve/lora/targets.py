@@ -1,7 +1,8 @@
 """Which modules of a model take LoRA: every `Linear` but the vocab projection, the checkpoint names
 (q_proj, k_proj, ...) of the slices of its packed modules (qkv_proj, gate_up_proj), and the experts
-of its MoE layers (`FusedMoE`, which PEFT adapts through `target_parameters`). Built once per model
-(by the manager) and handed to every adapter read."""
+of its MoE layers (`FusedMoE`, which PEFT adapts through `target_parameters`), and, on models that
+offer them (`vocab_lora_modules()`), the vocab modules: the input embedding and the LM head. Built once
+per model (by the manager) and handed to every adapter read."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from torch import nn
 
@@ -32,6 +34,9 @@ class LoRATargets:
     applied:     the modules that take LoRA when --lora-target-modules leaves some out (`restricted_to`);
                  None: all of them. An adapter's weights for the others are skipped, not refused.
     experts:     full module name -> the experts of an MoE layer ("model.layers.0.mlp.experts").
+    vocab:       full module name -> the input embedding (nn.Embedding, "model.embed_tokens") and the
+                 LM head (Linear, "lm_head"), where the model serves adapters on them.
+    tied_vocab:  whether the LM head shares the embedding's weight (tie_word_embeddings).
     """
 
     modules: dict[str, Linear]
@@ -39,6 +44,8 @@ class LoRATargets:
     applied: frozenset[str] | None = None
     architecture: str = ""  # the model's class (the HF one for the transformers backend), for errors
     experts: dict[str, FusedMoE] = field(default_factory=dict)
+    vocab: dict[str, nn.Module] = field(default_factory=dict)
+    tied_vocab: bool = False
 
     @classmethod
     def from_model(cls, model: nn.Module) -> LoRATargets:
@@ -53,12 +60,21 @@ class LoRATargets:
                     sub_modules[f"{prefix}.{sub}" if prefix else sub] = (name, i)
         architecture = str(getattr(model, "architecture_name", type(model).__name__))
         experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
-        return cls(modules=modules, sub_modules=sub_modules, architecture=architecture, experts=experts)
+        vocab_modules = getattr(model, "vocab_lora_modules", None)
+        vocab: dict[str, nn.Module] = vocab_modules() if callable(vocab_modules) else {}
+        return cls(
+            modules=modules,
+            sub_modules=sub_modules,
+            architecture=architecture,
+            experts=experts,
+            vocab=vocab,
+            tied_vocab=bool(getattr(model, "tie_word_embeddings", False)),
+        )
 
     def restricted_to(self, module_names: Iterable[str]) -> LoRATargets:
         """These targets with LoRA applied to `module_names` only (the layers actually wrapped)."""
         applied = frozenset(module_names)
-        every = self.modules.keys() | self.experts.keys()
+        every = self.modules.keys() | self.experts.keys() | self.vocab.keys()
         return dataclasses.replace(self, applied=None if applied >= every else applied)
 
     def takes_lora(self, module_name: str) -> bool:
@@ -82,6 +98,7 @@ class LoRATargets:
         names = {n.rpartition(".")[2] for n in self.modules} | {
             n.rpartition(".")[2] for n in self.sub_modules
         }
+        names |= {n.rpartition(".")[2] for n in self.vocab}
         return sorted(names | ({"experts"} if self.experts else set()))
 
     def expert_module(self, module_name: str) -> str | None:
@@ -118,6 +135,13 @@ class LoRATargets:
         for experts in self.experts.values():  # per expert: gate, up (H -> I) and down (I -> H) modules
             hidden, size = experts.hidden_size, experts.intermediate_size
             elements += experts.num_experts * max_rank * 3 * (hidden + size)
+        for vocab_module in self.vocab.values():  # LoRA, trainable tokens, a saved copy, PEFT's base copy
+            vocab_size, hidden = (
+                (vocab_module.num_embeddings, vocab_module.embedding_dim)
+                if isinstance(vocab_module, nn.Embedding)
+                else (int(cast(Linear, vocab_module).out_features), int(cast(Linear, vocab_module).in_features))
+            )
+            elements += max_rank * (vocab_size + hidden) + 3 * vocab_size * hidden
         return 8 * elements + FILE_SLACK_BYTES
 
     def locate(self, module_name: str) -> tuple[Linear, str | None, int]:

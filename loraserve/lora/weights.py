@@ -1,5 +1,6 @@
-"""Per-module adapter weights: one module's A/B pair, the slices of a packed module, or the stacked
-per-expert pairs of an MoE layer's experts (PEFT's `target_parameters` on the fused expert tensors).
+"""Per-module adapter weights: one module's A/B pair, the slices of a packed module, the stacked
+per-expert pairs of an MoE layer's experts (PEFT's `target_parameters` on the fused expert tensors), or
+what an adapter holds for a vocab module (the input embedding or the LM head: `VocabLoRAWeights`).
 
 The scaling stays beside B; a slot write folds it in as it copies B (`ops/buffers.py`).
 """
@@ -88,4 +89,39 @@ class ExpertLoRAWeights:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.stages.values())
 
 
-ModuleLoRA = LoRALayerWeights | PackedLoRALayerWeights | ExpertLoRAWeights
+@dataclass(slots=True)
+class VocabLoRAWeights:
+    """An adapter's terms on a vocab module ("model.embed_tokens" or "lm_head"), each optional:
+
+    lora:        a LoRA pair. On the embedding, PEFT's lora_embedding_A [r, vocab] as `lora_a` and
+                 lora_embedding_B [hidden, r] as `lora_b`: token t's row gains scaling * B @ A[:, t].
+                 On the head, a plain Linear pair (A [r, hidden], B [vocab, r]).
+    token_ids /  PEFT's trainable tokens: rows `token_ids` (int64 [K], distinct) of the module's
+    token_rows:  weight replaced by `token_rows` [K, hidden] (the embedding's rows, or the head's
+                 logits of those tokens).
+    full:        modules_to_save: the whole module's weight [vocab, hidden], replacing the base's.
+    """
+
+    module_name: str
+    lora: LoRALayerWeights | None = None
+    token_ids: torch.Tensor | None = None
+    token_rows: torch.Tensor | None = None
+    full: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.lora.rank if self.lora is not None else 0
+
+    @property
+    def replaces_rows(self) -> bool:
+        """Whether it replaces weights (trainable tokens or a full module): no scale or mix applies."""
+        return self.token_ids is not None or self.full is not None
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [t for t in (self.token_ids, self.token_rows, self.full) if t is not None]
+        own = sum(t.numel() * t.element_size() for t in tensors)
+        return own + (self.lora.num_bytes if self.lora is not None else 0)
+
+
+ModuleLoRA = LoRALayerWeights | PackedLoRALayerWeights | ExpertLoRAWeights | VocabLoRAWeights

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from loraserve.batch.kv_cache_spec import KVCacheSpec
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.layers.linear import Linear
 from loraserve.layers.quant.formats import QuantTensor
 
@@ -39,10 +40,24 @@ class NativeCausalLM(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError  # each architecture states its own cache shape
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+    def vocab_lora_modules(self) -> dict[str, nn.Module]:
+        """The vocab modules adapters may carry LoRA, trainable tokens or a saved copy of, by full
+        name (`lora/vocab_layers.py` wraps them); none unless the architecture routes the step's
+        batch through them (its forward passes it to the embedding, its `compute_logits` takes `lora`)."""
+        return {}
+
+    def compute_logits(
+        self, hidden: torch.Tensor, float32: bool = True, lora: LoRABatchMapping | None = None
+    ) -> torch.Tensor:
         """Logits [N, vocab] in float32, or with float32=False in the LM head's dtype (no copy: the
-        sampler converts the rows it computes on, and greedy rows need none)."""
-        logits = self.lm_head.base_forward(hidden)
+        sampler converts the rows it computes on, and greedy rows need none). `lora`: the mapping of
+        these rows, for a head that takes adapter terms (`HeadWithLoRA`, only then passed)."""
+        head: Any = self.lm_head  # a HeadWithLoRA where adapters may carry head terms
+        logits = (
+            head.logits(hidden, lora)
+            if getattr(head, "takes_lora_rows", False)
+            else head.base_forward(hidden)
+        )
         return logits.float() if float32 else logits
 
     def _packed_target(self, name: str) -> tuple[str, int | None]:

@@ -204,7 +204,12 @@ class LlamaModel(nn.Module):
         self._stack_bound: BoundObjects | None = None  # what the stack (or finding none serves) was built from
 
     def forward(self, input_ids, positions, kv_caches, batch):  # type: ignore[no-untyped-def]
-        x = self.embed_tokens(input_ids)
+        # An adapted embedding (`EmbeddingWithLoRA`) takes the step's batch: each row its adapter's terms.
+        x = (
+            self.embed_tokens(input_ids, batch)
+            if getattr(self.embed_tokens, "takes_batch", False)
+            else self.embed_tokens(input_ids)
+        )
         stacked = self._run_stack(x, positions, kv_caches, batch) if x.is_cpu else None
         if stacked is not None:
             return self.norm.add_and_norm(*stacked)[0]
@@ -243,6 +248,9 @@ class LlamaForCausalLM(NativeCausalLM):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, batch)
+
+    def vocab_lora_modules(self) -> dict[str, nn.Module]:
+        return {"model.embed_tokens": self.model.embed_tokens, "lm_head": self.lm_head}
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.args

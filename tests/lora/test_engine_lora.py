@@ -242,7 +242,7 @@ def test_bad_adapters_fail_alone(tiny_model: Any, llama_adapters: dict[str, str]
         # use_dora without the magnitude vectors of a DoRA checkpoint
         "no DoRA magnitude vector": _edit_config(good, str(tmp_path / "dora"), use_dora=True),
         "only supports modules_to_save being None": _edit_config(
-            good, str(tmp_path / "mts"), modules_to_save=["lm_head"]
+            good, str(tmp_path / "mts"), modules_to_save=["score"]
         ),
         "Adapter bias cannot be used without bias_enabled": _edit_config(good, str(tmp_path / "bias"), bias="all"),
         "peft_type": _edit_config(good, str(tmp_path / "ia3"), peft_type="IA3"),

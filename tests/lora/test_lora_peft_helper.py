@@ -61,7 +61,7 @@ def test_parses_fields(tmp_path: Path) -> None:
             "LoRA rank 64 .* is greater than max_lora_rank 16",
         ),
         ({"use_dora": True, "lora_bias": True}, "use_dora", "DoRA with lora_bias is not supported"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save", "only supports modules_to_save being None"),
+        ({"modules_to_save": ["score"]}, "modules_to_save", "only supports modules_to_save being None"),
         ({"bias": "all"}, "bias", "Adapter bias cannot be used without bias_enabled"),
         ({"bias": "lora_only"}, "bias", "Adapter bias cannot be used without bias_enabled"),
         ({"lora_bias": True}, "lora_bias", "Adapter bias cannot be used without bias_enabled"),
