@@ -1,37 +1,31 @@
-"""OpenAIServing: what completions and chat share between a parsed request and the engine's outputs.
+"""OpenAIServing: what completions and chat share between a parsed request and its engine requests.
 
 It tokenizes and checks prompts against max_model_len (a long text first in bounded pieces, so one
 that cannot fit is refused without tokenizing it all), builds SamplingParams, routes `model` to the
-base model or an adapter, is admitted to the engine's queue as one call (`EngineClient.admit`, by API
-key), runs one engine request per prompt and records metrics. Every engine request that has not
-finished when its consumer stops (client gone, error elsewhere) is aborted.
+base model or an adapter, and checks the request's size. Running the prompts on the engine
+(admission, one engine request per prompt, metrics, aborts) is the `EngineRequestRunner` it holds
+(`engine_requests`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
 from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.admission import check_request_size
-from loraserve.engine.fair_admission import AdmissionHold
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
-from loraserve.entrypoints.openai.metrics.vllm_metrics import FinishedRequest
 from loraserve.entrypoints.openai.serving.adapter_selection import select_adapter
 from loraserve.entrypoints.openai.serving.beam_request import beam_search_params, check_beam_fields
 from loraserve.entrypoints.openai.serving.client_identity import current_client
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
-from loraserve.entrypoints.openai.serving.errors import APIError, api_error_from_exception
+from loraserve.entrypoints.openai.serving.engine_requests import EnginePrompt, EngineRequestRunner
+from loraserve.entrypoints.openai.serving.errors import APIError
 from loraserve.entrypoints.openai.serving.prompt_length import PromptLengthGuard
 from loraserve.entrypoints.openai.serving.protocol import SamplingRequest
 from loraserve.entrypoints.openai.serving.serving_models import OpenAIServingModels
-from loraserve.entrypoints.openai.serving.streams import merge_async_iterators
 from loraserve.entrypoints.openai.serving.structured_request import structured_outputs_of
 from loraserve.entrypoints.openai.serving.tokenizer_pool import FairTokenizerPool
 from loraserve.entrypoints.openai.serving.vllm_extras import refuse_unsupported_extras
@@ -42,32 +36,10 @@ from loraserve.outputs import Logprob, RequestOutput
 from loraserve.sampling_params import SamplingParams
 from loraserve.sampling_tokens import check_bad_words, tokenize_bad_words
 
+__all__ = ["EnginePrompt", "OpenAIServing", "clamped_logit_bias"]
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class EnginePrompt:
-    request_id: str
-    prompt_ids: list[int]
-    sampling_params: SamplingParams | BeamSearchParams  # BeamSearchParams: use_beam_search
-    priority: int = 0  # vLLM's, with --scheduling-policy priority
-    cache_salt: str | None = None  # vLLM's: this request's prefix-cache blocks are keyed by it too
-
-    def engine_input(self) -> list[int] | dict[str, Any]:
-        """The prompt as the engine takes it: a dict when it carries a cache salt (vLLM's form)."""
-        if self.cache_salt is None:
-            return self.prompt_ids
-        return {"prompt_token_ids": self.prompt_ids, "cache_salt": self.cache_salt}
-
-
-@dataclass(slots=True)
-class _Timing:
-    arrival: float
-    last_token_time: float | None = None
-    num_tokens: int = 0
-    arrival_wall: float = field(default_factory=time.time)  # vLLM's phase times are wall clock
-    first_token_wall: float | None = None
 
 
 class OpenAIServing:
@@ -92,7 +64,7 @@ class OpenAIServing:
         self._length_guard: PromptLengthGuard | None = None
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
-        self._background: set[asyncio.Task] = set()
+        self.runner = EngineRequestRunner(engine, metrics)  # admission, engine requests, metrics
 
     @property
     def tokenizer(self) -> Any:
@@ -150,7 +122,9 @@ class OpenAIServing:
                 param,
             ) from exc
         await self.length_guard.check(text, param, self.in_tokenizer_thread)
-        ids = await self.in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        ids = await self.in_tokenizer_thread(
+            self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
         return list(ids)
 
     @property
@@ -222,7 +196,9 @@ class OpenAIServing:
         default = self.engine.model_config.sampling_defaults
         values: dict[str, Any] = dict(
             n=request.n,
-            temperature=default.get("temperature", 1.0) if request.temperature is None else request.temperature,
+            temperature=(
+                default.get("temperature", 1.0) if request.temperature is None else request.temperature
+            ),
             top_p=default.get("top_p", 1.0) if request.top_p is None else request.top_p,
             top_k=default.get("top_k", -1) if request.top_k is None else request.top_k,
             min_p=default.get("min_p", 0.0) if request.min_p is None else request.min_p,
@@ -272,7 +248,7 @@ class OpenAIServing:
             return lambda token_id, _: f"token_id:{token_id}"
         return self.decode_token
 
-    async def generate(
+    def generate(
         self,
         prompts: list[EnginePrompt],
         lora_request: LoRARequest | None,
@@ -280,104 +256,14 @@ class OpenAIServing:
         group_id: str | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, cumulative output) from one engine request per prompt, interleaved; with
-        `group_id` the prompts take scheduling turns as one request."""
-        arrival = time.perf_counter()  # time to first token counts the wait for admission too
-        arrival_wall = time.time()  # and so do vLLM's phase times (wall clock)
-        hold = await self.engine.admit(
-            sum(p.sampling_params.n for p in prompts),
-            sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
-            current_client().api_key,
-        )  # all or none: no prompt starts unless the whole call has room
+        `group_id` the prompts take scheduling turns as one request (`EngineRequestRunner.generate`)."""
         # Metrics are labelled by a served name: a weighted `model` ("pirate=0.3", a mix) is the
         # client's text, which would give every weight its own series.
         if lora_request is not None and lora_request.is_mix:
             model_name = self.models.served_model_name
         elif lora_request is not None:
             model_name = lora_request.lora_name
-        run = self._run(prompts, lora_request, model_name, group_id, hold, arrival, arrival_wall)
-        async with hold, aclosing(run) as outputs:
-            async for item in outputs:
-                yield item
-
-    async def _run(
-        self,
-        prompts: list[EnginePrompt],
-        lora_request: LoRARequest | None,
-        model_name: str,
-        group_id: str | None,
-        hold: AdmissionHold,
-        arrival: float,
-        arrival_wall: float,
-    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        timings = [_Timing(arrival, arrival_wall=arrival_wall) for _ in prompts]
-        unfinished = {prompt.request_id: i for i, prompt in enumerate(prompts)}
-        unprefilled = set(range(len(prompts)))
-        iterators = [
-            self.engine.generate(
-                p.engine_input(),
-                p.sampling_params,
-                p.request_id,
-                lora_request=lora_request,
-                group_id=group_id,
-                priority=p.priority,
-            )
-            for p in prompts
-        ]
-        try:
-            async with aclosing(merge_async_iterators(iterators)) as merged:
-                async for index, output in merged:
-                    if output.error:  # the adapter's fault (its 4xx), else the server's (500)
-                        if output.error_cause is not None:
-                            raise api_error_from_exception(output.error_cause)
-                        raise APIError(output.error, HTTPStatus.INTERNAL_SERVER_ERROR)
-                    self._record(timings[index], prompts[index], output, model_name)
-                    _give_back(hold, prompts[index], output, index, unprefilled)
-                    if output.finished:
-                        unfinished.pop(prompts[index].request_id, None)
-                    yield index, output
-        finally:
-            if unfinished:
-                self._abort_in_background(list(unfinished), model_name)
-
-    def _record(self, timing: _Timing, prompt: EnginePrompt, output: RequestOutput, model_name: str) -> None:
-        if self.metrics is None:
-            return
-        now = time.perf_counter()
-        num_tokens = sum(len(seq.token_ids) for seq in output.outputs)
-        if num_tokens > timing.num_tokens:
-            if timing.last_token_time is None:
-                self.metrics.time_to_first_token.labels(model_name).observe(now - timing.arrival)
-                self.metrics.vllm.observe_tokens(True, now - timing.arrival)
-                timing.first_token_wall = time.time()
-            else:
-                self.metrics.inter_token_latency.labels(model_name).observe(now - timing.last_token_time)
-                self.metrics.vllm.observe_tokens(False, now - timing.last_token_time)
-            timing.last_token_time = now
-            timing.num_tokens = num_tokens
-        if output.finished:
-            reason = output.outputs[0].finish_reason if output.outputs else None
-            self.metrics.requests.labels(model_name, reason or "unknown").inc()
-            self.metrics.prompt_tokens.labels(model_name).inc(len(prompt.prompt_ids))
-            self.metrics.generation_tokens.labels(model_name).inc(num_tokens)
-            self.metrics.vllm.observe_finished(
-                _finished(timing, prompt, output, reason or "unknown", num_tokens)
-            )
-
-    def _abort_in_background(self, request_ids: list[str], model_name: str) -> None:
-        # The caller may be inside a cancelled scope where any await is cancelled again: abort in a task.
-        if self.metrics is not None:
-            self.metrics.requests.labels(model_name, "abort").inc(len(request_ids))
-
-        async def abort_all() -> None:
-            for request_id in request_ids:
-                try:
-                    await self.engine.abort(request_id)
-                except Exception:
-                    logger.exception("Aborting request %s failed.", request_id)
-
-        task = asyncio.get_running_loop().create_task(abort_all())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        return self.runner.generate(prompts, lora_request, model_name, group_id)
 
 
 def clamped_logit_bias(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -385,35 +271,3 @@ def clamped_logit_bias(logit_bias: dict[str, float] | None) -> dict[str, float] 
     if logit_bias is None:
         return None
     return {token: min(100.0, max(-100.0, bias)) for token, bias in logit_bias.items()}
-
-
-def _give_back(
-    hold: AdmissionHold, prompt: EnginePrompt, output: RequestOutput, index: int, unprefilled: set[int]
-) -> None:
-    """Return a prompt's part of the admission: its tokens once every choice has one (prefilled), its
-    sequences once it finished."""
-    n = prompt.sampling_params.n
-    tokens = n * len(prompt.prompt_ids)
-    done_prefill = len(output.outputs) >= n and all(seq.token_ids for seq in output.outputs)
-    if index in unprefilled and (done_prefill or output.finished):
-        unprefilled.discard(index)
-        hold.prefilled(tokens)
-    if output.finished:
-        hold.finished(n)
-
-
-def _finished(
-    timing: _Timing, prompt: EnginePrompt, output: RequestOutput, reason: str, num_tokens: int
-) -> FinishedRequest:
-    params = prompt.sampling_params
-    return FinishedRequest(
-        num_prompt_tokens=len(prompt.prompt_ids),
-        num_generation_tokens=num_tokens,
-        finish_reason=reason,
-        n=params.n,
-        max_tokens=params.max_tokens or 0,
-        arrival=min(output.metrics.get("arrival_time", timing.arrival_wall), timing.arrival_wall),
-        first_scheduled=output.metrics.get("first_scheduled_time"),
-        first_token=timing.first_token_wall,
-        finished=time.time(),
-    )
