@@ -1,7 +1,10 @@
 """The benchmark figure: (a) generated tok/s against distinct adapters, loraserve beside PEFT; (b) decode
-step time against context length, loraserve beside transformers. Needs the `bench` extra (matplotlib).
+step time against context length, loraserve beside transformers; (c) where saved, decode tok/s against
+batch size on a GGUF file, loraserve (quantized and dequantized) beside llama.cpp. Needs the `bench`
+extra (matplotlib).
 
-Run alone it plots the saved results of benchmarks.adapter_curve and benchmarks.long_context.
+Run alone it plots the saved results of benchmarks.adapter_curve, benchmarks.long_context and
+benchmarks.beside_llama_cpp.
 Usage: python -m benchmarks.plot [--out benchmarks/results/summary.png]
 """
 
@@ -54,20 +57,39 @@ def _context_panel(ax: Any, long_context: dict[Any, dict[str, float]]) -> None:
     ax.legend()
 
 
+def _batch_panel(ax: Any, sweep: dict[str, dict[Any, float]], threads: Any) -> None:
+    for (system, points), marker in zip(sweep.items(), "o^s", strict=False):
+        xs, ys = _series(points)
+        ax.plot(xs, ys, marker=marker, label=system)
+    ax.set_xscale("log", base=2)
+    batches = sorted({int(x) for points in sweep.values() for x in points})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("concurrent sequences")
+    ax.set_ylabel("generated tokens / s")
+    each = f", {threads} thread(s) each" if threads else ""
+    ax.set_title(f"(c) SmolLM2-135M Q4_1 GGUF beside llama.cpp{each}")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+
+
 def make_plot(results: dict[str, Any], out_path: str) -> str:
     """Write the two-panel PNG for `results`:
     {"adapters": {"loraserve": {n: tok_s}, "peft": {n: tok_s}},
      "long_context": {ctx: {"loraserve_ms": .., "transformers_ms": ..}}, "cpu": "...", "dtype": "..."}
-    and optionally "threads" (shown in the title).
-    Either panel's data may be missing (an empty panel). Returns `out_path`."""
+    and optionally "threads" (shown in the title) and "decode_sweep" ({system: {batch: tok_s}}, a third
+    panel). Either of the first two panels' data may be missing (an empty panel). Returns `out_path`."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    _adapter_panel(left, results.get("adapters", {}))
-    _context_panel(right, results.get("long_context", {}))
+    sweep = results.get("decode_sweep")
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(18 if sweep else 12, 4.8))
+    _adapter_panel(axes[0], results.get("adapters", {}))
+    _context_panel(axes[1], results.get("long_context", {}))
+    if sweep:
+        _batch_panel(axes[2], sweep, results.get("decode_sweep_threads"))
     threads = f", {results['threads']} thread(s)" if results.get("threads") else ""
     fig.suptitle(f"loraserve on {results.get('cpu', 'CPU')}{threads}, {results.get('dtype', '')} "
                  "(SmolLM-135M-shaped model)")
@@ -90,6 +112,13 @@ def load_saved_results(results_dir: str = RESULTS_DIR) -> dict[str, Any]:
             results.setdefault("cpu", saved.get("cpu", "CPU"))
             results.setdefault("dtype", saved.get("dtype", ""))
             results.setdefault("threads", saved.get("args", {}).get("threads"))
+    path = os.path.join(results_dir, "beside_llama_cpp.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            beside = json.load(f)
+        if beside.get("decode_sweep"):
+            results["decode_sweep"] = beside["decode_sweep"]
+            results["decode_sweep_threads"] = beside.get("threads")
     return results
 
 

@@ -90,6 +90,24 @@ def _hf_tokenizer_mode(mode: str) -> str | None:
     return f"{mode!r} is not supported (it needs vLLM's own tokenizers); use 'auto' or 'slow' (Hugging Face tokenizers)."
 
 
+# --quantization values served: on-load int8 under vLLM's names whose meaning is that (int8 weights
+# of a float checkpoint, quantized as it loads: "tpu_int8", "rtn" at its default 8 bits) and "gguf",
+# a GGUF file's own blocks. vLLM's other methods read checkpoints quantized offline (AWQ, GPTQ, ...) or
+# quantize to formats the CPU kernels do not run (fp8, nvfp4), so they are refused by name.
+INT8_QUANTIZATIONS = ("int8", "tpu_int8", "rtn")
+QUANTIZATIONS = (*INT8_QUANTIZATIONS, "gguf")
+
+
+def _served_quantization(method: str | None) -> str | None:
+    if method is None or method in QUANTIZATIONS:
+        return None
+    return (
+        f"{method!r} is not served; loraserve quantizes a float checkpoint on load to int8 "
+        "('int8', or vLLM's 'tpu_int8' and 'rtn': per-32-weight int8 blocks, GGUF's Q8_0) and serves a "
+        "GGUF file's own blocks ('gguf')."
+    )
+
+
 def _logprobs_limit(limit: int) -> str | None:
     return None if limit >= -1 else f"must be >= 0 (or -1: the vocabulary size), got {limit}."
 
@@ -127,6 +145,16 @@ class ModelConfig:
         help="No tokenizer: prompts must be token ids, completions carry no text.",
     )
     load_format: str = "auto"  # "auto" | "safetensors" | "pt" | "dummy" (random weights)
+    quantization: str | None = option(
+        None,
+        flag=("--quantization", "-q"),
+        metavar="METHOD",
+        check=_served_quantization,
+        group=_LOADING,
+        help="int8 (or vLLM's tpu_int8, rtn): quantize a float checkpoint's linear weights on load to "
+        "int8 blocks of 32 (Q8_0), run by the CPU's quantized kernels; gguf: a GGUF file's own blocks "
+        "(its default). Default: none (a GGUF file's blocks are still kept).",
+    )
     max_logprobs: int = option(
         20,
         type=int,

@@ -191,13 +191,28 @@ class EngineArgs:
             raise ValueError("rope_scaling / rope_theta cannot be combined with a callable hf_overrides.")
         return {**overrides, **extra}
 
-    def _check_formats(self) -> None:
-        """What needs the file system to check (the option fields checked their values already)."""
-        if self.load_format == "gguf":
-            from loraserve.model_loader.gguf import find_gguf_file
+    def _check_formats(self, device: Any) -> None:
+        """What needs the file system or the device to check (the option fields checked their values)."""
+        from loraserve.config import INT8_QUANTIZATIONS
 
-            if find_gguf_file(self.model) is None:
-                raise ValueError(f"load_format 'gguf' needs a .gguf model; {self.model!r} holds none.")
+        method = self._shared(ModelConfig)["quantization"]  # a ModelConfig option, shared here
+        if self.load_format != "gguf" and method not in ("gguf", *INT8_QUANTIZATIONS):
+            return
+        from loraserve.model_loader.gguf import find_gguf_file
+
+        is_gguf = find_gguf_file(self.model) is not None
+        if self.load_format == "gguf" and not is_gguf:
+            raise ValueError(f"load_format 'gguf' needs a .gguf model; {self.model!r} holds none.")
+        if method == "gguf" and not is_gguf:
+            raise ValueError(f"quantization 'gguf' needs a .gguf model; {self.model!r} holds none.")
+        if method in INT8_QUANTIZATIONS:
+            where = "" if device.type == "cpu" else f" (the quantized kernels run on CPUs, not {device.type})"
+            if is_gguf:
+                where = " (a GGUF file is served in its own formats: leave --quantization unset or 'gguf')"
+            elif self.load_format == "dummy":
+                where = " (load_format 'dummy' has no checkpoint weights to quantize)"
+            if where:
+                raise ValueError(f"quantization {method!r} quantizes a float checkpoint on load{where}.")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -223,8 +238,8 @@ class EngineArgs:
         """Resolve the model (config, dtype, max_model_len) and build every frozen config."""
         from loraserve.config import resolve_dtype
 
-        self._check_formats()
         device = resolve_device(self.device)
+        self._check_formats(device)
         model_config = self._model_config(device)
         lora_config = None
         if self.enable_lora:

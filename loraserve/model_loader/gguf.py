@@ -171,7 +171,8 @@ def gguf_folder(
 
 
 def _cache_key(digest: str, dtype: torch.dtype, hf_config_path: str | None, keep_quantized: bool) -> str:
-    parts = [digest, str(dtype), CONVERTER_VERSION] + (["quantized-1"] if keep_quantized else [])
+    # quantized-2: the embedding kept quantized too, a tied LM head sharing its blocks
+    parts = [digest, str(dtype), CONVERTER_VERSION] + (["quantized-2"] if keep_quantized else [])
     if hf_config_path:
         with open(_config_file(hf_config_path), "rb") as f:
             parts.append(hashlib.sha256(f.read()).hexdigest())
@@ -205,8 +206,7 @@ def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: s
     with torch.device("meta"):  # only the parameter names, to map GGUF names onto HF ones
         skeleton = AutoModelForCausalLM.from_config(config)
     if keep:
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        kept, index = gguf_quantized.convert_tensors(path, skeleton, tied)
+        kept, index = gguf_quantized.convert_tensors(path, skeleton)
         missing = _missing_weights(skeleton, kept, config)
         if missing:
             raise GGUFError(f"GGUF file {name} lacks weights the model needs: {missing[:5]}.")

@@ -5,8 +5,8 @@ for every weight kept quantized, its blocks as uint8 rows under the HF name; `qu
 those and their formats (`read_index`, and `weights.iterate_weights` turns them into QuantTensors).
 Kept quantized: 2-D weights in a format the kernels serve (layers/quant/formats.py) of the
 architectures whose GGUF tensors reach the model unchanged but for a permutation of rows (Llama's
-q/k heads, which a block row survives): the token embedding is dequantized (the model gathers from
-it), and a tied LM head gets the embedding's quantized blocks as its own weight.
+q/k heads, which a block row survives), the token embedding included: the model gathers its rows
+from the blocks (`layers/quant/embedding.py`), and a tied LM head runs on the same blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from loraserve.layers.quant.formats import QUANT_TYPES, QuantTensor
 
 QUANT_INDEX = "quantized.json"
 KEPT_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values (Mistral files say llama)
-_EMBEDDING = "model.embed_tokens.weight"
 
 
 def keeps_quantized(architecture: str, tensor_types: tuple[str, ...]) -> bool:
@@ -30,9 +29,7 @@ def keeps_quantized(architecture: str, tensor_types: tuple[str, ...]) -> bool:
     return architecture in KEPT_ARCHITECTURES and any(name in QUANT_TYPES for name in tensor_types)
 
 
-def convert_tensors(
-    path: str, skeleton: Any, tie_word_embeddings: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def convert_tensors(path: str, skeleton: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(HF name -> dense float32 tensor or QuantTensor, the quantized.json index) of the GGUF at `path`."""
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import (
@@ -68,13 +65,7 @@ def convert_tensors(
             tensors[name] = values
             continue
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dimensions innermost first
-        blocks = QuantTensor(values, qtype, shape)
-        if name == _EMBEDDING:
-            tensors[name] = blocks.dequantize()
-            if tie_word_embeddings:
-                tensors["lm_head.weight"] = blocks
-        else:
-            tensors[name] = blocks
+        tensors[name] = QuantTensor(values, qtype, shape)  # a tied LM head shares the embedding's at load
     index = {
         name: {"type": t.qtype.name, "shape": list(t.shape)}
         for name, t in tensors.items()

@@ -1,5 +1,6 @@
-"""Build the model: resolve its class, construct it on the device in the model dtype, load the weights,
-and on CPU pack the linear weights for the C linear kernel (or oneDNN where it does not serve)."""
+"""Build the model: resolve its class, construct it on the device in the model dtype, load the weights
+(linears quantized on the way in for --quantization int8), and on CPU pack the linear weights for the
+C linear kernel (or oneDNN where it does not serve)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import torch
 from torch import nn
 
 from loraserve import envs
-from loraserve.config import ModelConfig
+from loraserve.config import INT8_QUANTIZATIONS, ModelConfig
 from loraserve.layers.linear import Linear, pack_cpu_linears
 from loraserve.layers.quant.formats import QuantTensor
 from loraserve.layers.rotary import RotaryEmbedding
+from loraserve.model_loader.quantize_on_load import quantize_linears
 from loraserve.model_loader.weights import iterate_weights
 from loraserve.models.registry import resolve_model_cls
 
@@ -55,9 +57,18 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
     if model_config.load_format == "dummy":
         _dummy_weights(model)
     else:
-        weights = iterate_weights(model_config.model_path, model_config.config_format, model_config.load_format)
+        weights = iterate_weights(
+            model_config.model_path, model_config.config_format, model_config.load_format
+        )
         if not getattr(model, "loads_quantized", False):  # the transformers backend: dense weights only
+            if model_config.quantization in INT8_QUANTIZATIONS:
+                raise ValueError(
+                    f"quantization {model_config.quantization!r} needs a native model implementation; "
+                    f"{arch} runs on the transformers backend, whose layers take dense weights only."
+                )
             weights = iter(_dequantized(weights, model_config.dtype))
+        elif model_config.quantization in INT8_QUANTIZATIONS:
+            weights = quantize_linears(weights, model)
         model.load_weights(_count_tensors(weights, num_tensors))
     model.eval()
     for module in model.modules():  # rope tables as long as max_model_len (VLLM_ALLOW_LONG_MAX_MODEL_LEN)

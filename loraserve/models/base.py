@@ -11,6 +11,7 @@ from torch import nn
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.layers.linear import Linear
+from loraserve.layers.quant.embedding import QuantEmbedding
 from loraserve.layers.quant.formats import QuantTensor
 
 
@@ -81,6 +82,10 @@ class NativeCausalLM(nn.Module):
             name, shard = self._packed_target(ckpt_name)
             module_name, _, leaf = name.rpartition(".")
             module = modules.get(module_name)
+            if isinstance(tensor, QuantTensor) and isinstance(module, nn.Embedding) and leaf == "weight":
+                self._keep_quantized_embedding(module_name, module, tensor)
+                loaded.add(name)
+                continue
             if isinstance(tensor, QuantTensor):
                 # A tied LM head may still get its own quantized copy (GGUF's token_embd, kept quantized).
                 if not isinstance(module, Linear) or leaf != "weight" or module_name.endswith(self.transposed_weight_modules):
@@ -110,6 +115,22 @@ class NativeCausalLM(nn.Module):
         for module in modules.values():
             if isinstance(module, Linear):
                 module.finish_loading()
+
+    def _keep_quantized_embedding(
+        self, module_name: str, embedding: nn.Embedding, tensor: QuantTensor
+    ) -> None:
+        """A quantized embedding table stays in its blocks (`QuantEmbedding` in the embedding's place);
+        a tied LM head runs the quantized kernel on the same blocks, so the table is held once."""
+        if tuple(embedding.weight.shape) != tensor.shape:
+            raise ValueError(
+                f"shape mismatch for {module_name}.weight: model {tuple(embedding.weight.shape)}, "
+                f"checkpoint {tensor.shape}"
+            )
+        quantized = QuantEmbedding(tensor, embedding.weight.dtype)
+        parent_name, _, child = module_name.rpartition(".")
+        setattr(self.get_submodule(parent_name) if parent_name else self, child, quantized)
+        if self.tie_word_embeddings and self.lm_head.weight is embedding.weight:
+            self.lm_head.load_quant_shard(quantized.tensor, None)
 
     def _check_all_loaded(self, loaded: set[str]) -> None:
         missing = []

@@ -20,6 +20,7 @@ from support.oracles import assert_matches_peft
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.layers.linear import Linear
+from loraserve.layers.quant.embedding import QuantEmbedding
 from loraserve.model_loader.gguf import gguf_folder
 from loraserve.model_loader.gguf_quantized import QUANT_INDEX
 
@@ -83,6 +84,8 @@ def test_quantized_float32_equals_dequantized(
     assert all(m.weight.numel() == 0 for m in quantized)  # no dense copy is kept
     types = {part.tensor.qtype.name for m in quantized for part in m.quant_parts or [] if part is not None}
     assert types == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
+    embedding = llm.engine.model.model.embed_tokens  # gathered from its Q8_0 blocks, no dense table
+    assert isinstance(embedding, QuantEmbedding) and embedding.qtype.name == "Q8_0"
     reference = _dequantized_llm(monkeypatch, tiny, dtype="float32")
     assert not _quantized_linears(reference)
     for ours, want in zip(_greedy(llm, 10), _greedy(reference, 10), strict=True):

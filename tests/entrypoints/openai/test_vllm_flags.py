@@ -86,8 +86,8 @@ VLLM_0_11_FLAGS: dict[str, str] = {
     "--rope-theta": W,
     "--tokenizer-revision": W,
     "--max-model-len": W,
-    "--quantization": R,
-    "-q": R,
+    "--quantization": W,
+    "-q": W,
     "--enforce-eager": N,
     "--max-logprobs": W,
     "--logprobs-mode": N,
@@ -337,10 +337,7 @@ def test_harmless_flags_print_one_notice(
             "--tensor-parallel-size 2 cannot be honoured: loraserve runs the whole model",
         ),
         (["--gpu-memory-utilization=1.5"], "--gpu-memory-utilization 1.5 cannot be honoured"),
-        (
-            ["--quantization", "awq"],
-            "--quantization awq is not supported: loraserve runs unquantized weights",
-        ),
+        (["--quantization", "awq"], "--quantization 'awq' is not served; loraserve quantizes"),
         (["--speculative-config", "{}"], "--speculative-config {} is not supported"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
         (

