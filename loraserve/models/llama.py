@@ -250,7 +250,10 @@ class LlamaForCausalLM(NativeCausalLM):
         return self.model(input_ids, positions, kv_caches, batch)
 
     def vocab_lora_modules(self) -> dict[str, nn.Module]:
-        return {"model.embed_tokens": self.model.embed_tokens, "lm_head": self.lm_head}
+        # A quantized GGUF embedding (QuantEmbedding: blocks, no weight) takes no vocab terms yet;
+        # adapters on it are refused by name at load, the head still takes them.
+        modules = {"model.embed_tokens": self.model.embed_tokens, "lm_head": self.lm_head}
+        return {name: m for name, m in modules.items() if name == "lm_head" or isinstance(m, nn.Embedding)}
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.args
