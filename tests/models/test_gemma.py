@@ -234,7 +234,7 @@ def test_mixed_batch_matches_peft(
 
     def counted_run(self: GemmaDecoderStack, residual: torch.Tensor, *args: Any) -> Any:
         result = stack_run(self, residual, *args)  # the stack calls the LoRA kernel from C
-        if result is not None and args[-1].lora is not None:
+        if result is not None and args[-1].lora is not None and args[-1].lora.has_lora:
             kernel_dtypes.append(residual.dtype)
         return result
 
