@@ -1,4 +1,5 @@
-"""Fused elementwise ops of a decoder layer: RMSNorm (with the residual add), SiLU-and-mul, rope.
+"""Fused elementwise ops of a decoder layer: RMSNorm (with the residual add), SiLU-and-mul, rope,
+and Gemma's (1 + w) RMSNorm and GeGLU (gelu-tanh-and-mul).
 
 Each op has a pure-torch twin (the semantics, and the path on CUDA, for other dtypes, without a C
 compiler, or with LORASERVE_CPU_FUSED_OPS=0) and a C kernel (`fused_kernel.c`, built for this CPU by
@@ -35,7 +36,9 @@ def _load() -> Any:
     try:
         lib.rotary_inplace.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]
         lib.rotary_inplace.restype = ctypes.c_int
-        for fn in (lib.silu_and_mul, lib.rms_norm):
+        lib.gelu_tanh_and_mul.argtypes = lib.silu_and_mul.argtypes
+        lib.offset_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i32, i32, i32]
+        for fn in (lib.silu_and_mul, lib.rms_norm, lib.gelu_tanh_and_mul, lib.offset_rms_norm):
             fn.restype = None
     except AttributeError:  # a library without these symbols: the twins run
         return None
@@ -56,7 +59,8 @@ def kernel_available() -> bool:
 
 
 def kernel_library() -> Any:
-    """The loaded kernel library (rms_norm, silu_and_mul, rotary_inplace), or None without it."""
+    """The loaded kernel library (rms_norm, silu_and_mul, rotary_inplace, offset_rms_norm,
+    gelu_tanh_and_mul), or None without it."""
     return _lib if kernel_available() else None
 
 
@@ -161,3 +165,61 @@ def rotary_twin_(
     half = head_dim // 2
     rotated = torch.cat([-heads[..., half:], heads[..., :half]], dim=-1)
     heads.copy_(heads * cos + rotated * sin)
+
+
+# offset_rms_norm's modes: the norm alone, residual add then norm, norm then residual add.
+NORM_ONLY, ADD_THEN_NORM, NORM_THEN_ADD = 0, 1, 2
+
+
+def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    mode: int = NORM_ONLY) -> torch.Tensor:
+    """Gemma's RMSNorm, scale = 1 + w in float32: out = (h * rsqrt(mean(h^2) + eps) * scale).to(dtype)
+    with h the row in float32, rounded once. ADD_THEN_NORM: residual += x (in place, rounded) and the
+    norm reads it, returns out; NORM_THEN_ADD: residual += norm(x) (in place, each rounded), returns
+    residual. Shape: x, residual [T, D]; scale [D] float32 -> [T, D]."""
+    served = (_served(x) if residual is None else (_served(x, residual) and residual.shape == x.shape)) \
+        and offset_scale_serves(scale, x.shape[-1])
+    if not served:
+        return offset_rms_norm_twin(x, scale, eps, residual, mode)
+    out = residual if mode == NORM_THEN_ADD else torch.empty_like(x)
+    assert out is not None
+    res_ptr, res_ld = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+    _lib.offset_rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_ld, out.data_ptr(), out.stride(0), scale.data_ptr(),
+                         x.shape[0], x.shape[1], eps, mode, _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def offset_scale_serves(scale: torch.Tensor, width: int) -> bool:
+    """Whether offset_rms_norm's kernel reads `scale`: float32, contiguous, CPU, [width]."""
+    return scale.dtype == torch.float32 and scale.is_contiguous() and scale.shape == (width,) and scale.is_cpu
+
+
+def offset_rms_norm_twin(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                         mode: int = NORM_ONLY) -> torch.Tensor:
+    if mode == ADD_THEN_NORM:
+        assert residual is not None
+        x = residual.add_(x)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = (h * scale).to(x.dtype)
+    if mode == NORM_THEN_ADD:
+        assert residual is not None
+        return residual.add_(out)
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Semantics: gelu(gate, approximate="tanh") * up with gate, up = x.split(half) (GeGLU).
+    Shape: x [T, 2I] -> [T, I]."""
+    width = x.shape[-1] // 2
+    if not _served(x) or x.shape[-1] % 2:
+        return gelu_tanh_and_mul_twin(x)
+    out = x.new_empty(x.shape[0], width)
+    _lib.gelu_tanh_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], width,
+                           _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_and_mul_twin(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

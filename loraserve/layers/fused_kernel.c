@@ -257,3 +257,80 @@ int rotary_inplace(void *x, int64_t x_ld, const int64_t *positions, const float 
     }
     return 0;
 }
+
+/* Gemma's ops: the (1 + w) RMSNorm and GeGLU. Every row goes W columns at a time, the last chunk
+ * masked (vload/vstore take a count), so one loop serves every width and build. */
+#if W == 1
+#define vexp_pr exp_approx /* the portable build's e^x: the same polynomial and clamp */
+#endif
+
+static inline vf load_w(const void *p, int64_t j, int64_t n, int dtype) {
+    return dtype ? vload_bf16((const uint16_t *)p + j, n) : vload((const float *)p + j, n);
+}
+static inline void store_w(void *p, int64_t j, vf v, int64_t n, int dtype) {
+    if (dtype) vstore_bf16((uint16_t *)p + j, v, n);
+    else vstore((float *)p + j, v, n);
+}
+/* v rounded to dtype, as storing and loading it would. */
+static inline vf round_w(vf v, int dtype) {
+    if (!dtype) return v;
+    uint16_t tmp[W];
+    vstore_bf16(tmp, v, W);
+    return vload_bf16(tmp, W);
+}
+
+/* Semantics: out = (h * rsqrt(mean(h^2) + eps) * scale).to(dtype) with h the row in float32, one
+ * rounding at the end (Gemma's norm; scale = 1 + w in float32, which the caller keeps). mode 0: h is x;
+ * mode 1: residual = x + residual first (rounded to dtype) and h is it; mode 2: h is x and residual
+ * = residual + out (each rounded to dtype), out not written (the norm-then-add of Gemma-2's sandwich
+ * norms). Shape: x, residual, out [rows, width] (row strides x_ld, res_ld, out_ld); scale [width]
+ * float32. out may alias x. */
+void offset_rms_norm(const void *x, int64_t x_ld, void *residual, int64_t res_ld, void *out, int64_t out_ld,
+                     const float *scale, int64_t rows, int64_t width, float eps, int mode, int dtype,
+                     int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * width >= MIN_PARALLEL_ELEMS)
+    for (int64_t t = 0; t < rows; ++t) {
+        const void *xt = row_at(x, t, x_ld, dtype);
+        void *rt = residual != NULL ? (void *)row_at(residual, t, res_ld, dtype) : NULL;
+        void *ot = (void *)row_at(out, t, out_ld, dtype);
+        vf acc = vzero();
+        for (int64_t j = 0; j < width; j += W) {
+            const int64_t n = width - j;
+            vf a = load_w(xt, j, n, dtype);
+            if (mode == 1) {
+                a = round_w(vadd(a, load_w(rt, j, n, dtype)), dtype);
+                store_w(rt, j, a, n, dtype);
+            }
+            acc = vfma(a, a, acc);
+        }
+        const vf inv = vset1(1.0f / sqrtf(vhsum(acc) / (float)width + eps));
+        const void *src = mode == 1 ? rt : xt;
+        for (int64_t j = 0; j < width; j += W) {
+            const int64_t n = width - j;
+            const vf v = vmul(vmul(load_w(src, j, n, dtype), inv), vload(scale + j, n));
+            if (mode == 2) store_w(rt, j, vadd(round_w(v, dtype), load_w(rt, j, n, dtype)), n, dtype);
+            else store_w(ot, j, v, n, dtype);
+        }
+    }
+}
+
+/* Semantics: out[t, j] = gelu_tanh(x[t, j]) * x[t, width + j] (x holds gate then up), gelu_tanh(g) =
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) computed as g / (1 + exp(-2 sqrt(2 / pi) (g +
+ * 0.044715 g^3))), the same value without tanh's cancellation near 0; the gelu rounded to dtype
+ * before the product, as torch's two ops round. Shape: as silu_and_mul. */
+void gelu_tanh_and_mul(const void *x, int64_t x_ld, void *out, int64_t out_ld, int64_t rows, int64_t width,
+                       int dtype, int num_threads) {
+    const int64_t elem = dtype ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1 && rows * width >= MIN_PARALLEL_HEAVY)
+    for (int64_t t = 0; t < rows; ++t) {
+        const char *g = (const char *)x + t * x_ld * elem, *u = g + width * elem;
+        char *o = (char *)out + t * out_ld * elem;
+        for (int64_t j = 0; j < width; j += W) {
+            const int64_t n = width - j;
+            const vf a = load_w(g, j, n, dtype);
+            const vf z = vmul(vmul(a, vset1(-1.5957691216057308f)), vfma(vmul(a, a), vset1(0.044715f), vset1(1.0f)));
+            const vf gelu = round_w(vdiv(a, vadd(vset1(1.0f), vexp_pr(z))), dtype);
+            store_w(o, j, vmul(gelu, load_w(u, j, n, dtype)), n, dtype);
+        }
+    }
+}

@@ -6,9 +6,10 @@ GeGLU (`hidden_activation`, gelu with the tanh approximation), the attention sca
 `query_pre_attn_scalar ** -0.5` (Gemma-2/3), attention and final logit softcapping (Gemma-2),
 "sandwich" norms around attention and the MLP (Gemma-2/3), alternating sliding-window and global layers
 (`layer_types`: 1:1 in Gemma-2, 5:1 in Gemma-3), and in Gemma-3 per-head q/k norms and a second rope
-base for the sliding layers. The layers run as a Python loop over the same kernels the Llama family
-uses (C linear kernel, paged attention with softcap and per-layer window, LoRA ops); the C decoder
-stack runs Llama's ops only.
+base for the sliding layers. On CPU the layers run as one C call per step (`gemma_stack`: the C
+decoder stack with Gemma's norms, GeGLU, q/k norms, softcap and per-layer rope tables); the Python
+loop here runs the same kernels (C linear kernel, the fused (1 + w) norm and GeGLU, paged attention
+with softcap and per-layer window, LoRA ops) and serves every step the stack does not.
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve import envs
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
+from loraserve.layers.fused_cpu import gelu_tanh_and_mul
 from loraserve.layers.linear import Linear
 from loraserve.layers.norm import OffsetRMSNorm
 from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.models.base import NativeCausalLM
+from loraserve.models.gemma_stack import GemmaBoundObjects, GemmaDecoderStack, refresh_scales
 from loraserve.models.llama import packed_qkv_attention
 
 # transformers' names for the activations Gemma checkpoints use (`ACT2FN`): the tanh approximation
@@ -39,6 +43,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": partial(F.gelu, approximate="tanh"),
     "gelu": F.gelu,
 }
+_TANH = frozenset({"gelu_pytorch_tanh", "gelu_tanh"})  # run by the fused GeGLU kernel
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -161,10 +166,14 @@ class GemmaMLP(nn.Module):
         self.gate_up_proj = Linear(args.hidden_size, [size, size], bias=False, dtype=dtype)
         self.down_proj = Linear(size, args.hidden_size, bias=False, dtype=dtype)
         self.act = _ACTIVATIONS[args.activation]
+        self.tanh_gelu = args.activation in _TANH
         self.size = size
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch).split(self.size, dim=-1)
+        gate_up = self.gate_up_proj(x, batch)
+        if self.tanh_gelu:
+            return self.down_proj(gelu_tanh_and_mul(gate_up), batch)
+        gate, up = gate_up.split(self.size, dim=-1)
         return self.down_proj(self.act(gate) * up, batch)
 
 
@@ -187,13 +196,14 @@ class GemmaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """x [T, hidden] -> x after this layer; the residual adds round to the dtype, as HF's do."""
+        """x [T, hidden] -> x after this layer; the residual adds round to the dtype, as HF's do. Gemma-2/3
+        add each sublayer's normed output to x in place (x is the model's own stream)."""
         h = self.self_attn(positions, self.input_layernorm(x), kv_cache, batch)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x), batch)
-        x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), batch))
+        x = self.post_attention_layernorm.add_to(h, x)
+        return self.post_feedforward_layernorm.add_to(self.mlp(self.pre_feedforward_layernorm(x), batch), x)
 
 
 class GemmaModel(nn.Module):
@@ -215,6 +225,10 @@ class GemmaModel(nn.Module):
             GemmaDecoderLayer(args, ropes[kind], i, dtype) for i, kind in enumerate(args.layer_types)
         )
         self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self._stack: GemmaDecoderStack | None = None
+        self._stack_bound: GemmaBoundObjects | None = (
+            None  # what the stack (or finding none serves) was built from
+        )
 
     def forward(
         self,
@@ -224,9 +238,30 @@ class GemmaModel(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) * self.embed_scale
+        stacked = self._run_stack(x, positions, kv_caches, batch) if x.is_cpu else None
+        if stacked is not None:
+            out, stream = stacked
+            # Gemma-2/3's stream is complete; Gemma's last MLP output is still to be added, as below.
+            return self.norm(stream if self._stack is not None and self._stack.sandwich else stream + out)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, batch)
         return self.norm(x)
+
+    def _run_stack(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoder layers as one C call (`gemma_stack`), or None: the loop above then runs them."""
+        if not envs.cpu_decoder_stack():
+            return None
+        refresh_scales(self.layers)
+        if self._stack_bound is None or not self._stack_bound.unchanged():
+            self._stack_bound = GemmaBoundObjects(self.layers)
+            self._stack = GemmaDecoderStack.build_gemma(list(self.layers))
+        return None if self._stack is None else self._stack.run(x, positions, kv_caches, batch)
 
 
 class GemmaForCausalLM(NativeCausalLM):

@@ -46,7 +46,7 @@ from loraserve.lora.ops import lora_cpu
 from loraserve.native.build import function_address, load_library
 
 # decoder_stack.c's field counts, the model fields read back here, and its error ops.
-MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 19, 17, 21
+MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 20, 17, 21
 M_HIDDEN, M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 8, 9, 10, 11, 14, 18
 OP_GEMM, OP_ROPE, OP_ATTENTION, OP_LORA = 1, 2, 3, 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -164,7 +164,7 @@ class DecoderStack:
         sizes = [len(layers), attn0.qkv_proj.in_features, attn0.split_sizes[0], attn0.split_sizes[1], mlp0.size,
                  attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, _DTYPE_CODES[dtype]]
         tables = [rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(), rotary.cos_table.shape[0]]
-        model_args = (ctypes.c_int64 * MODEL_FIELDS)(*kernels, *sizes, *tables)
+        model_args = (ctypes.c_int64 * MODEL_FIELDS)(*kernels, *sizes, *tables, 0)  # M_EXT: none
         return cls(layers, model_args, kernels[5] != 0, norm0.eps, attn0.attn.scale, dtype)
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[ctypes.c_int64] | None:
@@ -181,10 +181,16 @@ class DecoderStack:
             return None
         values: list[int] = []
         for layer, gemm, (k_cache, v_cache) in zip(self.layers, self._gemm, kv_caches):
-            values += _layer_fields(layer, gemm, k_cache, v_cache)
+            values += self._fields(layer, gemm, k_cache, v_cache)
         self._layer_args = (ctypes.c_int64 * (LAYER_FIELDS * len(self.layers)))(*values)
         self._caches_key = key
         return self._layer_args
+
+    def _fields(
+        self, layer: Any, gemm: list[tuple[int, Any]], k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> list[int]:
+        """One layer's fixed fields (a subclass binds other norm weights)."""
+        return _layer_fields(layer, gemm, k_cache, v_cache)
 
     def run(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
             batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -27,6 +27,7 @@ from loraserve.layers import paged_attention_cpu
 from loraserve.lora.ops import lora_cpu
 from loraserve.lora.request import LoRARequest
 from loraserve.models.gemma import FULL, SLIDING
+from loraserve.models.gemma_stack import GemmaDecoderStack
 
 NUM_NEW = 8
 PROMPT_LENGTHS = (3, 17, 30)  # the longer prompts reach past the 6-token window
@@ -128,14 +129,22 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path: Any, token
 def test_bfloat16_within_bf16_noise_of_transformers(
     arch: str, gemma_models: dict[str, tuple[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bf16 serving through the C kernels (the paged attention kernel counted) against float32
-    transformers scoring the same tokens."""
+    """bf16 serving through the C kernels (the paged attention kernel counted, called from Python or
+    inside the C decoder stack) against float32 transformers scoring the same tokens."""
     path, hf = gemma_models[arch]
     calls = []
-    kernel = paged_attention_cpu.write_and_attend
+    kernel, stack_run = paged_attention_cpu.write_and_attend, GemmaDecoderStack.run
     monkeypatch.setattr(
         paged_attention_cpu, "write_and_attend", lambda q, *args: calls.append(q.dtype) or kernel(q, *args)
     )
+
+    def counted_run(self: GemmaDecoderStack, residual: torch.Tensor, *args: Any) -> Any:
+        result = stack_run(self, residual, *args)
+        if result is not None:
+            calls.append(residual.dtype)
+        return result
+
+    monkeypatch.setattr(GemmaDecoderStack, "run", counted_run)
     llm = LLM(path, dtype="bfloat16", max_num_batched_tokens=64)
     prompts = _prompts(hf.config.vocab_size)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
@@ -216,11 +225,20 @@ def test_mixed_batch_matches_peft(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Base requests and three adapters of ranks 4, 8 and 16 interleaved in one batch over two slots,
-    through the C LoRA kernel (its calls counted) or the torch ops, against PEFT in float32."""
+    through the C LoRA kernel (its calls counted, from Python or inside the C decoder stack) or the
+    torch ops, against PEFT in float32."""
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
     kernel_dtypes = []
-    run = lora_cpu.run
+    run, stack_run = lora_cpu.run, GemmaDecoderStack.run
     monkeypatch.setattr(lora_cpu, "run", lambda *args: kernel_dtypes.append(args[0].dtype) or run(*args))
+
+    def counted_run(self: GemmaDecoderStack, residual: torch.Tensor, *args: Any) -> Any:
+        result = stack_run(self, residual, *args)  # the stack calls the LoRA kernel from C
+        if result is not None and args[-1].lora is not None and args[-1].lora.has_lora:
+            kernel_dtypes.append(residual.dtype)
+        return result
+
+    monkeypatch.setattr(GemmaDecoderStack, "run", counted_run)
     path, hf = gemma_models[arch]
     adapters = gemma_adapters[arch]
     prompts = _prompts(hf.config.vocab_size, seed=1)
