@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import loraserve.lora.manager as manager_module
+import loraserve.lora.adapter_loader as loader_module
 from benchmarks.common import bench_root, cpu_class, limit_threads, save_results
 from benchmarks.server_trace import TraceShape, percentile, zipf_trace
 from benchmarks.synthetic_adapters import adapter_name, write_adapters
@@ -63,7 +63,7 @@ class StoreReads:
 @contextmanager
 def slow_store(s3_root: str, reads: StoreReads) -> Iterator[None]:
     """Every adapter read under `s3_root` waits like an object store first; all reads are counted."""
-    real = manager_module.read_adapter
+    real = loader_module.read_adapter
 
     def read(folder: Any, *args: Any, **kwargs: Any) -> Any:
         size = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
@@ -75,11 +75,11 @@ def slow_store(s3_root: str, reads: StoreReads) -> Iterator[None]:
             time.sleep(S3_LATENCY_S + size / S3_BANDWIDTH)
         return real(folder, *args, **kwargs)
 
-    manager_module.read_adapter = read  # type: ignore[assignment]
+    loader_module.read_adapter = read  # type: ignore[assignment]
     try:
         yield
     finally:
-        manager_module.read_adapter = real
+        loader_module.read_adapter = real
 
 
 def build_assets(trace: list[tuple[int, list[int]]]) -> tuple[str, dict[int, LoRARequest], str]:

@@ -1,7 +1,8 @@
 """The synchronous engine: add requests, run `step()` (schedule -> run -> update -> outputs).
 
 It wires the parts together and owns the request table; the scheduler owns each sequence's state,
-the output processor its text, the model loader the weights, tokenization the prompt and eos ids.
+the output processor its text, the model loader the weights, tokenization the prompt and eos ids,
+`EngineAdapters` the rules of its adapter API (the `LoRAManager` owns the adapters).
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from loraserve.config import EngineConfig
 from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.engine_stats import engine_stats, residency_levels
+from loraserve.engine.engine_stats import engine_stats
+from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.scheduler import SampledToken, ScheduledSeq, Scheduler
-from loraserve.engine.sequence import BeamGroup, CacheSalt, Request, RequestSalt, ScaledSalt, Sequence
+from loraserve.engine.sequence import BeamGroup, CacheSalt, Request, RequestSalt, Sequence
 from loraserve.engine.step_failures import StepFailures, request_error
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
-from loraserve.errors import LoRAAdapterError, LoRAAdapterVersionError
+from loraserve.errors import LoRAAdapterError
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
 from loraserve.structured_output.manager import MaskJob, StructuredOutputs
@@ -89,6 +91,7 @@ class LLMEngine:
             config.structured_outputs.disable_any_whitespace,
         )
         self.requests: dict[str, Request] = {}
+        self.adapters = EngineAdapters(self.lora, self.requests)  # the adapter API's rules
         self.step_failures = StepFailures()
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
             self.lora.follow_demand(self.scheduler.adapters_in_demand)
@@ -146,31 +149,7 @@ class LLMEngine:
         check_admission(self.config.scheduler, self.scheduler.queue_load(), width, width * len(prompt_ids))
         salt: CacheSalt | None = None
         if lora_request is not None:
-            if self.lora is None:
-                raise LoRAAdapterError(
-                    f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not enabled (enable_lora=True)."
-                )
-            scale = lora_request.scale  # the request's, never the registered adapter's
-            # replaced in place meanwhile: the new one
-            version = lora_request.version  # checked against what is registered, never registered
-            lora_request = self.lora.successor(replace(lora_request, scale=1.0, version=None))
-            salt = self.lora.register(lora_request)
-            if version is not None:
-                check_lora_version(lora_request, version, salt.result())
-            if scale != 1.0:
-                if self.lora.uses_dora(lora_request.lora_id):
-                    raise LoRAAdapterError(
-                        f"LoRA adapter {lora_request.lora_name!r} is a DoRA adapter, whose output scale depends "
-                        "on the adapter's strength: it cannot be scaled per request (use scale 1)."
-                    )
-                if self.lora.replaces_rows(lora_request.lora_id):
-                    raise LoRAAdapterError(
-                        f"LoRA adapter {lora_request.lora_name!r} replaces vocab weights (trainable tokens or "
-                        "modules_to_save), which have no strength to scale: it cannot be scaled per request "
-                        "(use scale 1)."
-                    )
-                lora_request = replace(lora_request, scale=scale)
-                salt = ScaledSalt(salt, scale)
+            lora_request, salt = self.adapters.for_request(lora_request)
         request_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if request_salt:
             salt = RequestSalt(salt, str(request_salt))
@@ -273,7 +252,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
             aborted.append(self.outputs.build_output(request))
-        self._finish_lora_removals()
+        self.adapters.finish_removals()
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -290,7 +269,7 @@ class LLMEngine:
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
             failed = self._fail_step(batch.scheduled, exc)
-            self._finish_lora_removals()
+            self.adapters.finish_removals()
             return failed
         run = self.runner.run(
             batch.scheduled,
@@ -313,7 +292,7 @@ class LLMEngine:
             self.step_failures.succeeded()
         finally:
             self.structured.wait(masks)
-        self._finish_lora_removals()
+        self.adapters.finish_removals()
         return outputs
 
     def _fail_adapter_requests(self, failed: dict[int, Exception]) -> list[RequestOutput]:
@@ -380,85 +359,62 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
         return outputs
 
-    # ---- adapters -------------------------------------------------------------------------------
-    def _lora_manager(self) -> LoRAManager:
-        if self.lora is None:
-            raise LoRAAdapterError("LoRA is not enabled; start the engine with enable_lora=True.")
-        return self.lora
-
-    def _loras_in_use(self) -> set[int]:
-        return {r.lora_request.lora_id for r in self.requests.values() if r.lora_request is not None}
-
-    def _finish_lora_removals(self) -> None:
-        if self.lora is not None and self.lora.has_pending_removals:
-            self.lora.finish_removals(self._loras_in_use())
-
+    # ---- adapters (the rules are `EngineAdapters`'; the manager owns the adapters) --------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load, validate and register an adapter; False if its id is registered already, unless
         `lora_request.load_inplace`: then its weights are read again (no request may be using it).
         A scale is a request's, not the adapter's: it is not kept."""
-        lora_request = replace(lora_request, scale=1.0, version=None)
-        manager = self._lora_manager()
-        if manager.is_registered(lora_request.lora_id):
-            if not lora_request.load_inplace:
-                return False
-            manager.replace(lora_request.lora_id, lora_request, lora_request.lora_id in self._loras_in_use())
-            return True
-        manager.register(lora_request, explicit=True)
-        return True
+        return self.adapters.add(lora_request)
 
     def replace_lora(self, old_lora_id: int, lora_request: LoRARequest) -> bool:
         """Serve `lora_request` (a new id) in place of adapter `old_lora_id`: running requests finish on
         the old weights, new ones (old id included) get the new weights (`LoRAManager.replace`)."""
-        manager = self._lora_manager()
-        manager.replace(old_lora_id, lora_request, old_lora_id in self._loras_in_use())
-        return True
+        return self.adapters.replace(old_lora_id, lora_request)
 
     def is_lora_in_use(self, lora_id: int) -> bool:
         """Whether an unfinished request uses the adapter (engine thread)."""
-        return lora_id in self._loras_in_use()
+        return lora_id in self.adapters.in_use()
 
     def is_lora_registered(self, lora_id: int) -> bool:
         """Whether `add_lora` (or a request) registered this adapter; safe to call from any thread."""
-        return self.lora is not None and self.lora.is_registered(lora_id)
+        return self.adapters.is_registered(lora_id)
 
     def prefetch_lora(self, lora_request: LoRARequest, also_keep: Collection[int] = ()) -> None:
         """Read and validate an adapter into the host cache ahead of `add_lora` / `add_request`, so
         the step loop never waits on its disk read; `also_keep` (an adapter it replaces) is not
         evicted for it. Safe to call from any thread; a no-op with LoRA off (`add_request` says so)."""
-        if self.lora is not None:
-            self.lora.prefetch(lora_request, also_keep)
+        self.adapters.prefetch(lora_request, also_keep)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter: now if no request uses it, else once they finish (`lora_removed`
         completes then). False if it is not registered."""
-        return self._lora_manager().remove(lora_id, lora_id in self._loras_in_use())
+        return self.adapters.remove(lora_id)
 
     def lora_removed(self, lora_id: int) -> concurrent.futures.Future[None]:
         """Completes once adapter `lora_id` is gone (at once unless its removal waits on requests)."""
-        return self._lora_manager().removal(lora_id)
+        return self.adapters.removed(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a registered adapter in a compute slot until removed; False if pinned already."""
-        return self._lora_manager().pin(lora_id)
+        return self.adapters.manager().pin(lora_id)
 
     def list_loras(self) -> list[LoRARequest]:
-        return self.lora.list_requests() if self.lora is not None else []
+        return self.adapters.list()
 
     def lora_digest(self, lora_id: int) -> str:
         """The content digest of a registered adapter (waits while it hashes; any thread); what
         `LoRARequest.version` prefixes. LoRAAdapterNotFoundError when it is not registered."""
-        return self._lora_manager().digest(lora_id)
+        return self.adapters.manager().digest(lora_id)
 
     def lora_version_residency(self) -> dict[str, str]:
         """Version keys ("name@<12 digest digits>") -> "slot" or "host", every registered adapter in memory (any
         thread): what a replica reports to the router, which routes by version."""
-        return self.lora.resident_versions() if self.lora is not None else {}
+        return self.adapters.version_residency()
 
     def lora_residency(self) -> dict[str, str]:
         """Adapter name -> its highest residency level, "slot" or "host", for every adapter in memory
         (any thread; what a replica reports to the adapter-affinity router)."""
-        return residency_levels(self.lora.resident_adapters()) if self.lora is not None else {}
+        return self.adapters.residency()
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
@@ -473,13 +429,3 @@ def _stop_dead_ends(sampled: list[SampledToken], masks: MaskJob | None) -> list[
         replace(t, finish_reason="stop", stop_reason=None) if t.seq.seq_id in masks.dead_ends else t
         for t in sampled
     ]
-
-
-def check_lora_version(lora_request: LoRARequest, version: str, digest: str) -> None:
-    """LoRAAdapterVersionError unless the adapter registered under the request's id holds content
-    `version` (a digest prefix) names: a request pinned to a version never runs on other weights."""
-    if not digest.startswith(version):
-        raise LoRAAdapterVersionError(
-            f"The model `{lora_request.lora_name}@{version}` does not exist: LoRA adapter "
-            f"'{lora_request.lora_name}' (id {lora_request.lora_id}) holds version {digest[:12]}."
-        )

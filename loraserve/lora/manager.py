@@ -4,9 +4,10 @@ Three parts, one lock: the registry (adapters the engine serves, digests, remova
 host cache (up to `max_cpu_loras` validated adapters in memory, each read once) and the slot table
 (the `max_loras` compute slots of the wrapped layers). A load goes one way: the folder
 (`AdapterLocations`), the memory of broken files (`FailedLoads`), `adapter_read.read_adapter` with the
-model's `LoRATargets` (built once, here), then the host cache and a free slot; the parts never call
-back. Evicting an adapter from the host also frees its slot. The adapters of the current step are
-never evicted from either tier, pinned adapters never leave their slot. The host cache's order is that of request arrivals (`register`), and it evicts an
+model's `LoRATargets` (built once, here), then the host cache and a free slot (that path, the reload
+of an evicted adapter and the prefetch thread's work are `adapter_loader.AdapterLoader`'s, under this
+lock; the reports are `residency`'s); the parts never call back. Evicting an adapter from the host
+also frees its slot. The adapters of the current step are never evicted from either tier, pinned adapters never leave their slot. The host cache's order is that of request arrivals (`register`), and it evicts an
 adapter that queued requests still need only when all are needed: the engine names its queue's
 adapters through `follow_demand` (read on the engine thread; other threads' loads see its latest
 snapshot).
@@ -19,37 +20,30 @@ current step does not use, so loads and pins may run while a forward pass is in 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
-import time
 import types
 import weakref
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict
 
 import torch
 from torch import nn
 
 from loraserve import envs
 from loraserve.config import LoRAConfig
-from loraserve.errors import (
-    LoRAAdapterChangedError,
-    LoRAAdapterError,
-    LoRAAdapterGoneError,
-    LoRAAdapterNotFoundError,
-)
+from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+from loraserve.lora.adapter_loader import AdapterLoader, AdapterSets, LoaderParts, changed_key
 from loraserve.lora.adapter_path import AdapterLocations
-from loraserve.lora.adapter_read import ReadLimits, read_adapter
+from loraserve.lora.adapter_read import ReadLimits
 from loraserve.lora.digest import PendingDigest
-from loraserve.lora.eviction import ReloadCosts, source_of
+from loraserve.lora.eviction import ReloadCosts
 from loraserve.lora.failed_loads import FailedLoads
 from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
-from loraserve.lora.mix import MIX_LABEL, mix_adapters
 from loraserve.lora.prefetch import Prefetcher
 from loraserve.lora.registry import AdapterRegistry
-from loraserve.lora.request import MIX_PATH_PREFIX, LoRARequest, version_key
+from loraserve.lora.request import LoRARequest
+from loraserve.lora.residency import lora_stats, resident_adapters, resident_versions
 from loraserve.lora.single_flight import SingleFlight
 from loraserve.lora.slot_table import SlotTable
 from loraserve.lora.targets import LoRATargets
@@ -82,19 +76,21 @@ class LoRAManager:
             lora_config.eviction_policy,
             lambda m: costs.expected_seconds(m.path, m.num_bytes),
         )
+        self._flights = SingleFlight()  # one disk read per adapter however many threads ask
+        # The step's adapters, the retained ones (being removed while requests run: the host cache
+        # keeps them), the DoRA and vocab-replacing ones: shared with the loader, rebound under the lock.
+        self._sets = AdapterSets()
+        self._demand: Callable[[], Callable[[], Sequence[int]] | None] | None = None
+        self._loader = AdapterLoader(
+            LoaderParts(
+                self._lock, self._registry, self._host, self._slots, self._sets, self._locations,
+                self._failed, costs, self._flights, self._targets, self._limits, lora_config.max_lora_rank,
+            )
+        )  # fmt: skip
         # Evicted adapters the queue needs are read back beside the step (LORASERVE_LORA_PREFETCH=0: off).
-        self._prefetcher = Prefetcher(self._prefetch_one) if envs.lora_prefetch() else None
+        self._prefetcher = Prefetcher(self._loader.prefetch_one) if envs.lora_prefetch() else None
         if self._prefetcher is not None:
             weakref.finalize(self, self._prefetcher.close)
-        self._flights = SingleFlight()  # one disk read per adapter however many threads ask
-        self._in_use: frozenset[int] = frozenset()  # the adapters of the step being prepared or run
-        # Adapters being removed (unloaded or replaced in place) whose requests still run: their cached
-        # copy may be the only one left (files deleted or overwritten), so the host cache keeps them.
-        # Rebound, never mutated, so that other threads' keep() reads it without the lock.
-        self._retained: frozenset[int] = frozenset()
-        self._demand: Callable[[], Callable[[], Sequence[int]] | None] | None = None
-        self._dora_ids: frozenset[int] = frozenset()  # loaded adapters with DoRA scales (any thread reads)
-        self._replacing_ids: frozenset[int] = frozenset()  # loaded adapters replacing vocab rows (likewise)
 
     def follow_demand(self, source: Callable[[], Sequence[int]]) -> None:
         """`source()` (called on the engine thread, at each step and before each first load) names
@@ -132,12 +128,12 @@ class LoRAManager:
 
     def uses_dora(self, lora_id: int) -> bool:
         """Whether a loaded adapter is a DoRA one (its requests cannot set a scale: g depends on it)."""
-        return lora_id in self._dora_ids
+        return lora_id in self._sets.dora
 
     def replaces_rows(self, lora_id: int) -> bool:
         """Whether a loaded adapter replaces vocab weights (trainable tokens, modules_to_save): a
         replaced row has no strength to scale, so its requests cannot set a scale."""
-        return lora_id in self._replacing_ids
+        return lora_id in self._sets.replacing
 
     def is_registered(self, lora_id: int) -> bool:
         with self._lock:
@@ -185,7 +181,7 @@ class LoRAManager:
             with self._lock:
                 new_model = self._host.peek(lora_request.lora_id)
                 if self._slots.unpin(old_id) and new_model is not None:
-                    self._slots.pin(new_model, self._in_use)
+                    self._slots.pin(new_model, self._sets.in_use)
                 self._registry.redirect(old_id, lora_request.lora_id)
                 self.remove(old_id, in_use)
             return digest
@@ -195,14 +191,14 @@ class LoRAManager:
                 "it in place once they finish, or under a new id."
             )
         self._locations.forget(old_id)  # a Hub repo id is looked up again: the point is new weights
-        fresh, elapsed = self._read(lora_request)
+        fresh, elapsed = self._loader.read(lora_request)
         digest = fresh.pending_digest
         with self._lock:
             pinned = old_id in self._slots.pinned_ids
-            self._drop(old_id)
-            self._put(fresh, self._slots.pinned_ids | self._in_use, elapsed)
+            self._loader.drop(old_id)
+            self._loader.put(fresh, self._slots.pinned_ids | self._sets.in_use, elapsed)
             if pinned:
-                self._slots.pin(fresh, self._in_use)
+                self._slots.pin(fresh, self._sets.in_use)
             self._registry.add(lora_request, digest)
         return digest
 
@@ -216,7 +212,7 @@ class LoRAManager:
             lora_model = self._host.peek(lora_id)
             if lora_model is None:
                 raise ValueError(f"cannot pin LoRA adapter {lora_request.lora_name!r}: it is not loaded")
-            return self._slots.pin(lora_model, self._in_use)
+            return self._slots.pin(lora_model, self._sets.in_use)
 
     def remove(self, lora_id: int, in_use: bool) -> bool:
         """Unregister an adapter: now if no request uses it, else once `finish_removals` finds them
@@ -226,7 +222,7 @@ class LoRAManager:
                 return False
             if in_use:
                 self._registry.defer_removal(lora_id)
-                self._retained = self._retained | {lora_id}
+                self._sets.retained = self._sets.retained | {lora_id}
             else:
                 self._forget(lora_id)
             return True
@@ -252,17 +248,11 @@ class LoRAManager:
                 self._forget(lora_id)
 
     def _forget(self, lora_id: int) -> None:
-        self._retained = self._retained - {lora_id}
-        self._drop(lora_id)
+        self._sets.retained = self._sets.retained - {lora_id}
+        self._loader.drop(lora_id)
         self._registry.forget(lora_id)
-        self._failed.forget(_changed_key(lora_id))
+        self._failed.forget(changed_key(lora_id))
         self._locations.forget(lora_id)
-
-    def _drop(self, lora_id: int) -> None:
-        """The adapter leaves the host cache and its slot (it stays registered)."""
-        self._host.remove(lora_id)
-        self._slots.release(lora_id)
-        self._in_use = self._in_use - {lora_id}
 
     # ---- steps (engine thread) ------------------------------------------------------------------
     def can_activate(self, lora_ids: Collection[int]) -> bool:
@@ -279,71 +269,15 @@ class LoRAManager:
         """
         self._refresh_needed()
         with self._lock:
-            self._in_use = frozenset(lora_ids)
+            self._sets.in_use = frozenset(lora_ids)
         self._prefetch_waiting(lora_ids)
         failed: dict[int, Exception] = {}
         for lora_id in lora_ids:
             try:
-                self._reload(lora_id, lora_ids)
+                self._loader.reload(lora_id, lora_ids)
             except Exception as exc:  # noqa: BLE001 - any failure fails this adapter's requests only
                 failed[lora_id] = exc
         return self.activate(lora_ids - failed.keys()), failed
-
-    def _reload(self, lora_id: int, step_ids: set[int] | None, also_keep: Collection[int] = ()) -> None:
-        """Read an evicted adapter again. Its registered content is the only one it may serve: files
-        gone -> LoRAAdapterGoneError; other content, or files that no longer load ->
-        LoRAAdapterChangedError (remembered until the files change again, so its requests fail fast)."""
-        with self._lock:
-            if lora_id in self._host:
-                return
-            lora_request, digest = self._registry.requests[lora_id], self._registry.digests[lora_id]
-        if lora_request.is_mix:
-            self._reload_mix(lora_request, digest, step_ids, also_keep)
-            return
-        name, key = lora_request.lora_name, _changed_key(lora_id)
-        folder = self._locations.known_folder(lora_request) or lora_request.lora_path
-        files = self._failed.check(key, folder)
-        try:
-            reloaded = self.load(lora_request, protected=step_ids, also_keep=also_keep)
-        except LoRAAdapterError as e:
-            if not os.path.isdir(folder):
-                raise LoRAAdapterGoneError(
-                    f"LoRA adapter '{name}' is registered but its files are gone from disk; unload it, "
-                    "or put its files back."
-                ) from None
-            reason = str(e).removeprefix(f"LoRA adapter '{name}': ")
-            raise LoRAAdapterChangedError(
-                f"LoRA adapter '{name}' changed on disk since it was loaded and no longer loads ({reason}); "
-                "unload it and load it again once its files are fixed."
-            ) from None
-        if reloaded.identity.digest != digest.result():
-            with self._lock:
-                self._drop(lora_id)
-            error = LoRAAdapterChangedError(
-                f"LoRA adapter '{name}' changed on disk since it was loaded; its new weights are not "
-                "served under the old load: unload it and load it again to serve them."
-            )
-            self._failed.record(key, files, error)
-            raise error
-        self._failed.forget(key)
-
-    def _reload_mix(
-        self,
-        lora_request: LoRARequest,
-        digest: PendingDigest,
-        step_ids: set[int] | None,
-        also_keep: Collection[int],
-    ) -> None:
-        """Build an evicted mix again from its components (each from the host cache, else its files);
-        a component whose content changed makes another mix, which is not served under this one."""
-        reloaded = self.load(lora_request, protected=step_ids, also_keep=also_keep)
-        if reloaded.identity.digest != digest.result():
-            with self._lock:
-                self._drop(lora_request.lora_id)
-            raise LoRAAdapterChangedError(
-                f"LoRA mix '{lora_request.lora_name}': one of its adapters changed since the mix was first "
-                "served; request the mix again by its adapters' names to serve their new weights."
-            )
 
     # ---- prefetch (engine thread asks, the prefetch thread reads) ---------------------------------
     def _prefetch_waiting(self, step_ids: Collection[int]) -> None:
@@ -360,24 +294,6 @@ class LoRAManager:
             ]  # fmt: skip
         self._prefetcher.want(wanted)
 
-    def _prefetch_one(self, lora_id: int) -> bool:
-        """Bring one queued adapter back (prefetch thread): read it as the step would (`_reload`),
-        evicting none the step uses or the queue needs sooner, then into a free slot. True if it did."""
-        with self._lock:
-            if lora_id not in self._registry.requests or lora_id in self._registry.pending_removals:
-                return False
-            needed = self._host.needed
-            sooner = needed[: needed.index(lora_id)] if lora_id in needed else needed
-            did = lora_id not in self._host
-        if did:
-            self._reload(lora_id, None, sooner)  # None: the step as it is when the read is done
-        with self._lock:
-            lora_model = self._host.peek(lora_id)
-            if lora_model is not None and self._slots.slot_of(lora_id) is None and self._slots.has_free:
-                self._admit(lora_model)
-                did = True
-        return did
-
     def wait_prefetch_idle(self, timeout: float | None = None) -> bool:
         """Wait until the prefetch thread has nothing left to read (True; False after `timeout`)."""
         return self._prefetcher is None or self._prefetcher.wait_idle(timeout)
@@ -385,13 +301,13 @@ class LoRAManager:
     def end_step(self) -> None:
         """The step is over: its adapters may be evicted again (their requests reload them if needed)."""
         with self._lock:
-            self._in_use = frozenset()
+            self._sets.in_use = frozenset()
 
     def check_consistency(self) -> str | None:
         """What is wrong with the slot bookkeeping between steps; None if it is consistent."""
         with self._lock:
-            if self._in_use:
-                return f"LoRA adapters {sorted(self._in_use)} are still marked in use after the step"
+            if self._sets.in_use:
+                return f"LoRA adapters {sorted(self._sets.in_use)} are still marked in use after the step"
             return self._slots.check_consistency()
 
     def activate(self, lora_ids: set[int]) -> dict[int, int]:
@@ -407,7 +323,7 @@ class LoRAManager:
                     f"a step needs {len(lora_ids)} LoRA slots but only {free} of max_loras="
                     f"{self.lora_config.max_loras} are not held by pinned adapters"
                 )
-            self._in_use = frozenset(lora_ids)
+            self._sets.in_use = frozenset(lora_ids)
             slots: dict[int, int] = {}
             # Adapters already in a slot first, so that a miss never evicts one the step needs.
             for lora_id in sorted(lora_ids, key=lambda i: self._slots.slot_of(i) is None):
@@ -427,79 +343,7 @@ class LoRAManager:
         slot, if any). To make room the cache evicts no pinned adapter, no `protected` one (default:
         the adapters of the current step, as it is once the read is done), no retained one (being removed while requests run) and
         none of `also_keep`. The read runs outside the lock; concurrent loads of one id read once."""
-        lora_id = lora_request.lora_id
-        with self._flights.hold(lora_id):  # a per-id lock: loads of other adapters go on
-            with self._lock:
-                cached = self._host.hit(lora_id)  # maybe read by the thread this one waited for
-            if cached is not None:
-                return cached
-            lora_model, elapsed = self._read(lora_request)
-            self._costs.observe(source_of(lora_model.path), lora_model.num_bytes, elapsed)
-            with self._lock:
-                if lora_model.uses_dora:
-                    self._dora_ids = self._dora_ids | {lora_id}
-                if lora_model.replaces_rows:
-                    self._replacing_ids = self._replacing_ids | {lora_id}
-                step = self._in_use if protected is None else frozenset(protected)
-                keep = self._slots.pinned_ids | step | self._retained | frozenset(also_keep)
-                return self._put(lora_model, keep, elapsed)
-
-    def _read(self, lora_request: LoRARequest) -> tuple[LoRAModel, float]:
-        """The adapter read and validated (`read_adapter`), and the seconds it took, in one line:
-        its local folder (`~` expanded, a Hub repo downloaded), the memory of broken files (the same
-        files fail again at once, after a few stats), the read. A failure is counted and leaves no
-        trace, its location included; a failure of these files is remembered."""
-        if lora_request.is_mix:
-            return self._read_mix(lora_request)
-        key = (lora_request.lora_name, lora_request.lora_path)
-        start = time.perf_counter()
-        try:
-            folder = self._locations.local_path(lora_request)
-            files = self._failed.check(key, folder)  # passing it drops any memory of other files
-            try:
-                lora_model = read_adapter(folder, lora_request, self._targets, self._limits)
-            except LoRAAdapterError as error:
-                self._failed.record(key, files, error)
-                raise
-        except BaseException:
-            self._locations.forget(lora_request.lora_id)
-            with self._lock:
-                self._host.count_failure()
-            raise
-        return lora_model, time.perf_counter() - start
-
-    def _read_mix(self, lora_request: LoRARequest) -> tuple[LoRAModel, float]:
-        """A mix's virtual adapter (`lora.mix`), built from its components as they are loaded (each
-        component is loaded, and cached, like any adapter; none of the step's adapters is evicted)."""
-        start = time.perf_counter()
-        parts = [(self.load(component), weight) for component, weight in lora_request.mix]
-        try:
-            mixed = mix_adapters(lora_request, parts, self.lora_config.max_lora_rank)
-        except LoRAAdapterError:
-            with self._lock:
-                self._host.count_failure()
-            raise
-        return mixed, time.perf_counter() - start
-
-    def _put(self, lora_model: LoRAModel, keep: Collection[int], elapsed: float) -> LoRAModel:
-        """Cache a fresh read (evicted adapters leave their slots) and upload it to a free slot; the
-        adapter already cached under its id if another load got there first (under the lock)."""
-        try:
-            evicted = self._host.add(lora_model, keep)
-            if evicted is None:
-                return self._host.peek(lora_model.lora_id) or lora_model
-            for lora_id in evicted:
-                self._slots.release(lora_id)
-            try:
-                self._admit(lora_model)
-            except Exception:
-                self._host.remove(lora_model.lora_id)
-                raise
-        except Exception:
-            self._host.count_failure()
-            raise
-        self._host.count_load(elapsed)
-        return lora_model
+        return self._loader.load(lora_request, protected, also_keep)
 
     def get_adapter(self, lora_id: int) -> LoRAModel | None:
         with self._lock:
@@ -509,14 +353,6 @@ class LoRAManager:
         with self._lock:
             return self._slots.slot_of(lora_id)
 
-    def _admit(self, lora_model: LoRAModel) -> None:
-        """Upload a freshly loaded adapter to a free slot now, on the loading thread (while its digest
-        is still being hashed on others), so that its first step finds it in place."""
-        try:
-            self._slots.place_if_free(lora_model)
-        except Exception as e:
-            raise LoRAAdapterError(f"LoRA adapter '{lora_model.name}' does not fit a slot: {e}") from None
-
     # ---- metrics (any thread) -------------------------------------------------------------------
     def resident_adapters(self) -> dict[str, list[str]]:
         """Adapter names by residency level, each list sorted and without repeats: "host" = in host
@@ -525,49 +361,17 @@ class LoRAManager:
         under one name while its old requests finish: it is listed once). Mixes are listed as
         MIX_LABEL: their names hold clients' weights."""
         with self._lock:
-            host, slot = set(), set()
-            for lora_id in self._host.ids():
-                lora_model = self._host.peek(lora_id)
-                if lora_model is None:
-                    continue
-                name = MIX_LABEL if lora_model.path.startswith(MIX_PATH_PREFIX) else lora_model.name
-                host.add(name)
-                if self._slots.slot_of(lora_id) is not None:
-                    slot.add(name)
-            return {"slot": sorted(slot), "host": sorted(host)}
+            return resident_adapters(self._host, self._slots)
 
     def resident_versions(self) -> dict[str, str]:
         """Registered adapters held in memory, by `LoRARequest.version_key` of their digest ("name@<12
         digits>") -> "slot" or "host": what a replica tells the router, so that two versions of one
         name are never taken for each other. Digests still hashing are left out. Any thread."""
         with self._lock:
-            levels: dict[str, str] = {}
-            for lora_id in self._host.ids():
-                lora_request = self._registry.requests.get(lora_id)
-                pending = self._registry.digests.get(lora_id)
-                if lora_request is None or pending is None or lora_request.is_mix or not pending.done():
-                    continue
-                key = version_key(lora_request.lora_name, pending.result())
-                levels[key] = "slot" if self._slots.slot_of(lora_id) is not None else "host"
-            return levels
+            return resident_versions(self._host, self._registry, self._slots)
 
     def stats(self) -> dict[str, int | float | str | list[float]]:
         """Counters and occupancy, keys prefixed `lora_`; `lora_load_seconds` lists the disk load
         latencies observed since the previous call (a histogram's new observations)."""
         with self._lock:
-            counters = {**asdict(self._host.counters), **asdict(self._slots.counters)}
-            out: dict[str, int | float | str | list[float]] = {f"lora_{k}": v for k, v in counters.items()}
-            out["lora_eviction_policy"] = self._host.policy
-            out["lora_num_cached"] = self._host.num_cached
-            out["lora_num_loading"] = len(self._flights)
-            out["lora_num_active_slots"] = self._slots.num_used
-            out["lora_num_pinned"] = len(self._slots.pinned_ids)
-            out["lora_load_seconds"] = self._host.drain_latencies()
-            if self._prefetcher is not None:
-                out.update({f"lora_{k}": v for k, v in asdict(self._prefetcher.counters).items()})
-            return out
-
-
-def _changed_key(lora_id: int) -> tuple[str, int]:
-    """The FailedLoads key of a registered adapter found changed on disk."""
-    return ("changed", lora_id)
+            return lora_stats(self._host, self._slots, self._flights, self._prefetcher)

@@ -216,7 +216,7 @@ def test_registered_adapter_changed_on_disk_never_serves_the_new_weights(
 def test_failed_loads_under_a_home_path_are_retried_once_fixed(tmp_path, monkeypatch) -> None:
     """A `~/...` adapter is fingerprinted at its real folder: fixing its files lets the next load read
     them again (keyed on the raw path, every fingerprint was 'missing' and the error stuck forever)."""
-    import loraserve.lora.manager as manager_module
+    import loraserve.lora.adapter_loader as loader_module
 
     monkeypatch.setenv("HOME", str(tmp_path))
     folder = write_stand_in_adapter(tmp_path / "ad", 1)
@@ -224,13 +224,13 @@ def test_failed_loads_under_a_home_path_are_retried_once_fixed(tmp_path, monkeyp
     good_config = config.read_text()
     config.write_text("{broken")
     reads: list[str] = []
-    real_read = manager_module.read_adapter
+    real_read = loader_module.read_adapter
 
     def counting_read(folder: str, *args: object) -> object:
         reads.append(folder)
         return real_read(folder, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(manager_module, "read_adapter", counting_read)
+    monkeypatch.setattr(loader_module, "read_adapter", counting_read)
     manager = LoRAManager(StandInLlama(), LoRAConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=8),
                           torch.float32, "cpu")  # fmt: skip
     request = LoRARequest("ad", 1, "~/ad")

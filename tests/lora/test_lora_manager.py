@@ -257,17 +257,17 @@ def test_register_remove_and_list(adapter_dir) -> None:  # type: ignore[no-untyp
 
 def test_concurrent_first_loads_read_once(adapter_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """Six threads ask for one cold adapter at once: one disk read, the others wait for it (hits)."""
-    import loraserve.lora.manager as manager_module
+    import loraserve.lora.adapter_loader as loader_module
 
     manager, _ = _manager(2, 3)
     request, reads = adapter_dir(1), []
-    real_read = manager_module.read_adapter
+    real_read = loader_module.read_adapter
 
     def counting_read(*args: object) -> LoRAModel:
         reads.append(1)
         return real_read(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(manager_module, "read_adapter", counting_read)
+    monkeypatch.setattr(loader_module, "read_adapter", counting_read)
     barrier, results = threading.Barrier(6), []
 
     def load() -> None:
