@@ -1,4 +1,5 @@
-"""Shared, session-scoped fixtures: one tokenizer and tiny random models of each architecture (fp32)."""
+"""Shared, session-scoped fixtures: one tokenizer, tiny random models of each architecture (fp32), and
+SmolLM2's transformers oracle and float32 LLM for the real-model modules."""
 
 from __future__ import annotations
 
