@@ -27,6 +27,7 @@ from torch import nn
 from loraserve import envs
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.kv_cache_spec import KVCacheSpec
+from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.layers.attention import PagedAttention
 from loraserve.layers.fused_cpu import gelu_tanh_and_mul
 from loraserve.layers.linear import Linear
@@ -290,8 +291,11 @@ class GemmaForCausalLM(NativeCausalLM):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, batch)
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """Logits with Gemma-2's final softcap, cap * tanh(logits / cap), computed in float32."""
+    def compute_logits(
+        self, hidden: torch.Tensor, float32: bool = True, lora: LoRABatchMapping | None = None
+    ) -> torch.Tensor:
+        """Logits with Gemma-2's final softcap, cap * tanh(logits / cap), computed in float32. `lora` is
+        always None: Gemma offers no vocab modules to adapters (`vocab_lora_modules`)."""
         cap = self.args.final_softcap
         logits = self.lm_head.base_forward(hidden)
         if cap is None:

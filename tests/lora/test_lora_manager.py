@@ -229,9 +229,11 @@ def adapter_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
     return request
 
 
-def _manager(max_loras: int, max_cpu_loras: int) -> tuple[LoRAManager, StandInLlama]:
+def _manager(max_loras: int, max_cpu_loras: int, eviction_policy: str | None = None) -> tuple[LoRAManager, StandInLlama]:
     model = StandInLlama()
-    config = LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=8)
+    config = LoRAConfig(
+        max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=8, lora_eviction_policy=eviction_policy
+    )
     return LoRAManager(model, config, torch.float32, "cpu"), model
 
 
@@ -337,8 +339,9 @@ def test_host_eviction_frees_slot_and_spares_step(adapter_dir) -> None:  # type:
 
 def test_host_cache_keeps_what_the_queue_needs(adapter_dir) -> None:  # type: ignore[no-untyped-def]
     """The host LRU is ordered by request arrivals (each a counted hit when the adapter is cached),
-    not by the steps that ran them; an adapter queued requests need goes only when all are needed."""
-    manager, _ = _manager(1, 3)
+    not by the steps that ran them; an adapter queued requests need goes only when all are needed.
+    Plain LRU: the cost policy's order follows measured load times (tests/lora/test_eviction.py)."""
+    manager, _ = _manager(1, 3, eviction_policy="lru")
     queue: list[int] = []  # the adapters the queue needs, soonest first (the scheduler's answer)
     manager.follow_demand(lambda: queue)
 
