@@ -17,6 +17,7 @@ from support.parity import check_bf16 as _check_bf16
 from support.parity import check_exact as _check_exact
 from support.parity import greedy_params, random_prompts
 from support.parity import hf_logprobs as _logprobs
+from support.stack_calls import count_lora_kernel_steps
 from support.tiny_gemma import GEMMA_ARCHS, gemma_config, save_tiny_gemma
 from support.triton_lora import check_mixed_batch_through_triton, needs_triton
 from transformers import AutoTokenizer
@@ -228,17 +229,7 @@ def test_mixed_batch_matches_peft(
     through the C LoRA kernel (its calls counted, from Python or inside the C decoder stack) or the
     torch ops, against PEFT in float32."""
     monkeypatch.setenv("LORASERVE_CPU_LORA_KERNEL", cpu_kernel)
-    kernel_dtypes = []
-    run, stack_run = lora_cpu.run, GemmaDecoderStack.run
-    monkeypatch.setattr(lora_cpu, "run", lambda *args: kernel_dtypes.append(args[0].dtype) or run(*args))
-
-    def counted_run(self: GemmaDecoderStack, residual: torch.Tensor, *args: Any) -> Any:
-        result = stack_run(self, residual, *args)  # the stack calls the LoRA kernel from C
-        if result is not None and args[-1].lora is not None and args[-1].lora.has_lora:
-            kernel_dtypes.append(residual.dtype)
-        return result
-
-    monkeypatch.setattr(GemmaDecoderStack, "run", counted_run)
+    kernel_dtypes = count_lora_kernel_steps(monkeypatch)  # from Python or inside the C decoder stack
     path, hf = gemma_models[arch]
     adapters = gemma_adapters[arch]
     prompts = _prompts(hf.config.vocab_size, seed=1)

@@ -29,11 +29,11 @@ from loraserve import envs
 from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.fair_admission import AdmissionHold, unlimited_hold
 from loraserve.entrypoints.ray.deployment import ReplicaHello, ReplicaInfo
-from loraserve.entrypoints.ray.known_replicas import known_replica_ids
+from loraserve.entrypoints.ray.known_replicas import known_replica_ids, note_loaded
 from loraserve.entrypoints.ray.replica_header import note_replica
 from loraserve.entrypoints.ray.router import TARGET_PREFIX
 from loraserve.errors import EngineShutdownError, LoRAAdapterNotFoundError, ReplicaUnavailableError
-from loraserve.lora.request import LoRARequest
+from loraserve.lora.request import LoRARequest, version_key
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
 
@@ -160,6 +160,7 @@ class ReplicaClient:
         handle = self._handle.options(multiplexed_model_id=lora_request.version_key)
         replica_id, added, digest = await self._call(handle.add_lora.remote(lora_request))
         note_replica(replica_id)
+        note_loaded(version_key(lora_request.lora_name, digest), replica_id)
         self._digests[lora_request.lora_id] = digest
         return bool(added)
 
@@ -177,6 +178,7 @@ class ReplicaClient:
         handle = self._handle.options(multiplexed_model_id=lora_request.version_key)
         replica_id, replaced, digest = await self._call(handle.replace_lora.remote(old_lora_id, lora_request))
         note_replica(replica_id)
+        note_loaded(version_key(lora_request.lora_name, digest), replica_id)
         self._digests[lora_request.lora_id] = digest
         others = known_replica_ids() - {replica_id}
         task = asyncio.get_running_loop().create_task(self._remove_on(others, old_lora_id))

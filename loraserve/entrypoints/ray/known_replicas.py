@@ -15,6 +15,8 @@ from typing import Protocol
 class _Router(Protocol):
     def replica_ids(self) -> list[str]: ...
 
+    def note_sent(self, adapter: str, replica_id: str) -> None: ...
+
 
 _routers: weakref.WeakSet[_Router] = weakref.WeakSet()
 
@@ -27,3 +29,11 @@ def track_router(router: _Router) -> None:
 def known_replica_ids() -> set[str]:
     """The replicas the routers in this process currently route to."""
     return {rid for router in list(_routers) for rid in router.replica_ids()}
+
+
+def note_loaded(adapter: str, replica_id: str) -> None:
+    """Tell every router that `replica_id` has just loaded `adapter` (a version key): its first
+    request routes there before the replica's next residency report says so (a load is addressed by
+    name, its requests by name@digest, which no report can have named yet)."""
+    for router in list(_routers):
+        router.note_sent(adapter, replica_id)

@@ -73,15 +73,20 @@ class AffinityRouter(RequestRouter):
             self._in_flight[(adapter, rid)], REPORT_GRACE_S,
         )  # fmt: skip
 
+    def note_sent(self, adapter: str, replica_id: str) -> None:
+        """Remember that `replica_id` holds `adapter` from now (a request routed there, or a load)."""
+        key = (adapter, replica_id)
+        self._sent[key] = time.time()
+        self._sent.move_to_end(key)
+        while len(self._sent) > MAX_REMEMBERED:
+            self._sent.popitem(last=False)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         adapter = pending_request.metadata.multiplexed_model_id
         if not adapter or adapter.startswith(TARGET_PREFIX):
             return
         key = (adapter, replica_id.unique_id)
-        self._sent[key] = time.time()
-        self._sent.move_to_end(key)
-        while len(self._sent) > MAX_REMEMBERED:
-            self._sent.popitem(last=False)
+        self.note_sent(*key)
         self._in_flight[key] += 1
         self._requests[pending_request.metadata.internal_request_id] = key
 

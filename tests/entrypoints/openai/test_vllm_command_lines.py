@@ -207,7 +207,7 @@ def test_gemma2_without_a_tokenizer_on_a_unix_socket(files: dict[str, str], tmp_
          "--max-model-len 32768 --served-model-name qwen2-vl", "--tensor-parallel-size 2 cannot be honoured"),
         # PLMQ2785/Gemma3Serving: a quantized checkpoint
         ("--model {llama} --quantization compressed-tensors --dtype bfloat16 --max-model-len 4096 "
-         "--gpu-memory-utilization 0.9 --trust-remote-code --port 8030", "--quantization compressed-tensors is not"),
+         "--gpu-memory-utilization 0.9 --trust-remote-code --port 8030", "--quantization 'compressed-tensors' is not"),
         # a public Llama-3.1 LoRA script on two GPUs
         ("{llama} --enable-lora --lora-modules fa=/x --max-lora-rank 256 --dtype auto --max-model-len 2048 "
          "--tensor-parallel-size 2 --swap-space 8 --gpu-memory-utilization 0.8", "--tensor-parallel-size 2"),
