@@ -228,3 +228,20 @@ def save_results(name: str, data: dict[str, Any]) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
+
+
+def report_vs_plain(
+    result_name: str, runs: dict[str, Callable[[list[list[int]]], Any]], num_requests: int,
+    prompt_len: int, gen_len: int, dtype: str, vocab_size: int,
+) -> None:
+    """Time `runs` interleaved on the same prompts, print each one's tok/s against the "plain" run,
+    and save the result as `result_name` (with the CPU class)."""
+    prompts = random_prompts(num_requests, prompt_len, vocab_size, seed=5)
+    timings = interleaved_timed(runs, prompts)
+    tok_s = {name: num_requests * gen_len / seconds for name, (seconds, _) in timings.items()}
+    where = cpu_class()
+    print(f"\n{num_requests} requests, {prompt_len} prompt + {gen_len} generated tokens, {dtype}; {where}")
+    for name, value in tok_s.items():
+        print(f"  {name:<8}{value:>8.1f} tok/s  {value / tok_s['plain']:.3f}x plain")
+    vs_plain = {k: v / tok_s["plain"] for k, v in tok_s.items()}
+    save_results(result_name, {"cpu": where, "dtype": dtype, "tok_per_s": tok_s, "vs_plain": vs_plain})

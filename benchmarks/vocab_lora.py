@@ -18,11 +18,8 @@ from benchmarks.common import (
     bench_root,
     build_adapters,
     build_model,
-    cpu_class,
-    interleaved_timed,
     limit_threads,
-    random_prompts,
-    save_results,
+    report_vs_plain,
 )
 from benchmarks.lora_throughput import generate_run
 from loraserve import LLM, LoRARequest
@@ -83,24 +80,7 @@ def main() -> None:
         "plain": generate_run(llm, args.gen_len, list(plain)),
         "vocab": generate_run(llm, args.gen_len, list(vocab)),
     }
-    prompts = random_prompts(NUM_REQUESTS, args.prompt_len, VOCAB_SIZE, seed=5)
-    timings = interleaved_timed(runs, prompts)
-    tok_s = {name: NUM_REQUESTS * args.gen_len / seconds for name, (seconds, _) in timings.items()}
-    where = cpu_class()
-    print(
-        f"\n{NUM_REQUESTS} requests, {args.prompt_len} prompt + {args.gen_len} generated tokens, {args.dtype}; {where}"
-    )
-    for name, value in tok_s.items():
-        print(f"  {name:<8}{value:>8.1f} tok/s  {value / tok_s['plain']:.3f}x plain")
-    save_results(
-        "vocab_lora",
-        {
-            "cpu": where,
-            "dtype": args.dtype,
-            "tok_per_s": tok_s,
-            "vs_plain": {k: v / tok_s["plain"] for k, v in tok_s.items()},
-        },
-    )
+    report_vs_plain("vocab_lora", runs, NUM_REQUESTS, args.prompt_len, args.gen_len, args.dtype, VOCAB_SIZE)
 
 
 if __name__ == "__main__":
