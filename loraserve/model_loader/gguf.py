@@ -13,6 +13,7 @@ cache entry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -88,7 +89,18 @@ _HF_ARCH_NAMES = {
 
 
 def inspect_gguf(path: str) -> GGUFSummary:
-    """Read the header and refuse, by name, an architecture or a tensor type that cannot be converted."""
+    """Read the header and refuse, by name, an architecture or a tensor type that cannot be converted.
+    Remembered per (file, size, mtime) in this process: parsing a file's tensor table takes seconds, and
+    every engine on the file asks (a refusal is not remembered: it raises again)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return _inspect(path, -1, -1)
+    return _inspect(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _inspect(path: str, size: int, mtime_ns: int) -> GGUFSummary:
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
