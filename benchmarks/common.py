@@ -245,3 +245,30 @@ def report_vs_plain(
         print(f"  {name:<8}{value:>8.1f} tok/s  {value / tok_s['plain']:.3f}x plain")
     vs_plain = {k: v / tok_s["plain"] for k, v in tok_s.items()}
     save_results(result_name, {"cpu": where, "dtype": dtype, "tok_per_s": tok_s, "vs_plain": vs_plain})
+
+
+def adapter_bench(doc: str | None, num_requests: int) -> tuple[Any, str, Any]:
+    """The shared start of the adapter-batch benchmarks: their command line (--dtype, --threads,
+    --prompt-len, --gen-len), the random model, and an LLM with a slot per request."""
+    import argparse
+
+    from loraserve import LLM
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--gen-len", type=int, default=16)
+    args = parser.parse_args()
+    limit_threads(args.threads)
+    path = build_model()
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        max_num_seqs=num_requests,
+        enable_lora=True,
+        max_loras=num_requests,
+        max_lora_rank=16,
+        max_cpu_loras=64,
+    )
+    return args, path, llm

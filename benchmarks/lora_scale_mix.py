@@ -12,16 +12,13 @@ Usage: python -m benchmarks.lora_scale_mix [--dtype auto] [--threads 1] [--gen-l
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks.common import (
+    adapter_bench,
     build_adapters,
-    build_model,
-    limit_threads,
     report_vs_plain,
 )
 from benchmarks.lora_throughput import generate_run
-from loraserve import LLM, LoRARequest
+from loraserve import LoRARequest
 
 VOCAB_SIZE = 49152
 NUM_REQUESTS = 16
@@ -44,25 +41,7 @@ def batches(path: str) -> dict[str, list[LoRARequest | None]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--gen-len", type=int, default=16)
-    args = parser.parse_args()
-    limit_threads(args.threads)
-    path = build_model()
-    llm = LLM(
-        path,
-        dtype=args.dtype,
-        max_num_seqs=NUM_REQUESTS,
-        enable_lora=True,
-        max_loras=NUM_REQUESTS,
-        max_lora_rank=16,
-        max_cpu_loras=64,
-    )
+    args, path, llm = adapter_bench(__doc__, NUM_REQUESTS)
     runs = {name: generate_run(llm, args.gen_len, loras) for name, loras in batches(path).items()}
     report_vs_plain(
         "lora_scale_mix", runs, NUM_REQUESTS, args.prompt_len, args.gen_len, args.dtype, VOCAB_SIZE

@@ -8,21 +8,19 @@ Usage: python -m benchmarks.vocab_lora [--dtype auto] [--threads 1] [--gen-len 1
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 
 from benchmarks.common import (
     ALL_TARGETS,
+    adapter_bench,
     bench_root,
     build_adapters,
-    build_model,
-    limit_threads,
     report_vs_plain,
 )
 from benchmarks.lora_throughput import generate_run
-from loraserve import LLM, LoRARequest
+from loraserve import LoRARequest
 
 VOCAB_SIZE = 49152
 NUM_REQUESTS = 16
@@ -53,25 +51,7 @@ def build_vocab_adapters(model_path: str, count: int, rank: int = 16) -> list[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--gen-len", type=int, default=16)
-    args = parser.parse_args()
-    limit_threads(args.threads)
-    path = build_model()
-    llm = LLM(
-        path,
-        dtype=args.dtype,
-        max_num_seqs=NUM_REQUESTS,
-        enable_lora=True,
-        max_loras=NUM_REQUESTS,
-        max_lora_rank=16,
-        max_cpu_loras=64,
-    )
+    args, path, llm = adapter_bench(__doc__, NUM_REQUESTS)
     plain = [LoRARequest(f"r16-{i}", i + 1, p) for i, p in enumerate(build_adapters(path, NUM_REQUESTS, 16))]
     vocab = [
         LoRARequest(f"v16-{i}", 100 + i, p) for i, p in enumerate(build_vocab_adapters(path, NUM_REQUESTS))
