@@ -87,6 +87,12 @@ class HostCache:
         every other adapter is needed or kept."""
         self._needed = lora_ids
 
+    def note_needed(self, lora_id: int) -> None:
+        """A request for `lora_id` was queued since the last `set_needed`: it is needed, after those
+        already named (the next `set_needed`, read from the queue, replaces the order)."""
+        if lora_id not in self._needed:
+            self._needed = (*self._needed, lora_id)
+
     def add(self, lora_model: LoRAModel, keep: Collection[int]) -> list[int] | None:
         """Cache a loaded adapter as the most recently used; the ids evicted to make room (their
         slots are the caller's to free), or None if its id is already cached (nothing changes).

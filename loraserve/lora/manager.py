@@ -106,6 +106,13 @@ class LoRAManager:
             with self._lock:
                 self._host.set_needed(needed)
 
+    def _note_queued(self, lora_id: int, explicit: bool) -> None:
+        """Under the lock: the prefetch thread may evict before the next step reads the queue, so a
+        registered request's adapter is needed from now on, not from then (only where a queue is read:
+        without one, `needed` is never refreshed)."""
+        if self._demand is not None and not explicit:  # an add_lora call queues no request
+            self._host.note_needed(lora_id)
+
     # ---- registration (engine thread) -----------------------------------------------------------
     def register(
         self, lora_request: LoRARequest, explicit: bool = False, also_keep: Collection[int] = ()
@@ -118,12 +125,14 @@ class LoRAManager:
             digest = self._registry.check_can_register(lora_request, explicit)
             if digest is not None:
                 self._host.hit(lora_request.lora_id)  # a request arrived: most recently used (if cached)
+                self._note_queued(lora_request.lora_id, explicit)
         if digest is not None:
             return digest
         self._refresh_needed()
         digest = self.load(lora_request, also_keep=also_keep).pending_digest
         with self._lock:
             self._registry.add(lora_request, digest)
+            self._note_queued(lora_request.lora_id, explicit)
         return digest
 
     def uses_dora(self, lora_id: int) -> bool:

@@ -70,16 +70,14 @@ def test_the_lru_simulation_misses_every_access_of_a_cycle_longer_than_the_cache
 
 @pytest.mark.parametrize("in_flight", [8, 32])
 def test_a_random_trace_reads_from_disk_no_more_than_lru(
-    trace_setup: tuple[str, list[str]], in_flight: int, monkeypatch: pytest.MonkeyPatch
+    trace_setup: tuple[str, list[str]], in_flight: int
 ) -> None:
     """12 adapters drawn at random over max_cpu_loras=8 (issue 22: 2,700 reads and 15 counted host
     hits in 10,479 requests): the engine reads from disk at most as often as an ideal LRU over the
     same arrivals, counts the requests that found their adapter in memory about as often as LRU hits,
     and never evicts an adapter a queued request needs while the queue needs no more than it holds."""
-    # The step path's eviction order only: the prefetch thread reads with the queue as of the last
-    # step, and once in a full run it evicted an adapter a request queued since then needed
-    # (tests/lora/test_lora_prefetch.py covers prefetching).
-    monkeypatch.setenv("LORASERVE_LORA_PREFETCH", "0")
+    # With the prefetch thread on (the default): a request queued since the last step marks its
+    # adapter needed at once, so a prefetch between steps does not evict it.
     model, paths = trace_setup
     trace = uniform_trace(240, seed=1)
     counts = run_trace(trace_engine(model, max_loras=2), adapter_requests(paths), trace, in_flight)

@@ -22,7 +22,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 # Measured (this file's prompts, Intel AVX512-VNNI): the dense bf16 model's own decode logprobs against
 # its prefill's differ by 0.022 on average, 0.12 at worst; the quantized base's by 0.055 and 0.19, and
 # one near-tie of 0.25 went the other way. A broken format or scale moves logprobs by whole units.
+# On an AVX2-only AMD EPYC (family 25 model 1), where bf16 has no vector dot and the dense oracle
+# runs torch's bf16 matmul, one near-tie went the other way by 0.31: a token may rank up to RANK_TOL
+# below the oracle's best.
 TOL = 0.3
+RANK_TOL = 0.5
 MEAN_TOL = 0.08
 
 
@@ -63,7 +67,7 @@ def test_quantized_bf16_greedy_equals_dequantized(
         for i, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
             entry = scored[len(prompt) + i]
             best = max(value.logprob for value in entry.values())
-            assert best - entry[token].logprob <= TOL, f"token {i} of {prompt}: the oracle ranks it far below"
+            assert best - entry[token].logprob <= RANK_TOL, f"token {i} of {prompt}: the oracle ranks it far below"
             assert abs(entry[token].logprob - logprob) <= TOL, f"token {i} of {prompt}: logprob differs"
             diffs.append(abs(entry[token].logprob - logprob))
     assert sum(diffs) / len(diffs) <= MEAN_TOL

@@ -63,6 +63,11 @@ class AffinityRouter(RequestRouter):
             return [[target]] if target is not None else []
         loads = [self._load_of(r, adapter) for r in candidate_replicas]
         ranks = rank_replicas(loads, self.spread_queue_depth) if adapter else rank_without_adapter(loads)
+        if adapter and ranks:
+            # Remembered now, not when Ray reports the request routed: a second request of a cold
+            # adapter chosen meanwhile would otherwise load it on another replica too. A replica
+            # that did not take the request is corrected by its next report.
+            self.note_sent(adapter, ranks[0][0])
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def _load_of(self, replica: RunningReplica, adapter: str) -> ReplicaLoad:
