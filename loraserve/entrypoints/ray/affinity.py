@@ -70,6 +70,8 @@ def replica_load(
     residency = known_residency(
         (report.get("residency") or {}).get(model_id), float(report.get("time", 0.0)), sent_at, grace_s
     )
+    if residency is None and num_adapter_in_flight > 0:  # its requests are there: it is loading it
+        residency = SLOT
     return ReplicaLoad(replica_id, queue_len, num_adapter_in_flight, residency)
 
 

@@ -98,6 +98,9 @@ class AffinityRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         key = self._requests.pop(internal_request_id, None)
         if key is not None:
+            # A finished request had its adapter loaded there: newer than a report taken while a slow
+            # (resolver) load was still running, which would otherwise make the adapter look cold.
+            self.note_sent(*key)
             self._in_flight[key] -= 1
             if self._in_flight[key] <= 0:
                 del self._in_flight[key]
