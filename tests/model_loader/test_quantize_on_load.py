@@ -3,8 +3,8 @@ quantized kernels, with adapters on top, and the option's errors.
 
 The oracle for float32 is the "Q8_0 twin": the same checkpoint with every linear weight replaced by
 its own Q8_0 round trip (`quantize_q8_0(W).dequantize()`, a dense float32 model), since float32
-activations stay float32 in the kernels: tokens equal, logprobs to float32 sums, and adapters on top
-within the float32 PEFT tolerance of PEFT on the twin. For bf16 (the decode step's activations then
+activations reach the kernels as two int8 levels (within amax/32512 of each value): tokens equal,
+logprobs within 1e-4, and adapters on top within the float32 PEFT tolerance of PEFT on the twin. For bf16 (the decode step's activations then
 go to int8 per 32, as llama.cpp does) the oracle is PEFT on the original dense model in float32: the
 int8 model errs about as the dense bf16 model does.
 """

@@ -34,7 +34,11 @@ QUESTIONS = [
     "Give me three tips for sleeping well.",
 ]
 NUM_TOKENS = 24
-TOL = 2e-3
+# Float32 activations reach the Q4_1 kernels as two int8 levels per 32 values (within amax/32512 of
+# each), and SmolLM2's outlier channels leave most values of their blocks near amax/100: one logprob
+# moved by 0.0022 on an AVX2 EPYC (family 25 model 1). A wrong scale, nibble or adapter moves them by
+# tenths.
+TOL = 5e-3
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,11 @@ format in memory.
 
 Two paths, by row count: up to `DECODE_ROWS` rows (decode), the kernel's `quant_linear`, which streams
 the weight's bytes once: bf16 activations are quantized per 32 values to int8 for integer dot products
-(as llama.cpp does), float32 ones stay float32 (blocks widened in registers: that dtype is the precise
-one); more rows (prefill, big batches), tiles of W dequantized into a cache-sized buffer in x's dtype
-and multiplied by torch (oneDNN), so the product stays compute-bound. Without a C compiler both paths are
-the twin: torch's dequantize then F.linear.
+(as llama.cpp does), float32 ones to two int8 levels, the second quantizing what the first leaves
+(amax/32512 per value: that dtype stays the precise one, at integer speed); more rows (prefill, big
+batches), tiles of W dequantized into a cache-sized buffer in x's dtype and multiplied by torch (oneDNN),
+so the product stays compute-bound. Without a C compiler both paths are the twin: torch's dequantize then
+F.linear.
 """
 
 from __future__ import annotations
@@ -131,10 +132,11 @@ def prepare(tensor: QuantTensor) -> QuantWeight:
 def linear(
     x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """F.linear(x, dequantized W, bias) for float32 or bf16 x [..., in] -> [..., out] (float32 sums,
-    one rounding to x's dtype; on the decode path bf16 activations are quantized to int8 per 32, so the
-    result is within amax/254 per block of x times sum |w| of it). `out`, if given, is a [rows, out]
-    view (row stride free, columns contiguous) the result is written into (a packed layer's slice)."""
+    """F.linear(x, dequantized W, bias) for float32 or bf16 x [..., in] -> [..., out] (float32 sums, one
+    rounding to x's dtype; on the decode path activations are quantized per 32, so the result is within
+    amax/254 (bf16 x) or amax/32512 (float32 x) per block of x times sum |w| of it). `out`, if given, is
+    a [rows, out] view (row stride free, columns contiguous) the result is written into (a packed
+    layer's slice)."""
     if x.dtype not in _DTYPES or not x.is_cpu:
         raise TypeError(f"quantized linear: x is {x.dtype} on {x.device}; it takes float32 or bf16 on CPU")
     n, k = weight.tensor.shape
