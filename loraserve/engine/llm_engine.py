@@ -2,7 +2,8 @@
 
 It wires the parts together and owns the request table; the scheduler owns each sequence's state,
 the output processor its text, the model loader the weights, tokenization the prompt and eos ids,
-`EngineAdapters` the rules of its adapter API (the `LoRAManager` owns the adapters).
+`EngineAdapters` the rules of its adapter API (the `LoRAManager` owns the adapters), `StepFailures`
+which requests a failed step ends and when the engine gives up.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ from loraserve.engine.engine_stats import engine_stats
 from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
-from loraserve.engine.scheduler import SampledToken, ScheduledSeq, Scheduler
+from loraserve.engine.scheduler import SampledToken, Scheduler
 from loraserve.engine.sequence import BeamGroup, CacheSalt, Request, RequestSalt, Sequence
-from loraserve.engine.step_failures import StepFailures, request_error
+from loraserve.engine.step_failures import StepFailures
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
-from loraserve.errors import LoRAAdapterError
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
 from loraserve.structured_output.manager import MaskJob, StructuredOutputs
@@ -80,8 +80,14 @@ class LLMEngine:
         )
         self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.runner = ModelRunner(
-            self.model, num_blocks, config.cache.block_size, config.model.dtype, config.device,
-            config.lora.max_loras if config.lora else None, self.lora, self.eos_ids.eos_token_id,
+            self.model,
+            num_blocks,
+            config.cache.block_size,
+            config.model.dtype,
+            config.device,
+            config.lora.max_loras if config.lora else None,
+            self.lora,
+            self.eos_ids.eos_token_id,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
         self.structured = StructuredOutputs(
@@ -92,13 +98,18 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.adapters = EngineAdapters(self.lora, self.requests)  # the adapter API's rules
-        self.step_failures = StepFailures()
+        self.step_failures = StepFailures(self.requests, self.scheduler, self.outputs, self.lora)
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
             self.lora.follow_demand(self.scheduler.adapters_in_demand)
         logger.info(
             "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",
-            config.model.model, type(self.model).__name__, config.model.dtype, config.device,
-            num_blocks, config.cache.block_size, "on" if config.lora else "off",
+            config.model.model,
+            type(self.model).__name__,
+            config.model.dtype,
+            config.device,
+            num_blocks,
+            config.cache.block_size,
+            "on" if config.lora else "off",
         )
 
     @classmethod
@@ -205,7 +216,11 @@ class LLMEngine:
 
     def _check_params(self, params: SamplingParams) -> None:
         vocab_size = self.model_config.vocab_size
-        limit = vocab_size if self.model_config.max_logprobs == -1 else min(self.model_config.max_logprobs, vocab_size)
+        limit = (
+            vocab_size
+            if self.model_config.max_logprobs == -1
+            else min(self.model_config.max_logprobs, vocab_size)
+        )
         for kind, value in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
             if value is not None and value > limit:
                 raise ValueError(  # vLLM's text, which its clients match
@@ -231,13 +246,19 @@ class LLMEngine:
         detok = None
         if params.detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                self.tokenizer,
+                request.prompt_token_ids,
+                params.skip_special_tokens,
                 params.spaces_between_special_tokens,
             )
         return Sequence(
-            seq_id=next(self._seq_counter), request=request, index=index,
-            token_ids=list(request.prompt_token_ids), num_prompt_tokens=len(request.prompt_token_ids),
-            generator=generator, detokenizer=detok,
+            seq_id=next(self._seq_counter),
+            request=request,
+            index=index,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            generator=generator,
+            detokenizer=detok,
             grammar=self.structured.new_state(grammar) if grammar is not None else None,
         )
 
@@ -261,14 +282,14 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule -> run -> update -> outputs. If it raises, its requests fail and the
-        engine goes on (`_fail_step`); StepFailureLimitError when it cannot."""
+        engine goes on (`StepFailures.step_failed`); StepFailureLimitError when it cannot."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         try:
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
-            failed = self._fail_step(batch.scheduled, exc)
+            failed = self.step_failures.step_failed(batch.scheduled, exc)
             self.adapters.finish_removals()
             return failed
         run = self.runner.run(
@@ -278,7 +299,7 @@ class LLMEngine:
         )
         outputs: list[RequestOutput] = []
         try:
-            outputs += self._fail_adapter_requests(run.failed)
+            outputs += self.step_failures.adapters_failed(run.failed)
             if run.error is not None:
                 raise run.error
             if run.result is not None:
@@ -287,7 +308,7 @@ class LLMEngine:
                 outputs += self._request_outputs(sampled)
                 outputs += self._beam_outputs(searched)
         except Exception as exc:
-            outputs += self._fail_step(run.scheduled, exc)
+            outputs += self.step_failures.step_failed(run.scheduled, exc)
         else:
             self.step_failures.succeeded()
         finally:
@@ -295,52 +316,10 @@ class LLMEngine:
         self.adapters.finish_removals()
         return outputs
 
-    def _fail_adapter_requests(self, failed: dict[int, Exception]) -> list[RequestOutput]:
-        """Every request on an adapter that could not be activated ends with that adapter's error
-        (its 4xx when the client's adapter is at fault), whether or not it was in the step."""
-        outputs: list[RequestOutput] = []
-        if not failed:
-            return outputs
-        for request in list(self.requests.values()):
-            error = failed.get(request.lora_request.lora_id) if request.lora_request else None
-            if error is not None:
-                cause = error if isinstance(error, LoRAAdapterError) else None
-                outputs += self._fail_requests([request], str(error), "abort", cause)
-        return outputs
-
-    def _fail_step(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
-        """The step raised: fail exactly the requests of `scheduled`, then check that the queues, KV
-        blocks and adapter slots are whole again; StepFailureLimitError if not, or after too many in a row."""
-        requests = list(dict.fromkeys(item.seq.request for item in scheduled))
-        logger.error("Engine step failed; failing its %d request(s), the others go on", len(requests), exc_info=exc)
-        outputs = self._fail_requests(requests, request_error(exc), "error")
-        self.step_failures.failed(exc, self.check_consistency())
-        return outputs
-
-    def _fail_requests(
-        self, requests: list[Request], error: str, reason: str, cause: Exception | None = None
-    ) -> list[RequestOutput]:
-        """End `requests` with `error`: their sequences finish (KV blocks freed), they leave the table
-        (so no adapter counts them as in use) and their final outputs carry the error (and `cause`,
-        when the client's adapter is at fault)."""
-        outputs = []
-        for request in requests:
-            request.error, request.error_cause = error, cause
-            for seq in request.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, reason)
-            self.requests.pop(request.request_id, None)
-            outputs.append(self.outputs.build_output(request))
-        return outputs
-
     def check_consistency(self) -> str | None:
         """What is wrong with the engine's bookkeeping (queues vs requests, KV blocks, adapter slots);
         None if it is sound."""
-        unfinished = [seq for r in self.requests.values() for seq in r.seqs if not seq.is_finished]
-        problem = self.scheduler.check_consistency(unfinished)
-        if problem is None and self.lora is not None:
-            problem = self.lora.check_consistency()
-        return problem
+        return self.step_failures.check_consistency()
 
     def _request_outputs(self, sampled: list[SampledToken]) -> list[RequestOutput]:
         """One output per request that got a token; finished requests leave the table."""

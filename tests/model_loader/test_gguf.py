@@ -1,7 +1,7 @@
 """GGUF models: served like HF folders, equal to transformers on the same file, cached by content.
 
-Tiny GGUF files written with the `gguf` package stand in for real ones (tests/support/gguf_files.py);
-tests/models/test_real_model.py runs the real SmolLM2 file.
+Tiny GGUF files written with the `gguf` package stand in for real ones (tests/support/gguf_files.py;
+gguf_from_hf.py writes HF models as GGUF); tests/models/test_real_model.py runs the real SmolLM2 file.
 """
 
 from __future__ import annotations
@@ -13,13 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from support.gguf_files import (
-    byte_vocab_size,
-    write_moe_gguf_from_hf,
-    write_phi3_gguf_from_hf,
-    write_tiny_family_gguf,
-    write_tiny_llama_gguf,
-)
+from support.gguf_files import byte_vocab_size, write_tiny_family_gguf, write_tiny_llama_gguf
+from support.gguf_from_hf import write_moe_gguf_from_hf, write_phi3_gguf_from_hf
 from support.parity import hf_greedy, random_prompts
 from support.tiny_moe import moe_config
 from support.tiny_phi3 import ORIGINAL, phi3_config

@@ -1,7 +1,9 @@
-"""Tiny GGUF files for tests, written with the `gguf` package: a 2-layer Llama with a byte-level BPE.
+"""Tiny random GGUF files for tests, written with the `gguf` package: a 2-layer Llama with a byte-level
+BPE (optionally with quantized tensors), and 2-layer Phi-3, Gemma-2 and Gemma-3 files.
 
 The layout follows llama.cpp's (`blk.N.attn_q.weight`, `token_embd.weight`, tokenizer.ggml.*), so
-transformers' GGUF reader, our converter's engine, reads them as it reads real files.
+transformers' GGUF reader, our converter's engine, reads them as it reads real files. HF models
+written as GGUF are in gguf_from_hf.py, which shares this module's vocabulary and writer steps.
 """
 
 from __future__ import annotations
@@ -24,13 +26,38 @@ CHAT_TEMPLATE = (
 )
 
 
-def _vocab() -> tuple[list[str], list[str]]:
+def byte_level_vocab() -> tuple[list[str], list[str]]:
+    """The byte-level BPE's tokens (the special ones, the byte alphabet, the merged pieces) and merges."""
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = sorted(ByteLevel.alphabet())
     merges = ["Ġ t", "h e", "Ġt he", "i n", "e r", "a n", "o n", "Ġ a"]
     merged = [left + right for left, right in (merge.split(" ") for merge in merges)]
     return SPECIAL + alphabet + merged, merges
+
+
+def add_byte_level_tokenizer(writer: Any, tokens: list[str], merges: list[str]) -> None:
+    """The byte-level BPE's keys, as llama.cpp writes them (model "gpt2", tokens and their types, merges),
+    and its bos / eos ids."""
+    import gguf
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    )
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def write_out(writer: Any, path: str) -> str:
+    """Write the header, the keys and the tensors, and close the file at `path`."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def write_tiny_llama_gguf(
@@ -50,7 +77,7 @@ def write_tiny_llama_gguf(
     import gguf
 
     rng = np.random.default_rng(seed)
-    tokens, merges = _vocab()
+    tokens, merges = byte_level_vocab()
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)
@@ -64,31 +91,22 @@ def write_tiny_llama_gguf(
         writer.add_expert_count(expert_count)
         writer.add_expert_used_count(2)
     writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(
-        [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
-    )
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_byte_level_tokenizer(writer, tokens, merges)
     writer.add_pad_token_id(0)
     writer.add_chat_template(CHAT_TEMPLATE)
     for index, (name, shape) in enumerate(_tensor_shapes(len(tokens), hidden, ffn)):
-        values = (rng.standard_normal(shape) * (weight_std if len(shape) == 2 else 0.01) + (len(shape) == 1)).astype(
-            np.float32
-        )
+        values = (
+            rng.standard_normal(shape) * (weight_std if len(shape) == 2 else 0.01) + (len(shape) == 1)
+        ).astype(np.float32)
         raw_type = (raw_types or {}).get(name)
         if raw_type is None:
             writer.add_tensor(name, values)
         else:
             qtype = gguf.GGMLQuantizationType[raw_type]
-            writer.add_tensor(name, _raw_bytes(values, qtype, seed * 1000 + index, weight_std), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+            writer.add_tensor(
+                name, _raw_bytes(values, qtype, seed * 1000 + index, weight_std), raw_dtype=qtype
+            )
+    return write_out(writer, path)
 
 
 # typical |value| per unit of the float16 scale of random K-quant blocks (scale * sub-scale * quant)
@@ -142,7 +160,7 @@ def write_tiny_family_gguf(path: str, arch: str, seed: int = 0, weight_std: floa
     import gguf
 
     rng = np.random.default_rng(seed)
-    tokens, merges = _vocab()
+    tokens, merges = byte_level_vocab()
     head_dim = FAMILY_HEAD_DIM[arch]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(256)
@@ -158,16 +176,9 @@ def write_tiny_family_gguf(path: str, arch: str, seed: int = 0, weight_std: floa
         writer.add_value_length(head_dim)
         writer.add_sliding_window(4)
     if arch == "phi3":
-        writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(tokens)
-        writer.add_token_types(
-            [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
-        )
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
+        add_byte_level_tokenizer(writer, tokens, merges)
     else:  # transformers reads Gemma files' vocabularies as sentencepiece ones
-        tokens = _sentencepiece_vocab()
+        tokens = _sentencepiecebyte_level_vocab()
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens)
         writer.add_token_scores([0.0] * len(tokens))
@@ -190,14 +201,10 @@ def write_tiny_family_gguf(path: str, arch: str, seed: int = 0, weight_std: floa
             std = 0.1
         values = (rng.standard_normal(shape) * std + mean).astype(np.float32)
         writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_out(writer, path)
 
 
-def _sentencepiece_vocab() -> list[str]:
+def _sentencepiecebyte_level_vocab() -> list[str]:
     """<pad> <eos> <bos> <unk>, the 256 byte tokens, then pieces in merge order (best first)."""
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     pieces = [
@@ -260,144 +267,4 @@ def _family_shapes(arch: str, vocab_size: int, head_dim: int) -> list[tuple[str,
 
 
 def byte_vocab_size() -> int:
-    return len(_vocab()[0])
-
-
-def write_phi3_gguf_from_hf(path: str, model: Any) -> str:
-    """An HF Phi-3 model (vocab of `byte_vocab_size()`) as llama.cpp writes it: fused attn_qkv and
-    ffn_up, LongRoPE as `rope_factors_long` / `rope_factors_short` tensors and the original length."""
-    import gguf
-
-    cfg = model.config
-    rope = cfg.rope_parameters
-    tokens, merges = _vocab()
-    writer = gguf.GGUFWriter(path, "phi3")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(
-        [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
-    )
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    names = {
-        "input_layernorm": "attn_norm",
-        "self_attn.qkv_proj": "attn_qkv",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
-    for layer in range(cfg.num_hidden_layers):
-        for hf_name, gguf_name in names.items():
-            writer.add_tensor(
-                f"blk.{layer}.{gguf_name}.weight", state[f"model.layers.{layer}.{hf_name}.weight"]
-            )
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
-    writer.add_tensor("output.weight", state["lm_head.weight"])
-    for kind in ("long", "short"):
-        writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def write_moe_gguf_from_hf(path: str, model: Any) -> str:
-    """An HF Qwen2-MoE / Qwen3-MoE model (vocab of `byte_vocab_size()`) as llama.cpp writes it: stacked
-    `ffn_{gate,up,down}_exps` [E, ...], the router as `ffn_gate_inp`, Qwen2-MoE's shared expert as
-    `ffn_*_shexp` and its gate as `ffn_gate_inp_shexp`, Qwen3's q/k norms."""
-    import gguf
-
-    cfg = model.config
-    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg.model_type]
-    tokens, merges = _vocab()
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_expert_count(cfg.num_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
-    if getattr(cfg, "shared_expert_intermediate_size", None):
-        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(
-        [gguf.TokenType.CONTROL] * len(SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
-    )
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
-    for layer in range(cfg.num_hidden_layers):
-        for hf_name, gguf_name in _moe_layer_names(state, f"model.layers.{layer}.").items():
-            value = state[hf_name]
-            if gguf_name == "ffn_gate_up_exps":  # transformers holds gate and up stacked: [E, 2I, H]
-                half = value.shape[1] // 2
-                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(value[:, :half]))
-                writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(value[:, half:]))
-                continue
-            if gguf_name == "ffn_gate_inp_shexp":  # llama.cpp keeps the shared expert's gate as [hidden]
-                value = value.reshape(-1)
-            kind = "bias" if hf_name.endswith(".bias") else "weight"
-            writer.add_tensor(f"blk.{layer}.{gguf_name}.{kind}", value)
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
-    writer.add_tensor("output.weight", state["lm_head.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def _moe_layer_names(state: dict[str, Any], prefix: str) -> dict[str, str]:
-    names = {
-        "input_layernorm.weight": "attn_norm",
-        "self_attn.q_proj.weight": "attn_q",
-        "self_attn.k_proj.weight": "attn_k",
-        "self_attn.v_proj.weight": "attn_v",
-        "self_attn.q_proj.bias": "attn_q",
-        "self_attn.k_proj.bias": "attn_k",
-        "self_attn.v_proj.bias": "attn_v",
-        "self_attn.o_proj.weight": "attn_output",
-        "self_attn.q_norm.weight": "attn_q_norm",
-        "self_attn.k_norm.weight": "attn_k_norm",
-        "post_attention_layernorm.weight": "ffn_norm",
-        "mlp.gate.weight": "ffn_gate_inp",
-        "mlp.experts.gate_up_proj": "ffn_gate_up_exps",
-        "mlp.experts.down_proj": "ffn_down_exps",
-        "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
-        "mlp.shared_expert.up_proj.weight": "ffn_up_shexp",
-        "mlp.shared_expert.down_proj.weight": "ffn_down_shexp",
-        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp",
-        "mlp.gate_proj.weight": "ffn_gate",  # a dense layer (Qwen2-MoE's mlp_only_layers)
-        "mlp.up_proj.weight": "ffn_up",
-        "mlp.down_proj.weight": "ffn_down",
-    }
-    return {prefix + suffix: name for suffix, name in names.items() if prefix + suffix in state}
+    return len(byte_level_vocab()[0])
