@@ -101,19 +101,27 @@ def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) ->
     vocab = SHAPES[name][3]
     gen_len = args.gen_len if name == "smollm2" or args.gen_len_1b is None else args.gen_len_1b
     llm, our_rss = _ours(path, name, adapters is not None)
+    wanted = args.rows.split(",") if name == "smollm2" else args.rows_1b.split(",")
+    rows: dict[str, Any] = {}
+    if "one" in wanted:
+        # llama.cpp's own best for one stream: one slot (with 32, every decode step attends over all
+        # 32 slots' cells, masked: SmolLM2's single stream ran at a third of its one-slot speed)
+        single = LlamaServer(path, args.threads, 1, SLOT_TOKENS)
+        try:
+            runs = {"loraserve": _our_run(llm, gen_len), "llama.cpp": _their_run(single, gen_len)}
+            timings = interleaved_timed(runs, random_prompts(1, 16, vocab), repeats=args.repeats)
+            rows["one sequence"] = {system: gen_len / s for system, (s, _) in timings.items()}
+        finally:
+            single.close()
     server = LlamaServer(path, args.threads, SLOTS, SLOT_TOKENS, adapters[1] if adapters else None)
     try:
         their_rss = server.rss_mb()
-        wanted = args.rows.split(",") if name == "smollm2" else args.rows_1b.split(",")
         jobs: list[tuple[str, list[list[int]], list[Any] | None, list[int | None] | None]] = []
-        if "one" in wanted:
-            jobs.append(("one sequence", random_prompts(1, 16, vocab), None, None))
         if "concurrent" in wanted:
             jobs.append(("32 concurrent", random_prompts(32, 64, vocab, seed=1), None, None))
         if adapters and "adapters" in wanted:
             ours = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters[0])]
             jobs.append(("16 adapters mixed", random_prompts(16, 64, vocab, seed=2), ours, list(range(16))))
-        rows: dict[str, Any] = {}
         for label, prompts, our_loras, their_loras in jobs:
             runs: dict[str, Callable[[list[list[int]]], Any]] = {
                 "loraserve": _our_run(llm, gen_len, our_loras),
