@@ -2,8 +2,9 @@
 
 It wires the parts together and owns the request table; the scheduler owns each sequence's state,
 the output processor its text, the model loader the weights, tokenization the prompt and eos ids,
-`EngineAdapters` the rules of its adapter API (the `LoRAManager` owns the adapters), `StepFailures`
-which requests a failed step ends and when the engine gives up.
+`RequestPrep` a new request's sampling params and sequences, `EngineAdapters` the rules of its
+adapter API (the `LoRAManager` owns the adapters), `StepFailures` which requests a failed step ends
+and when the engine gives up.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from loraserve.engine.engine_stats import engine_stats
 from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
+from loraserve.engine.request_prep import RequestPrep
 from loraserve.engine.scheduler import SampledToken, Scheduler
-from loraserve.engine.sequence import BeamGroup, CacheSalt, Request, RequestSalt, Sequence
+from loraserve.engine.sequence import CacheSalt, Request, RequestSalt
 from loraserve.engine.step_failures import StepFailures
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.outputs import RequestOutput
@@ -54,29 +56,19 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.tokenizer = load_tokenizer(config.model)
         self.model: Any = get_model(config.model, config.device)
-        self.lora: LoRAManager | None = None
-        if config.lora is not None:
-            from loraserve.lora.manager import LoRAManager
-            from loraserve.lora.targets import LoRATargets
-
-            if not LoRATargets.from_model(self.model).modules:
-                raise ValueError(
-                    f"--enable-lora: {getattr(self.model, 'architecture_name', type(self.model).__name__)} "
-                    "has no module that can take a LoRA adapter (no linear layer but the vocab projection)."
-                )
-            self.lora = LoRAManager(self.model, config.lora, config.model.dtype, config.device)
+        self.lora: LoRAManager | None = _lora_manager(self.model, config)
         num_blocks = self._num_kv_blocks()
         spec: KVCacheSpec = cast(Any, self.model).kv_cache_spec()  # (narrowed to nn.Module above)
         self.block_manager = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, spec.rope_switch_length
         )
-        self._seq_counter = itertools.count()  # the scheduler draws forked beams' ids from it too
+        seq_ids = itertools.count()  # new sequences' ids (`RequestPrep`) and forked beams' (the scheduler)
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,
             config.lora.max_loras if config.lora else None,
             self.lora.can_activate if self.lora is not None else None,
-            self._seq_counter,
+            seq_ids,
         )
         self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.runner = ModelRunner(
@@ -95,6 +87,10 @@ class LLMEngine:
             config.model.vocab_size,
             [t for t in (self.eos_ids.eos_token_id, *self.eos_ids.extra_eos_ids) if t is not None],
             config.structured_outputs.disable_any_whitespace,
+        )
+        # What turns an add_request call's params into the request's sampling params and sequences:
+        self.prep = RequestPrep(
+            config.model, self.tokenizer, self.eos_ids, config.device, self.structured, seq_ids
         )
         self.requests: dict[str, Request] = {}
         self.adapters = EngineAdapters(self.lora, self.requests)  # the adapter API's rules
@@ -152,10 +148,7 @@ class LLMEngine:
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":  # vLLM's text
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
-        beam = None
-        if isinstance(params, BeamSearchParams):
-            beam, params = self._beam_group(params, len(prompt_ids))
-        params = self._sampling_params(params, len(prompt_ids))
+        beam, params = self.prep.params(params, len(prompt_ids))
         width = beam.width if beam is not None else params.n
         check_admission(self.config.scheduler, self.scheduler.queue_load(), width, width * len(prompt_ids))
         salt: CacheSalt | None = None
@@ -178,89 +171,16 @@ class LLMEngine:
             priority=priority,
             beam=beam,
         )
-        for i in range(params.n):
-            request.seqs.append(self._new_sequence(request, i, grammar))
+        request.seqs.extend(self.prep.sequences(request, grammar))
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
         return request
 
-    def _beam_group(self, beam: BeamSearchParams, num_prompt_tokens: int) -> tuple[BeamGroup, SamplingParams]:
-        """A beam search's group state and the sampling params of its beams (greedy, no text of their
-        own: the output processor decodes the returned beams once)."""
-        max_tokens = min(beam.max_tokens, self.model_config.max_model_len - num_prompt_tokens)
-        user_stops = frozenset(beam.stop_token_ids)
-        stops: frozenset[int] = frozenset()
-        if not beam.ignore_eos:
-            eos = self.eos_ids.eos_token_id
-            stops = user_stops | set(self.eos_ids.extra_eos_ids) | ({eos} if eos is not None else set())
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-        return BeamGroup(beam, max_tokens, stops, user_stops), params
-
     def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """Raise EngineOverloadedError (or RequestTooLargeError) unless a request of this size fits the
         queue now: what a multi-prompt API call asks before adding its prompts one by one."""
         check_admission(self.config.scheduler, self.scheduler.queue_load(), num_seqs, num_prefill_tokens)
-
-    def _sampling_params(self, params: SamplingParams | None, num_prompt_tokens: int) -> SamplingParams:
-        """The request's own copy (the generation config's defaults when None), with the model's extra eos
-        ids and the max_tokens left by the prompt; refuses what this engine cannot give it."""
-        params = (params or SamplingParams(**self.model_config.sampling_defaults)).clone()
-        self._check_params(params)
-        extra_eos_ids = self.eos_ids.extra_eos_ids
-        if extra_eos_ids and not params.ignore_eos:
-            params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(extra_eos_ids))
-        if params.max_tokens is None:
-            params.max_tokens = self.model_config.max_model_len - num_prompt_tokens
-        return params
-
-    def _check_params(self, params: SamplingParams) -> None:
-        vocab_size = self.model_config.vocab_size
-        limit = (
-            vocab_size
-            if self.model_config.max_logprobs == -1
-            else min(self.model_config.max_logprobs, vocab_size)
-        )
-        for kind, value in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
-            if value is not None and value > limit:
-                raise ValueError(  # vLLM's text, which its clients match
-                    f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limit}"
-                )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                "stop strings need a tokenizer, and this engine was started with skip_tokenizer_init; use "
-                "stop_token_ids."
-            )
-        # vLLM tokenizes bad_words in its engine too (the serving layer does it first, on its pool).
-        if self.tokenizer is not None:
-            params.update_from_tokenizer(self.tokenizer)
-        params.verify_token_ids(vocab_size, None if self.tokenizer is None else len(self.tokenizer))
-
-    def _new_sequence(self, request: Request, index: int, grammar: Any = None) -> Sequence:
-        from loraserve.engine.detokenizer import IncrementalDetokenizer
-
-        params = request.params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
-        detok = None
-        if params.detokenize and self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                params.skip_special_tokens,
-                params.spaces_between_special_tokens,
-            )
-        return Sequence(
-            seq_id=next(self._seq_counter),
-            request=request,
-            index=index,
-            token_ids=list(request.prompt_token_ids),
-            num_prompt_tokens=len(request.prompt_token_ids),
-            generator=generator,
-            detokenizer=detok,
-            grammar=self.structured.new_state(grammar) if grammar is not None else None,
-        )
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -398,6 +318,21 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
         return engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+
+
+def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:
+    """The engine's adapter manager; None with LoRA off. ValueError when the model has nothing to adapt."""
+    if config.lora is None:
+        return None
+    from loraserve.lora.manager import LoRAManager
+    from loraserve.lora.targets import LoRATargets
+
+    if not LoRATargets.from_model(model).modules:
+        raise ValueError(
+            f"--enable-lora: {getattr(model, 'architecture_name', type(model).__name__)} "
+            "has no module that can take a LoRA adapter (no linear layer but the vocab projection)."
+        )
+    return LoRAManager(model, config.lora, config.model.dtype, config.device)
 
 
 def _stop_dead_ends(sampled: list[SampledToken], masks: MaskJob | None) -> list[SampledToken]:
