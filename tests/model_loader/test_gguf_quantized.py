@@ -4,8 +4,9 @@ and adapters on the quantized base against PEFT on transformers' dequantized mod
 
 The tiny file mixes every kept format (Q8_0, Q4_0, Q4_1 written by gguf.quants; Q4_K, Q5_K, Q6_K as
 random blocks) in its packed layers (qkv, gate_up) and its LM head, with rows of 256 and 512 weights.
-float32 serving keeps activations float32 in the kernels, so it must match to float32 sums; bf16
-quantizes the decode step's activations to int8 (as llama.cpp does), compared by greedy tokens."""
+float32 serving quantizes the decode step's activations to two int8 levels (within amax/32512 of each
+value), so it must match to 1e-4 in logprobs; bf16 quantizes them to int8 (as llama.cpp does), compared
+by greedy tokens."""
 
 from __future__ import annotations
 

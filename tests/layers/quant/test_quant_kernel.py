@@ -127,6 +127,25 @@ def test_decode_path_is_exact_for_activations_int8_represents(build: str, name: 
 
 
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
+def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(build: str, name: str) -> None:
+    """float32 activations (q + q2 / 256) * 2^-5 with |q| <= 126, |q2| <= 127 and one 127 (q2 = 0) per
+    block quantize to exactly q and q2: the result is the reference to float32 sums, so a second level
+    that is dropped, truncated, coarser or mis-signed shows at once."""
+    qtype = QUANT_TYPES[name]
+    k = _in_features(name)[-1]
+    g = torch.Generator().manual_seed(12)
+    q = torch.randint(-126, 127, (3, k), generator=g).double()
+    q2 = torch.randint(-127, 128, (3, k), generator=g).double()
+    q.view(3, k // 32, 32)[:, :, 0], q2.view(3, k // 32, 32)[:, :, 0] = 127.0, 0.0
+    x = ((q + q2 / 256) * 2.0**-5).float()
+    assert bool((x.double() == (q + q2 / 256) * 2.0**-5).all())  # float32 holds these values exactly
+    tensor = random_quant_tensor(qtype, 29, k, seed=3)
+    ref, magnitude, _ = _bounds(x, tensor, None)
+    y = qk.linear(x, qk.prepare(tensor))
+    assert bool(((y.double() - ref).abs() <= 2e-6 * magnitude + 1e-30).all())
+
+
+@pytest.mark.parametrize("name", list(QUANT_TYPES))
 def test_kernel_dequantize_matches_the_twin(build: str, name: str) -> None:
     tensor = random_quant_tensor(QUANT_TYPES[name], 21, 512, seed=4)
     weight = qk.prepare(tensor)
