@@ -26,6 +26,13 @@ HOST = "host"
 # Default for --replica-spread-queue-depth: about one decode batch of one adapter on a CPU replica;
 # below it, keeping an adapter on one replica is cheaper than loading it on another.
 DEFAULT_SPREAD_QUEUE_DEPTH = 8
+# How long a request waits for its first-rank replica before the fallback ranks may take it. Ray
+# probes a replica's queue length with a 0.1 s deadline (doubling per retry, up to 1 s) and moves on
+# to the next rank when the probe is late: on a loaded machine a replica busy in a step misses it, and
+# the request would load its adapter on a second replica. A dead replica leaves the candidates at
+# once (Ray drops it on ActorDiedError), so only a live but unresponsive one costs this wait.
+# Ray's own multiplexed matching waits 1-2 s; a cold adapter load costs more than that.
+AFFINITY_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +116,12 @@ def rank_replicas(
     if rest_others:
         ranks.append(rest_others)
     return ranks
+
+
+def ranks_to_offer(ranks: list[list[str]], waited_s: float, affinity_wait_s: float = AFFINITY_WAIT_S) -> list[list[str]]:
+    """The ranks to hand Ray for a request that has waited `waited_s` to be routed: only the first
+    (the replica this policy chose) until `affinity_wait_s`, then every rank, in order."""
+    return ranks if waited_s >= affinity_wait_s else ranks[:1]
 
 
 def rank_without_adapter(replicas: Sequence[ReplicaLoad]) -> list[list[str]]:

@@ -31,6 +31,7 @@ from loraserve.entrypoints.ray.affinity import (
     ReplicaLoad,
     rank_replicas,
     rank_without_adapter,
+    ranks_to_offer,
     replica_load,
 )
 from loraserve.entrypoints.ray.known_replicas import track_router
@@ -57,6 +58,7 @@ class AffinityRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        waited_s = time.time() - pending_request.created_at if pending_request is not None else 0.0
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if adapter.startswith(TARGET_PREFIX):
             target = by_id.get(adapter.removeprefix(TARGET_PREFIX))
@@ -68,6 +70,8 @@ class AffinityRouter(RequestRouter):
             # adapter chosen meanwhile would otherwise load it on another replica too. A replica
             # that did not take the request is corrected by its next report.
             self.note_sent(adapter, ranks[0][0])
+            # Ray calls again (with a longer probe deadline) when the first rank does not answer.
+            ranks = ranks_to_offer(ranks, waited_s)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def _load_of(self, replica: RunningReplica, adapter: str) -> ReplicaLoad:

@@ -12,6 +12,7 @@ from loraserve.entrypoints.ray.affinity import (
     known_residency,
     rank_replicas,
     rank_without_adapter,
+    ranks_to_offer,
 )
 
 
@@ -83,3 +84,13 @@ def test_router_memory_counts_until_a_newer_report() -> None:
 
 def test_flag_default_is_the_policy_default() -> None:
     assert FLAG_DEFAULT == DEFAULT_SPREAD_QUEUE_DEPTH
+
+
+def test_only_the_chosen_replica_is_offered_until_the_affinity_wait() -> None:
+    """Ray moves to the next rank when the first one's queue-length probe is late (a busy replica on
+    a loaded machine): offering it would load the adapter on a second replica."""
+    ranks = rank_replicas([ReplicaLoad("home", 3, 1, residency=SLOT), ReplicaLoad("other", 0)])
+    assert ranks_to_offer(ranks, waited_s=0.0, affinity_wait_s=5.0) == [["home"]]
+    assert ranks_to_offer(ranks, waited_s=4.9, affinity_wait_s=5.0) == [["home"]]
+    assert ranks_to_offer(ranks, waited_s=5.0, affinity_wait_s=5.0) == [["home"], ["other"]]
+    assert ranks_to_offer([], waited_s=0.0) == []
