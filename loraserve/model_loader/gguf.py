@@ -27,6 +27,7 @@ import torch
 
 from loraserve import envs
 from loraserve.model_loader import gguf_quantized
+from loraserve.model_loader.gguf_header import read_gguf_header
 from loraserve.model_loader.staging import publish, stage
 
 logger = logging.getLogger(__name__)
@@ -101,46 +102,51 @@ def inspect_gguf(path: str) -> GGUFSummary:
 
 @functools.lru_cache(maxsize=64)
 def _inspect(path: str, size: int, mtime_ns: int) -> GGUFSummary:
-    from gguf import GGUFReader, dequantize
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
+    name = os.path.basename(path)
     try:
-        reader = GGUFReader(path)
+        header = read_gguf_header(path)
     except (ValueError, OSError) as e:
-        raise GGUFError(f"{os.path.basename(path)} is not a readable GGUF file: {e}") from e
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise GGUFError(f"GGUF file {os.path.basename(path)} has no general.architecture field.")
-    arch = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+        raise GGUFError(f"{name} is not a readable GGUF file: {e}") from e
+    arch = header.metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"GGUF file {name} has no general.architecture field.")
     if _HF_ARCH_NAMES.get(arch, arch) not in GGUF_SUPPORTED_ARCHITECTURES:
         known = ", ".join(
             name for name in GGUF_SUPPORTED_ARCHITECTURES if name not in ("general", "tokenizer")
         )
         raise GGUFError(
-            f"GGUF file {os.path.basename(path)} has architecture {arch!r}, which cannot be converted "
+            f"GGUF file {name} has architecture {arch!r}, which cannot be converted "
             f"(GGUF architectures that load: {known})."
         )
-    experts = reader.fields.get(f"{arch}.expert_count")
-    if arch in ("llama", "mistral") and experts is not None and int(experts.parts[experts.data[0]][0]) > 0:
+    experts = header.metadata.get(f"{arch}.expert_count")
+    if arch in ("llama", "mistral") and isinstance(experts, int) and experts > 0:
         # transformers reads a llama-architecture file as a dense Llama: a Mixtral file's experts
         # (`ffn_*_exps`) have nowhere to go.
         raise GGUFError(
-            f"GGUF file {os.path.basename(path)} has architecture {arch!r} with experts (Mixtral-style), which "
+            f"GGUF file {name} has architecture {arch!r} with experts (Mixtral-style), which "
             "transformers' GGUF reader cannot convert; serve the model's HF checkpoint instead."
         )
     checked: dict[str, None] = {}
-    for tensor in reader.tensors:
-        type_name = tensor.tensor_type.name
-        if type_name in checked:
+    for tensor in header.tensors:
+        try:
+            qtype = GGMLQuantizationType(tensor.type_code)
+        except ValueError as e:
+            raise GGUFError(f"GGUF file {name}: tensor {tensor.name!r} has unknown type {tensor.type_code}.") from e
+        if qtype.name in checked:
             continue
-        try:  # one block is enough to learn whether the type can be dequantized
-            dequantize(tensor.data[:1], tensor.tensor_type)
+        try:  # one (zero) block is enough to learn whether the type can be dequantized
+            block = np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+            dequantize(block, qtype)
         except NotImplementedError as e:
             raise GGUFError(
-                f"GGUF file {os.path.basename(path)}: tensor {tensor.name!r} uses quantization type "
-                f"{type_name}, which cannot be dequantized here ({e})."
+                f"GGUF file {name}: tensor {tensor.name!r} uses quantization type "
+                f"{qtype.name}, which cannot be dequantized here ({e})."
             ) from e
-        checked[type_name] = None
+        checked[qtype.name] = None
     return GGUFSummary(arch, tuple(checked))
 
 
