@@ -74,18 +74,6 @@ def linear_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 
 TINY = TINY_SHAPE
 
-# A still smaller Llama for tests that build the config dict or the HF model themselves.
-MINI_LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=300,
-    max_position_embeddings=128,
-)
-
-
 def _tiny_config(arch: str, vocab_size: int) -> Any:
     import transformers as tf
 

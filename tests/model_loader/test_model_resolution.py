@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import MINI_LLAMA
+from support.mini_llama import MINI_LLAMA
 
 from loraserve.model_loader.config import create_model_config, derive_max_model_len, load_hf_config
 from loraserve.models.registry import get_supported_archs, resolve_architecture

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import MINI_LLAMA
 from safetensors.torch import save_file
+from support.mini_llama import MINI_LLAMA
 
 from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
