@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.parity import memoized, peft_logprobs, peft_model
 
 from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import save_peft_adapter
@@ -49,39 +50,14 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
                                                                                                  generator=g)]
 
 
-def _peft_model(base_path: str, adapters: dict[str, str]) -> Any:
-    """The float32 base model under PEFT with every adapter loaded (by its name in `adapters`)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
-    names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-    return model
-
-
 def _peft_reference(base_path: str, adapters: dict[str, str], prompts: list[list[int]]) -> dict[str, Any]:
     """Greedy tokens and prompt logprobs of every (adapter, prompt) pair from PEFT, one adapter at a time."""
-    model = _peft_model(base_path, adapters)
+    model = peft_model(base_path, adapters)
     ref: dict[str, Any] = {}
     for name in [None, *adapters]:
         for i, prompt in enumerate(prompts):
-            ref[(name, i)] = _peft_run(model, name, prompt)
+            ref[(name, i)] = memoized(model, ("run", name, tuple(prompt)), lambda: _peft_run(model, name, prompt))  # noqa: B023
     return ref
-
-
-def _peft_logprobs(model: Any, name: str | None, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] next-token logprobs of `ids` under adapter `name` (None: the base model)."""
-    with torch.no_grad():
-        if name is None:
-            with model.disable_adapter():
-                logits = model(torch.tensor([ids])).logits
-        else:
-            model.set_adapter(name)
-            logits = model(torch.tensor([ids])).logits
-    return torch.log_softmax(logits[0].float(), -1)
 
 
 def _peft_run(model: Any, name: str | None, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -158,14 +134,14 @@ def test_mixed_batch_in_bf16_matches_peft(tiny_model: Any, llama_adapters: dict[
     outputs = llm.generate([{"prompt_token_ids": prompts[i]} for _, i in cases], params,
                            lora_request=[requests[n] if n else None for n, _ in cases], use_tqdm=False)
     assert set(kernel_dtypes) == ({torch.bfloat16} if cpu_kernel == "1" and lora_cpu.kernel_available() else set())
-    peft = _peft_model(path, llama_adapters)
+    peft = peft_model(path, llama_adapters)
     for out, (name, i) in zip(outputs, cases):
         completion, num_prompt = out.outputs[0], len(prompts[i])
         ids = prompts[i] + list(completion.token_ids)
         assert out.prompt_logprobs is not None and completion.logprobs is not None
         ours = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, num_prompt)]
         ours += [position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)]
-        reference = _peft_logprobs(peft, name, ids)[:-1]
+        reference = peft_logprobs(peft, name, ids)[:-1]
         theirs = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
         errors = (torch.tensor(ours, dtype=torch.float32) - theirs).abs()
         assert errors.max().item() <= BF16_LOGPROB_TOL, f"adapter {name}, prompt {i}: {errors.max().item():.4f}"

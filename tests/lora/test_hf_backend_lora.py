@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 import transformers
 from support.fused_adapters import split_to_fused
+from support.parity import peft_logprobs, peft_model
 from support.stack_calls import count_lora_kernel_steps
 from support.triton_lora import check_mixed_batch_through_triton, needs_triton
 
@@ -157,28 +158,6 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def _peft_model(path: str, adapters: dict[str, str]) -> Any:
-    from peft import PeftModel
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-    return model.eval()
-
-
-def _peft_logprobs(model: Any, name: str | None, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        if name is None:
-            with model.disable_adapter():
-                logits = model(torch.tensor([ids])).logits
-        else:
-            model.set_adapter(name)
-            logits = model(torch.tensor([ids])).logits
-    return torch.log_softmax(logits[0].float(), -1)
-
-
 def _serve_and_check(
     path: str,
     adapters: dict[str, str],
@@ -209,7 +188,7 @@ def _serve_and_check(
         lora_request=[requests[n] if n else None for n, _ in cases],
         use_tqdm=False,
     )
-    peft = _peft_model(path, peft_adapters or adapters)
+    peft = peft_model(path, peft_adapters or adapters)
     tol = TOL[dtype]
     for out, (name, i) in zip(outputs, cases, strict=True):
         completion, num_prompt = out.outputs[0], len(prompts[i])
@@ -218,7 +197,7 @@ def _serve_and_check(
         ours += [
             position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)
         ]
-        reference = _peft_logprobs(peft, name, ids)[:-1]
+        reference = peft_logprobs(peft, name, ids)[:-1]
         targets = torch.tensor(ids[1:])
         theirs = reference[torch.arange(len(ids) - 1), targets]
         error = (torch.tensor(ours) - theirs).abs().max().item()
@@ -226,7 +205,7 @@ def _serve_and_check(
         gaps = reference[num_prompt - 1 :].max(-1).values - theirs[num_prompt - 1 :]
         assert gaps.max().item() <= tol, f"adapter {name}, prompt {i}: a generated token PEFT ranks lower"
         if name is not None:  # the adapter matters far beyond the tolerance, so a lost LoRA term fails
-            base = _peft_logprobs(peft, None, ids)[:-1][torch.arange(len(ids) - 1), targets]
+            base = peft_logprobs(peft, None, ids)[:-1][torch.arange(len(ids) - 1), targets]
             assert (base - theirs).abs().max().item() > 2 * tol, f"adapter {name} barely changes the output"
 
 

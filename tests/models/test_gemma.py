@@ -13,9 +13,17 @@ from typing import Any
 
 import pytest
 import torch
+from support.parity import (
+    bf16_twin,
+    greedy_params,
+    memoized,
+    peft_logprobs,
+    peft_model,
+    random_prompts,
+    with_adapter,
+)
 from support.parity import check_bf16 as _check_bf16
 from support.parity import check_exact as _check_exact
-from support.parity import greedy_params, random_prompts
 from support.parity import hf_logprobs as _logprobs
 from support.stack_calls import count_lora_kernel_steps
 from support.tiny_gemma import GEMMA_ARCHS, gemma_config, save_tiny_gemma
@@ -114,15 +122,15 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path: Any, token
     llm = LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8)
     assert type(llm.engine.model).__name__ == "Gemma3ForConditionalGeneration"
     prompts = _prompts(vocab_size)
-    peft = _peft_model(path, {"mm": adapter})
+    peft = peft_model(path, {"mm": adapter})
     for name in (None, "mm"):
         request = LoRARequest("mm", 1, adapter) if name else None
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], _params(), lora_request=request, use_tqdm=False
         )
         for prompt, out in zip(prompts, outputs):
-            _check_exact(out, prompt, _peft_greedy(peft, name, prompt), _peft_logprobs(peft, name, prompt))
-    moved = (_peft_logprobs(peft, "mm", prompts[-1]) - _peft_logprobs(peft, None, prompts[-1])).abs().max()
+            _check_exact(out, prompt, _peft_greedy(peft, name, prompt), peft_logprobs(peft, name, prompt))
+    moved = (peft_logprobs(peft, "mm", prompts[-1]) - peft_logprobs(peft, None, prompts[-1])).abs().max()
     assert moved > 1.0
 
 
@@ -186,32 +194,9 @@ def test_the_tiny_models_exercise_every_gemma_feature(
     assert kinds == [kind == SLIDING for kind in hf.config.layer_types] and len(set(kinds)) == 2
 
 
-def _peft_model(base_path: str, adapters: dict[str, str]) -> Any:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
-    names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-    return model
-
-
-def _peft_logprobs(model: Any, name: str | None, ids: list[int]) -> torch.Tensor:
-    if name is None:
-        with model.disable_adapter():
-            return _logprobs(model, ids)
-    model.set_adapter(name)
-    return _logprobs(model, ids)
-
-
 def _peft_greedy(model: Any, name: str | None, prompt: list[int]) -> list[int]:
-    if name is None:
-        with model.disable_adapter():
-            return _greedy(model, prompt)
-    model.set_adapter(name)
-    return _greedy(model, prompt)
+    compute = lambda: with_adapter(model, name, lambda: _greedy(model, prompt))  # noqa: E731
+    return memoized(model, ("generate", name, tuple(prompt)), compute)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -246,10 +231,10 @@ def test_mixed_batch_matches_peft(
     served = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
     expected = {dtype} if cpu_kernel == "1" and lora_cpu.kernel_available() else set()
     assert {served[d] for d in kernel_dtypes} == expected
-    peft = _peft_model(path, adapters)
-    peft_bf16 = copy.deepcopy(peft).to(torch.bfloat16) if dtype == "bfloat16" else None
+    peft = peft_model(path, adapters)
+    peft_bf16 = bf16_twin(peft) if dtype == "bfloat16" else None
     for out, (name, i) in zip(outputs, cases):
-        reference_of = lambda ids, name=name: _peft_logprobs(peft, name, ids)  # noqa: E731
+        reference_of = lambda ids, name=name: peft_logprobs(peft, name, ids)  # noqa: E731
         if peft_bf16 is None:
             _check_exact(out, prompts[i], _peft_greedy(peft, name, prompts[i]), reference_of(prompts[i]))
         else:
@@ -257,11 +242,11 @@ def test_mixed_batch_matches_peft(
                 out,
                 prompts[i],
                 reference_of,
-                lambda ids, name=name: _peft_logprobs(peft_bf16, name, ids),
+                lambda ids, name=name: peft_logprobs(peft_bf16, name, ids),
                 f"adapter {name}, prompt {i}",
             )
         if name is not None:  # each adapter moves its logprobs far beyond any bound above
-            moved = (reference_of(prompts[i]) - _peft_logprobs(peft, None, prompts[i])).abs().max().item()
+            moved = (reference_of(prompts[i]) - peft_logprobs(peft, None, prompts[i])).abs().max().item()
             assert moved > 1.0, f"adapter {name} hardly changes the model: {moved:.3f}"
 
 

@@ -9,13 +9,13 @@ expert tensors refused on a dense model. The models are conftest.py's `moe_model
 
 from __future__ import annotations
 
-import copy
+import functools
 from typing import Any
 
 import pytest
 import torch
 from support.moe_adapters import as_target_parameters, save_per_expert_adapter
-from support.parity import check_bf16_routed, hf_greedy_full
+from support.parity import bf16_twin, check_bf16_routed, hf_greedy_full, memoized
 from support.tiny_moe import MOE_ARCHS
 from support.triton_lora import check_mixed_batch_through_triton, needs_triton
 from test_gemma import _check_exact, _logprobs, _params, _prompts
@@ -60,9 +60,20 @@ def moe_adapters(
     return out
 
 
+def _ref_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    """A one-adapter reference's logprobs, once per (model, ids)."""
+    return memoized(model, ("logprobs", tuple(ids)), lambda: _logprobs(model, ids))
+
+
+def _ref_greedy(model: Any, prompt: list[int]) -> list[int]:
+    return memoized(model, ("greedy", tuple(prompt)), lambda: hf_greedy_full(model, prompt))
+
+
+@functools.cache
 def _peft_reference(base_path: str, adapter: str | None) -> Any:
     """PEFT serving one adapter (float32), or the base model. One PeftModel per adapter: PEFT wants
-    every adapter of one model with target_parameters to target the same tensors."""
+    every adapter of one model with target_parameters to target the same tensors. Loaded once per
+    (base, adapter): the parametrizations in other dtypes and kernels score the same reference."""
     from peft import PeftModel
 
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
@@ -108,18 +119,18 @@ def test_mixed_batch_matches_peft(
     for out, (name, i) in zip(outputs, cases):
         peft = references[name]
         if dtype == "float32":
-            _check_exact(out, prompts[i], hf_greedy_full(peft, prompts[i]), _logprobs(peft, prompts[i]))
+            _check_exact(out, prompts[i], _ref_greedy(peft, prompts[i]), _ref_logprobs(peft, prompts[i]))
         else:
-            peft_bf16 = copy.deepcopy(peft).to(torch.bfloat16)
+            peft_bf16 = bf16_twin(peft)
             check_bf16_routed(
                 out,
                 prompts[i],
-                lambda ids, peft=peft: _logprobs(peft, ids),
-                lambda ids, peft_bf16=peft_bf16: _logprobs(peft_bf16, ids),
+                lambda ids, peft=peft: _ref_logprobs(peft, ids),
+                lambda ids, peft_bf16=peft_bf16: _ref_logprobs(peft_bf16, ids),
                 f"adapter {name}, prompt {i}",
             )
         if name is not None:  # each adapter moves its logprobs far beyond any bound above
-            moved = (_logprobs(peft, prompts[i]) - _logprobs(references[None], prompts[i])).abs().max().item()
+            moved = (_ref_logprobs(peft, prompts[i]) - _ref_logprobs(references[None], prompts[i])).abs().max().item()
             assert moved > 1.0, f"adapter {name} hardly changes the model: {moved:.3f}"
 
 

@@ -19,6 +19,7 @@ import torch
 import transformers
 from support.fused_adapters import PHI3_PARTS, fused_sizes, save_split_adapter, split_to_fused
 from support.parity import (
+    bf16_twin,
     check_bf16,
     check_exact,
     greedy_params,
@@ -251,7 +252,7 @@ def test_mixed_batch_matches_peft(
     expected = {getattr(torch, dtype)} if cpu_kernel == "1" and lora_cpu.kernel_available() else set()
     assert set(kernel_dtypes) == expected
     peft = peft_model(path, scored)
-    peft_bf16 = copy.deepcopy(peft).to(torch.bfloat16) if dtype == "bfloat16" else None
+    peft_bf16 = bf16_twin(peft) if dtype == "bfloat16" else None
     for out, (name, i) in zip(outputs, cases):
         reference_of = lambda ids, name=name: peft_logprobs(peft, name, ids)  # noqa: E731
         if peft_bf16 is None:

@@ -4,8 +4,12 @@ mixture-of-experts models, but for one routing flip per sequence)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
-from typing import Any
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,6 +20,26 @@ from loraserve import SamplingParams
 # errors are independent: ours must stay within BF16_FACTOR times transformers' bf16 error on the same
 # tokens (at least BF16_FLOOR), while the adapters move the logprobs by far more (checked by callers).
 BF16_FLOOR, BF16_FACTOR = 0.05, 3.0
+
+
+T = TypeVar("T")
+_MEMO: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def memoized(model: Any, key: Any, compute: Callable[[], T]) -> T:
+    """compute() once per (reference model, key), for as long as the model lives. A test's reference
+    (transformers / PEFT in eval mode) is fixed once loaded, and its parametrizations (our dtypes and
+    kernels) score the same inputs on it again: most of a parity test's time. The key must name all
+    that the result depends on besides the model's weights (the active adapter, the ids)."""
+    table = _MEMO.setdefault(model, {})
+    if key not in table:
+        table[key] = compute()
+    return table[key]
+
+
+def bf16_twin(model: Any) -> Any:
+    """A bf16 copy of the reference model, made once per model."""
+    return memoized(model, "bf16 twin", lambda: copy.deepcopy(model).to(torch.bfloat16))
 
 
 def random_prompts(lengths: tuple[int, ...], vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -111,28 +135,39 @@ def _bf16_errors(
 
 
 def peft_model(base_path: str, adapters: dict[str, str]) -> Any:
+    """PEFT on the float32 base with every adapter of `adapters` loaded (name -> folder), once per
+    (base, adapters) in the session: callers only switch the active adapter, which the memoized
+    scores below name in their keys."""
+    return _load_peft_model(base_path, tuple(adapters.items()))
+
+
+@functools.cache
+def _load_peft_model(base_path: str, adapter_items: tuple[tuple[str, str], ...]) -> Any:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
-    names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
+    (first, folder), *rest = adapter_items
+    model = PeftModel.from_pretrained(base, folder, adapter_name=first)
+    for name, path in rest:
+        model.load_adapter(path, adapter_name=name)
     return model.eval()
 
 
-def peft_logprobs(model: Any, name: str | None, ids: list[int]) -> torch.Tensor:
+def with_adapter(model: Any, name: str | None, compute: Callable[[], T]) -> T:
+    """compute() with PEFT adapter `name` active (None: the base model)."""
     if name is None:
         with model.disable_adapter():
-            return hf_logprobs(model, ids)
+            return compute()
     model.set_adapter(name)
-    return hf_logprobs(model, ids)
+    return compute()
+
+
+def peft_logprobs(model: Any, name: str | None, ids: list[int]) -> torch.Tensor:
+    compute = lambda: with_adapter(model, name, lambda: hf_logprobs(model, ids))  # noqa: E731
+    return memoized(model, ("logprobs", name, tuple(ids)), compute)
 
 
 def peft_greedy(model: Any, name: str | None, prompt: list[int], num_new: int) -> list[int]:
-    if name is None:
-        with model.disable_adapter():
-            return hf_greedy(model, prompt, num_new)
-    model.set_adapter(name)
-    return hf_greedy(model, prompt, num_new)
+    compute = lambda: with_adapter(model, name, lambda: hf_greedy(model, prompt, num_new))  # noqa: E731
+    return memoized(model, ("greedy", name, tuple(prompt), num_new), compute)
