@@ -20,6 +20,7 @@ from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.engine.beam_group import beam_candidates
+from loraserve.engine.kv_memory import zeroed_kv_tensor
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from loraserve.engine.scheduler import ScheduledSeq
 from loraserve.engine.sequence import BeamCandidates, Sequence
@@ -97,7 +98,7 @@ class ModelRunner:
         self._rows_lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None  # of the logits rows
         shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (zeroed_kv_tensor(shape, dtype, device), zeroed_kv_tensor(shape, dtype, device))
             for _ in range(self.spec.num_layers)
         ]
 

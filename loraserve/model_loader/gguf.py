@@ -210,7 +210,7 @@ def _config_file(hf_config_path: str) -> str:
 
 
 @contextlib.contextmanager
-def _one_parse(path: str) -> Iterator[None]:
+def one_gguf_parse(path: str) -> Iterator[None]:
     """While converting `path`, every `gguf.GGUFReader(path)` is one reader and `gguf.get_tensor_name_map`
     answers each (architecture, layers) once. transformers parses the file again for the config, twice
     for the tokenizer and once per tensor load, and a parse builds a numpy view per metadata element
@@ -235,7 +235,7 @@ def _one_parse(path: str) -> Iterator[None]:
 
 
 def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: str | None, keep: bool) -> None:
-    with _one_parse(path):
+    with one_gguf_parse(path):
         _convert_with_reader(out_dir, path, dtype, hf_config_path, keep)
 
 

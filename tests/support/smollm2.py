@@ -39,11 +39,13 @@ def load_oracle(adapter_root: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loraserve.demo.random_model import save_peft_adapter
+    from loraserve.model_loader.gguf import one_gguf_parse
 
     assert GGUF_PATH is not None
     folder, name = os.path.dirname(GGUF_PATH), os.path.basename(GGUF_PATH)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with one_gguf_parse(GGUF_PATH):  # transformers' own loading, the file parsed once instead of four times
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     paths = {}
     for seed, (adapter, kwargs) in enumerate(ADAPTERS.items()):
         paths[adapter] = os.path.join(adapter_root, adapter)
