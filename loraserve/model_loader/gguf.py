@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ GGUF_SUFFIX = ".gguf"
 CONVERTER_VERSION = "3"  # 2: Phi-3 LongRoPE read from the file; 3: Qwen MoE expert widths
 _COMPLETE = "COMPLETE.json"
 _HASH_CHUNK = 16 << 20
+_PARSE_LOCK = threading.RLock()  # one_gguf_parse
 
 
 class GGUFError(ValueError):
@@ -219,19 +221,21 @@ def one_gguf_parse(path: str) -> Iterator[None]:
     changes nothing but the time (SmolLM2 kept quantized in bf16: 43 s -> 14 s with the header read)."""
     import gguf
 
-    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    shared = real_reader(path)
-    target = os.path.realpath(path)
+    with _PARSE_LOCK:  # the patch is process-wide: two at once would restore each other's
+        real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        shared = real_reader(path)
+        target = os.path.realpath(path)
 
-    def reader(file: Any, mode: Any = "r") -> Any:
-        return shared if mode == "r" and os.path.realpath(os.fspath(file)) == target else real_reader(file, mode)
+        def reader(file: Any, mode: Any = "r") -> Any:
+            same = mode == "r" and os.path.realpath(os.fspath(file)) == target
+            return shared if same else real_reader(file, mode)
 
-    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
-    gguf.get_tensor_name_map = functools.cache(real_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map  # type: ignore[misc]
+        gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+        gguf.get_tensor_name_map = functools.cache(real_name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map  # type: ignore[misc]
 
 
 def _convert_into(out_dir: str, path: str, dtype: torch.dtype, hf_config_path: str | None, keep: bool) -> None:

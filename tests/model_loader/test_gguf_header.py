@@ -1,4 +1,5 @@
-"""`read_gguf_header` against `gguf.GGUFReader` (the oracle) on files `gguf.GGUFWriter` wrote with every
+"""`one_gguf_parse` shares one reader of the file it names and restores `gguf` after;
+`read_gguf_header` against `gguf.GGUFReader` (the oracle) on files `gguf.GGUFWriter` wrote with every
 value type, in both byte orders, and on SmolLM2's real file; truncated and hostile headers are a
 ValueError that names the problem, without a long loop or a big allocation."""
 
@@ -13,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 
 from loraserve.demo.smollm import find_smollm2_gguf
+from loraserve.model_loader.gguf import one_gguf_parse
 from loraserve.model_loader.gguf_header import read_gguf_header
 
 SCALARS: dict[str, tuple[Any, GGUFValueType]] = {
@@ -100,3 +102,18 @@ def test_truncated_and_hostile_headers_are_value_errors(tmp_path: Path) -> None:
     (tmp_path / "v9.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 9, 0, 0))
     with pytest.raises(ValueError, match="GGUF version 9"):
         read_gguf_header(str(tmp_path / "v9.gguf"))
+
+
+def test_one_parse_shares_the_reader_of_its_file_only(tmp_path: Path) -> None:
+    import gguf
+
+    path, other = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_file(path)
+    write_file(other)
+    with one_gguf_parse(str(path)):
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first
+        assert gguf.GGUFReader(str(other)) is not first
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert gguf.GGUFReader is GGUFReader
+    assert gguf.GGUFReader(str(path)) is not first
