@@ -20,10 +20,10 @@ from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.engine.beam_group import beam_candidates
-from loraserve.engine.kv_memory import zeroed_kv_tensor
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from loraserve.engine.scheduler import ScheduledSeq
 from loraserve.engine.sequence import BeamCandidates, Sequence
+from loraserve.native import huge_pages
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
@@ -97,10 +97,8 @@ class ModelRunner:
         self._lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None
         self._rows_lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None  # of the logits rows
         shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv_caches = [
-            (zeroed_kv_tensor(shape, dtype, device), zeroed_kv_tensor(shape, dtype, device))
-            for _ in range(self.spec.num_layers)
-        ]
+        caches = huge_pages.zeros([(shape, dtype)] * (2 * self.spec.num_layers), device, huge=False)
+        self.kv_caches = list(zip(caches[0::2], caches[1::2], strict=True))
 
     def run(
         self,

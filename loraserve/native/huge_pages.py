@@ -1,4 +1,5 @@
-"""Long-lived CPU buffers on transparent huge pages: the packed weights and the LoRA slots.
+"""Long-lived CPU buffers in anonymous mappings: on transparent huge pages for the packed weights and
+the LoRA slots, on plain lazily committed pages for the KV cache.
 
 A decode step streams every packed weight and the slot rows of every adapter in the batch from
 memory. On 4 KiB pages that is a TLB entry per 4 KiB (about 40k page walks a step for a 135M model
@@ -7,8 +8,11 @@ all of a group's tensors from one anonymous mapping advised MADV_HUGEPAGE before
 the kernel backs it with 2 MiB pages where it has them (Linux THP in `madvise` or `always` mode).
 That made a many-adapter step faster and left the base model unchanged (benchmarks/README.md). The
 KV cache stays on plain pages: its blocks are first touched while serving, and huge-page faults there
-made prefill slower, while prefaulting the whole cache bought nothing measurable. Elsewhere (THP off, not
-Linux, LORASERVE_CPU_HUGE_PAGES=0) the tensors are plain `torch.zeros`: nothing else changes.
+made prefill slower, while prefaulting the whole cache bought nothing measurable. It takes
+`zeros(specs, huge=False)`: a mapping the kernel zero-fills page by page on first write, so an engine
+starts without writing its whole cache (`torch.zeros` wrote the 1 GiB default: 0.45 s, most of a tiny
+model's start) and RSS grows with the blocks sequences use. Elsewhere (THP off, not Linux,
+LORASERVE_CPU_HUGE_PAGES=0) huge-page tensors are plain `torch.zeros`: nothing else changes.
 """
 
 from __future__ import annotations
@@ -29,14 +33,18 @@ ALIGN = 64  # every tensor starts on a cache line
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
-def zeros(specs: Sequence[Spec], device: torch.device | str, touch: bool = False) -> list[torch.Tensor]:
-    """Zero-filled contiguous tensors of these (shape, dtype), on huge pages where possible (CPU).
+def zeros(
+    specs: Sequence[Spec], device: torch.device | str, touch: bool = False, huge: bool = True
+) -> list[torch.Tensor]:
+    """Zero-filled contiguous tensors of these (shape, dtype), on huge pages where possible (CPU), or
+    with `huge=False` on plain pages, committed as they are first written.
 
     They share one mapping, which lives as long as any of them holds a slice of it (a memoryview: the
     mapping cannot be closed while one exists), so no tensor can outlive its memory. `touch` faults
     every page in now, for memory first written while serving: a huge page's first fault zeroes 2 MiB
     (and may compact memory to find one), which would otherwise land on a request."""
-    if torch.device(device).type != "cpu" or not envs.cpu_huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
+    offered = not huge or (envs.cpu_huge_pages() and hasattr(mmap, "MADV_HUGEPAGE"))
+    if torch.device(device).type != "cpu" or not offered:
         return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
     offsets, total = [], 0
@@ -46,13 +54,14 @@ def zeros(specs: Sequence[Spec], device: torch.device | str, touch: bool = False
     if total == 0:
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
     try:
-        mapping = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        mapping = mmap.mmap(-1, total + HUGE_PAGE * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError) as e:  # no room for the mapping, or THP not offered: plain memory
         logger.info("huge pages unavailable (%s): plain allocations", e)
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
     memory = memoryview(mapping)  # each tensor's buffer is a slice of it: the mapping cannot close under them
-    start = -torch.frombuffer(memory, dtype=torch.uint8).data_ptr() % HUGE_PAGE  # whole pages after it
+    start = -torch.frombuffer(memory, dtype=torch.uint8).data_ptr() % HUGE_PAGE if huge else 0  # whole pages after it
     if touch:
         torch.frombuffer(memory[start : start + total], dtype=torch.uint8).zero_()
     # One storage per tensor (a slice of its own), not views of one arena: saving, pickling or sharing

@@ -1,10 +1,12 @@
 """huge_pages.zeros: zero-filled tensors of the asked shapes and dtypes, apart from each other, on memory
-advised for huge pages (Linux), alive as long as any of them is; plain tensors when switched off."""
+advised for huge pages (Linux), alive as long as any of them is; plain tensors when switched off; with
+huge=False (the KV cache) on plain pages, committed only as they are written, whatever the switch."""
 
 from __future__ import annotations
 
 import gc
 import mmap
+import resource
 import sys
 
 import pytest
@@ -93,3 +95,22 @@ def test_without_a_mapping_the_tensors_are_plain(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(mmap, "mmap", refuse)
     tensors = huge_pages.zeros(SPECS, "cpu", touch=True)
     assert [(tuple(t.shape), t.dtype) for t in tensors] == SPECS and not any(t.any() for t in tensors)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_plain_pages_cost_only_what_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORASERVE_CPU_HUGE_PAGES", "0")  # huge=False maps lazily whatever the switch
+    before = _rss_bytes()
+    k, v = huge_pages.zeros([((1 << 27,), torch.float32)] * 2, "cpu", huge=False)  # 2 x 512 MiB
+    untouched = _rss_bytes() - before
+    assert "hg" not in _vm_flags(k.data_ptr()) and not k[-16:].any() and not v[:16].any()
+    k[: 1 << 22].fill_(1.0)  # 16 MiB written
+    written = _rss_bytes() - before
+    assert untouched < 8 << 20, untouched
+    assert 16 << 20 <= written < 64 << 20, written
+    assert k[(1 << 22) - 1].item() == 1.0 and k[1 << 22].item() == 0.0 and not v.any()
