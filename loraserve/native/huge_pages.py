@@ -54,11 +54,11 @@ def zeros(
     if total == 0:
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
     try:
-        mapping = mmap.mmap(-1, total + HUGE_PAGE * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping = mmap.mmap(-1, total + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if huge:
             mapping.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError) as e:  # no room for the mapping, or THP not offered: plain memory
-        logger.info("huge pages unavailable (%s): plain allocations", e)
+        logger.info("no anonymous mapping%s (%s): plain allocations", " on huge pages" if huge else "", e)
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
     memory = memoryview(mapping)  # each tensor's buffer is a slice of it: the mapping cannot close under them
     start = -torch.frombuffer(memory, dtype=torch.uint8).data_ptr() % HUGE_PAGE if huge else 0  # whole pages after it
