@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import subprocess
@@ -26,9 +25,9 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.cluster_costs import measure
-from benchmarks.cluster_sim import RESULTS, percentile
+from benchmarks.cluster_sim import percentile
 from benchmarks.cluster_sim_model import Cluster, SimConfig, make_trace
-from benchmarks.common import build_adapters, build_model
+from benchmarks.common import build_adapters, build_model, save_results
 
 NUM_ADAPTERS = 32
 SERVER_FLAGS = ["--replicas", "2", "--replica-cpus", "1", "--enable-lora", "--max-loras", "8",
@@ -135,8 +134,7 @@ def main() -> None:
     print(f"{'':<16}{'hit rate':>10}{'TTFT p50':>10}{'p99':>9}")
     for name, row in (("sim random", sim["random"]), ("sim affinity", sim["affinity"]), ("real affinity", real)):
         print(f"{name:<16}{row['hit_rate']:>10.1%}{row['ttft_p50_s']:>9.3f}s{row['ttft_p99_s']:>8.3f}s")
-    with open(os.path.join(RESULTS, "cluster_validate.json"), "w") as f:
-        json.dump({"costs": costs.to_json(), "config": asdict(config), "sim": sim, "real": real}, f, indent=1)
+    save_results("cluster_validate", {"costs": costs.to_json(), "config": asdict(config), "sim": sim, "real": real})
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import measure
 from loraserve import envs
 from loraserve.demo.random_model import build_tokenizer, llama_config, save_peft_adapter, save_random_model
 
@@ -140,20 +141,9 @@ def limit_threads(num_threads: int | None) -> None:
 
 
 def cpu_class() -> str:
-    """This machine's CPU as the notes name it: model, the vector extensions that pick our code paths,
-    and the torch thread count."""
-    from loraserve.native.build import cpu_flags
-
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    flags = cpu_flags()
-    found = [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"),
-                                     ("amx_bf16", "AMX")) if flag in flags]
-    return f"{model}, {' + '.join(found) or 'no AVX2'}, {torch.get_num_threads()} threads"
+    """This machine's CPU as the notes name it (model, family and model numbers, the vector extensions
+    that pick our code paths) and the torch thread count."""
+    return f"{measure.describe_cpu()}, {torch.get_num_threads()} threads"
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -223,11 +213,20 @@ def print_table(title: str, rows: list[tuple[str, float]], reference: str) -> No
         print(f"{name:<44}{tps:>12.1f}{tps / ref:>27.2f}x")
 
 
-def save_results(name: str, data: dict[str, Any]) -> None:
-    out = os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+
+
+def save_results(name: str, data: dict[str, Any]) -> bool:
+    """Save `data` as results/NAME.json with the run's `conditions` (benchmarks/measure.py: CPU class,
+    threads, load average before and after, read bandwidth), printed too; False, and nothing written,
+    when the run started on a busy machine without --allow-busy."""
+    cond = measure.conditions()
+    if not measure.check_and_print(name, cond):
+        return False
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w", encoding="utf-8") as f:
+        json.dump({**data, "conditions": cond}, f, indent=2)
+    return True
 
 
 def report_vs_plain(
