@@ -15,7 +15,7 @@ import torch
 
 from loraserve.demo.random_model import TINY_SHAPE
 
-pytest_plugins = ["support.fake_server_fixtures"]
+pytest_plugins = ["support.fake_server_fixtures", "support.parallel"]
 
 # The suite is hermetic: nothing may reach the Hugging Face Hub (PEFT, for one, looks base models up).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
