@@ -2,8 +2,8 @@
 pyproject.toml's addopts): one worker per core this process may run on (at most 4), each worker on one
 compute thread, and the tests grouped so that what is expensive to build is built once:
 - a module's tests stay on one worker, with its module-scoped servers, engines and models;
-- every test on SmolLM2's session fixtures shares one worker (one GGUF conversion, one transformers
-  oracle, one engine), and so do the Ray tests (one cluster at a time on a 2-core machine).
+- every module with a test on SmolLM2's session fixtures shares one worker (one GGUF conversion, one
+  transformers oracle, one engine).
 A worker count of 1 (`-n 1`, or a process pinned to one core) runs the same groups in turn; `-p
 no:xdist` or `-n 0` runs the suite in this process, as before."""
 
@@ -41,16 +41,15 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
-def xdist_group(item: pytest.Item) -> str:
-    """The group a test runs in: SmolLM2's, Ray's, or its module's."""
-    if SMOLLM2_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-        return "smollm2"
-    if item.get_closest_marker("ray") is not None:
-        return "ray"
+def module_of(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test's group: "smollm2" for the modules that use SmolLM2's session fixtures, else its module
+    (a module is never split: its module-scoped fixtures would be built on two workers at once)."""
+    smollm2 = {module_of(item) for item in items if SMOLLM2_FIXTURES.intersection(getattr(item, "fixturenames", ()))}
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+            module = module_of(item)
+            item.add_marker(pytest.mark.xdist_group("smollm2" if module in smollm2 else module))
