@@ -134,7 +134,7 @@ def test_the_other_cpu_paths_match_too(arch: str) -> None:
     # The run's own cache root: the build for `arch` is cached by source, flags and CPU like any other.
     env = {**os.environ, "LORASERVE_CPU_KERNEL_ARCH": arch}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "not other_cpu_paths"],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", "not other_cpu_paths"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
