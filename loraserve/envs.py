@@ -176,6 +176,15 @@ def cpu_lora_kernel() -> bool:
     return _switch("CPU_LORA_KERNEL")
 
 
+def cpu_quant_act_levels() -> int:
+    """LORASERVE_CPU_QUANT_ACT_LEVELS: int8 levels float32 activations take in the quantized-weight
+    kernel's decode path: 1 (the default, llama.cpp's precision) or 2 (to amax / 32512 per value)."""
+    value = (get_env("CPU_QUANT_ACT_LEVELS", "1") or "1").strip()
+    if value not in ("1", "2"):
+        raise ValueError(f"LORASERVE_CPU_QUANT_ACT_LEVELS must be 1 or 2, got {value!r}")
+    return int(value)
+
+
 def cpu_kernel_arch() -> str:
     """The `-march=` the C kernels are built with (default `native`: this CPU's own instructions)."""
     return (get_env("CPU_KERNEL_ARCH", "native") or "native").strip()

@@ -147,6 +147,9 @@ def smollm2_llm(smollm_cache_root: str) -> Any:
     assert GGUF_PATH is not None
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
+        # These modules hold the model to transformers' tokens: float32 activations at two int8 levels
+        # (test_real_model_quantized.py checks the default, one level, against the dense model).
+        patch.setenv("LORASERVE_CPU_QUANT_ACT_LEVELS", "2")
         # 128 MiB of KV cache (about 2,900 float32 tokens) holds every batch these modules run.
         return LLM(
             GGUF_PATH,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from loraserve import envs
 from loraserve.layers.quant.formats import QuantTensor
 from loraserve.native.build import function_address, load_library
 
@@ -81,10 +82,17 @@ def kernel_path() -> str:
 @dataclass(slots=True)
 class QuantWeight:
     """A quantized weight as the kernel reads it; `args` ({address, out, in, type code}) bound once.
-    `tensor.blocks` must not be replaced while the weight is in use (the kernel reads it raw)."""
+    `tensor.blocks` must not be replaced while the weight is in use (the kernel reads it raw).
+    `act_levels`: int8 levels float32 activations are quantized to on the decode path (1, llama.cpp's
+    precision, or 2: to amax / 32512 per value, about 1.6x the integer work; bf16 takes one)."""
 
     tensor: QuantTensor
+    act_levels: int = 1
     args: Any = None
+
+    def x_flags(self, dtype: torch.dtype) -> int:
+        """The kernel's flags for activations of `dtype`: bit 0 bf16, bit 1 two levels (float32)."""
+        return _DTYPES[dtype] | (2 if dtype == torch.float32 and self.act_levels == 2 else 0)
 
     @property
     def out_features(self) -> int:
@@ -110,23 +118,30 @@ def stack_serves(parts: list[QuantWeight | None] | None, dtype: torch.dtype, in_
         and dtype in _DTYPES
         and kernel_library() is not None
         and all(part is not None and part.in_features == in_features for part in parts)
+        and len({part.act_levels for part in parts if part is not None}) == 1
     )
 
 
 def stack_binding(parts: list[QuantWeight | None], dtype: torch.dtype) -> tuple[int, Any]:
     """(address of quant_gemm, its argument array for these slices): what the decoder stack binds for a
     layer `stack_serves` accepted. The array holds raw pointers: the slices must outlive its calls."""
-    fields = [len(parts), _DTYPES[dtype], sum(part.out_features for part in parts if part is not None)]
+    first = parts[0]
+    assert first is not None  # stack_serves checked
+    fields = [len(parts), first.x_flags(dtype), sum(part.out_features for part in parts if part is not None)]
     for part in parts:
         assert part is not None  # stack_serves checked
         fields += list(part.call_args())
     return function_address(kernel_library().quant_gemm), (ctypes.c_int64 * len(fields))(*fields)
 
 
-def prepare(tensor: QuantTensor) -> QuantWeight:
-    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU)."""
+def prepare(tensor: QuantTensor, act_levels: int | None = None) -> QuantWeight:
+    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU); `act_levels` None takes
+    LORASERVE_CPU_QUANT_ACT_LEVELS (default 1)."""
     blocks = tensor.blocks.contiguous().cpu()
-    return QuantWeight(QuantTensor(blocks, tensor.qtype, tensor.shape))
+    levels = envs.cpu_quant_act_levels() if act_levels is None else act_levels
+    if levels not in (1, 2):
+        raise ValueError(f"activation levels are 1 or 2, got {levels}")
+    return QuantWeight(QuantTensor(blocks, tensor.qtype, tensor.shape), levels)
 
 
 def linear(
@@ -156,7 +171,7 @@ def linear(
             weight.call_args(),
             rows.data_ptr(),
             rows.stride(0),
-            _DTYPES[x.dtype],
+            weight.x_flags(x.dtype),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             y.stride(0),
