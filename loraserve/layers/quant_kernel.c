@@ -39,8 +39,10 @@
 #define PREFETCH_ROWS 4 /* weight rows ahead of the one being read (past the end: a harmless hint) */
 #define N_CHUNK 16  /* weight rows per work item (a few KB: stays in L1 while the row groups pass) */
 
-static const int BLOCK_SIZE[6] = {32, 32, 32, 256, 256, 256};
-static const int TYPE_SIZE[6] = {34, 18, 20, 144, 176, 210};
+/* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
+ * gives them their row layout, 6-8, at load); 3-5 the K-quants */
+static const int BLOCK_SIZE[9] = {32, 32, 32, 256, 256, 256, 32, 32, 32};
+static const int TYPE_SIZE[9] = {34, 18, 20, 144, 176, 210, 34, 18, 20};
 
 /* Which integer dot product this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
 int quant_kernel_path(void) { return QK_PATH; }
@@ -91,79 +93,20 @@ static inline float hsum8(__m256 v) {
 
 #include "quant_kernel_act.h"
 
-#if QK_PATH > 0
-/* One block of the int8 path for rows r0 .. r0 + mr - 1: acc += dx * s * (q . xq), add += dx * add * sum(xq). */
-static inline __attribute__((always_inline)) void int8_block(int type, const uint8_t *row, int64_t b, const qx_t *qx,
-                                                             int64_t r0, int mr, int two, __m256 *acc, float *add) {
-    const int is_signed = type == 0 || type == 1 || type == 5;
-    const int64_t nb_row = qx->nb;
-    blockinfo bi;
-    const uint8_t *p = block_info(type, row, b, &bi);
-    const __m256i q = unpack_vec(type, p, b);
-    /* one scale for the whole block but in Q6_K: then a broadcast of s * dx is all a row needs */
-    const __m256 s = type == 5 ? _mm256_setr_m128(_mm_set1_ps(bi.s0), _mm_set1_ps(bi.s1)) : _mm256_setzero_ps();
-    for (int m = 0; m < MR; m++) {
-        if (m >= mr) break;
-        const int64_t at = (r0 + m) * nb_row + b;
-        const __m256 d = _mm256_cvtepi32_ps(dotq(q, qx->xq, qx->xq2, at, is_signed, two));
-        const __m256 sd = type == 5 ? _mm256_mul_ps(s, _mm256_set1_ps(qx->dx[at])) : _mm256_set1_ps(bi.s0 * qx->dx[at]);
-        acc[m] = _mm256_fmadd_ps(d, sd, acc[m]);
-        if (!is_signed) add[m] += bi.add * qx->dxs[at];
-    }
-}
-
-#endif
-
 #include "quant_kernel_ksuper.h"
+#include "quant_kernel_rows.h"
 
-/* out[i] = sum over the row's blocks for rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` and `two`
- * are constants after inlining, so each format gets its own loop. */
+/* out[i] = the row's dot product with rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` and `two` are
+ * constants after inlining, so each format gets its own loop. */
 static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *row, int64_t k, const qx_t *qx,
                                                           int64_t r0, int mr, int two, const uint8_t *ahead, float *out) {
-    const int64_t nb = k / 32;
-    if (type >= 3) {
 #if QK_PATH > 0
-        kq_row_dot(type, row, k, qx, r0, mr, two, ahead, out);
+    if (type >= 6) rows_row_dot(type, row, k, qx, r0, mr, two, ahead, out);
+    else kq_row_dot(type, row, k, qx, r0, mr, two, ahead, out);
 #else
-        kq_row_dot_scalar(type, row, k, qx, r0, mr, two, out);
-#endif
-        return;
-    }
-#if QK_PATH > 0
-    /* Two accumulators per row, blocks alternating between them: one chain of dependent FMAs per row
-     * would hold the loop to its latency (4 cycles a block). */
-    __m256 acc0[MR], acc1[MR];
-    float add0[MR], add1[MR];
-    for (int m = 0; m < MR; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), add0[m] = add1[m] = 0.0f;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        int8_block(type, row, b, qx, r0, mr, two, acc0, add0);
-        int8_block(type, row, b + 1, qx, r0, mr, two, acc1, add1);
-    }
-    if (b < nb) int8_block(type, row, b, qx, r0, mr, two, acc0, add0);
-    for (int m = 0; m < mr; m++) out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m])) + (add0[m] + add1[m]);
-#else
-    const int is_signed = type == 0 || type == 1 || type == 5, has_add = !is_signed;
-    float acc[MR] = {0}, add[MR] = {0};
-    for (int64_t b = 0; b < nb; b++) {
-        blockinfo bi;
-        int8_t q[32];
-        const uint8_t *p = block_info(type, row, b, &bi);
-        unpack_scalar(type, p, b, q);
-        for (int m = 0; m < mr; m++) {
-            const int64_t at = (r0 + m) * nb + b;
-            const int8_t *x = qx->xq + at * 32, *x2 = two ? qx->xq2 + at * 32 : NULL;
-            int32_t lo = 0, hi = 0;
-            for (int i = 0; i < 16; i++) {
-                /* unsigned formats hold 0..31 / 0..15 in the byte: read them unsigned */
-                const int32_t a = is_signed ? q[i] : (uint8_t)q[i], c = is_signed ? q[i + 16] : (uint8_t)q[i + 16];
-                lo += a * (two ? 256 * x[i] + x2[i] : x[i]), hi += c * (two ? 256 * x[i + 16] + x2[i + 16] : x[i + 16]);
-            }
-            acc[m] += qx->dx[at] * (bi.s0 * (float)lo + bi.s1 * (float)hi);
-            if (has_add) add[m] += bi.add * qx->dxs[at];
-        }
-    }
-    for (int m = 0; m < mr; m++) out[m] = acc[m] + add[m];
+    (void)ahead;
+    if (type >= 6) rows_row_dot_scalar(type, row, k, qx, r0, mr, two, out);
+    else kq_row_dot_scalar(type, row, k, qx, r0, mr, two, out);
 #endif
 }
 
@@ -177,8 +120,6 @@ static inline __attribute__((always_inline)) void rows_pass(int type, const uint
         /* a step streams each weight once from memory: ask for rows PREFETCH_ROWS ahead (the hardware
          * prefetcher alone left a single thread at about half the read bandwidth on the LM head) */
         const uint8_t *ahead = r0 == 0 ? w + (n + PREFETCH_ROWS) * row_bytes : NULL;
-        if (ahead != NULL && type < 3)
-            for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(ahead + at, 0, 0);
         row_dot(type, w + n * row_bytes, k, qx, r0, mr, two, ahead, out);
         for (int i = 0; i < mr; i++) acc[(r0 + i) * N_CHUNK + (n - n0)] = out[i];
     }
@@ -211,7 +152,7 @@ static inline __attribute__((always_inline)) void chunk_rows(int type, const uin
 /* Whether w = {address, n, k, type} is a weight this kernel multiplies. */
 static int weight_ok(const int64_t *w) {
     const int type = (int)w[3];
-    return type >= 0 && type <= 5 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
+    return type >= 3 && type <= 8 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
 }
 
 /* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias, x from qx (acc: [m][N_CHUNK] scratch). */
@@ -223,12 +164,12 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
     const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
     const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
     switch (type) {
-    case 0: chunk_rows(0, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    case 1: chunk_rows(1, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    case 2: chunk_rows(2, wp, row_bytes, n0, n1, k, qx, m, acc); break;
     case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, qx, m, acc); break;
     case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    default: chunk_rows(5, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 5: chunk_rows(5, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 6: chunk_rows(6, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 7: chunk_rows(7, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    default: chunk_rows(8, wp, row_bytes, n0, n1, k, qx, m, acc); break;
     }
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = n0; j < n1; j++) {
@@ -250,7 +191,7 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
     int need32 = 0, need256 = 0;
     int64_t num_chunks = 0;
     for (int64_t p = 0; p < parts; p++) {
-        if (w[4 * p + 3] >= 3) need256 = 1;
+        if (w[4 * p + 3] <= 5) need256 = 1;
         else need32 = 1;
         num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
     }

@@ -2,7 +2,8 @@
  * in the two granularities the formats read them in, and the scratch that holds them.
  *
  * Per 32 values (Q8_0, Q4_0, Q4_1, whose weight scales are per 32 too): q = round(v / d), d = amax /
- * 127, as llama.cpp's q8_0; dxs = d * sum(q) carries Q4_1's min term.
+ * 127, as llama.cpp's q8_0; dxs = d * sum(q) carries Q4_1's min term; the bytes permuted pair by pair
+ * as the row layouts read them (quant_kernel_rows.h).
  * Per 256 values (the K-quants, llama.cpp's q8_K): one d per super-block, so a super-block's integer
  * dot products, each sub-block's times its small integer weight scale, add up in int32 to its end and
  * take one float multiply there; `bs` holds the sums of q per 16 values, which the K-quants' min and
@@ -57,14 +58,33 @@ static inline int32_t quantize_group(const void *x, int64_t at, int x_bf16, int6
     return total;
 }
 
-/* Row r of x (k values) per 32: xq (xq2), dx, dxs of that row. */
+/* The bytes of a pair of quantized blocks [b 0-31, b+1 0-31] in the row layouts' order: b 0-15,
+ * b+1 0-15, b 16-31, b+1 16-31 (quant_kernel_rows.h reads a pair's weights so). */
+static inline void pair_order(const int8_t *t, int8_t *out) {
+    memcpy(out, t, 16), memcpy(out + 16, t + 32, 16), memcpy(out + 32, t + 16, 16), memcpy(out + 48, t + 48, 16);
+}
+
+/* Row r of x (k values) per 32: xq (xq2) permuted pair by pair as the row layouts read it (an odd row's
+ * last block in order), dx and dxs of that row in block order. */
 static void quantize_row32(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t k, int8_t *xq, int8_t *xq2,
                            float *dx, float *dxs) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        float d;
-        const int32_t sum = quantize_group(x, r * ldx + b * 32, x_bf16, 32, xq + b * 32,
-                                           xq2 == NULL ? NULL : xq2 + b * 32, &d, NULL, NULL);
-        dx[b] = xq2 != NULL ? d / 256.0f : d, dxs[b] = dx[b] * (float)sum;
+    const int64_t nb = k / 32;
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int64_t count = b + 1 < nb ? 2 : 1;
+        int8_t t[64], t2[64];
+        for (int64_t h = 0; h < count; h++) {
+            float d;
+            const int32_t sum = quantize_group(x, r * ldx + (b + h) * 32, x_bf16, 32, t + 32 * h,
+                                               xq2 == NULL ? NULL : t2 + 32 * h, &d, NULL, NULL);
+            dx[b + h] = xq2 != NULL ? d / 256.0f : d, dxs[b + h] = dx[b + h] * (float)sum;
+        }
+        if (count == 1) {
+            memcpy(xq + b * 32, t, 32);
+            if (xq2 != NULL) memcpy(xq2 + b * 32, t2, 32);
+        } else {
+            pair_order(t, xq + b * 32);
+            if (xq2 != NULL) pair_order(t2, xq2 + b * 32);
+        }
     }
 }
 

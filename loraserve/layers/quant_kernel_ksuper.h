@@ -157,8 +157,8 @@ static inline void kq_row_dot_scalar(int type, const uint8_t *row, int64_t k, co
         for (int64_t b = 0; b < k / 32; b++) {
             blockinfo bi;
             int8_t q[32];
-            const uint8_t *p = block_info(type, row, b, &bi);
-            unpack_scalar(type, p, b, q);
+            block_info(type, row, k / 32, b, &bi);
+            unpack_scalar(type, row, k / 32, b, q);
             const int64_t at = r * k + b * 32, ks = r * (k / 256) + b / 8;
             int32_t lo = 0, hi = 0;
             for (int i = 0; i < 16; i++) {

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from loraserve import envs
-from loraserve.layers.quant.formats import QuantTensor
+from loraserve.layers.quant.formats import QuantTensor, repack_rows
 from loraserve.model_loader import gguf_quantized, mistral
 
 logger = logging.getLogger(__name__)
@@ -205,4 +205,5 @@ def _quantized(
     """The tensors `quantized.json` names as QuantTensors (a GGUF folder's kept-quantized weights)."""
     for name, tensor in weights:
         entry = index.get(name)
-        yield name, tensor if entry is None else gguf_quantized.as_quant_tensor(tensor, entry)
+        # in the kernels' row layout at once: a tied LM head and the embedding share one tensor
+        yield name, tensor if entry is None else repack_rows(gguf_quantized.as_quant_tensor(tensor, entry))

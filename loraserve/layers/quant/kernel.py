@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from loraserve import envs
-from loraserve.layers.quant.formats import QuantTensor
+from loraserve.layers.quant.formats import QuantTensor, repack_rows
 from loraserve.native.build import function_address, load_library
 
 # At most this many rows take the integer path. Measured (1 thread, a 3072 x 576 weight, AVX512-VNNI
@@ -135,8 +135,10 @@ def stack_binding(parts: list[QuantWeight | None], dtype: torch.dtype) -> tuple[
 
 
 def prepare(tensor: QuantTensor, act_levels: int | None = None) -> QuantWeight:
-    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU); `act_levels` None takes
-    LORASERVE_CPU_QUANT_ACT_LEVELS (default 1)."""
+    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU; Q8_0 / Q4_0 / Q4_1 in their
+    row layout, `formats.repack_rows`); `act_levels` None takes LORASERVE_CPU_QUANT_ACT_LEVELS
+    (default 1)."""
+    tensor = repack_rows(tensor)  # the loaders repack already (an embedding shares the head's bytes)
     blocks = tensor.blocks.contiguous().cpu()
     levels = envs.cpu_quant_act_levels() if act_levels is None else act_levels
     if levels not in (1, 2):

@@ -43,8 +43,9 @@ ROWS_OUT = [
 
 
 def _in_features(name: str) -> list[int]:
-    """K-quants take multiples of 256; the 32-blocks odd multiples of 32 too."""
-    return [256, 512] if QUANT_TYPES[name].block_size == 256 else [32, 96, 544]
+    """K-quants take multiples of 256; the 32-blocks odd multiples of 32 too, and rows whose blocks end
+    in a group of 8, a pair or one block (576: SmolLM2's width, 2 groups of 8 and a pair)."""
+    return [256, 512] if QUANT_TYPES[name].block_size == 256 else [32, 96, 544, 576]
 
 
 @pytest.fixture(params=list(BUILDS))
