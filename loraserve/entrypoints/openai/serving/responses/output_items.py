@@ -17,15 +17,25 @@ from typing import Any
 from loraserve.entrypoints.openai.serving.responses.events import EventWriter
 from loraserve.entrypoints.openai.serving.responses.protocol import new_id
 from loraserve.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
+from loraserve.entrypoints.openai.tool_parsers.json_scan import escaped_controls
 from loraserve.entrypoints.openai.tool_parsers.streaming import StreamDelta, ToolCallStream
 
 
 class OutputAssembler:
     """One response's output items; with an `EventWriter`, the stream's events for them."""
 
-    def __init__(self, parser: ToolParser | None, max_calls: int | None, events: EventWriter | None) -> None:
+    def __init__(
+        self,
+        parser: ToolParser | None,
+        max_calls: int | None,
+        events: EventWriter | None,
+        json_text: bool = False,
+    ) -> None:
         self.calls = ToolCallStream(parser, lambda: new_id("call"), max_calls) if parser is not None else None
         self.events = events
+        # A JSON text format: control characters a grammar let into strings are escaped, so that strict
+        # parsers (`responses.parse`, the Agents SDK's output types) read the text.
+        self.json_text = json_text
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written
         self._call_items: dict[int, dict[str, Any]] = {}  # the parser's call index -> its item
@@ -38,6 +48,8 @@ class OutputAssembler:
 
     def update(self, text: str, final: bool) -> list[str]:
         """Read `text` (the whole output so far); the events for what it adds."""
+        if self.json_text:
+            text = escaped_controls(text)
         if self.calls is not None:
             deltas = self.calls.update(text, final)
         else:

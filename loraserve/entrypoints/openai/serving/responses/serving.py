@@ -105,7 +105,8 @@ class OpenAIServingResponses:
         return DeletedResponse(id=response_id)
 
     def _assembler(self, job: ChatJob, events: EventWriter | None) -> OutputAssembler:
-        return OutputAssembler(job.tools.parser(self.chat.tokenizer), job.tools.max_calls, events)
+        json_text = job.request.response_format is not None  # text.format json_schema / json_object
+        return OutputAssembler(job.tools.parser(self.chat.tokenizer), job.tools.max_calls, events, json_text)
 
     def _outputs(self, job: ChatJob) -> Any:
         return self.chat.generate([job.prompt], job.lora_request, job.model_name)
