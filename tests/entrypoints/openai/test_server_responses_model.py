@@ -9,6 +9,7 @@ non-streamed object. A function-tool round trip (the call, then its output throu
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,13 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
         "required": ["city", "rain"], "additionalProperties": False}  # fmt: skip
 JSON_FORMAT = {"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}}
 MODELS = ("tiny", "sql", "sql=0.5,mlp=0.5")
+# OpenAI's event order: a message item (its part, text deltas, done events) or a function call item
+# (argument deltas, done events), between the lifecycle events.
+_MESSAGE = r"output_item\.added content_part\.added( output_text\.delta)* output_text\.done content_part\.done output_item\.done"
+_CALL = (
+    r"output_item\.added( function_call_arguments\.delta)* function_call_arguments\.done output_item\.done"
+)
+_EVENTS = rf"created in_progress( ({_MESSAGE}|{_CALL}))+ (completed|incomplete)"
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +105,7 @@ async def _respond(client: openai.AsyncOpenAI, stream: bool, **body: Any) -> dic
             seen[-1].response if seen[-1].type == "response.incomplete" else await events.get_final_response()
         )
     assert [event.sequence_number for event in seen] == list(range(len(seen)))
+    assert re.fullmatch(_EVENTS, " ".join(event.type.removeprefix("response.") for event in seen)), seen
     return _shape(final)
 
 
@@ -176,6 +185,9 @@ def test_a_function_tool_round_trip_answers_as_chat_does(server: RunningServer) 
         answer = await client.responses.create(**follow)
         assert answer.previous_response_id == call.id
         streamed = await _respond(client, True, **follow)
+        again = await client.responses.create(**follow)  # the same prompt: its whole blocks are cached
+        cached = again.usage.input_tokens_details.cached_tokens
+        assert cached == (again.usage.input_tokens - 1) // 16 * 16 > 0, again.usage
         chat = await client.chat.completions.create(
             model="sql",
             messages=[
