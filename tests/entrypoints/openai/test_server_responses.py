@@ -56,7 +56,11 @@ def _client(server: RunningServer) -> openai.OpenAI:
 
 def _shape(response: Any) -> dict[str, Any]:
     """A response without what differs between two runs of it (ids, times)."""
-    data = response if isinstance(response, dict) else response.model_dump(mode="json", exclude_none=True, by_alias=True)
+    data = (
+        response
+        if isinstance(response, dict)
+        else response.model_dump(mode="json", exclude_none=True, by_alias=True)
+    )
     drop = {"id", "created_at", "completed_at"}
     out = {k: v for k, v in data.items() if k not in drop}
     out["output"] = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in data["output"]]
