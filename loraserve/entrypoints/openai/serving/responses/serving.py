@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from http import HTTPStatus
 from typing import Any
@@ -111,19 +111,31 @@ class OpenAIServingResponses:
     def _outputs(self, job: ChatJob) -> Any:
         return self.chat.generate([job.prompt], job.lora_request, job.model_name)
 
-    async def _collect(
-        self, job: ChatJob, response: ResponseObject, conversation: list[dict[str, Any]]
-    ) -> ResponseObject:
+    async def _generate(self, job: ChatJob, started: Callable[[], None] | None = None) -> RequestOutput:
+        """The request's final output; `started` is called at its first."""
         final: RequestOutput | None = None
         async with aclosing(self._outputs(job)) as outputs:
             async for _, output in outputs:
+                if final is None and started is not None:
+                    started()
                 final = output
         assert final is not None, "the engine finished a request without any output"
+        return final
+
+    def _complete(
+        self, job: ChatJob, response: ResponseObject, conversation: list[dict[str, Any]], final: RequestOutput
+    ) -> None:
+        """The finished text read into items at once (what a stream's assembly ends with)."""
         assembler = self._assembler(job, None)
         seq = final.outputs[0]
         assembler.update(seq.text, final=True)
         assembler.finish(seq.finish_reason == "length")
         self._finish(job, response, conversation, final, assembler)
+
+    async def _collect(
+        self, job: ChatJob, response: ResponseObject, conversation: list[dict[str, Any]]
+    ) -> ResponseObject:
+        self._complete(job, response, conversation, await self._generate(job))
         return response
 
     async def _stream(
@@ -174,20 +186,12 @@ class OpenAIServingResponses:
     async def _run_background(
         self, job: ChatJob, response: ResponseObject, conversation: list[dict[str, Any]]
     ) -> None:
+        def started() -> None:
+            response.status = "in_progress"
+            self._update(response, conversation)
+
         try:
-            final: RequestOutput | None = None
-            async with aclosing(self._outputs(job)) as outputs:
-                async for _, output in outputs:
-                    if final is None:
-                        response.status = "in_progress"
-                        self._update(response, conversation)
-                    final = output
-            assert final is not None, "the engine finished a request without any output"
-            assembler = self._assembler(job, None)
-            seq = final.outputs[0]
-            assembler.update(seq.text, final=True)
-            assembler.finish(seq.finish_reason == "length")
-            self._finish(job, response, conversation, final, assembler)
+            self._complete(job, response, conversation, await self._generate(job, started))
         except asyncio.CancelledError:
             response.status = "cancelled"
             self._update(response, conversation)
