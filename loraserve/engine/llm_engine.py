@@ -27,6 +27,7 @@ from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.engine_stats import engine_stats
+from loraserve.engine.iteration_stats import IterationTokens, cache_config_info
 from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
@@ -93,6 +94,8 @@ class LLMEngine:
             config.model, self.tokenizer, self.eos_ids, config.device, self.structured, seq_ids
         )
         self.requests: dict[str, Request] = {}
+        self.iteration_tokens = IterationTokens()  # vllm:iteration_tokens_total
+        self.cache_info = cache_config_info(config.cache, num_blocks)  # vllm:cache_config_info
         self.adapters = EngineAdapters(self.lora, self.requests)  # the adapter API's rules
         self.step_failures = StepFailures(self.requests, self.scheduler, self.outputs, self.lora)
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
@@ -206,6 +209,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        self.iteration_tokens.observe(sum(item.num_new_tokens for item in batch.scheduled))
         try:
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
@@ -317,7 +321,14 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
-        return engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+        return engine_stats(
+            self.scheduler,
+            self.block_manager,
+            self.step_failures.total,
+            self.lora,
+            self.iteration_tokens,
+            self.cache_info,
+        )
 
 
 def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:

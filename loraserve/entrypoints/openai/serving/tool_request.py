@@ -183,7 +183,9 @@ def _past_call(call: dict[str, Any], index: int, j: int) -> dict[str, Any]:
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            # strict=False: the arguments a grammar wrote may hold raw control characters in strings
+            # (xgrammar's JSON string rule admits them), and a client sends them back as they were.
+            arguments = json.loads(arguments, strict=False) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             raise _error(f"{where}.function.arguments is not valid JSON: {exc}", "messages") from exc
     return {**call, "function": {**function, "arguments": arguments}}
