@@ -133,6 +133,19 @@ def http_keep_alive_timeout() -> float:
     return seconds
 
 
+def image_fetch_timeout() -> float:
+    """Seconds an http(s) image URL of a request may take to download, from the request to its last
+    byte (vLLM's IMAGE_FETCH_TIMEOUT, default 5); a slower one is a 400 naming the part."""
+    value = get_env("IMAGE_FETCH_TIMEOUT", "5") or "5"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"LORASERVE_IMAGE_FETCH_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 def replica_stats_timeout() -> float:
     """Seconds the --replicas ingress waits for one replica's engine stats when /metrics is scraped
     (REPLICA_STATS_TIMEOUT, default 1.5); a replica slower than that is left out of the scrape."""

@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
      "outputs", "beam_search"},
     {"native"},  # building and loading the C kernels, huge pages
     {"batch"},  # the per-step batch types
+    {"multimodal"},  # image sources, decoding, the HF processor, the image-embedding cache
     {"layers"},  # model building blocks and their kernels
     {"lora", "plugins"},
     {"models"},

@@ -17,6 +17,21 @@ import torch
 from loraserve.batch.gather_index import GatherIndex, build_gather_index
 
 
+@dataclass(frozen=True, slots=True)
+class BidirectionalSpan:
+    """Query rows [row_start, row_end) of the flat batch, tokens of batch sequence `seq` at positions
+    first_pos, first_pos + 1, ..., that attend to every key position in [key_start, key_end) besides
+    their causal context: the tokens of one image, which see each other both ways (Gemma-3). Every
+    key of the span is in the cache once the step's rows are written."""
+
+    seq: int
+    row_start: int
+    row_end: int
+    first_pos: int
+    key_start: int
+    key_end: int
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step tensors shared by all layers (on the model's device).
@@ -28,6 +43,8 @@ class AttentionMetadata:
     query_starts:   [B + 1] int32 offsets of each sequence's new tokens in the flat batch.
     sliding_window: the model's window (None without one); layers with a window pass it to attention
                     (Mistral: all layers, Qwen2: per `layer_types`).
+    bidirectional:  spans of image tokens that attend to each other both ways (`BidirectionalSpan`);
+                    empty for causal attention everywhere.
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +60,7 @@ class AttentionMetadata:
     max_context_len: int
     _gather: GatherIndex | None = None
     cpu_checked: object = None  # what the CPU kernel's checks of this step's tensors last passed for
+    bidirectional: tuple[BidirectionalSpan, ...] = ()
 
     def gather_index(self) -> GatherIndex:
         """The torch path's gather indices for this step, built on first use."""

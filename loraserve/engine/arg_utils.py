@@ -20,6 +20,7 @@ from loraserve.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
     resolve_device,
@@ -57,7 +58,7 @@ def _known_load_format(load_format: str) -> str | None:
 
 
 @dataclass
-@shares_options(ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig)
+@shares_options(ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, MultiModalConfig)
 class EngineArgs:
     model: str = option(flag="", help="Model folder or Hugging Face repo id.")
     tokenizer: str | None = option(
@@ -262,7 +263,14 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig.from_options(
                 self.structured_outputs_config, self.guided_decoding_backend
             ),
+            multimodal=self._multimodal_config(),
         )
+
+    def _multimodal_config(self) -> MultiModalConfig:
+        values = self._shared(MultiModalConfig)
+        if values["allowed_media_domains"] is not None:
+            values["allowed_media_domains"] = tuple(values["allowed_media_domains"])
+        return MultiModalConfig(**values)
 
     def _model_config(self, device: Any) -> ModelConfig:
         """The resolved model, plus the options that need no resolving (tokenizer, logprobs, defaults)."""

@@ -1,9 +1,11 @@
 """Paged KV-cache block allocation with a prefix cache keyed by token content and adapter identity.
 
 A full block is identified by a chained hash: (hash of the previous block, its token ids, the
-request's cache salt). The salt is the adapter's content digest (None for the base model), so the same
-prompt under two adapters, or under one name with new weights, never shares KV. Blocks whose
-reference count drops to zero stay cached (LRU) until their memory is needed.
+request's cache salt, and the content hash and position of each image whose placeholder tokens it
+holds). The salt is the adapter's content digest (None for the base model), so the same prompt under
+two adapters, or under one name with new weights, never shares KV; the same placeholder tokens with
+another image never do either. Blocks whose reference count drops to zero stay cached (LRU) until
+their memory is needed.
 
 A fresh adapter's digest is still being hashed when its first request is scheduled (the request does
 not wait for it): until it is known, that request's blocks neither reuse the cache nor enter it; they
@@ -36,12 +38,22 @@ def salt_key(salt: CacheSalt | None) -> str | None:
         return None
 
 
-def block_hash(parent: bytes | None, token_ids: Seq[int], salt: str | None) -> bytes:
-    """sha256 over (parent digest, the block's token ids, salt): collisions cannot be crafted."""
+def block_hash(parent: bytes | None, token_ids: Seq[int], salt: str | None, images: bytes = b"") -> bytes:
+    """sha256 over (parent digest, the block's token ids, salt, its images' hashes and positions):
+    collisions cannot be crafted."""
     h = hashlib.sha256(parent or b"root")
     h.update(array("q", token_ids).tobytes())  # fixed width per token, so the encoding is unambiguous
     h.update(b"|" + (salt or "").encode())
+    if images:
+        h.update(b"|images:" + images)
     return h.digest()
+
+
+def _seq_block_hash(seq: Sequence, index: int, block_size: int, parent: bytes | None, salt: str) -> bytes:
+    start, end = index * block_size, (index + 1) * block_size
+    mm = getattr(seq.request, "mm", None)
+    images = mm.block_key(start, end) if mm is not None else b""
+    return block_hash(parent, seq.token_ids[start:end], salt, images)
 
 
 class BlockManager:
@@ -112,7 +124,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent: bytes | None = None
         for i in range(max_blocks):
-            h = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size], salt)
+            h = _seq_block_hash(seq, i, self.block_size, parent, salt)
             block = self.cached.get(h)
             if block is None:
                 break
@@ -140,7 +152,7 @@ class BlockManager:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            h = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size], salt)
+            h = _seq_block_hash(seq, i, self.block_size, parent, salt)
             hashes.append(h)
             block = seq.block_ids[i]
             if h not in self.cached and block not in self.hash_of:

@@ -27,6 +27,7 @@ from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.engine_stats import engine_stats
+from loraserve.engine.image_prompt import image_inputs
 from loraserve.engine.iteration_stats import IterationTokens, cache_config_info
 from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
@@ -58,6 +59,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.model: Any = get_model(config.model, config.device)
         self.lora: LoRAManager | None = _lora_manager(self.model, config)
+        self.architecture = str(getattr(self.model, "architecture_name", type(self.model).__name__))
+        self.mm_processor = _image_processor(self.model, self.architecture, config)
         num_blocks = self._num_kv_blocks()
         spec: KVCacheSpec = cast(Any, self.model).kv_cache_spec()  # (narrowed to nn.Module above)
         self.block_manager = BlockManager(
@@ -81,6 +84,7 @@ class LLMEngine:
             config.lora.max_loras if config.lora else None,
             self.lora,
             self.eos_ids.eos_token_id,
+            config.multimodal.mm_embedding_cache_bytes,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
         self.structured = StructuredOutputs(
@@ -150,7 +154,13 @@ class LLMEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":  # vLLM's text
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
-        text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
+        mm = image_inputs(prompt, self.mm_processor, self.architecture)
+        if mm is None:
+            text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
+        else:
+            text = prompt.get("prompt") if isinstance(prompt, dict) else None
+            prompt_ids = prepare_prompt(mm.prompt_token_ids, self.tokenizer, self.model_config)[1]
+            self._check_image_runs(mm)
         beam, params = self.prep.params(params, len(prompt_ids))
         width = beam.width if beam is not None else params.n
         check_admission(self.config.scheduler, self.scheduler.queue_load(), width, width * len(prompt_ids))
@@ -173,12 +183,24 @@ class LLMEngine:
             group_id=group_id,
             priority=priority,
             beam=beam,
+            mm=mm,
         )
         request.seqs.extend(self.prep.sequences(request, grammar))
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
         return request
+
+    def _check_image_runs(self, mm: Any) -> None:
+        """Images whose tokens attend to each other both ways are computed in one step: each must fit
+        the step's token budget."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        longest = max((end - start for start, end in mm.runs()), default=0)
+        if mm.bidirectional and longest > budget:
+            raise ValueError(
+                f"An image of this prompt takes {longest} tokens, more than max_num_batched_tokens "
+                f"({budget}); its tokens must be computed in one step. Raise --max-num-batched-tokens."
+            )
 
     def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """Raise EngineOverloadedError (or RequestTooLargeError) unless a request of this size fits the
@@ -344,6 +366,30 @@ def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:
             "has no module that can take a LoRA adapter (no linear layer but the vocab projection)."
         )
     return LoRAManager(model, config.lora, config.model.dtype, config.device)
+
+
+def _image_processor(model: Any, architecture: str, config: EngineConfig) -> Any:
+    """The model's processor for prompts with images (None for a text-only model), checked once on a
+    small image so that a broken processor fails at startup, not on the first request."""
+    if not getattr(model, "takes_images", False):
+        return None
+    from PIL import Image
+
+    from loraserve.multimodal.media import MediaLimits
+    from loraserve.multimodal.processor import MultiModalProcessor
+
+    mm_config = config.multimodal
+    processor = MultiModalProcessor(
+        config.model.model_path,
+        config.model.hf_config,
+        architecture,
+        MediaLimits.from_config(mm_config),
+        mm_config.images_per_prompt,
+        dict(mm_config.mm_processor_kwargs or {}),
+        config.model.trust_remote_code,
+    )
+    processor.process(processor.placeholder, [Image.new("RGB", (32, 32), (127, 127, 127))])
+    return processor
 
 
 def _stop_dead_ends(sampled: list[SampledToken], masks: MaskJob | None) -> list[SampledToken]:

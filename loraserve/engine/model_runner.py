@@ -20,6 +20,7 @@ from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.engine.beam_group import beam_candidates
+from loraserve.engine.image_inputs import ImageInputs, StepImages, mrope_positions
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from loraserve.engine.scheduler import ScheduledSeq
 from loraserve.engine.sequence import BeamCandidates, Sequence
@@ -83,6 +84,7 @@ class ModelRunner:
         max_loras: int | None = None,
         lora: LoRAManager | None = None,
         eos_token_id: int | None = None,
+        image_cache_bytes: int = 256 << 20,
     ) -> None:
         self.model = model
         self.max_loras = max_loras
@@ -91,6 +93,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        # A vision-language model's image embeddings, bidirectional image spans and M-RoPE positions.
+        self.images = (
+            ImageInputs(model, image_cache_bytes, lora, max_loras, device)
+            if getattr(model, "takes_images", False)
+            else None
+        )
         self.spec: KVCacheSpec = self.model.kv_cache_spec()
         # The last step's LoRA mapping and the token slots it was built from: decode steps of an
         # unchanged batch reuse it (it is immutable, and its index tensors are only read).
@@ -174,14 +182,21 @@ class ModelRunner:
         attn = build_attention_metadata(
             query_lens, context_lens, block_tables, self.block_size, self.device, self.spec.sliding_window
         )
+        images = self.images.step(scheduled, lora_slots) if self.images is not None else StepImages()
+        for row in images.image_rows:  # their embeddings replace the token's: any id in the vocabulary
+            input_ids[row] = 0
+        attn.bidirectional = images.bidirectional
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            mrope_positions(scheduled, self.device)
+            if getattr(self.model, "uses_mrope", False)
+            else torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
             ForwardBatch(
                 attn=attn,
                 lora=None if lora_slots is None else self._mapping(token_slots, scales),
                 seq_lens=seq_lens,
+                embeds=images.overlay,
             ),
         )
         return self._select_logits(scheduled, hidden, lora_slots)

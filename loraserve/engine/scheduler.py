@@ -174,8 +174,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0:  # a beam whose candidates wait for its group's other beams
+            num_new = _chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if num_new == 0:  # a beam waiting for its group's other beams, or an image the budget cannot hold
                 i += 1
                 continue
             while not self._allocate(seq, num_new, out.block_copies):
@@ -334,8 +334,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill:
                 self._release_prefix(seq)
                 return 0
-            num_new = budget
-        if not self._allocate(seq, num_new):
+            num_new = _chunk(seq, budget)
+        if num_new == 0 or not self._allocate(seq, num_new):
             self._release_prefix(seq)
             return 0
         return num_new
@@ -365,6 +365,16 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         seq.block_ids = []
+
+
+def _chunk(seq: Sequence, num_new: int) -> int:
+    """At most `num_new` of `seq`'s next tokens, ending outside any image whose tokens attend to each
+    other both ways (Gemma-3's: the whole image must be in the cache when its rows are computed)."""
+    mm = getattr(seq.request, "mm", None)
+    if mm is None or not mm.bidirectional:
+        return num_new
+    start = seq.num_computed_tokens
+    return mm.clamp_chunk(start, start + num_new) - start
 
 
 def _append(token: SampledToken) -> None:

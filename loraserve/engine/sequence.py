@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from loraserve.beam_search import BeamSearchParams
     from loraserve.engine.detokenizer import IncrementalDetokenizer
     from loraserve.lora.request import LoRARequest
+    from loraserve.multimodal.inputs import MultiModalInputs
     from loraserve.sampling_params import SamplingParams
     from loraserve.structured_output.grammar_state import GrammarState
 
@@ -201,6 +202,8 @@ class Request:
     priority: int = 0  # lower is served first under scheduling_policy "priority" (vLLM's)
     # A beam search's group state (None: sampling). Its live beams are `seqs`; the scheduler owns both.
     beam: BeamGroup | None = None
+    # A vision-language prompt's images (their encoder inputs, hashes and placeholder positions).
+    mm: MultiModalInputs | None = None
 
     @property
     def turn_key(self) -> str:

@@ -16,6 +16,7 @@ from torch import nn
 
 from loraserve.batch.attention_metadata import AttentionMetadata
 from loraserve.layers import paged_attention_cpu, paged_attention_torch
+from loraserve.layers.bidirectional_attention import attend_spans
 from loraserve.native.optional import triton_module
 
 _TRITON_MODULE = "loraserve.layers.paged_attention_triton"
@@ -78,8 +79,12 @@ class PagedAttention(nn.Module):
             out = paged_attention_cpu.write_and_attend(q_heads, k, v, k_cache, v_cache, meta, self.scale,
                                                        self.softcap, window)
             if out is not None:
+                if meta.bidirectional:
+                    attend_spans(out, q_heads, k_cache, v_cache, meta, self.scale, self.softcap, window)
                 return out.view(num_tokens, self.num_heads * self.head_dim)
         k_cache.index_copy_(0, meta.slot_mapping, k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v_cache.index_copy_(0, meta.slot_mapping, v.view(num_tokens, self.num_kv_heads, self.head_dim))
         out = attend(q_heads, k_cache, v_cache, meta, self.scale, self.softcap, window)
+        if meta.bidirectional:
+            attend_spans(out, q_heads, k_cache, v_cache, meta, self.scale, self.softcap, window)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

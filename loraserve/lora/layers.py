@@ -142,7 +142,7 @@ class LinearWithLoRA(Linear):
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         y = self.base_forward(x)
         if batch is None and self.step_binding is not None:
-            batch = self.step_binding.batch
+            batch = self.step_binding.batch_for(x)
             lora = batch.lora if batch is not None else None
             if lora is not None and x.numel() != lora.num_tokens * self.in_features:
                 # A module run on some of the step's tokens (an MoE expert): the mapping cannot apply.
@@ -174,7 +174,7 @@ def wrap_model_for_lora(model: nn.Module, lora_config: LoRAConfig) -> dict[str, 
     allowed = lora_config.target_modules
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     to_wrap: list[tuple[str, Linear]] = []
-    for name, module in lora_target_modules(model).items():
+    for name, module in lora_target_modules(model, lora_config.enable_tower_connector_lora).items():
         leaf = name.rpartition(".")[2]
         if allowed is not None and leaf not in allowed and not set(packed.get(leaf, ())) & set(allowed):
             continue  # --lora-target-modules leaves it without LoRA (a packed one stays if any part is named)

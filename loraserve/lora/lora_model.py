@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 
 from loraserve.errors import LoRAAdapterError
-from loraserve.lora.adapter_checks import ValueCheck, check_supported, group_keys, layer_weights
+from loraserve.lora.adapter_checks import (
+    ModuleTensors,
+    ValueCheck,
+    check_supported,
+    group_keys,
+    layer_weights,
+)
 from loraserve.lora.checkpoint import AdapterFile, read_adapter_file
 from loraserve.lora.digest import PendingDigest
 from loraserve.lora.expert_checks import expert_weights
@@ -149,7 +155,7 @@ def _build_loras(
     `bound`: the largest |value| of all tensors when the caller has found it in one pass (else each
     tensor is checked on its own)."""
     tensors, vocab_groups = split_vocab_tensors(tensors, targets, name)
-    by_module = group_keys(tensors, name, peft_helper.bias != "none")
+    by_module, original = _model_names(group_keys(tensors, name, peft_helper.bias != "none"), targets, name)
     if not by_module and not vocab_groups:
         raise LoRAAdapterError(f"LoRA adapter '{name}' has no LoRA weights")
     check_supported(by_module, targets, name)
@@ -162,7 +168,9 @@ def _build_loras(
         if targets.takes_lora(experts_name):
             loras[experts_name] = experts
     untargeted = sorted(  # expert tensors are targeted by target_parameters, not by module
-        m for m, p in by_module.items() if p.lora_a is not None and not peft_helper.targets_module(m)
+        original[m]
+        for m, p in by_module.items()
+        if p.lora_a is not None and not peft_helper.targets_module(original[m])
     )
     if untargeted:
         logger.warning(
@@ -181,8 +189,8 @@ def _build_loras(
             skipped.append(module_name.rpartition(".")[2])
             continue
         offsets = base.slice_offsets() if packed_name else [0, base.out_features]
-        weights = layer_weights(
-            module_name, parts, peft_helper, base, offsets[index], offsets[index + 1], name,
+        weights = layer_weights(  # PEFT's rank and alpha patterns match the names it saved
+            original[module_name], parts, peft_helper, base, offsets[index], offsets[index + 1], name,
             value_check,
         )
         if weights.bias is not None and not peft_helper.bias_enabled:
@@ -207,6 +215,32 @@ def _build_loras(
             )
         loras[packed_name] = PackedLoRALayerWeights(packed_name, slices)
     return loras, sum(w.num_bytes for w in loras.values())
+
+
+def _model_names(
+    by_module: dict[str, ModuleTensors], targets: LoRATargets, name: str
+) -> tuple[dict[str, ModuleTensors], dict[str, str]]:
+    """The adapter's modules under the model's names, and each one's name as the adapter saved it.
+    A vision-language model's tower and connector modules are skipped, with a warning, unless they take
+    LoRA here (--enable-tower-connector-lora): vLLM's rule for them."""
+    renamed: dict[str, ModuleTensors] = {}
+    original: dict[str, str] = {}
+    skipped: list[str] = []
+    for module, parts in by_module.items():
+        model_name = targets.model_name(module)
+        if targets.in_tower(model_name) and not targets.tower_lora:
+            skipped.append(module)
+            continue
+        if model_name in renamed:
+            raise LoRAAdapterError(f"LoRA adapter '{name}' has weights for {model_name} under two names")
+        renamed[model_name], original[model_name] = parts, module
+    if skipped:
+        logger.warning(
+            "LoRA adapter '%s': its %d vision tower / connector modules (e.g. %s) are not applied: only the "
+            "language model takes LoRA unless the server runs with --enable-tower-connector-lora",
+            name, len(skipped), sorted(skipped)[0],
+        )
+    return renamed, original
 
 
 def _vocab_to(weights: VocabLoRAWeights, dtype: torch.dtype, device: torch.device | str) -> VocabLoRAWeights:

@@ -57,7 +57,8 @@ class LoRAManager:
         self._lora_dtype = lora_config.lora_dtype or dtype
         self._lock = threading.RLock()
         self._registry = AdapterRegistry()
-        targets = LoRATargets.from_model(model)  # the one look at the model's modules
+        # The one look at the model's modules.
+        targets = LoRATargets.from_model(model, lora_config.enable_tower_connector_lora)
         targets.check_target_modules(lora_config.target_modules)
         wrapped = wrap_model_for_lora(model, lora_config)
         self._slots = SlotTable(wrapped, lora_config.max_loras)
@@ -357,6 +358,12 @@ class LoRAManager:
     def get_adapter(self, lora_id: int) -> LoRAModel | None:
         with self._lock:
             return self._host.peek(lora_id)
+
+    def has_modules_under(self, lora_id: int, prefixes: tuple[str, ...]) -> bool:
+        """Whether a loaded adapter carries weights for a module under one of `prefixes` (a
+        vision-language model's tower and connector: its images are encoded with its terms)."""
+        adapter = self.get_adapter(lora_id)
+        return adapter is not None and any(name.startswith(prefixes) for name in adapter.loras)
 
     def slot_of(self, lora_id: int) -> int | None:
         with self._lock:

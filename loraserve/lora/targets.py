@@ -2,13 +2,19 @@
 (q_proj, k_proj, ...) of the slices of its packed modules (qkv_proj, gate_up_proj), and the experts
 of its MoE layers (`FusedMoE`, which PEFT adapts through `target_parameters`), and, on models that
 offer them (`vocab_lora_modules()`), the vocab modules: the input embedding and the LM head. Built once
-per model (by the manager) and handed to every adapter read."""
+per model (by the manager) and handed to every adapter read.
+
+Vision-language models name their vision tower and connector (`tower_module_prefixes`): their linears
+take LoRA only with --enable-tower-connector-lora; without it an adapter's modules there are skipped
+(vLLM's `_filter_unsupported_mm_module`). Such models also say how an adapter's module names map onto
+theirs (`canonical_module_name`: PEFT saves the names of the model it trained, which transformers
+versions spell differently, e.g. `language_model.model.layers.0...` and `model.language_model.layers.0...`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -37,6 +43,9 @@ class LoRATargets:
     vocab:       full module name -> the input embedding (nn.Embedding, "model.embed_tokens") and the
                  LM head (Linear, "lm_head"), where the model serves adapters on them.
     tied_vocab:  whether the LM head shares the embedding's weight (tie_word_embeddings).
+    tower_prefixes: a vision-language model's vision tower and connector module prefixes.
+    tower_lora:  whether those take LoRA (--enable-tower-connector-lora).
+    canonical:   adapter module name -> the model's (None: the same).
     """
 
     modules: dict[str, Linear]
@@ -46,11 +55,14 @@ class LoRATargets:
     experts: dict[str, FusedMoE] = field(default_factory=dict)
     vocab: dict[str, nn.Module] = field(default_factory=dict)
     tied_vocab: bool = False
+    tower_prefixes: tuple[str, ...] = ()
+    tower_lora: bool = False
+    canonical: Callable[[str], str] | None = None
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> LoRATargets:
+    def from_model(cls, model: nn.Module, tower_lora: bool = False) -> LoRATargets:
         packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
-        modules = lora_target_modules(model)
+        modules = lora_target_modules(model, tower_lora)
         sub_modules: dict[str, tuple[str, int]] = {}
         for name, module in modules.items():
             prefix, _, leaf = name.rpartition(".")
@@ -62,6 +74,7 @@ class LoRATargets:
         experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
         vocab_modules = getattr(model, "vocab_lora_modules", None)
         vocab: dict[str, nn.Module] = vocab_modules() if callable(vocab_modules) else {}
+        canonical = getattr(model, "canonical_module_name", None)
         return cls(
             modules=modules,
             sub_modules=sub_modules,
@@ -69,7 +82,18 @@ class LoRATargets:
             experts=experts,
             vocab=vocab,
             tied_vocab=bool(getattr(model, "tie_word_embeddings", False)),
+            tower_prefixes=tuple(getattr(model, "tower_module_prefixes", ())),
+            tower_lora=tower_lora,
+            canonical=canonical if callable(canonical) else None,
         )
+
+    def model_name(self, module_name: str) -> str:
+        """An adapter's module name as this model names it."""
+        return module_name if self.canonical is None else self.canonical(module_name)
+
+    def in_tower(self, module_name: str) -> bool:
+        """Whether a (model) module name is in the vision tower or connector."""
+        return module_name.startswith(self.tower_prefixes) if self.tower_prefixes else False
 
     def restricted_to(self, module_names: Iterable[str]) -> LoRATargets:
         """These targets with LoRA applied to `module_names` only (the layers actually wrapped)."""
@@ -152,10 +176,14 @@ class LoRATargets:
         return self.modules[packed_name], packed_name, index
 
 
-def lora_target_modules(model: nn.Module) -> dict[str, Linear]:
-    """Every `Linear` of the model that can take LoRA, by full module name."""
+def lora_target_modules(model: nn.Module, tower_lora: bool = False) -> dict[str, Linear]:
+    """Every `Linear` of the model that can take LoRA, by full module name; a vision-language model's
+    tower and connector linears only with `tower_lora`."""
+    tower = () if tower_lora else tuple(getattr(model, "tower_module_prefixes", ()))
     return {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, Linear) and name.rpartition(".")[2] not in UNSUPPORTED_LEAF_NAMES
+        if isinstance(module, Linear)
+        and name.rpartition(".")[2] not in UNSUPPORTED_LEAF_NAMES
+        and not (tower and name.startswith(tower))
     }

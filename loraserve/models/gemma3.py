@@ -1,76 +1,41 @@
-"""Gemma-3 (text) natively: Gemma-2's layers plus per-head q/k norms, two rope bases (the local one for
-the sliding layers) and the 5:1 sliding/global pattern, all in `gemma.GemmaArgs` under version 3.
+"""Gemma-3 natively: the text model (Gemma-2's layers plus per-head q/k norms, two rope bases, the 5:1
+sliding/global pattern, all in `gemma.GemmaArgs` under version 3), and the multimodal model.
 
-`Gemma3ForConditionalGeneration` checkpoints serve their language model only (no image input): the
-text config is `hf_config.get_text_config()`, the text model sits at `model.language_model`, as in
-transformers 5's checkpoints, so its tensors and PEFT adapters trained on the multimodal model find
-their modules by name; older checkpoints' `language_model.model.*` names are mapped onto it, and the
-vision tower and projector are skipped.
+`Gemma3ForConditionalGeneration` takes images: a SigLIP tower, the projector's average pooling, soft
+norm and projection to `mm_tokens_per_image` embeddings per image (transformers' modules), placed over
+the image's `<image_soft_token>`s, after the embedding scale as transformers does. An image's tokens
+attend to each other both ways in the prefill (`bidirectional_images`: the scheduler keeps each image
+in one chunk and the attention adds the image's later tokens to its rows' keys), causally otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from loraserve.batch.forward_batch import ForwardBatch
-from loraserve.models.gemma import GemmaForCausalLM, GemmaModel
+from loraserve.models.gemma import GemmaArgs, GemmaForCausalLM, GemmaModel
+from loraserve.models.vlm import VisionLanguageModel, cat_field
 
 
 class Gemma3ForCausalLM(GemmaForCausalLM):
     version = 3
 
 
-# Transformers before 5 saved the language model as `language_model.model.*` / `language_model.lm_head`.
-_OLD_PREFIXES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = (
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-    "vision_tower.",
-    "multi_modal_projector.",
-)
+class Gemma3ForConditionalGeneration(VisionLanguageModel):
+    hf_vision_class = "Gemma3Model"
+    hf_class = "Gemma3ForConditionalGeneration"
+    bidirectional_images = True
+    compute_logits = GemmaForCausalLM.compute_logits  # the final softcap, where a config sets one
 
+    def _language_model(self, text_config: Any, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+        args = GemmaArgs.from_config(text_config, version=3)
+        return GemmaModel(args, text_config, dtype), args
 
-class _TextOfMultimodal(nn.Module):
-    """The multimodal model's `model`: only its `language_model` is built."""
-
-    def __init__(self, language_model: GemmaModel) -> None:
-        super().__init__()
-        self.language_model = language_model
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        return self.language_model(input_ids, positions, kv_caches, batch)
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The text part of a Gemma-3 multimodal checkpoint."""
-
-    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
-        super().__init__(hf_config, dtype)
-        text_model, lm_head = self.model, self.lm_head
-        del self.model, self.lm_head  # registered again in the checkpoint's order: model, then the head
-        self.model = _TextOfMultimodal(text_model)  # type: ignore[assignment]
-        self.lm_head = lm_head  # (a tied head's weight is named after the embedding, as loading expects)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_text_weights(weights))
-
-
-def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        for old, new in _OLD_PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        yield name, tensor
+    def _encode(self, items: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
+        pixels = cat_field(items, "pixel_values").to(self._vision_dtype())
+        features = self.vision.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+        rows = [int(item["pixel_values"].shape[0]) for item in items]  # pan-and-scan crops: rows of their own
+        return [part.reshape(-1, part.shape[-1]) for part in features.split(rows)]

@@ -210,7 +210,10 @@ class LlamaModel(nn.Module):
             if getattr(self.embed_tokens, "takes_batch", False)
             else self.embed_tokens(input_ids)
         )
-        stacked = self._run_stack(x, positions, kv_caches, batch) if x.is_cpu else None
+        if batch.embeds is not None:  # a vision-language model's image embeddings
+            x = batch.embeds.apply(x)
+        # The C stack runs plain rope: M-RoPE's [3, T] positions take the loop.
+        stacked = self._run_stack(x, positions, kv_caches, batch) if x.is_cpu and positions.dim() == 1 else None
         if stacked is not None:
             return self.norm.add_and_norm(*stacked)[0]
         residual: torch.Tensor | None = None

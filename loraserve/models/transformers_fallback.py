@@ -91,7 +91,7 @@ def _build_hf_model(hf_config: Any, dtype: torch.dtype) -> nn.Module:
     return AutoModelForCausalLM.from_config(hf_config, **kwargs)
 
 
-def _checkpoint_renamer(hf_model: Any, targets: dict[str, torch.Tensor]) -> Callable[[str], str]:
+def checkpoint_renamer(hf_model: Any, targets: dict[str, torch.Tensor]) -> Callable[[str], str]:
     """Checkpoint name -> model name, with transformers' own renamings (e.g. GPT-NeoX embed_out -> lm_head)
     and base-model prefix handling; tensors that transformers would merge or split are refused."""
     try:
@@ -208,7 +208,7 @@ class TransformersForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors by HF name; every parameter (tied ones once) must be provided."""
         targets = self.hf_model.state_dict(keep_vars=True)
-        rename = _checkpoint_renamer(self.hf_model, targets)
+        rename = checkpoint_renamer(self.hf_model, targets)
         loaded: set[int] = set()
         for name, tensor in weights:
             target_name = rename(name)
