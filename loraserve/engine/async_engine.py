@@ -55,6 +55,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.model_config = engine.model_config
         self.tokenizer = engine.tokenizer
+        self.mm_processor = engine.mm_processor  # None unless the model takes images
         self.lora_config = engine.lora_config
         self.scheduler_config = engine.config.scheduler
         self.admission = FairAdmission(self.scheduler_config)

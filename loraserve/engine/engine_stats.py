@@ -31,6 +31,7 @@ def engine_stats(
     lora: LoRAManager | None,
     iteration_tokens: IterationTokens | None = None,
     cache_info: dict[str, str] | None = None,
+    images: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Numbers (gauges; monotonic counters such as `num_step_failures`, `lora_num_loads`,
     `lora_num_load_failures`), `{adapter name: count}` maps (`running_by_adapter`,
@@ -38,7 +39,8 @@ def engine_stats(
     drained by each call). With LoRA: `max_lora` (the number of compute slots) and
     `lora_adapters_loaded` = {"slot": [names], "host": [names]} (`LoRAManager.resident_adapters`).
     vLLM's own: `iteration_tokens` (`IterationTokens.snapshot()`, cumulative) and `cache_config_info`
-    (`iteration_stats.cache_config_info`)."""
+    (`iteration_stats.cache_config_info`). A vision-language model's image counters (`images`:
+    images_received, images_encoded, image_cache_hits / _misses, image_cache_bytes)."""
     running, waiting = scheduler.running, scheduler.waiting
     stats: dict[str, Any] = {
         "num_running": len(running),
@@ -58,6 +60,8 @@ def engine_stats(
         stats["iteration_tokens"] = iteration_tokens.snapshot()
     if cache_info is not None:
         stats["cache_config_info"] = dict(cache_info)
+    if images is not None:
+        stats.update(images)
     if lora is not None:
         stats.update(lora.stats())  # its lists are observations new since the last call
         stats["max_lora"] = lora.lora_config.max_loras

@@ -61,6 +61,7 @@ class LLMEngine:
         self.lora: LoRAManager | None = _lora_manager(self.model, config)
         self.architecture = str(getattr(self.model, "architecture_name", type(self.model).__name__))
         self.mm_processor = _image_processor(self.model, self.architecture, config)
+        self.images_received = 0  # images of the requests added (metrics)
         num_blocks = self._num_kv_blocks()
         spec: KVCacheSpec = cast(Any, self.model).kv_cache_spec()  # (narrowed to nn.Module above)
         self.block_manager = BlockManager(
@@ -161,6 +162,7 @@ class LLMEngine:
             text = prompt.get("prompt") if isinstance(prompt, dict) else None
             prompt_ids = prepare_prompt(mm.prompt_token_ids, self.tokenizer, self.model_config)[1]
             self._check_image_runs(mm)
+            self.images_received += len(mm.images)
         beam, params = self.prep.params(params, len(prompt_ids))
         width = beam.width if beam is not None else params.n
         check_admission(self.config.scheduler, self.scheduler.queue_load(), width, width * len(prompt_ids))
@@ -350,6 +352,7 @@ class LLMEngine:
             self.lora,
             self.iteration_tokens,
             self.cache_info,
+            None if self.runner.images is None else {"images_received": self.images_received, **self.runner.images.stats()},
         )
 
 

@@ -1,5 +1,6 @@
 """The `loraserve` command: `serve` (the OpenAI-compatible server), `demo` (offline generations) and
-`models` (which architectures run natively, which on the transformers backend, where adapters apply).
+`models` (which architectures run natively, which on the transformers backend, which take images, where
+adapters apply).
 
 Imports stay lazy so `loraserve --help` and flag errors answer instantly.
 """
@@ -76,9 +77,10 @@ def _print_models(args: argparse.Namespace) -> int:
             print(json.dumps(dataclasses.asdict(row)))
         return 0
     width = max(len(row.architecture) for row in rows)
-    print(f"{'ARCHITECTURE':<{width}}  {'RUNS':<12}  LORA ADAPTERS ON")
+    print(f"{'ARCHITECTURE':<{width}}  {'RUNS':<12}  {'IMAGES':<6}  LORA ADAPTERS ON")
     for row in rows:
-        print(f"{row.architecture:<{width}}  {row.implementation:<12}  {row.lora}")
+        images = "yes" if row.images else "no"
+        print(f"{row.architecture:<{width}}  {row.implementation:<12}  {images:<6}  {row.lora}")
     if not args.all:
         print("(every other causal LM transformers knows runs on the transformers backend: --all lists them)")
     return 0

@@ -138,18 +138,32 @@ class LLM:
         force calls, as the server's `tool_choice: "required"` does)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
+        processor = self.engine.mm_processor
         prompts: list[PromptInput] = []
         for conversation in conversations:
-            ids = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                chat_template=chat_template,
-                return_dict=False,
-                tools=tools,
+            rendered, urls = _image_messages(conversation)
+            if urls and processor is None:
+                raise ValueError(
+                    f"The model ({self.engine.architecture}) takes text only: these messages hold images, "
+                    "which it cannot read."
+                )
+            template = chat_template
+            if template is None and not getattr(tokenizer, "chat_template", None) and processor is not None:
+                template = getattr(processor.hf, "chat_template", None)  # a VLM's processor holds it
+            kwargs: dict[str, Any] = dict(
+                add_generation_prompt=add_generation_prompt, chat_template=template, tools=tools,
                 **(chat_template_kwargs or {}),
             )
-            prompts.append({"prompt_token_ids": list(ids)})
+            if not urls:
+                ids = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **kwargs)
+                prompts.append({"prompt_token_ids": list(ids)})
+                continue
+            if len(urls) > processor.images_per_prompt:
+                raise ValueError(f"At most {processor.images_per_prompt} image(s) may be provided in one prompt.")
+            images = [load_image_sync(url, processor.limits) for url in urls]
+            text = tokenizer.apply_chat_template(rendered, tokenize=False, **kwargs)
+            mm = processor.process(str(text), images, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": mm.prompt_token_ids, "multi_modal_inputs": mm})
         return self.generate(prompts, sampling_params, lora_request, use_tqdm)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -169,6 +183,42 @@ class LLM:
 
     def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()
+
+
+def _image_messages(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation with each OpenAI `image_url` part as transformers' templates take it
+    ({"type": "image"}), and the parts' URLs in order."""
+    urls: list[str] = []
+    rendered = []
+    for message in conversation:
+        content = message.get("content")
+        if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content
+        ):
+            rendered.append(message)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                value = part.get("image_url")
+                url = value.get("url") if isinstance(value, dict) else value
+                if not isinstance(url, str):
+                    raise ValueError("an image_url part needs {'image_url': {'url': ...}}")
+                urls.append(url)
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        rendered.append({**message, "content": parts})
+    return rendered, urls
+
+
+def load_image_sync(url: str, limits: Any) -> Any:
+    """One image URL (data:, file:// under the allowed path, http(s)) read and decoded, as the server
+    reads them; a `MediaError` (a ValueError) says what is wrong."""
+    from loraserve.multimodal.media import decode_image, fetch_http_sync, read_local_source, url_kind
+
+    data = fetch_http_sync(url, limits) if url_kind(url) == "http" else read_local_source(url, limits)
+    return decode_image(data, limits)
 
 
 def _as_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:

@@ -4,7 +4,8 @@ The table maps the names found in `config.json`'s `architectures` to `(module, c
 imported only when chosen, so resolving (or listing) architectures never imports torch model code.
 Architectures without a native implementation can run through the transformers backend
 (`TransformersForCausalLM`) when transformers itself knows them as causal LMs. `describe()` lists both,
-with what takes adapters (the `loraserve models` command and docs/models.md print it).
+with what takes adapters and what takes images (the `loraserve models` command and docs/models.md
+print it).
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def get_supported_archs() -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class ArchitectureSupport:
-    """One row of `describe()`: how an architecture runs and where its LoRA adapters apply."""
+    """One row of `describe()`: how an architecture runs, where its LoRA adapters apply, and whether
+    its requests may bring images (a vision-language model)."""
 
     architecture: str
     implementation: str  # "native" or "transformers"
     lora: str
+    images: bool = False
 
 
 # Where adapters apply, by implementation (both serve them in mixed batches with PEFT's outputs; an
@@ -84,8 +87,24 @@ _NATIVE_LORA_NOTES = {
     "GPT2LMHeadModel": "c_attn, attn.c_proj, c_fc, mlp.c_proj (Conv1D, fan_in_fan_out)",
     "Phi3ForCausalLM": "qkv_proj, o_proj, gate_up_proj, down_proj as in the checkpoint; adapters on "
     "q/k/v or gate/up apply as slices of the fused layers",
-    "Gemma3ForConditionalGeneration": f"the language model's {NATIVE_LORA} (text only)",
 }
+# Vision-language models: images in; LoRA on the language model, the tower and connector with a flag.
+_VISION_LORA = (
+    f"the language model's {NATIVE_LORA}; the vision tower's and connector's linears with "
+    "--enable-tower-connector-lora"
+)
+VISION_LANGUAGE = frozenset(
+    {
+        "Gemma3ForConditionalGeneration",
+        "LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration",
+        "Idefics3ForConditionalGeneration",
+        "SmolVLMForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+    }
+)
+_NATIVE_LORA_NOTES.update({name: _VISION_LORA for name in VISION_LANGUAGE})
 TRANSFORMERS_LORA = "its nn.Linear and Conv1D modules (not the vocab projection, not MoE experts)"
 
 
@@ -93,7 +112,7 @@ def describe(include_transformers: bool = True) -> list[ArchitectureSupport]:
     """What runs natively, what runs on the transformers backend (every causal LM the installed
     transformers knows that has no native implementation), and where each takes adapters."""
     rows = [
-        ArchitectureSupport(name, "native", _NATIVE_LORA_NOTES.get(name, NATIVE_LORA))
+        ArchitectureSupport(name, "native", _NATIVE_LORA_NOTES.get(name, NATIVE_LORA), name in VISION_LANGUAGE)
         for name in get_supported_archs()
     ]
     if include_transformers:
@@ -105,12 +124,16 @@ def describe(include_transformers: bool = True) -> list[ArchitectureSupport]:
 def describe_markdown() -> str:
     """docs/models.md's table: the native architectures, then a line for the transformers backend
     (whose list follows the installed transformers: `loraserve models --all` prints it)."""
-    lines = ["| Architecture | Runs | LoRA adapters on |", "| --- | --- | --- |"]
-    lines += [f"| `{r.architecture}` | native | {r.lora} |" for r in describe(include_transformers=False)]
+    lines = ["| Architecture | Runs | Images | LoRA adapters on |", "| --- | --- | --- | --- |"]
+    lines += [
+        f"| `{r.architecture}` | native | {'yes' if r.images else 'no'} | {r.lora} |"
+        for r in describe(include_transformers=False)
+    ]
     lines += [
         "",
         "Every other causal LM the installed transformers knows runs on the transformers backend "
-        f"(`loraserve models --all` lists them), adapters on {TRANSFORMERS_LORA}.",
+        f"(`loraserve models --all` lists them, text only), adapters on {TRANSFORMERS_LORA}. "
+        "Images: docs/vision.md.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -90,6 +90,9 @@ class MultiModalProcessor:
         processor_kwargs: dict[str, Any] | None = None,
         trust_remote_code: bool = False,
     ) -> None:
+        # Pickled as its arguments (`__reduce__`): a --replicas ingress builds its own from the same files.
+        self._args = (model_path, hf_config, architecture, limits, images_per_prompt, processor_kwargs,
+                      trust_remote_code)
         self.family: ImageFamily = FAMILIES[architecture]
         self.architecture = architecture
         self.hf_config = hf_config
@@ -100,6 +103,9 @@ class MultiModalProcessor:
         self.feature_id = image_token_id(hf_config)
         self.feature_token = self.hf.tokenizer.convert_ids_to_tokens(self.feature_id)
         self.placeholder: str = self.hf.image_token  # what a prompt holds where an image goes
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (MultiModalProcessor, self._args)
 
     def process(self, text: str, images: list[Image.Image], add_special_tokens: bool = True) -> MultiModalInputs:
         """The prompt's ids with each image's placeholder expanded, and each image's encoder inputs,

@@ -94,6 +94,7 @@ class FakeEngine:
     waiting: dict[str, int] = field(default_factory=dict)  # reported as waiting_by_adapter (adapter -> count)
     admitted_clients: list[str | None] = field(default_factory=list)  # the client id of every admit()
     eos_after: int | None = None  # each sequence "writes eos" (finish_reason "stop") after this many tokens
+    mm_processor: Any = None  # a text-only model: requests with images are refused by name
     _admission: FairAdmission | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

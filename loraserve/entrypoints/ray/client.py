@@ -62,6 +62,7 @@ class ReplicaClient:
         self.lora_config = info.lora_config
         self.scheduler_config = info.scheduler_config
         self.tokenizer = info.tokenizer
+        self.mm_processor = info.mm_processor
         self.dead_error: BaseException | None = None
         self._closed = False
         self._streams: dict[str, Any] = {}  # request id -> its DeploymentResponseGenerator

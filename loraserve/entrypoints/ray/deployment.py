@@ -34,6 +34,7 @@ class ReplicaInfo:
     lora_config: Any
     scheduler_config: Any
     tokenizer: Any
+    mm_processor: Any = None  # a vision-language model's processor (rebuilt from its files when unpickled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,9 @@ class EngineReplica:
 
     async def info(self) -> ReplicaInfo:
         engine = self.engine
-        return ReplicaInfo(engine.model_config, engine.lora_config, engine.scheduler_config, engine.tokenizer)
+        return ReplicaInfo(
+            engine.model_config, engine.lora_config, engine.scheduler_config, engine.tokenizer, engine.mm_processor
+        )
 
     async def generate(
         self,

@@ -32,6 +32,7 @@ _GROUPS = (
     "model",
     "scheduler and cache",
     "LoRA",
+    "multimodal (images)",
     "model loading, tokenizer and sampling defaults",
     "structured outputs",
     "HTTP front end",
@@ -43,7 +44,8 @@ EPILOG = (
     "Environment: LORASERVE_ALLOW_RUNTIME_LORA_UPDATING=true enables /v1/load_lora_adapter, "
     "/v1/unload_lora_adapter and resolver plugins; LORASERVE_PLUGINS filters plugins; "
     "LORASERVE_LORA_RESOLVER_CACHE_DIR and LORASERVE_LORA_RESOLVER_HF_REPO_LIST configure the "
-    "built-in resolvers; LORASERVE_API_KEY is the default --api-key (VLLM_* spellings accepted)."
+    "built-in resolvers; LORASERVE_API_KEY is the default --api-key; LORASERVE_IMAGE_FETCH_TIMEOUT bounds "
+    "an http(s) image's download in seconds (default 5) (VLLM_* spellings accepted)."
 )
 
 

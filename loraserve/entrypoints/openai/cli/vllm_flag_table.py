@@ -49,7 +49,8 @@ def _among(*values: str) -> Callable[[Any], bool]:
 _ONE = _number(lambda v: v == 1)
 _ZERO = _number(lambda v: v == 0)
 _ONE_DEVICE = "loraserve runs the whole model on one device (CPU or one GPU); 1 is the only size"
-_NO_MULTIMODAL = "loraserve serves text-only models, so multimodal settings have nothing to act on"
+_NO_MULTIMODAL = "loraserve serves images only (no video, audio or embedding inputs); this setting has nothing to act on"
+_MM_CACHE = "processed images are not cached; image embeddings are, by content hash (--mm-embedding-cache)"
 _NO_MOE_PARALLEL = "expert parallelism and load balancing need several devices; loraserve uses one"
 _NO_CUDA_GRAPHS = "loraserve runs eagerly and captures no CUDA graphs"
 _NO_TOOLS = "tool servers (MCP, built-in tools of the Responses API) are not supported"
@@ -111,8 +112,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--runner", "loraserve runs generative models only", harmless=_among("auto", "generate")),
     notice("--convert", "loraserve converts no model into a pooling model", harmless=_among("auto", "none")),
     notice("--task", "loraserve runs text generation only", harmless=_among("auto", "generate")),
-    notice("--allowed-local-media-path", _NO_MULTIMODAL),
-    notice("--allowed-media-domains", _NO_MULTIMODAL, "values"),
     refused(
         "--code-revision", "remote code comes from --revision; a separate code revision is not supported"
     ),
@@ -176,7 +175,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--disable-custom-all-reduce", "one device: there is no all-reduce", "bool"),
     refused("--worker-cls", "the model runs in the engine's own process, with no worker class"),
     refused("--worker-extension-cls", "the model runs in the engine's own process, with no worker class"),
-    notice("--enable-multimodal-encoder-data-parallel", _NO_MULTIMODAL, "flag"),
+    notice("--enable-multimodal-encoder-data-parallel", "one device: the vision tower is not sharded", "flag"),
     # ---- CacheConfig -------------------------------------------------------------------------------
     notice(
         "--gpu-memory-utilization",
@@ -199,16 +198,14 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--mamba-ssm-cache-dtype", "Mamba models are not supported"),
     notice("--mamba-block-size", "Mamba models are not supported"),
     # ---- MultiModalConfig --------------------------------------------------------------------------
-    notice("--limit-mm-per-prompt", _NO_MULTIMODAL),
     notice("--enable-mm-embeds", _NO_MULTIMODAL, "bool"),
-    notice("--media-io-kwargs", _NO_MULTIMODAL),
-    notice("--mm-processor-kwargs", _NO_MULTIMODAL),
-    notice("--mm-processor-cache-gb", _NO_MULTIMODAL),
-    notice("--disable-mm-preprocessor-cache", _NO_MULTIMODAL, "flag"),
-    notice("--mm-processor-cache-type", _NO_MULTIMODAL),
-    notice("--mm-shm-cache-max-object-size-mb", _NO_MULTIMODAL),
-    notice("--mm-encoder-tp-mode", _NO_MULTIMODAL),
-    notice("--mm-encoder-attn-backend", _NO_MULTIMODAL),
+    notice("--media-io-kwargs", "images are decoded by PIL with loraserve's own limits (--max-image-pixels)"),
+    notice("--mm-processor-cache-gb", _MM_CACHE),
+    notice("--disable-mm-preprocessor-cache", _MM_CACHE, "flag"),
+    notice("--mm-processor-cache-type", _MM_CACHE),
+    notice("--mm-shm-cache-max-object-size-mb", _MM_CACHE),
+    notice("--mm-encoder-tp-mode", "one device: the vision tower is not sharded"),
+    notice("--mm-encoder-attn-backend", "the vision tower runs transformers' attention (SDPA)"),
     notice("--interleave-mm-strings", _NO_MULTIMODAL, "bool"),
     notice("--skip-mm-profiling", _NO_MULTIMODAL, "bool"),
     notice("--video-pruning-rate", _NO_MULTIMODAL),
@@ -217,7 +214,10 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         "--lora-extra-vocab-size", "adapters that add tokens are refused, so no extra vocabulary is reserved"
     ),
     notice("--fully-sharded-loras", "one device: adapters are not sharded", "bool"),
-    notice("--default-mm-loras", _NO_MULTIMODAL),
+    refused(
+        "--default-mm-loras",
+        "per-modality default adapters are not served: name the adapter in each request's model field",
+    ),
     # ---- ObservabilityConfig -----------------------------------------------------------------------
     notice("--show-hidden-metrics-for-version", "/metrics hides no deprecated metrics"),
     refused("--otlp-traces-endpoint", "OpenTelemetry tracing is not supported"),
@@ -227,7 +227,11 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--max-long-partial-prefills", "every prefill that fits the token budget runs in the step"),
     notice("--long-prefill-token-threshold", "every prefill that fits the token budget runs in the step"),
     notice("--num-lookahead-slots", "there is no speculative decoding to reserve slots for"),
-    notice("--disable-chunked-mm-input", _NO_MULTIMODAL, "bool"),
+    notice(
+        "--disable-chunked-mm-input",
+        "images whose tokens attend both ways (Gemma-3) are never split across steps; others may be",
+        "bool",
+    ),
     refused("--scheduler-cls", "the scheduler cannot be replaced"),
     notice("--disable-hybrid-kv-cache-manager", "there is one KV-cache manager", "bool"),
     notice("--async-scheduling", "steps are scheduled synchronously", "bool"),

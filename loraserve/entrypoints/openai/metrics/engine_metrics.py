@@ -31,7 +31,13 @@ _RENAMED = {
     "waiting_by_adapter": "num_requests_waiting_by_lora",
 }
 # Engine stats keys that only ever grow: exported as counters, so rate() and alerts work on them.
-_COUNTERS = {"num_step_failures": "Engine steps that raised; their requests failed, the engine went on."}
+_COUNTERS = {
+    "num_step_failures": "Engine steps that raised; their requests failed, the engine went on.",
+    "images_received": "Images in the requests a vision-language model accepted.",
+    "images_encoded": "Images run through the vision tower (not found in the image-embedding cache).",
+    "image_cache_hits": "Image embeddings found in the cache by content hash (and tower adapter).",
+    "image_cache_misses": "Image embeddings not in the cache when a step needed them.",
+}
 
 
 def metric_name(key: str) -> str:

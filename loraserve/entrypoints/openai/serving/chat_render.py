@@ -21,8 +21,13 @@ def render_chat(
     request: ChatCompletionRequest,
     tools: list[dict[str, Any]] | None,
     trust_request_chat_template: bool,
+    images: bool = False,
+    fallback_template: str | None = None,
 ) -> str:
-    """The prompt text from the tokenizer's chat template; 400 for messages the template refuses."""
+    """The prompt text from the tokenizer's chat template; 400 for messages the template refuses.
+    `images`: the messages hold image parts (checked already), each rendered as the template's image
+    placeholder. `fallback_template`: the template used where the tokenizer has none (a
+    vision-language model's processor often holds it)."""
     kwargs = dict(request.chat_template_kwargs or {})
     if tools is not None:  # transformers' `tools`: the template lists them
         kwargs["tools"] = tools
@@ -40,6 +45,8 @@ def render_chat(
             HTTPStatus.BAD_REQUEST,
             "chat_template",
         )
+    if not kwargs.get("chat_template") and not getattr(tokenizer, "chat_template", None) and fallback_template:
+        kwargs["chat_template"] = fallback_template  # a vision-language model's processor's template
     if not kwargs.get("chat_template") and not getattr(tokenizer, "chat_template", None):
         raise APIError(
             "The model's tokenizer has no chat template, so chat completions are unavailable; "
@@ -51,7 +58,8 @@ def render_chat(
     own = getattr(tokenizer, "chat_template", None)
     templates = [*templates_of(kwargs.get("chat_template")), *templates_of(own)]
     check_roles([m.role for m in request.messages], allowed_roles(templates))
-    messages = [template_message(m, i, message_text(m.content, i)) for i, m in enumerate(request.messages)]
+    content = template_content if images else message_text
+    messages = [template_message(m, i, content(m.content, i)) for i, m in enumerate(request.messages)]
     try:
         rendered = tokenizer.apply_chat_template(
             messages,
@@ -80,3 +88,26 @@ def message_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
             )
         parts.append(part["text"])
     return "".join(parts)
+
+
+def template_content(content: str | list[dict[str, Any]] | None, index: int) -> str | list[dict[str, Any]]:
+    """A message's content for a vision-language chat template: its text, or, when it has images, its
+    parts in order as transformers' templates take them ({"type": "text", "text"}, {"type": "image"})."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return message_text(content, index)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise APIError(
+                f"messages[{index}].content[{j}]: only text and image_url parts are supported, got type {kind!r}.",
+                HTTPStatus.BAD_REQUEST,
+                f"messages[{index}].content[{j}]",
+            )
+    return parts

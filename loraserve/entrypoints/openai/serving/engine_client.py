@@ -52,6 +52,9 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Any: ...
 
     @property
+    def mm_processor(self) -> Any: ...  # a `MultiModalProcessor` where the model takes images, else None
+
+    @property
     def errored(self) -> bool: ...
 
     @property
@@ -75,7 +78,8 @@ class EngineClient(Protocol):
         """Cumulative outputs of one request until it finishes; closing the iterator aborts it.
         Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one;
         `priority` orders them under scheduling_policy "priority". `prompt` may be a dict
-        {"prompt_token_ids": ids, "cache_salt": salt} (vLLM's per-request prefix-cache salt)."""
+        {"prompt_token_ids": ids, "cache_salt": salt} (vLLM's per-request prefix-cache salt), with
+        "multi_modal_inputs" (the `mm_processor`'s output) for a prompt with images."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

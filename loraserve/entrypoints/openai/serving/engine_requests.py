@@ -41,12 +41,18 @@ class EnginePrompt:
     sampling_params: SamplingParams | BeamSearchParams  # BeamSearchParams: use_beam_search
     priority: int = 0  # vLLM's, with --scheduling-policy priority
     cache_salt: str | None = None  # vLLM's: this request's prefix-cache blocks are keyed by it too
+    mm: Any = None  # a prompt with images: the processor's `MultiModalInputs` (prompt_ids are its ids)
 
     def engine_input(self) -> list[int] | dict[str, Any]:
-        """The prompt as the engine takes it: a dict when it carries a cache salt (vLLM's form)."""
-        if self.cache_salt is None:
+        """The prompt as the engine takes it: a dict when it carries a cache salt (vLLM's form) or images."""
+        if self.cache_salt is None and self.mm is None:
             return self.prompt_ids
-        return {"prompt_token_ids": self.prompt_ids, "cache_salt": self.cache_salt}
+        prompt: dict[str, Any] = {"prompt_token_ids": self.prompt_ids}
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        if self.mm is not None:
+            prompt["multi_modal_inputs"] = self.mm
+        return prompt
 
 
 @dataclass(slots=True)

@@ -363,6 +363,9 @@ class ModelCard(OpenAIBaseModel):
     max_model_len: int | None = None
     digest: str | None = None  # an adapter version's content digest (sha256 hex)
     version: str | None = None  # its label, when the load request gave one
+    # What a request may send it: ["text"], or ["text", "image"] for a vision-language model (its
+    # adapters too).
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(OpenAIBaseModel):

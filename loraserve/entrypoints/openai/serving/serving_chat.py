@@ -17,6 +17,7 @@ from typing import Any
 from loraserve.beam_search import BeamSearchParams
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
 from loraserve.entrypoints.openai.serving.beam_request import num_choices
+from loraserve.entrypoints.openai.serving.chat_images import check_image_parts, image_parts, load_images
 from loraserve.entrypoints.openai.serving.chat_render import message_text, render_chat
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError
@@ -114,9 +115,23 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         plan = tool_plan(request, self.tool_settings)
         model_name, lora_request = await self.resolve_model(request)
-        text = await self.in_tokenizer_thread(self._render, request, plan.template_tools)
-        prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
-        prompt_ids = truncate_prompt(prompt_ids, request, self.max_model_len)
+        parts = image_parts(request.messages)
+        check_image_parts(parts, self.mm_processor, model_name)
+        images = await load_images(parts, self.mm_processor.limits, self.in_tokenizer_thread) if parts else []
+        text = await self.in_tokenizer_thread(self._render, request, plan.template_tools, bool(images))
+        mm = None
+        if images:
+            mm = await self.process_images(text, images, "messages")
+            prompt_ids = mm.prompt_token_ids
+            if request.truncate_prompt_tokens is not None:
+                raise APIError(
+                    "truncate_prompt_tokens cannot cut a prompt with images (its image tokens would be cut).",
+                    HTTPStatus.BAD_REQUEST,
+                    "truncate_prompt_tokens",
+                )
+        else:
+            prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
+            prompt_ids = truncate_prompt(prompt_ids, request, self.max_model_len)
         requested = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
@@ -140,15 +155,19 @@ class OpenAIServingChat(OpenAIServing):
                 params.skip_special_tokens = False
         request_id = request_id or response_id("chatcmpl", request)
         prompt = EnginePrompt(
-            engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt
+            engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt, mm
         )
         self.check_request_size([prompt])
         return ChatJob(
             request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request), request, plan
         )
 
-    def _render(self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> str:
-        return render_chat(self.tokenizer, request, tools, self.trust_request_chat_template)
+    def _render(
+        self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None, images: bool = False
+    ) -> str:
+        processor = self.mm_processor
+        fallback = getattr(processor.hf, "chat_template", None) if processor is not None else None
+        return render_chat(self.tokenizer, request, tools, self.trust_request_chat_template, images, fallback)
 
     def _echo(self, job: ChatJob) -> str:
         """vLLM's chat `echo`: the last message's text when its role is the reply's, else ""."""

@@ -74,6 +74,20 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         return self.engine.model_config.max_model_len
 
+    @property
+    def mm_processor(self) -> Any:
+        """The model's processor for prompts with images; None for a text-only model."""
+        return getattr(self.engine, "mm_processor", None)
+
+    async def process_images(self, text: str, images: list[Any], param: str) -> Any:
+        """The prompt with its images through the model's processor (off the event loop): the
+        `MultiModalInputs` the engine takes; 400 for a prompt that does not fit its images."""
+        await self.length_guard.check(text, param, self.in_tokenizer_thread)
+        try:
+            return await self.in_tokenizer_thread(self.mm_processor.process, text, images, add_special_tokens=False)
+        except ValueError as exc:
+            raise APIError(str(exc), HTTPStatus.BAD_REQUEST, param) from exc
+
     async def resolve_model(self, request: SamplingRequest) -> tuple[str, LoRARequest | None]:
         """(name to report in responses, adapter or None); 404/400 APIError for unknown or broken names."""
         if self.engine.errored:

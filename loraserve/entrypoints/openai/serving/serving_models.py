@@ -272,13 +272,19 @@ class OpenAIServingModels:
         """GET /v1/models: every served base name, then every adapter's newest version under its
         name, then the older versions held (`listed_adapters`), each with its digest and label."""
         max_model_len = self.engine.model_config.max_model_len
+        modalities = ["text", "image"] if getattr(self.engine, "mm_processor", None) is not None else ["text"]
         cards = [
-            ModelCard(id=path.name, root=path.model_path, max_model_len=max_model_len)
+            ModelCard(id=path.name, root=path.model_path, max_model_len=max_model_len, input_modalities=modalities)
             for path in self.base_model_paths
         ]
         for name, version, lora in self.listed_adapters():
             base = lora.base_model_name
             parent = base if base and self.is_base_model(base) else self.served_model_name
             digest, label = (version.digest, version.label) if version else (None, None)
-            cards.append(ModelCard(id=name, root=lora.lora_path, parent=parent, digest=digest, version=label))
+            cards.append(
+                ModelCard(
+                    id=name, root=lora.lora_path, parent=parent, digest=digest, version=label,
+                    input_modalities=modalities,
+                )
+            )
         return ModelList(data=cards)
