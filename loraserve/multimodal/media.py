@@ -107,10 +107,11 @@ def read_local_file(url: str, limits: MediaLimits) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         raise MediaError("the file:// image URL names no readable file") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # a folder, a FIFO, a device: never read
+        os.close(fd)
+        raise MediaError("the file:// image URL does not name a regular file")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise MediaError("the file:// image URL does not name a regular file")
         if info.st_size > limits.max_image_bytes:
             raise MediaError(f"the image is larger than {limits.max_image_bytes} bytes")
         data = f.read(limits.max_image_bytes + 1)
@@ -190,7 +191,7 @@ def fetch_http_sync(url: str, limits: MediaLimits, timeout: float | None = None)
                         continue
                     _check_response(response, limits)
                     data = bytearray()
-                    for chunk in response.iter_bytes(_CHUNK):
+                    for chunk in response.iter_bytes():  # as the reads come: the deadline between them
                         left()
                         data += chunk
                         if len(data) > limits.max_image_bytes:
