@@ -10,15 +10,15 @@ import base64
 import http.server
 import io
 import os
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from PIL import Image, ImageFile
+
+from support.tiny_vlm import forged_png
 
 from loraserve.multimodal.media import (
     MediaError,
@@ -36,17 +36,6 @@ def png(width: int = 16, height: int = 12, color: tuple[int, int, int] = (200, 1
     buf = io.BytesIO()
     Image.new("RGB", (width, height), color).save(buf, "PNG")
     return buf.getvalue()
-
-
-def forged_png(width: int, height: int) -> bytes:
-    """A PNG whose header declares width x height, with a few bytes of pixel data: what a
-    decompression bomb's header looks like, without the gigabytes."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:

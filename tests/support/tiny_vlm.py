@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from typing import Any
 
 import numpy as np
@@ -212,3 +214,14 @@ def save_tiny_vlm(path: str, arch: str, tokenizer_dir: str, seed: int = 0) -> An
 def random_image(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+
+
+def forged_png(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height, with a few bytes of pixel data: what a
+    decompression bomb's header looks like, without the gigabytes."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
