@@ -23,7 +23,7 @@ from loraserve.batch.forward_batch import EmbedOverlay, UniformSlot
 from loraserve.engine.block_manager import salt_key
 from loraserve.engine.scheduler import ScheduledSeq
 from loraserve.engine.sequence import Sequence
-from loraserve.multimodal.embedding_cache import CacheKey, EmbeddingCache
+from loraserve.multimodal.embedding_cache import EmbeddingCache
 from loraserve.multimodal.inputs import ImageItem
 
 if TYPE_CHECKING:
@@ -41,7 +41,12 @@ class StepImages:
 
 class ImageInputs:
     def __init__(
-        self, model: Any, cache_bytes: int, lora: LoRAManager | None, max_loras: int | None, device: torch.device
+        self,
+        model: Any,
+        cache_bytes: int,
+        lora: LoRAManager | None,
+        max_loras: int | None,
+        device: torch.device,
     ) -> None:
         self.model = model
         self.cache = EmbeddingCache(cache_bytes)
@@ -70,7 +75,7 @@ class ImageInputs:
         embeddings = self._embeddings([(image, seq) for *_, image, seq in wanted], lora_slots)
         rows: list[int] = []
         parts: list[torch.Tensor] = []
-        for (row_offset, start, end, image, seq), values in zip(wanted, embeddings, strict=True):
+        for (row_offset, start, end, image, _), values in zip(wanted, embeddings, strict=True):
             pairs = list(image.rows_in(start, end))
             rows += [row_offset + position - start for position, _ in pairs]
             parts.append(values[[row for _, row in pairs]])
@@ -95,8 +100,8 @@ class ImageInputs:
             if cached is not None:
                 found[key] = cached
             else:
-                group = (-1, 1.0) if tower is None else (tower[0], tower[1])
-                missing.setdefault(group, {})[key] = (image, key_text)
+                slot_scale = (-1, 1.0) if tower is None else (tower[0], tower[1])
+                missing.setdefault(slot_scale, {})[key] = (image, key_text)
         for (slot, scale), group in missing.items():
             uniform = None if slot < 0 else UniformSlot(slot, scale, self.device, self.max_loras)
             items = list(group.values())
@@ -112,7 +117,9 @@ class ImageInputs:
                     self.cache.put((image.content_hash, key_text), values)
         return [found[key] for key in keys]
 
-    def _tower(self, seq: Sequence, lora_slots: dict[int, int] | None) -> tuple[int, float, str | None] | None:
+    def _tower(
+        self, seq: Sequence, lora_slots: dict[int, int] | None
+    ) -> tuple[int, float, str | None] | None:
         """(slot, scale, cache key text) when `seq`'s adapter has tower or connector terms; the key
         text is None while the adapter's digest is unknown (then nothing is cached)."""
         if lora_slots is None or not seq.lora_id or self.lora is None or not self.tower_prefixes:
@@ -138,7 +145,9 @@ def _spans(index: int, offset: int, start: int, end: int, image: ImageItem) -> l
     for run_start, run_end in image.runs:
         lo, hi = max(run_start, start), min(run_end, end)
         if lo < hi:
-            spans.append(BidirectionalSpan(index, offset + lo - start, offset + hi - start, lo, run_start, run_end))
+            spans.append(
+                BidirectionalSpan(index, offset + lo - start, offset + hi - start, lo, run_start, run_end)
+            )
     return spans
 
 

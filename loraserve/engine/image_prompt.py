@@ -19,7 +19,9 @@ def takes_no_images(architecture: str) -> ValueError:
     )
 
 
-def image_inputs(prompt: Any, processor: MultiModalProcessor | None, architecture: str) -> MultiModalInputs | None:
+def image_inputs(
+    prompt: Any, processor: MultiModalProcessor | None, architecture: str
+) -> MultiModalInputs | None:
     """The prompt's processed images (None for a text prompt); ValueError for images the model or
     the prompt cannot take."""
     if not isinstance(prompt, dict) or not ("multi_modal_data" in prompt or "multi_modal_inputs" in prompt):
@@ -33,7 +35,9 @@ def image_inputs(prompt: Any, processor: MultiModalProcessor | None, architectur
         return given
     data = prompt["multi_modal_data"]
     if not isinstance(data, dict) or set(data) - {"image"}:
-        raise ValueError("multi_modal_data must be a dict with an 'image' entry (one image or a list); only images are served.")
+        raise ValueError(
+            "multi_modal_data must be a dict with an 'image' entry (one image or a list); only images are served."
+        )
     images = data.get("image")
     images = images if isinstance(images, (list, tuple)) else [images]
     from PIL import Image

@@ -352,7 +352,9 @@ class LLMEngine:
             self.lora,
             self.iteration_tokens,
             self.cache_info,
-            None if self.runner.images is None else {"images_received": self.images_received, **self.runner.images.stats()},
+            None
+            if self.runner.images is None
+            else {"images_received": self.images_received, **self.runner.images.stats()},
         )
 
 

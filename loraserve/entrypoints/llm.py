@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from loraserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from loraserve.engine.arg_utils import EngineArgs
@@ -141,7 +141,7 @@ class LLM:
         processor = self.engine.mm_processor
         prompts: list[PromptInput] = []
         for conversation in conversations:
-            rendered, urls = _image_messages(conversation)
+            rendered, urls = _image_messages(cast(list[dict[str, Any]], conversation))
             if urls and processor is None:
                 raise ValueError(
                     f"The model ({self.engine.architecture}) takes text only: these messages hold images, "
@@ -151,7 +151,9 @@ class LLM:
             if template is None and not getattr(tokenizer, "chat_template", None) and processor is not None:
                 template = getattr(processor.hf, "chat_template", None)  # a VLM's processor holds it
             kwargs: dict[str, Any] = dict(
-                add_generation_prompt=add_generation_prompt, chat_template=template, tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
             if not urls:
@@ -159,7 +161,9 @@ class LLM:
                 prompts.append({"prompt_token_ids": list(ids)})
                 continue
             if len(urls) > processor.images_per_prompt:
-                raise ValueError(f"At most {processor.images_per_prompt} image(s) may be provided in one prompt.")
+                raise ValueError(
+                    f"At most {processor.images_per_prompt} image(s) may be provided in one prompt."
+                )
             images = [load_image_sync(url, processor.limits) for url in urls]
             text = tokenizer.apply_chat_template(rendered, tokenize=False, **kwargs)
             mm = processor.process(str(text), images, add_special_tokens=False)

@@ -56,7 +56,9 @@ def _span_attention(
     slots = table[keys // meta.block_size] * meta.block_size + keys % meta.block_size
     k = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, KVH, L, D]
     v = v_cache.index_select(0, slots).transpose(0, 1)[None]
-    allowed = (keys[None] <= positions[:, None]) | ((keys[None] >= span.key_start) & (keys[None] < span.key_end))
+    allowed = (keys[None] <= positions[:, None]) | (
+        (keys[None] >= span.key_start) & (keys[None] < span.key_end)
+    )
     if window is not None:
         allowed &= keys[None] > positions[:, None] - window
     query = q.transpose(0, 1)[None]  # [1, H, n, D]

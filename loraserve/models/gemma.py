@@ -242,7 +242,11 @@ class GemmaModel(nn.Module):
         if batch.embeds is not None:  # Gemma-3's image embeddings, placed after the scaling as in HF
             x = batch.embeds.apply(x)
         # The C stack attends causally: a step with image tokens that see each other takes the loop.
-        stacked = self._run_stack(x, positions, kv_caches, batch) if x.is_cpu and not batch.attn.bidirectional else None
+        stacked = (
+            self._run_stack(x, positions, kv_caches, batch)
+            if x.is_cpu and not batch.attn.bidirectional
+            else None
+        )
         if stacked is not None:
             out, stream = stacked
             # Gemma-2/3's stream is complete; Gemma's last MLP output is still to be added, as below.

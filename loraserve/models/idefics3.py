@@ -43,7 +43,9 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
     def _encode(self, items: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
         pixels = _padded([item["pixel_values"] for item in items]).to(self._vision_dtype())
         masks = _padded([item["pixel_attention_mask"] for item in items])
-        out = self.vision.get_image_features(pixel_values=pixels, pixel_attention_mask=masks, return_dict=True)
+        out = self.vision.get_image_features(
+            pixel_values=pixels, pixel_attention_mask=masks, return_dict=True
+        )
         return list(out.pooler_output)
 
 

@@ -112,7 +112,9 @@ def describe(include_transformers: bool = True) -> list[ArchitectureSupport]:
     """What runs natively, what runs on the transformers backend (every causal LM the installed
     transformers knows that has no native implementation), and where each takes adapters."""
     rows = [
-        ArchitectureSupport(name, "native", _NATIVE_LORA_NOTES.get(name, NATIVE_LORA), name in VISION_LANGUAGE)
+        ArchitectureSupport(
+            name, "native", _NATIVE_LORA_NOTES.get(name, NATIVE_LORA), name in VISION_LANGUAGE
+        )
         for name in get_supported_archs()
     ]
     if include_transformers:

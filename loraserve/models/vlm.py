@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -83,6 +83,7 @@ class VisionLanguageModel(NativeCausalLM):
     # Buffers some checkpoints hold that the modules compute (rope tables, CLIP's position ids).
     ignored_weight_suffixes = ("rotary_emb.inv_freq", "position_ids")
     args: Any  # the language model's LlamaArgs / GemmaArgs
+    vision: Any  # transformers' base model holding the vision parts (not a registered child)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -104,7 +105,8 @@ class VisionLanguageModel(NativeCausalLM):
         object.__setattr__(self, "vision", vision)  # its children are ours (registered above), not it
         self.tower_binding = StepBinding()
         convert_linears(vision, self.tower_binding)
-        self._build_lm_head(language.embed_tokens, self.args.vocab_size, self.args.tie_word_embeddings, dtype)
+        embedding = cast(nn.Embedding, language.embed_tokens)
+        self._build_lm_head(embedding, self.args.vocab_size, self.args.tie_word_embeddings, dtype)
         self.image_token_id = image_token_id(hf_config)
         self.architecture_name = self.hf_class
         self._rename = checkpoint_renamer(self.hf_class, hf_config)

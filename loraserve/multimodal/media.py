@@ -60,7 +60,7 @@ class MediaLimits:
 
 
 def url_kind(url: str) -> str:
-    """"data", "file" or "http"; MediaError for any other scheme."""
+    """ "data", "file" or "http"; MediaError for any other scheme."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         return "data"
@@ -102,7 +102,9 @@ def read_local_file(url: str, limits: MediaLimits) -> bytes:
     root = os.path.realpath(limits.allowed_local_media_path)
     path = os.path.realpath(unquote(parsed.path))
     if os.path.commonpath([root, path]) != root or path == root:
-        raise MediaError("the file:// image URL must name a file inside the server's --allowed-local-media-path")
+        raise MediaError(
+            "the file:// image URL must name a file inside the server's --allowed-local-media-path"
+        )
     try:  # O_NOFOLLOW: a symlink swapped in after the check above is not followed
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
@@ -131,7 +133,9 @@ def _check_host(url: str, limits: MediaLimits) -> None:
         raise MediaError("the image URL must be an http(s) URL with a host")
     domains = limits.allowed_media_domains
     if domains is not None and parsed.hostname.lower() not in {d.lower() for d in domains}:
-        raise MediaError(f"the image URL's host {parsed.hostname!r} is not in the server's --allowed-media-domains")
+        raise MediaError(
+            f"the image URL's host {parsed.hostname!r} is not in the server's --allowed-media-domains"
+        )
 
 
 async def fetch_http(url: str, limits: MediaLimits, timeout: float | None = None) -> bytes:
@@ -232,7 +236,9 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
     except MediaError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise MediaError(f"the image declares more than the {limits.max_image_pixels} pixels allowed") from None
+        raise MediaError(
+            f"the image declares more than the {limits.max_image_pixels} pixels allowed"
+        ) from None
     except UnidentifiedImageError:
         raise MediaError(f"the data is not an image in a supported format ({', '.join(FORMATS)})") from None
     except Exception as exc:  # noqa: BLE001 - PIL raises many types on corrupt data: all the client's

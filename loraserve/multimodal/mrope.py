@@ -32,7 +32,9 @@ def mrope_positions(length: int, images: Sequence[ImageItem], hf_config: Any) ->
         h, w = h // merge, w // merge
         if t * h * w != end - start:
             raise ValueError(f"an image of grid {t}x{h}x{w} has {end - start} placeholder tokens")
-        grid_t, grid_h, grid_w = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        grid_t, grid_h, grid_w = torch.meshgrid(
+            torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"
+        )
         pieces.append(torch.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + current)
         current += max(h, w)
         cursor = end

@@ -29,7 +29,13 @@ from loraserve.multimodal.media import MediaLimits
 from loraserve.multimodal.mrope import mrope_positions
 
 logger = logging.getLogger(__name__)
-_NOT_FEATURES = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "text_replacement_offsets"}
+_NOT_FEATURES = {
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "text_replacement_offsets",
+}
 
 
 def takes_images(architecture: str) -> bool:
@@ -48,10 +54,9 @@ def load_hf_processor(model_path: str, trust_remote_code: bool = False) -> Any:
 
 
 def _images_only_processor(model_path: str, trust_remote_code: bool) -> Any:
+    import transformers
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-    import transformers
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
@@ -68,8 +73,12 @@ def _images_only_processor(model_path: str, trust_remote_code: bool) -> Any:
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = base.__name__
     processor_dict, _ = base.get_processor_dict(model_path)
     accepted = set(inspect.signature(base.__init__).parameters) - {"self", "args", "kwargs"}
-    extra = {k: v for k, v in processor_dict.items() if k in accepted and k not in ("image_processor", "tokenizer")}
-    image_processor = AutoImageProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code, backend="pil")
+    extra = {
+        k: v for k, v in processor_dict.items() if k in accepted and k not in ("image_processor", "tokenizer")
+    }
+    image_processor = AutoImageProcessor.from_pretrained(
+        model_path, trust_remote_code=trust_remote_code, backend="pil"
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     kwargs: dict[str, Any] = {"image_processor": image_processor, "tokenizer": tokenizer, **extra}
     if "video_processor" in base.get_attributes():
@@ -91,8 +100,15 @@ class MultiModalProcessor:
         trust_remote_code: bool = False,
     ) -> None:
         # Pickled as its arguments (`__reduce__`): a --replicas ingress builds its own from the same files.
-        self._args = (model_path, hf_config, architecture, limits, images_per_prompt, processor_kwargs,
-                      trust_remote_code)
+        self._args = (
+            model_path,
+            hf_config,
+            architecture,
+            limits,
+            images_per_prompt,
+            processor_kwargs,
+            trust_remote_code,
+        )
         self.family: ImageFamily = FAMILIES[architecture]
         self.architecture = architecture
         self.hf_config = hf_config
@@ -107,13 +123,17 @@ class MultiModalProcessor:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (MultiModalProcessor, self._args)
 
-    def process(self, text: str, images: list[Image.Image], add_special_tokens: bool = True) -> MultiModalInputs:
+    def process(
+        self, text: str, images: list[Image.Image], add_special_tokens: bool = True
+    ) -> MultiModalInputs:
         """The prompt's ids with each image's placeholder expanded, and each image's encoder inputs,
         hash and positions. ValueError when placeholders and images do not match."""
         if not images:
             raise ValueError("a prompt with images needs at least one image")
         if len(images) > self.images_per_prompt:
-            raise ValueError(f"at most {self.images_per_prompt} images are allowed per prompt, got {len(images)}")
+            raise ValueError(
+                f"at most {self.images_per_prompt} images are allowed per prompt, got {len(images)}"
+            )
         out = self.hf(
             text=[text],
             images=[list(images)],

@@ -58,6 +58,11 @@ def test_loraserve_models_prints_the_listing(capsys: pytest.CaptureFixture[str])
     assert main(["models", "--all", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows == [
-        {"architecture": r.architecture, "implementation": r.implementation, "lora": r.lora, "images": r.images}
+        {
+            "architecture": r.architecture,
+            "implementation": r.implementation,
+            "lora": r.lora,
+            "images": r.images,
+        }
         for r in describe()
     ]

@@ -70,15 +70,24 @@ def _requests(arch: str) -> list[Request]:
 
 def _serve(llm: LLM, case: Case, requests: list[Request]) -> list[Any]:
     loras = lora_requests(case.adapters)
-    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else {"prompt": t} for t, i, _ in requests]
+    prompts = [
+        {"prompt": t, "multi_modal_data": {"image": i}} if i else {"prompt": t} for t, i, _ in requests
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
-    return llm.generate(prompts, params, lora_request=[loras[a] if a else None for *_, a in requests], use_tqdm=False)
+    return llm.generate(
+        prompts, params, lora_request=[loras[a] if a else None for *_, a in requests], use_tqdm=False
+    )
 
 
 def _engine(case: Case, dtype: str, tower_lora: bool = True) -> LLM:
     return LLM(
-        case.path, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=8,
-        enable_tower_connector_lora=tower_lora, kv_cache_memory_bytes=16 << 20,
+        case.path,
+        dtype=dtype,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        enable_tower_connector_lora=tower_lora,
+        kv_cache_memory_bytes=16 << 20,
     )
 
 
@@ -94,7 +103,9 @@ def test_float32_equals_transformers_and_peft_in_one_mixed_batch(arch: str, vlms
     outputs = _serve(_engine(case, "float32"), case, requests)
     served = [_ours(out) for out in outputs]
     for (text, images, adapter), (tokens, logprobs) in zip(requests, served, strict=True):
-        ref_tokens, ref_logprobs = generate(case.peft, adapter, hf_inputs(case.processor, arch, text, images), NUM_NEW)
+        ref_tokens, ref_logprobs = generate(
+            case.peft, adapter, hf_inputs(case.processor, arch, text, images), NUM_NEW
+        )
         assert tokens == ref_tokens, (arch, adapter, text)
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4, (arch, adapter, text)
     # The images reach the model: the same text with another image is answered otherwise.
@@ -109,7 +120,9 @@ def test_bfloat16_within_bf16_noise_of_the_float32_oracle(arch: str, vlms: dict[
     case = vlms[arch]
     twin = copy.deepcopy(case.peft).to(torch.bfloat16)
     requests = _requests(arch)
-    for (text, images, adapter), out in zip(requests, _serve(_engine(case, "bfloat16"), case, requests), strict=True):
+    for (text, images, adapter), out in zip(
+        requests, _serve(_engine(case, "bfloat16"), case, requests), strict=True
+    ):
         tokens, logprobs = _ours(out)
         inputs = hf_inputs(case.processor, arch, text, images)
         reference = forced_logprobs(case.peft, adapter, inputs, tokens)
@@ -117,7 +130,9 @@ def test_bfloat16_within_bf16_noise_of_the_float32_oracle(arch: str, vlms: dict[
         hf_bf16 = forced_logprobs(twin, adapter, twin_inputs, tokens)
         rows = torch.arange(len(tokens))
         chosen = reference[rows, torch.tensor(tokens)]
-        tolerance = max(BF16_FLOOR, BF16_FACTOR * (hf_bf16[rows, torch.tensor(tokens)] - chosen).abs().max().item())
+        tolerance = max(
+            BF16_FLOOR, BF16_FACTOR * (hf_bf16[rows, torch.tensor(tokens)] - chosen).abs().max().item()
+        )
         assert (torch.tensor(logprobs) - chosen).abs().max().item() <= tolerance, (arch, adapter, text)
         assert (reference.max(-1).values - chosen).max().item() <= tolerance, (arch, adapter, text)
 
@@ -132,7 +147,10 @@ def test_without_the_flag_an_adapters_tower_modules_are_skipped(
     stripped = str(tmp_path / "lm-part")
     os.makedirs(stripped)
     tensors = load_file(os.path.join(tower, "adapter_model.safetensors"))
-    save_file({k: v for k, v in tensors.items() if ".language_model." in k}, os.path.join(stripped, "adapter_model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if ".language_model." in k},
+        os.path.join(stripped, "adapter_model.safetensors"),
+    )
     with open(os.path.join(tower, "adapter_config.json"), encoding="utf-8") as f:
         config = f.read()
     with open(os.path.join(stripped, "adapter_config.json"), "w", encoding="utf-8") as f:
@@ -140,7 +158,9 @@ def test_without_the_flag_an_adapters_tower_modules_are_skipped(
     requests: list[Request] = [("<s>describe <image> now", [random_image(30, 50, 2)], "tower")]
     with caplog.at_level(logging.WARNING, logger="loraserve.lora.lora_model"):
         tokens, logprobs = _ours(_serve(_engine(case, "float32", tower_lora=False), case, requests)[0])
-    assert "vision tower / connector modules" in caplog.text and "--enable-tower-connector-lora" in caplog.text
+    assert (
+        "vision tower / connector modules" in caplog.text and "--enable-tower-connector-lora" in caplog.text
+    )
     oracle = peft_vlm("llava", case.path, {"lm_part": stripped})
     inputs = hf_inputs(case.processor, "llava", *requests[0][:2])
     ref_tokens, ref_logprobs = generate(oracle, "lm_part", inputs, NUM_NEW)

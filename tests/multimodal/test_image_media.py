@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from PIL import Image, ImageFile
-
 from support.tiny_vlm import forged_png
 
 from loraserve.multimodal.media import (
@@ -71,7 +70,9 @@ def test_refuses_unknown_schemes() -> None:
         url_kind("ftp://host/x.png")
 
 
-def test_a_bomb_is_refused_from_its_header_before_any_pixel_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bomb_is_refused_from_its_header_before_any_pixel_is_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def no_decoding(self: Any) -> None:
         raise AssertionError("pixels were decoded")
 
@@ -130,7 +131,9 @@ def test_file_urls_stay_inside_the_allowed_folder(tmp_path: Any) -> None:
     with pytest.raises(MediaError, match="need the server to be started with --allowed-local-media-path"):
         read_local_file(f"file://{allowed}/ok.png", MediaLimits())
     with pytest.raises(MediaError, match="larger than 10 bytes"):
-        read_local_file(f"file://{allowed}/ok.png", MediaLimits(max_image_bytes=10, allowed_local_media_path=str(allowed)))
+        read_local_file(
+            f"file://{allowed}/ok.png", MediaLimits(max_image_bytes=10, allowed_local_media_path=str(allowed))
+        )
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -155,7 +158,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(b"\0" * (2 << 20))
         elif self.path == "/away":
             self.send_response(302)
-            self.send_header("Location", "http://localhost:%d/ok.png" % self.server.server_address[1])
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/ok.png")
             self.end_headers()
         else:
             self.send_error(404)
@@ -180,8 +183,10 @@ def image_host() -> Iterator[str]:
 def test_http_images_within_the_timeout_the_size_and_the_hosts(image_host: str) -> None:
     assert asyncio.run(fetch_http(f"{image_host}/ok.png", LIMITS, timeout=5)) == png()
     assert fetch_http_sync(f"{image_host}/ok.png", LIMITS, timeout=5) == png()
-    for fetch in (lambda url: asyncio.run(fetch_http(url, LIMITS, timeout=0.5)),
-                  lambda url: fetch_http_sync(url, LIMITS, timeout=0.5)):
+    for fetch in (
+        lambda url: asyncio.run(fetch_http(url, LIMITS, timeout=0.5)),
+        lambda url: fetch_http_sync(url, LIMITS, timeout=0.5),
+    ):
         started = time.monotonic()
         with pytest.raises(MediaError, match="within 0.5 s"):
             fetch(f"{image_host}/slow.png")
@@ -193,4 +198,6 @@ def test_http_images_within_the_timeout_the_size_and_the_hosts(image_host: str) 
     only_ip = MediaLimits(max_image_bytes=1 << 20, allowed_media_domains=("127.0.0.1",))
     assert asyncio.run(fetch_http(f"{image_host}/ok.png", only_ip, timeout=5)) == png()
     with pytest.raises(MediaError, match="host 'localhost' is not in the server's --allowed-media-domains"):
-        asyncio.run(fetch_http(f"{image_host}/away", only_ip, timeout=5))  # the redirect's host is checked too
+        asyncio.run(
+            fetch_http(f"{image_host}/away", only_ip, timeout=5)
+        )  # the redirect's host is checked too

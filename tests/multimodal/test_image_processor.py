@@ -26,13 +26,18 @@ ARCHITECTURES = {
 
 
 @pytest.fixture(scope="module")
-def processors(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> dict[str, tuple[str, MultiModalProcessor]]:
+def processors(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str
+) -> dict[str, tuple[str, MultiModalProcessor]]:
     out = {}
     for arch, architecture in ARCHITECTURES.items():
         path = str(tmp_path_factory.mktemp(arch))
         save_tiny_vlm(path, arch, tokenizer_dir)
         config = transformers.AutoConfig.from_pretrained(path)
-        out[arch] = (path, MultiModalProcessor(path, config, architecture, MediaLimits(), images_per_prompt=2))
+        out[arch] = (
+            path,
+            MultiModalProcessor(path, config, architecture, MediaLimits(), images_per_prompt=2),
+        )
     return out
 
 

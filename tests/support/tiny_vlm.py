@@ -31,7 +31,9 @@ TEXT = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=32)
+CLIP = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=32
+)
 # What a chat template prints where an image goes (the processor's placeholder).
 PLACEHOLDER = {
     "llava": "<image>",
@@ -104,8 +106,14 @@ def _config(arch: str, tok: Any) -> Any:
         from support.tiny_gemma import gemma_config
 
         text = gemma_config("gemma3", vocab).to_dict()
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      image_size=56, patch_size=14)
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        )
         return transformers.Gemma3Config(
             text_config=text,
             vision_config=vision,
@@ -115,8 +123,14 @@ def _config(arch: str, tok: Any) -> Any:
             eoi_token_index=ids("<end_of_image>"),
         )
     if arch == "idefics3":
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      image_size=56, patch_size=14)
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        )
         return transformers.Idefics3Config(
             text_config=transformers.LlamaConfig(vocab_size=vocab, **TEXT).to_dict(),
             vision_config=vision,
@@ -124,10 +138,21 @@ def _config(arch: str, tok: Any) -> Any:
             image_token_id=ids("<image>"),
         )
     if arch == "qwen2_vl":
-        text = dict(TEXT, vocab_size=vocab, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                              "mrope_section": [2, 3, 3]})
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=8,
-                      spatial_merge_size=2, temporal_patch_size=2)
+        text = dict(
+            TEXT,
+            vocab_size=vocab,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        )
+        vision = dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            mlp_ratio=2,
+            num_heads=2,
+            patch_size=8,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
         return transformers.Qwen2VLConfig(
             text_config=text,
             vision_config=vision,
@@ -147,17 +172,26 @@ def _save_processor(arch: str, path: str, tok: Any) -> None:
             size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
         )
         proc = transformers.LlavaProcessor(
-            image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
-            num_additional_image_tokens=1, chat_template=tok.chat_template,
+            image_processor=ip,
+            tokenizer=tok,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=tok.chat_template,
         )
     elif arch == "llava_next":
         ip = pil.llava_next.image_processing_pil_llava_next.LlavaNextImageProcessorPil(
-            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+            size={"shortest_edge": 28},
+            crop_size={"height": 28, "width": 28},
             image_grid_pinpoints=[[28, 56], [56, 28], [56, 56]],
         )
         proc = transformers.LlavaNextProcessor(
-            image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
-            num_additional_image_tokens=1, chat_template=tok.chat_template,
+            image_processor=ip,
+            tokenizer=tok,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=tok.chat_template,
         )
     elif arch == "gemma3":
         ip = pil.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
@@ -224,4 +258,9 @@ def forged_png(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )

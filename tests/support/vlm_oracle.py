@@ -37,7 +37,9 @@ def save_vlm_adapters(hf_model: Any, arch: str, folder: str, base: str) -> dict[
     """A language-model adapter ("lm") and one with tower/connector modules too ("tower")."""
     paths = {"lm": os.path.join(folder, "lm"), "tower": os.path.join(folder, "tower")}
     save_peft_adapter(hf_model, paths["lm"], 3, base, r=8, lora_alpha=16, target_modules=LM_TARGETS)
-    save_peft_adapter(hf_model, paths["tower"], 4, base, r=8, lora_alpha=16, target_modules=TOWER_TARGETS[arch])
+    save_peft_adapter(
+        hf_model, paths["tower"], 4, base, r=8, lora_alpha=16, target_modules=TOWER_TARGETS[arch]
+    )
     return paths
 
 
@@ -73,19 +75,28 @@ def active(model: Any, adapter: str | None) -> Iterator[None]:
         yield
 
 
-def generate(model: Any, adapter: str | None, inputs: dict[str, torch.Tensor], num_new: int) -> tuple[list[int], list[float]]:
+def generate(
+    model: Any, adapter: str | None, inputs: dict[str, torch.Tensor], num_new: int
+) -> tuple[list[int], list[float]]:
     """transformers' greedy `generate` (no end-of-sequence stop): tokens and their logprobs."""
     with torch.no_grad(), active(model, adapter):
         out = model.generate(
-            **inputs, max_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True,
+            **inputs,
+            max_new_tokens=num_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
     tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
 
 
-def forced_logprobs(model: Any, adapter: str | None, inputs: dict[str, torch.Tensor], tokens: list[int]) -> torch.Tensor:
+def forced_logprobs(
+    model: Any, adapter: str | None, inputs: dict[str, torch.Tensor], tokens: list[int]
+) -> torch.Tensor:
     """The model's logprob rows [len(tokens), vocab] for each of `tokens` after the prompt, from one
     full forward over the prompt and `tokens` (teacher forcing)."""
     extra = torch.tensor([tokens])

@@ -64,7 +64,11 @@ class EngineReplica:
     async def info(self) -> ReplicaInfo:
         engine = self.engine
         return ReplicaInfo(
-            engine.model_config, engine.lora_config, engine.scheduler_config, engine.tokenizer, engine.mm_processor
+            engine.model_config,
+            engine.lora_config,
+            engine.scheduler_config,
+            engine.tokenizer,
+            engine.mm_processor,
         )
 
     async def generate(

@@ -63,8 +63,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> Itera
     random_image(40, 30, 3).save(media / "cat.png")
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs(
-            model=path, dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=16 << 20,
-            limit_mm_per_prompt={"image": 2}, allowed_local_media_path=str(media),
+            model=path,
+            dtype="float32",
+            enable_lora=True,
+            max_lora_rank=8,
+            kv_cache_memory_bytes=16 << 20,
+            limit_mm_per_prompt={"image": 2},
+            allowed_local_media_path=str(media),
         )
     )
     options = ServerOptions(served_model_names=["tiny"], lora_modules=[LoRAModulePath("lm", adapters["lm"])])
@@ -73,8 +78,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str) -> Itera
     threading.Thread(target=trickle.serve_forever, daemon=True).start()
     with RunningServer(engine, options) as server:
         yield {
-            "server": server, "peft": peft_vlm("llava", path, {"lm": adapters["lm"]}),
-            "processor": processor_of(path), "media": media,
+            "server": server,
+            "peft": peft_vlm("llava", path, {"lm": adapters["lm"]}),
+            "processor": processor_of(path),
+            "media": media,
             "slow_url": f"http://127.0.0.1:{trickle.server_address[1]}/slow.png",
         }
     trickle.shutdown()
@@ -96,7 +103,9 @@ def _text(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
-def _oracle(stack: dict[str, Any], adapter: str | None, parts: list[dict[str, Any]], images: list[Any]) -> list[int]:
+def _oracle(
+    stack: dict[str, Any], adapter: str | None, parts: list[dict[str, Any]], images: list[Any]
+) -> list[int]:
     processor = stack["processor"]
     rendered = [{"type": "image"} if p["type"] == "image_url" else p for p in parts]
     text = processor.tokenizer.apply_chat_template(
@@ -112,7 +121,10 @@ def test_base64_images_through_the_openai_client_streamed_and_not(stack: dict[st
     images = [random_image(40, 30, 1), random_image(24, 48, 2)]
     parts = [_text("compare "), _image(png_url(images[0])), _text(" and "), _image(png_url(images[1]))]
     kwargs: dict[str, Any] = dict(
-        model=model, messages=_message(*parts), max_tokens=NUM_NEW, temperature=0,
+        model=model,
+        messages=_message(*parts),
+        max_tokens=NUM_NEW,
+        temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     whole = client.chat.completions.create(**kwargs)
@@ -174,7 +186,9 @@ def test_a_text_only_model_refuses_images_by_name(server: RunningServer) -> None
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(
-            model="base", messages=_message(_text("hi"), _image("data:image/png;base64,aGVsbG8=")), max_tokens=2
+            model="base",
+            messages=_message(_text("hi"), _image("data:image/png;base64,aGVsbG8=")),
+            max_tokens=2,
         )
     body = error.value.body
     assert isinstance(body, dict) and body["param"] == "messages[0].content[1]"

@@ -49,7 +49,9 @@ def _among(*values: str) -> Callable[[Any], bool]:
 _ONE = _number(lambda v: v == 1)
 _ZERO = _number(lambda v: v == 0)
 _ONE_DEVICE = "loraserve runs the whole model on one device (CPU or one GPU); 1 is the only size"
-_NO_MULTIMODAL = "loraserve serves images only (no video, audio or embedding inputs); this setting has nothing to act on"
+_NO_MULTIMODAL = (
+    "loraserve serves images only (no video, audio or embedding inputs); this setting has nothing to act on"
+)
 _MM_CACHE = "processed images are not cached; image embeddings are, by content hash (--mm-embedding-cache)"
 _NO_MOE_PARALLEL = "expert parallelism and load balancing need several devices; loraserve uses one"
 _NO_CUDA_GRAPHS = "loraserve runs eagerly and captures no CUDA graphs"
@@ -175,7 +177,9 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--disable-custom-all-reduce", "one device: there is no all-reduce", "bool"),
     refused("--worker-cls", "the model runs in the engine's own process, with no worker class"),
     refused("--worker-extension-cls", "the model runs in the engine's own process, with no worker class"),
-    notice("--enable-multimodal-encoder-data-parallel", "one device: the vision tower is not sharded", "flag"),
+    notice(
+        "--enable-multimodal-encoder-data-parallel", "one device: the vision tower is not sharded", "flag"
+    ),
     # ---- CacheConfig -------------------------------------------------------------------------------
     notice(
         "--gpu-memory-utilization",

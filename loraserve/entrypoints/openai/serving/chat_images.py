@@ -19,7 +19,14 @@ from http import HTTPStatus
 from typing import Any
 
 from loraserve.entrypoints.openai.serving.errors import APIError
-from loraserve.multimodal.media import MediaError, MediaLimits, decode_image, fetch_http, read_local_source, url_kind
+from loraserve.multimodal.media import (
+    MediaError,
+    MediaLimits,
+    decode_image,
+    fetch_http,
+    read_local_source,
+    url_kind,
+)
 
 OffLoop = Callable[..., Awaitable[Any]]  # runs fn(*args) off the event loop (the tokenizer pool)
 
@@ -50,7 +57,7 @@ def image_parts(messages: Sequence[Any]) -> list[ImagePart]:
             where = f"messages[{i}].content[{j}]"
             if not isinstance(url, str) or not url:
                 raise APIError(
-                    f"{where}: an image_url part needs {{\"image_url\": {{\"url\": ...}}}} with a data:, file:// "
+                    f'{where}: an image_url part needs {{"image_url": {{"url": ...}}}} with a data:, file:// '
                     "or http(s) URL.",
                     HTTPStatus.BAD_REQUEST,
                     where,

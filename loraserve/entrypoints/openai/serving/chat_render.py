@@ -45,7 +45,11 @@ def render_chat(
             HTTPStatus.BAD_REQUEST,
             "chat_template",
         )
-    if not kwargs.get("chat_template") and not getattr(tokenizer, "chat_template", None) and fallback_template:
+    if (
+        not kwargs.get("chat_template")
+        and not getattr(tokenizer, "chat_template", None)
+        and fallback_template
+    ):
         kwargs["chat_template"] = fallback_template  # a vision-language model's processor's template
     if not kwargs.get("chat_template") and not getattr(tokenizer, "chat_template", None):
         raise APIError(

@@ -155,7 +155,12 @@ class OpenAIServingChat(OpenAIServing):
                 params.skip_special_tokens = False
         request_id = request_id or response_id("chatcmpl", request)
         prompt = EnginePrompt(
-            engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt, mm
+            engine_request_id(request_id, request),
+            prompt_ids,
+            params,
+            request.priority,
+            request.cache_salt,
+            mm,
         )
         self.check_request_size([prompt])
         return ChatJob(

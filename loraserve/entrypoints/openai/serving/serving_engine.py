@@ -84,7 +84,9 @@ class OpenAIServing:
         `MultiModalInputs` the engine takes; 400 for a prompt that does not fit its images."""
         await self.length_guard.check(text, param, self.in_tokenizer_thread)
         try:
-            return await self.in_tokenizer_thread(self.mm_processor.process, text, images, add_special_tokens=False)
+            return await self.in_tokenizer_thread(
+                self.mm_processor.process, text, images, add_special_tokens=False
+            )
         except ValueError as exc:
             raise APIError(str(exc), HTTPStatus.BAD_REQUEST, param) from exc
 

@@ -274,7 +274,9 @@ class OpenAIServingModels:
         max_model_len = self.engine.model_config.max_model_len
         modalities = ["text", "image"] if getattr(self.engine, "mm_processor", None) is not None else ["text"]
         cards = [
-            ModelCard(id=path.name, root=path.model_path, max_model_len=max_model_len, input_modalities=modalities)
+            ModelCard(
+                id=path.name, root=path.model_path, max_model_len=max_model_len, input_modalities=modalities
+            )
             for path in self.base_model_paths
         ]
         for name, version, lora in self.listed_adapters():
@@ -283,7 +285,11 @@ class OpenAIServingModels:
             digest, label = (version.digest, version.label) if version else (None, None)
             cards.append(
                 ModelCard(
-                    id=name, root=lora.lora_path, parent=parent, digest=digest, version=label,
+                    id=name,
+                    root=lora.lora_path,
+                    parent=parent,
+                    digest=digest,
+                    version=label,
                     input_modalities=modalities,
                 )
             )

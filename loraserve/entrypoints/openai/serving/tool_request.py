@@ -163,7 +163,7 @@ def template_tools(tools: list[ChatCompletionToolsParam] | None) -> list[dict[st
     return None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
 
 
-def template_message(message: ChatMessage, index: int, content: str) -> dict[str, Any]:
+def template_message(message: ChatMessage, index: int, content: str | list[dict[str, Any]]) -> dict[str, Any]:
     """One message for the template, with its tool fields; 400 for a tool call that is not one."""
     rendered: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
