@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from loraserve.multimodal.families import FAMILIES
+
 MODEL_IMPLS = ("auto", "native", "transformers")
 
 _NATIVE_MODELS: dict[str, tuple[str, str]] = {
@@ -93,17 +95,7 @@ _VISION_LORA = (
     f"the language model's {NATIVE_LORA}; the vision tower's and connector's linears with "
     "--enable-tower-connector-lora"
 )
-VISION_LANGUAGE = frozenset(
-    {
-        "Gemma3ForConditionalGeneration",
-        "LlavaForConditionalGeneration",
-        "LlavaNextForConditionalGeneration",
-        "Idefics3ForConditionalGeneration",
-        "SmolVLMForConditionalGeneration",
-        "Qwen2VLForConditionalGeneration",
-        "Qwen2_5_VLForConditionalGeneration",
-    }
-)
+VISION_LANGUAGE = frozenset(FAMILIES)  # the architectures whose processor side loraserve knows
 _NATIVE_LORA_NOTES.update({name: _VISION_LORA for name in VISION_LANGUAGE})
 TRANSFORMERS_LORA = "its nn.Linear and Conv1D modules (not the vocab projection, not MoE experts)"
 
