@@ -20,11 +20,11 @@ from loraserve.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
-    MultiModalConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
     resolve_device,
 )
+from loraserve.multimodal_config import MultiModalConfig
 from loraserve.option_types import json_object, json_value, positive_int
 from loraserve.options import check_options, declared_options, option, shares_options
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from loraserve.config import EngineConfig
 from loraserve.multimodal.inputs import MultiModalInputs
+from loraserve.multimodal.media import MediaLimits
 from loraserve.multimodal.processor import MultiModalProcessor
 
 
@@ -51,3 +53,35 @@ def image_inputs(
             f"{processor.placeholder!r} once per image: its processor expands them."
         )
     return processor.process(text, [image.convert("RGB") for image in images])
+
+
+def check_image_runs(mm: MultiModalInputs, max_num_batched_tokens: int) -> None:
+    """Images whose tokens attend to each other both ways are computed in one step: each must fit the
+    step's token budget (ValueError otherwise)."""
+    longest = max((end - start for start, end in mm.runs()), default=0)
+    if mm.bidirectional and longest > max_num_batched_tokens:
+        raise ValueError(
+            f"An image of this prompt takes {longest} tokens, more than max_num_batched_tokens "
+            f"({max_num_batched_tokens}); its tokens must be computed in one step. Raise --max-num-batched-tokens."
+        )
+
+
+def image_processor(model: Any, architecture: str, config: EngineConfig) -> MultiModalProcessor | None:
+    """The model's processor for prompts with images (None for a text-only model), checked once on a
+    small image so that a broken processor fails at startup, not on the first request."""
+    if not getattr(model, "takes_images", False):
+        return None
+    from PIL import Image
+
+    mm_config = config.multimodal
+    processor = MultiModalProcessor(
+        config.model.model_path,
+        config.model.hf_config,
+        architecture,
+        MediaLimits.from_config(mm_config),
+        mm_config.images_per_prompt,
+        dict(mm_config.mm_processor_kwargs or {}),
+        config.model.trust_remote_code,
+    )
+    processor.process(processor.placeholder, [Image.new("RGB", (32, 32), (127, 127, 127))])
+    return processor

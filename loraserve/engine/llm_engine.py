@@ -27,7 +27,7 @@ from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.engine_stats import engine_stats
-from loraserve.engine.image_prompt import image_inputs
+from loraserve.engine.image_prompt import check_image_runs, image_inputs, image_processor
 from loraserve.engine.iteration_stats import IterationTokens, cache_config_info
 from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
@@ -60,7 +60,7 @@ class LLMEngine:
         self.model: Any = get_model(config.model, config.device)
         self.lora: LoRAManager | None = _lora_manager(self.model, config)
         self.architecture = str(getattr(self.model, "architecture_name", type(self.model).__name__))
-        self.mm_processor = _image_processor(self.model, self.architecture, config)
+        self.mm_processor = image_processor(self.model, self.architecture, config)
         self.images_received = 0  # images of the requests added (metrics)
         num_blocks = self._num_kv_blocks()
         spec: KVCacheSpec = cast(Any, self.model).kv_cache_spec()  # (narrowed to nn.Module above)
@@ -161,7 +161,7 @@ class LLMEngine:
         else:
             text = prompt.get("prompt") if isinstance(prompt, dict) else None
             prompt_ids = prepare_prompt(mm.prompt_token_ids, self.tokenizer, self.model_config)[1]
-            self._check_image_runs(mm)
+            check_image_runs(mm, self.config.scheduler.max_num_batched_tokens)
             self.images_received += len(mm.images)
         beam, params = self.prep.params(params, len(prompt_ids))
         width = beam.width if beam is not None else params.n
@@ -192,17 +192,6 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.add(seq)
         return request
-
-    def _check_image_runs(self, mm: Any) -> None:
-        """Images whose tokens attend to each other both ways are computed in one step: each must fit
-        the step's token budget."""
-        budget = self.config.scheduler.max_num_batched_tokens
-        longest = max((end - start for start, end in mm.runs()), default=0)
-        if mm.bidirectional and longest > budget:
-            raise ValueError(
-                f"An image of this prompt takes {longest} tokens, more than max_num_batched_tokens "
-                f"({budget}); its tokens must be computed in one step. Raise --max-num-batched-tokens."
-            )
 
     def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """Raise EngineOverloadedError (or RequestTooLargeError) unless a request of this size fits the
@@ -371,30 +360,6 @@ def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:
             "has no module that can take a LoRA adapter (no linear layer but the vocab projection)."
         )
     return LoRAManager(model, config.lora, config.model.dtype, config.device)
-
-
-def _image_processor(model: Any, architecture: str, config: EngineConfig) -> Any:
-    """The model's processor for prompts with images (None for a text-only model), checked once on a
-    small image so that a broken processor fails at startup, not on the first request."""
-    if not getattr(model, "takes_images", False):
-        return None
-    from PIL import Image
-
-    from loraserve.multimodal.media import MediaLimits
-    from loraserve.multimodal.processor import MultiModalProcessor
-
-    mm_config = config.multimodal
-    processor = MultiModalProcessor(
-        config.model.model_path,
-        config.model.hf_config,
-        architecture,
-        MediaLimits.from_config(mm_config),
-        mm_config.images_per_prompt,
-        dict(mm_config.mm_processor_kwargs or {}),
-        config.model.trust_remote_code,
-    )
-    processor.process(processor.placeholder, [Image.new("RGB", (32, 32), (127, 127, 127))])
-    return processor
 
 
 def _stop_dead_ends(sampled: list[SampledToken], masks: MaskJob | None) -> list[SampledToken]:

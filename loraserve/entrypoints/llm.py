@@ -160,6 +160,7 @@ class LLM:
                 ids = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **kwargs)
                 prompts.append({"prompt_token_ids": list(ids)})
                 continue
+            assert processor is not None  # refused above
             if len(urls) > processor.images_per_prompt:
                 raise ValueError(
                     f"At most {processor.images_per_prompt} image(s) may be provided in one prompt."
