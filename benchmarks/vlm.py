@@ -31,12 +31,24 @@ from loraserve.demo.random_model import build_tokenizer, save_peft_adapter
 
 NUM_REQUESTS, NUM_ADAPTERS, RUNS = 16, 4, 3
 TEXT_SHAPE = dict(
-    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-    max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 VISION_SHAPE = dict(
-    hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6, image_size=112,
-    patch_size=16, projection_dim=384,
+    hidden_size=384,
+    intermediate_size=1536,
+    num_hidden_layers=6,
+    num_attention_heads=6,
+    image_size=112,
+    patch_size=16,
+    projection_dim=384,
 )
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{% for p in m['content'] %}{% if p['type'] == 'image' %}"
@@ -71,15 +83,25 @@ def build(root: str) -> tuple[str, list[str]]:
     model.save_pretrained(tmp)
     size = VISION_SHAPE["image_size"]
     transformers.LlavaProcessor(
-        image_processor=CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
-        tokenizer=tokenizer, patch_size=VISION_SHAPE["patch_size"], vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, chat_template=TEMPLATE,
+        image_processor=CLIPImageProcessorPil(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        ),
+        tokenizer=tokenizer,
+        patch_size=VISION_SHAPE["patch_size"],
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=TEMPLATE,
     ).save_pretrained(tmp)
     os.replace(tmp, path)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     for i, folder in enumerate(adapters):
         save_peft_adapter(
-            model, folder, 100 + i, path, r=16, lora_alpha=32,
+            model,
+            folder,
+            100 + i,
+            path,
+            r=16,
+            lora_alpha=32,
             target_modules=rf".*language_model.*\.({'|'.join(targets)})",
         )
     return path, adapters
@@ -104,12 +126,21 @@ def timed_tower(model: Any, seconds: list[float]) -> None:
     model.get_image_features = wrapper
 
 
-def ours(path: str, adapters: list[str], dtype: str, gen_len: int, text: str) -> tuple[Callable[[int], int], list[float]]:
+def ours(
+    path: str, adapters: list[str], dtype: str, gen_len: int, text: str
+) -> tuple[Callable[[int], int], list[float]]:
     from loraserve import LLM, SamplingParams
     from loraserve.lora.request import LoRARequest
 
-    llm = LLM(path, dtype=dtype, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=16,
-              max_num_seqs=NUM_REQUESTS, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(
+        path,
+        dtype=dtype,
+        enable_lora=True,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=16,
+        max_num_seqs=NUM_REQUESTS,
+        kv_cache_memory_bytes=256 << 20,
+    )
     tower: list[float] = []
     timed_tower(llm.engine.model.vision, tower)
     loras = [LoRARequest(f"lora{i}", i + 1, folder) for i, folder in enumerate(adapters)]
@@ -117,14 +148,20 @@ def ours(path: str, adapters: list[str], dtype: str, gen_len: int, text: str) ->
 
     def run(index: int) -> int:
         prompts = [{"prompt": text, "multi_modal_data": {"image": image}} for image in images(index)]
-        outs = llm.generate(prompts, params, lora_request=[loras[i % NUM_ADAPTERS] for i in range(NUM_REQUESTS)],
-                            use_tqdm=False)
+        outs = llm.generate(
+            prompts,
+            params,
+            lora_request=[loras[i % NUM_ADAPTERS] for i in range(NUM_REQUESTS)],
+            use_tqdm=False,
+        )
         return sum(len(out.outputs[0].token_ids) for out in outs)
 
     return run, tower
 
 
-def transformers_peft(path: str, adapters: list[str], dtype: str, gen_len: int, text: str) -> tuple[Callable[[int], int], list[float]]:
+def transformers_peft(
+    path: str, adapters: list[str], dtype: str, gen_len: int, text: str
+) -> tuple[Callable[[int], int], list[float]]:
     import transformers
     from peft import PeftModel
 
@@ -146,26 +183,23 @@ def transformers_peft(path: str, adapters: list[str], dtype: str, gen_len: int, 
             inputs = processor(text=[text] * len(group), images=group, return_tensors="pt", padding=True)
             model.set_adapter(f"lora{a}")
             with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
-                                     pad_token_id=0)
+                out = model.generate(
+                    **inputs, max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, pad_token_id=0
+                )
             generated += (out.shape[1] - inputs["input_ids"].shape[1]) * len(group)
         return generated
 
     return run, tower
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--gen-len", type=int, default=16)
-    args = parser.parse_args()
-    limit_threads(args.threads)
+def run_vlm(dtype: str = "float32", gen_len: int = 16) -> dict[str, Any]:
+    """Both systems on the same requests, interleaved (each keeps its fastest of RUNS): a plain dict
+    of each one's seconds, tokens/s, requests/s and seconds in the vision tower."""
     path, adapters = build(bench_root())
     text = "<|user|>describe <image> in a few words</s><|assistant|>"
     systems = {
-        "loraserve": ours(path, adapters, args.dtype, args.gen_len, text),
-        "transformers+peft": transformers_peft(path, adapters, args.dtype, args.gen_len, text),
+        "loraserve": ours(path, adapters, dtype, gen_len, text),
+        "transformers+peft": transformers_peft(path, adapters, dtype, gen_len, text),
     }
     for i, (run, _) in enumerate(systems.values()):  # untimed: kernels built, memory touched
         run(100 + i)
@@ -178,20 +212,52 @@ def main() -> None:
             seconds = time.perf_counter() - start
             if name not in best or seconds < best[name][0]:
                 best[name] = (seconds, sum(tower), tokens)
-    where = cpu_class()
-    print(f"\n{NUM_REQUESTS} requests, one {VISION_SHAPE['image_size']}px image each (49 image tokens), "
-          f"{NUM_ADAPTERS} adapters, {args.gen_len} generated tokens, {args.dtype}; {where}")
-    print(f"{'system':<20}{'seconds':>9}{'gen tok/s':>11}{'req/s':>8}{'in vision tower':>17}{'vs transformers':>17}")
-    reference = best["transformers+peft"][0]
-    results = {}
-    for name, (seconds, tower_s, tokens) in best.items():
-        print(f"{name:<20}{seconds:>9.2f}{tokens / seconds:>11.1f}{NUM_REQUESTS / seconds:>8.2f}"
-              f"{tower_s:>10.2f} s ({100 * tower_s / seconds:>2.0f}%){reference / seconds:>16.2f}x")
-        results[name] = {"seconds": seconds, "gen_tok_per_s": tokens / seconds, "req_per_s": NUM_REQUESTS / seconds,
-                         "vision_tower_seconds": tower_s}
-    save_results("vlm", {"cpu": where, "dtype": args.dtype, "gen_len": args.gen_len, "num_requests": NUM_REQUESTS,
-                         "num_adapters": NUM_ADAPTERS, "results": results,
-                         "speedup_vs_transformers": reference / best["loraserve"][0]})
+    results = {
+        name: {
+            "seconds": seconds,
+            "gen_tok_per_s": tokens / seconds,
+            "req_per_s": NUM_REQUESTS / seconds,
+            "vision_tower_seconds": tower_s,
+        }
+        for name, (seconds, tower_s, tokens) in best.items()
+    }
+    speedup = best["transformers+peft"][0] / best["loraserve"][0]
+    return {
+        "cpu": cpu_class(),
+        "dtype": dtype,
+        "gen_len": gen_len,
+        "num_requests": NUM_REQUESTS,
+        "num_adapters": NUM_ADAPTERS,
+        "results": results,
+        "speedup_vs_transformers": speedup,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--gen-len", type=int, default=16)
+    args = parser.parse_args()
+    limit_threads(args.threads)
+    data = run_vlm(args.dtype, args.gen_len)
+    print(
+        f"\n{NUM_REQUESTS} requests, one {VISION_SHAPE['image_size']}px image each (49 image tokens), "
+        f"{NUM_ADAPTERS} adapters, {args.gen_len} generated tokens, {args.dtype}; {data['cpu']}"
+    )
+    print(
+        f"{'system':<20}{'seconds':>9}{'gen tok/s':>11}{'req/s':>8}{'in vision tower':>17}{'vs transformers':>17}"
+    )
+    reference = data["results"]["transformers+peft"]["seconds"]
+    for name, row in data["results"].items():
+        seconds, tower_s = row["seconds"], row["vision_tower_seconds"]
+        print(
+            f"{name:<20}{seconds:>9.2f}{row['gen_tok_per_s']:>11.1f}{row['req_per_s']:>8.2f}"
+            f"{tower_s:>10.2f} s ({100 * tower_s / seconds:>2.0f}%){reference / seconds:>16.2f}x"
+        )
+    save_results("vlm", data)
 
 
 if __name__ == "__main__":
