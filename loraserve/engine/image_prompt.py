@@ -2,16 +2,21 @@
 beside a text prompt holding the model's image placeholders, run through the model's processor here),
 or `multi_modal_inputs` the serving layer has already processed (off the event loop, on its tokenizer
 pool). A model that takes no images refuses both by name: never answered as if the images were not
-there."""
+there. A vision-language checkpoint whose folder has no image processor serves its language model,
+images refused. Also the engine's processor itself (`image_processor`) and the one check of a prompt's
+images against the step budget (`check_image_runs`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from loraserve.config import EngineConfig
 from loraserve.multimodal.inputs import MultiModalInputs
 from loraserve.multimodal.media import MediaLimits
 from loraserve.multimodal.processor import MultiModalProcessor
+
+logger = logging.getLogger(__name__)
 
 
 def takes_no_images(architecture: str) -> ValueError:
@@ -74,14 +79,21 @@ def image_processor(model: Any, architecture: str, config: EngineConfig) -> Mult
     from PIL import Image
 
     mm_config = config.multimodal
-    processor = MultiModalProcessor(
-        config.model.model_path,
-        config.model.hf_config,
-        architecture,
-        MediaLimits.from_config(mm_config),
-        mm_config.images_per_prompt,
-        dict(mm_config.mm_processor_kwargs or {}),
-        config.model.trust_remote_code,
-    )
+    try:
+        processor = MultiModalProcessor(
+            config.model.model_path,
+            config.model.hf_config,
+            architecture,
+            MediaLimits.from_config(mm_config),
+            mm_config.images_per_prompt,
+            dict(mm_config.mm_processor_kwargs or {}),
+            config.model.trust_remote_code,
+        )
+    except OSError as exc:  # no processor files: the checkpoint is served as the text model it holds
+        logger.warning(
+            "%s: the model folder has no image processor (%s); serving its language model only: "
+            "requests with images are refused.", architecture, str(exc).splitlines()[0][:200],
+        )
+        return None
     processor.process(processor.placeholder, [Image.new("RGB", (32, 32), (127, 127, 127))])
     return processor

@@ -132,6 +132,12 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path: Any, token
             _check_exact(out, prompt, _peft_greedy(peft, name, prompt), peft_logprobs(peft, name, prompt))
     moved = (peft_logprobs(peft, "mm", prompts[-1]) - peft_logprobs(peft, None, prompts[-1])).abs().max()
     assert moved > 1.0
+    # Without an image processor in its folder the checkpoint takes no images: they are refused by name.
+    from PIL import Image
+
+    assert llm.engine.mm_processor is None
+    with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration\) takes text only"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": Image.new("RGB", (8, 8))}}, use_tqdm=False)
 
 
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)
