@@ -19,7 +19,7 @@ import transformers
 from PIL import Image
 from transformers import AutoTokenizer
 
-VLM_ARCHS = ("llava", "llava_next", "gemma3", "idefics3", "qwen2_vl")
+VLM_ARCHS = ("llava", "llava_next", "gemma3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")
 TEXT = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -40,7 +40,9 @@ PLACEHOLDER = {
     "llava_next": "<image>",
     "gemma3": "<start_of_image>",
     "idefics3": "<image>",
+    "smolvlm": "<image>",
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
 }
 _IDEFICS_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)
@@ -50,7 +52,9 @@ _SPECIAL = {
     "llava_next": ["<image>"],
     "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
     "idefics3": _IDEFICS_TOKENS,
+    "smolvlm": _IDEFICS_TOKENS,
     "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+    "qwen2_5_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
 }
 
 
@@ -122,7 +126,7 @@ def _config(arch: str, tok: Any) -> Any:
             boi_token_index=ids("<start_of_image>"),
             eoi_token_index=ids("<end_of_image>"),
         )
-    if arch == "idefics3":
+    if arch in ("idefics3", "smolvlm"):  # SmolVLM2's own classes (SmolVLM v1 checkpoints are Idefics3's)
         vision = dict(
             hidden_size=32,
             intermediate_size=64,
@@ -131,11 +135,37 @@ def _config(arch: str, tok: Any) -> Any:
             image_size=56,
             patch_size=14,
         )
-        return transformers.Idefics3Config(
+        return (transformers.Idefics3Config if arch == "idefics3" else transformers.SmolVLMConfig)(
             text_config=transformers.LlamaConfig(vocab_size=vocab, **TEXT).to_dict(),
             vision_config=vision,
             scale_factor=2,
             image_token_id=ids("<image>"),
+        )
+    if arch == "qwen2_5_vl":  # window attention in the tower (2x2 merged patches a window), one full layer
+        text = dict(
+            TEXT,
+            vocab_size=vocab,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        )
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=8,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=64,
+            window_size=32,
+            fullatt_block_indexes=[1],
+        )
+        return transformers.Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=ids("<|image_pad|>"),
+            video_token_id=ids("<|video_pad|>"),
+            vision_start_token_id=ids("<|vision_start|>"),
+            vision_end_token_id=ids("<|vision_end|>"),
         )
     if arch == "qwen2_vl":
         text = dict(
@@ -205,14 +235,22 @@ def _save_processor(arch: str, path: str, tok: Any) -> None:
         proc = transformers.Idefics3Processor(
             image_processor=ip, tokenizer=tok, image_seq_len=4, chat_template=tok.chat_template
         )
-    else:  # Qwen2-VL's processor holds a video processor, which needs torchvision: its files by hand
-        ip = pil.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil(
-            min_pixels=16 * 16, max_pixels=48 * 48, patch_size=8, merge_size=2, temporal_patch_size=2
-        )
+    else:  # these processors hold a video processor, which needs torchvision: their files by hand
+        if arch == "smolvlm":
+            ip = pil.smolvlm.image_processing_pil_smolvlm.SmolVLMImageProcessorPil(
+                size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+            )
+            processor_config: dict[str, Any] = {"processor_class": "SmolVLMProcessor", "image_seq_len": 4}
+        else:
+            ip = pil.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil(
+                min_pixels=16 * 16, max_pixels=48 * 48, patch_size=8, merge_size=2, temporal_patch_size=2
+            )
+            name = "Qwen2VLProcessor" if arch == "qwen2_vl" else "Qwen2_5_VLProcessor"
+            processor_config = {"processor_class": name}
         ip.save_pretrained(path)
         tok.save_pretrained(path)
         with open(os.path.join(path, "processor_config.json"), "w", encoding="utf-8") as f:
-            json.dump({"processor_class": "Qwen2VLProcessor"}, f)
+            json.dump(processor_config, f)
         with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
             f.write(tok.chat_template)
         return
@@ -230,7 +268,9 @@ def save_tiny_vlm(path: str, arch: str, tokenizer_dir: str, seed: int = 0) -> An
         "llava_next": transformers.LlavaNextForConditionalGeneration,
         "gemma3": transformers.Gemma3ForConditionalGeneration,
         "idefics3": transformers.Idefics3ForConditionalGeneration,
+        "smolvlm": transformers.SmolVLMForConditionalGeneration,
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
     }[arch]
     model = cls(config).eval()
     with torch.no_grad():  # weights large enough that images move the outputs

@@ -20,7 +20,9 @@ HF_CLASSES = {
     "llava_next": "LlavaNextForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 # Adapter targets: the language model's modules only, and some of the tower's and connector's too.
 LM_TARGETS = r".*(language_model|text_model).*\.(q_proj|v_proj|o_proj|down_proj)"
@@ -29,7 +31,9 @@ TOWER_TARGETS = {
     "llava_next": ["q_proj", "fc2", "linear_2"],
     "gemma3": ["q_proj", "fc1", "up_proj"],
     "idefics3": ["q_proj", "fc1", "proj", "up_proj"],
+    "smolvlm": ["k_proj", "fc2", "proj", "gate_proj"],
     "qwen2_vl": ["qkv", "fc1", "mlp.0", "q_proj", "down_proj"],
+    "qwen2_5_vl": ["qkv", "up_proj", "mlp.2", "o_proj"],
 }
 
 
