@@ -98,22 +98,30 @@ def generate(
     return tokens, logprobs
 
 
-def forced_logprobs(
+def scored_logprobs(
     model: Any, adapter: str | None, inputs: dict[str, torch.Tensor], tokens: list[int]
 ) -> torch.Tensor:
-    """The model's logprob rows [len(tokens), vocab] for each of `tokens` after the prompt, from one
-    full forward over the prompt and `tokens` (teacher forcing)."""
-    extra = torch.tensor([tokens])
-    forced = dict(inputs)
-    forced["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
-    forced["attention_mask"] = torch.ones_like(forced["input_ids"])
-    for key in ("token_type_ids", "mm_token_type_ids"):
-        if key in forced:
-            forced[key] = torch.cat([forced[key], torch.zeros_like(extra)], dim=1)
+    """The model's logprob rows [prompt length - 1 + len(tokens), vocab]: each prompt position's (one
+    forward over the prompt), then each of `tokens`' as `generate` scores it when made to follow them
+    (a generated token may be a placeholder id, which one forward over prompt and tokens would take for
+    an image's)."""
+    length = inputs["input_ids"].shape[1]
     with torch.no_grad(), active(model, adapter):
-        logits = model(**forced).logits[0].float()
-    start = inputs["input_ids"].shape[1] - 1
-    return torch.log_softmax(logits[start : start + len(tokens)], -1)
+        prompt_rows = torch.log_softmax(model(**inputs).logits[0, :-1].float(), -1)
+        if not tokens:
+            return prompt_rows
+        out = model.generate(
+            **inputs,
+            max_new_tokens=len(tokens),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            prefix_allowed_tokens_fn=lambda _, ids: [tokens[len(ids) - length]],
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    generated = torch.stack([torch.log_softmax(step[0].float(), -1) for step in out.logits])
+    return torch.cat([prompt_rows, generated])
 
 
 def processor_of(path: str) -> Any:
