@@ -24,11 +24,12 @@ from loraserve import envs
 from loraserve.layers.quant.formats import QuantTensor, repack_rows
 from loraserve.native.build import function_address, load_library
 
-# At most this many rows take the integer path. Measured (1 thread, a 3072 x 576 weight, AVX512-VNNI
-# Xeon): int8 against the tile path at 24 rows 1405 vs 1618 us (Q4_1), 1251 vs 1829 (Q8_0), 1718 vs
-# 1652 (Q4_K); at 32 rows the tile path wins but for Q8_0. The integer path's cost grows with the rows
-# (each row's dot products), the tile path's hardly (its dequantizing does not).
-DECODE_ROWS = 24
+# At most this many rows take the integer path. Measured after the super-block and row-layout loops
+# (AVX2 EPYC, family 25 model 1, 1 thread, float32 x; tile-path time over integer-path time): Q4_1
+# 1536x576 2.24 / 1.24 / 1.00 at 8 / 24 / 48 rows, 0.82 at 64; Q8_0 8192x2048 2.82 / 1.65 / 1.28 / 1.11;
+# Q4_K 8192x2048 3.23 / 1.71 / 1.47 / 1.00; Q6_K 2048x8192 4.02 / 2.05 / 1.63 / 1.41. The integer path's
+# cost grows with the rows (each row's dot products), the tile path's hardly (its dequantizing does not).
+DECODE_ROWS = 48
 TILE_BYTES = 1 << 20  # a dequantized tile of the prefill path: about L2's size
 PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
