@@ -76,12 +76,13 @@ def _quantized_linears(llm: LLM) -> list[Linear]:
     return [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.quant_parts is not None]
 
 
-@pytest.mark.parametrize("levels, tolerance", [(1, 5e-2), (2, 5e-4)], ids=["one level", "two levels"])
+@pytest.mark.parametrize("levels, tolerance", [(1, 0.1), (2, 5e-4)], ids=["one level", "two levels"])
 def test_quantized_float32_equals_dequantized(
     tiny: str, cache_root: str, monkeypatch: pytest.MonkeyPatch, levels: int, tolerance: float
 ) -> None:
     """Greedy tokens equal the dequantized model's; logprobs within what the activations' int8 levels
-    leave (one level, llama.cpp's precision, is the default; two keep float32's)."""
+    leave (one level, llama.cpp's precision, is the default: measured up to 0.05 on this random model;
+    two keep float32's: 2e-4). A wrong scale, min or nibble moves logprobs by whole units."""
     monkeypatch.setenv("LORASERVE_CPU_QUANT_ACT_LEVELS", str(levels))
     llm = LLM(tiny, dtype="float32")
     assert all(part.act_levels == levels for m in _quantized_linears(llm) for part in m.quant_parts or [] if part)

@@ -1,9 +1,10 @@
-"""A Llama-3.2-1B-shaped GGUF with random weights, as Q8_0 and as Q4_K_M, for the benchmarks beside
-llama.cpp (built once, cached under `<cache_root>/bench-llama1b`).
+"""Llama-3.2-1B- and Llama-3.1-8B-shaped GGUFs with random weights, as Q8_0 and as Q4_K_M, for the
+benchmarks beside llama.cpp (built once, cached under `<cache_root>/bench-llama1b`).
 
 Llama-3.2-1B's shape: 16 layers, hidden 2048, 32 heads over 8 KV heads of 64, MLP 8192, its 128256-
-token vocabulary with tied embeddings, rope base 500000 (its llama3 rope scaling left out: it changes
-no step's cost). The tokenizer is a byte-level BPE padded to 128256 tokens (tokens past the bytes are
+token vocabulary with tied embeddings; Llama-3.1-8B's: 32 layers, hidden 4096, 32 heads over 8 KV heads
+of 128, MLP 14336, the same vocabulary with an untied output (Q6_K in Q4_K_M, its token embedding Q4_K);
+rope base 500000 (the llama3 rope scaling left out: it changes no step's cost). The tokenizer is a byte-level BPE padded to 128256 tokens (tokens past the bytes are
 unreachable by merges: prompts are token ids). Q8_0 weights are random normals (std 0.02) quantized by
 `quantize_q8_0`; the K-quants, which the `gguf` package cannot quantize, are random blocks of about
 that size, in llama.cpp's Q4_K_M mix: Q4_K everywhere but Q6_K for the tied embedding/LM head and for
@@ -22,7 +23,9 @@ import torch
 from loraserve import envs
 from loraserve.layers.quant.formats import quantize_q8_0
 
-LLAMA_1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256)
+LLAMA_1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, tied=True)
+LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False)
+SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
 KINDS = ("Q8_0", "Q4_K_M")
 _SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 _STD = 0.02
@@ -42,9 +45,8 @@ def _vocab(size: int) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def _shapes() -> Iterator[tuple[str, tuple[int, ...]]]:
+def _shapes(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(GGUF name, shape [out, in] as numpy holds it) of every tensor, in file order."""
-    c = LLAMA_1B
     head_dim = c["hidden"] // c["heads"]
     yield "token_embd.weight", (c["vocab"], c["hidden"])
     for i in range(c["layers"]):
@@ -61,19 +63,21 @@ def _shapes() -> Iterator[tuple[str, tuple[int, ...]]]:
         ):
             yield f"blk.{i}.{name}.weight", shape
     yield "output_norm.weight", (c["hidden"],)
+    if not c["tied"]:
+        yield "output.weight", (c["vocab"], c["hidden"])
 
 
 def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def q4_k_m_type(name: str) -> str:
-    """The format llama.cpp's Q4_K_M gives tensor `name` of this model."""
-    if name == "token_embd.weight":  # the tied LM head: llama.cpp quantizes the output with Q6_K
+def q4_k_m_type(name: str, c: dict) -> str:
+    """The format llama.cpp's Q4_K_M gives tensor `name` of model `c`."""
+    if name == "output.weight" or (name == "token_embd.weight" and c["tied"]):  # the LM head: Q6_K
         return "Q6_K"
     if name.endswith(("attn_v.weight", "ffn_down.weight")):
         layer = int(name.split(".")[1])
-        return "Q6_K" if _more_bits(layer, LLAMA_1B["layers"]) else "Q4_K"
+        return "Q6_K" if _more_bits(layer, c["layers"]) else "Q4_K"
     return "Q4_K"
 
 
@@ -92,7 +96,7 @@ def _random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generato
     return raw.reshape(out, -1)
 
 
-def _tensor(name: str, shape: tuple[int, ...], kind: str, seed: int) -> tuple[np.ndarray, object | None]:
+def _tensor(name: str, shape: tuple[int, ...], kind: str, seed: int, c: dict) -> tuple[np.ndarray, object | None]:
     """(data, raw GGML type or None for float32) of one tensor."""
     import gguf
 
@@ -102,22 +106,23 @@ def _tensor(name: str, shape: tuple[int, ...], kind: str, seed: int) -> tuple[np
     if kind == "Q8_0":
         values = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * _STD)
         return quantize_q8_0(values).blocks.numpy(), gguf.GGMLQuantizationType.Q8_0
-    qtype = q4_k_m_type(name)
+    qtype = q4_k_m_type(name, c)
     return _random_k_blocks(qtype, (shape[0], shape[1]), rng), gguf.GGMLQuantizationType[qtype]
 
 
-def build_llama1b_gguf(kind: str) -> str:
-    """The path of the 1B GGUF in `kind` ("Q8_0" or "Q4_K_M"), written once."""
+def build_llama_gguf(kind: str, size: str = "1b") -> str:
+    """The path of the `size` ("1b" or "8b") GGUF in `kind` ("Q8_0" or "Q4_K_M"), written once."""
     import gguf
 
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    path = os.path.join(gguf_root(), f"llama-3.2-1b-random.{kind}.gguf")
+    if kind not in KINDS or size not in SHAPES:
+        raise ValueError(f"kind must be one of {KINDS} and size one of {tuple(SHAPES)}, got {kind!r}, {size!r}")
+    name = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}[size]
+    path = os.path.join(gguf_root(), f"{name}-random.{kind}.gguf")
     if os.path.isfile(path):
         return path
     os.makedirs(gguf_root(), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    c = LLAMA_1B
+    c = SHAPES[size]
     writer = gguf.GGUFWriter(tmp, "llama")
     writer.add_context_length(8192)
     writer.add_embedding_length(c["hidden"])
@@ -137,12 +142,12 @@ def build_llama1b_gguf(kind: str) -> str:
     writer.add_token_merges(merges)
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
-    shapes = list(_shapes())
+    shapes = list(_shapes(c))
     for name, shape in shapes:  # the infos first: the header precedes the data
         if len(shape) == 1:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
             continue
-        qtype = "Q8_0" if kind == "Q8_0" else q4_k_m_type(name)
+        qtype = "Q8_0" if kind == "Q8_0" else q4_k_m_type(name, c)
         block, size = _SIZES.get(qtype, (32, 34))
         byte_shape = (shape[0], shape[1] // block * size)
         raw = gguf.GGMLQuantizationType[qtype]
@@ -151,7 +156,7 @@ def build_llama1b_gguf(kind: str) -> str:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for seed, (name, shape) in enumerate(shapes):
-        writer.write_tensor_data(_tensor(name, shape, kind, seed)[0])
+        writer.write_tensor_data(_tensor(name, shape, kind, seed, c)[0])
     writer.close()
     os.replace(tmp, path)
     return path
@@ -159,4 +164,5 @@ def build_llama1b_gguf(kind: str) -> str:
 
 if __name__ == "__main__":
     for kind in KINDS:
-        print(build_llama1b_gguf(kind))
+        print(build_llama_gguf(kind))
+    print(build_llama_gguf("Q4_K_M", "8b"))
