@@ -25,11 +25,13 @@ from loraserve.native.build import function_address, load_library
 from loraserve.native.kernel_slot import KernelSlot
 
 # At most this many rows take the integer path. Measured after the super-block and row-layout loops
-# (AVX2 EPYC, family 25 model 1, 1 thread, float32 x; tile-path time over integer-path time): Q4_1
-# 1536x576 2.24 / 1.24 / 1.00 at 8 / 24 / 48 rows, 0.82 at 64; Q8_0 8192x2048 2.82 / 1.65 / 1.28 / 1.11;
-# Q4_K 8192x2048 3.23 / 1.71 / 1.47 / 1.00; Q6_K 2048x8192 4.02 / 2.05 / 1.63 / 1.41. The integer path's
-# cost grows with the rows (each row's dot products), the tile path's hardly (its dequantizing does not).
-DECODE_ROWS = 48
+# (AVX2 EPYC, family 25 model 1, 1 thread, float32 x; tile-path time over integer-path time) at 8 / 24 /
+# 32 / 48 rows: Q4_1 1536x576 2.24 / 1.24 / 1.10 / 1.00; Q8_0 8192x2048 2.82 / 1.65 / 1.40 / 1.28; Q4_K
+# 8192x2048 3.23 / 1.71 / 1.18 / 0.87-1.47; Q6_K 2048x8192 4.02 / 2.05 / 1.92 / 1.63. Past 32 rows a
+# format or two break even: the integer path's cost grows with the rows (each row's dot products, the
+# weights unpacked again per 4 rows), the tile path's hardly (its dequantizing does not), so a 32-sequence
+# decode step stays integer and prefill takes the tiles.
+DECODE_ROWS = 32
 TILE_BYTES = 1 << 20  # a dequantized tile of the prefill path: about L2's size
 PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -38,6 +38,7 @@
 #define MR 4        /* rows of x per pass over a weight row: its unpacked blocks are reused that often */
 #define PREFETCH_ROWS 4 /* weight rows ahead of the one being read (past the end: a harmless hint) */
 #define N_CHUNK 16  /* weight rows per work item (a few KB: stays in L1 while the row groups pass) */
+#define M_BLOCK 64  /* rows of x per work item: their quants (64 x k bytes) stay in L2 while the chunks pass */
 
 /* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
  * gives them their row layout, 6-8, at load); 3-5 the K-quants */
@@ -114,36 +115,40 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
  * (the switch below), so the per-row accumulators are registers rather than a stack array. */
 static inline __attribute__((always_inline)) void rows_pass(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
                                                             int64_t n1, int64_t k, const qx_t *qx, int64_t r0, int mr,
-                                                            int two, float *acc) {
+                                                            int two, int first, float *acc) {
     for (int64_t n = n0; n < n1; n++) {
         float out[MR];
-        /* a step streams each weight once from memory: ask for rows PREFETCH_ROWS ahead (the hardware
-         * prefetcher alone left a single thread at about half the read bandwidth on the LM head) */
-        const uint8_t *ahead = r0 == 0 ? w + (n + PREFETCH_ROWS) * row_bytes : NULL;
+        /* the first pass over the chunk streams its weights from memory: ask for rows PREFETCH_ROWS
+         * ahead (the hardware prefetcher alone left a single thread at about half the read bandwidth
+         * on the LM head); later passes find them in L1 */
+        const uint8_t *ahead = first ? w + (n + PREFETCH_ROWS) * row_bytes : NULL;
         row_dot(type, w + n * row_bytes, k, qx, r0, mr, two, ahead, out);
-        for (int i = 0; i < mr; i++) acc[(r0 + i) * N_CHUNK + (n - n0)] = out[i];
+        for (int i = 0; i < mr; i++) acc[i * N_CHUNK + (n - n0)] = out[i];
     }
 }
 
+/* Weight rows [n0, n1) against x's rows [r_lo, r_hi) (at most M_BLOCK), MR rows at a time; acc is
+ * [r_hi - r_lo][N_CHUNK]. */
 static inline __attribute__((always_inline)) void chunk_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
-                                                             int64_t n1, int64_t k, const qx_t *qx, int64_t m,
-                                                             float *acc /*[m][N_CHUNK]*/) {
+                                                             int64_t n1, int64_t k, const qx_t *qx, int64_t r_lo,
+                                                             int64_t r_hi, float *acc) {
     const int two = qx->xq2 != NULL || qx->kq2 != NULL;
-    for (int64_t r0 = 0; r0 < m; r0 += MR) {
-        const int mr = m - r0 < MR ? (int)(m - r0) : MR;
+    for (int64_t r0 = r_lo; r0 < r_hi; r0 += MR) {
+        const int mr = r_hi - r0 < MR ? (int)(r_hi - r0) : MR, first = r0 == r_lo;
+        float *a = acc + (r0 - r_lo) * N_CHUNK;
         if (two) {
             switch (mr) {
-            case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 1, 1, acc); break;
-            case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 2, 1, acc); break;
-            case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 3, 1, acc); break;
-            default: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, MR, 1, acc); break;
+            case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 1, 1, first, a); break;
+            case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 2, 1, first, a); break;
+            case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 3, 1, first, a); break;
+            default: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, MR, 1, first, a); break;
             }
         } else {
             switch (mr) {
-            case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 1, 0, acc); break;
-            case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 2, 0, acc); break;
-            case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 3, 0, acc); break;
-            default: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, MR, 0, acc); break;
+            case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 1, 0, first, a); break;
+            case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 2, 0, first, a); break;
+            case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 3, 0, first, a); break;
+            default: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, MR, 0, first, a); break;
             }
         }
     }
@@ -155,25 +160,26 @@ static int weight_ok(const int64_t *w) {
     return type >= 3 && type <= 8 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
 }
 
-/* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias, x from qx (acc: [m][N_CHUNK] scratch). */
+/* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias for x's rows [r_lo, r_hi), x from qx (acc:
+ * [M_BLOCK][N_CHUNK] scratch). */
 static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, const void *bias, void *y, int64_t ldy,
-                      int64_t m, float *acc) {
+                      int64_t r_lo, int64_t r_hi, float *acc) {
     const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
     const int64_t n = w[1], k = w[2];
     const int type = (int)w[3];
     const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
     const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
     switch (type) {
-    case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    case 5: chunk_rows(5, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    case 6: chunk_rows(6, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    case 7: chunk_rows(7, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    default: chunk_rows(8, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    case 5: chunk_rows(5, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    case 6: chunk_rows(6, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    case 7: chunk_rows(7, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    default: chunk_rows(8, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
     }
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = r_lo; r < r_hi; r++)
         for (int64_t j = n0; j < n1; j++) {
-            float v = acc[r * N_CHUNK + (j - n0)];
+            float v = acc[(r - r_lo) * N_CHUNK + (j - n0)];
             if (bias != NULL) v += x_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
             if (x_bf16) ((uint16_t *)y)[r * ldy + j] = f32_to_bf16(v);
             else ((float *)y)[r * ldy + j] = v;
@@ -199,22 +205,27 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
     if (quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx) != 0) return 2;
     const int64_t elem = x_bf16 ? 2 : 4;
     int failed = 0;
-    /* guided: a thread slowed by a neighbour's process takes fewer chunks, at few claims per call */
+    /* Work items: (block of M_BLOCK x rows, chunk of N_CHUNK weight rows), the chunks of one block in a
+     * row, so a block's quants stay in L2 while the weights stream past (a decode step is one block).
+     * guided: a thread slowed by a neighbour's process takes fewer items, at few claims per call. */
+    const int64_t num_items = (m + M_BLOCK - 1) / M_BLOCK * num_chunks;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *acc = malloc(sizeof(float) * (size_t)(m * N_CHUNK + 1));
+        float *acc = malloc(sizeof(float) * (size_t)(M_BLOCK * N_CHUNK));
         if (acc == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(guided)
-        for (int64_t c = 0; c < num_chunks; c++) {
+        for (int64_t item = 0; item < num_items; item++) {
             if (acc == NULL) continue;
+            const int64_t c = item % num_chunks, r_lo = item / num_chunks * M_BLOCK;
+            const int64_t r_hi = r_lo + M_BLOCK < m ? r_lo + M_BLOCK : m;
             int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
             while (c >= first + (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK)
                 first += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK, col += w[4 * p + 1], p++;
             const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
-            run_chunk(w + 4 * p, c - first, &qx, x_bf16, b, (char *)y + col * elem, ldy, m, acc);
+            run_chunk(w + 4 * p, c - first, &qx, x_bf16, b, (char *)y + col * elem, ldy, r_lo, r_hi, acc);
         }
         free(acc);
     }
