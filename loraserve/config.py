@@ -350,6 +350,10 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
+    # loraserve's own (EngineArgs' structured_outputs_compile_*): the server's grammar compiles run on
+    # this many worker processes, each compile killed after compile_timeout_s.
+    compile_timeout_s: float = 10.0
+    compile_workers: int = 2
 
     def __post_init__(self) -> None:
         if self.backend not in SERVED_STRUCTURED_OUTPUT_BACKENDS:
@@ -365,17 +369,18 @@ class StructuredOutputsConfig:
 
     @classmethod
     def from_options(
-        cls, config: Mapping[str, Any] | None, guided_decoding_backend: str | None
+        cls, config: Mapping[str, Any] | None, guided_decoding_backend: str | None, **own: Any
     ) -> StructuredOutputsConfig:
-        """From --structured-outputs-config (a JSON object) and the older --guided-decoding-backend."""
+        """From --structured-outputs-config (a JSON object), the older --guided-decoding-backend, and
+        loraserve's own fields (`own`: compile_timeout_s, compile_workers)."""
         values = dict(config or {})
-        names = {f for f in cls.__dataclass_fields__}
+        names = {f for f in cls.__dataclass_fields__} - {"compile_timeout_s", "compile_workers"}
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"structured_outputs_config has unknown field(s): {', '.join(unknown)}.")
         if guided_decoding_backend is not None:
             values.setdefault("backend", guided_decoding_backend)
-        return cls(**values)
+        return cls(**values, **own)
 
 
 @dataclass(frozen=True)

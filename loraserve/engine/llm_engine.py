@@ -138,11 +138,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        grammar: Any = None,
     ) -> Request:
         """Validate and queue a request. Raises ValueError (bad prompt/params), LoRAAdapterError, or
         EngineOverloadedError (the queue is full: retry later). A dict prompt may carry vLLM's
         `cache_salt`; `priority` needs scheduling_policy "priority". `BeamSearchParams` make it a
-        beam search (its one output, at the end, holds the best beams)."""
+        beam search (its one output, at the end, holds the best beams). `grammar`: the request's
+        constraint already compiled (the async engine's compile pool); None compiles it here."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":  # vLLM's text
@@ -158,7 +160,10 @@ class LLMEngine:
         if request_salt:
             salt = RequestSalt(salt, str(request_salt))
         # Compiled (or found in the cache) before anything is queued: a bad schema is a ValueError.
-        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.structured.compile(params.structured_outputs)
         request = Request(
             request_id,
             text,

@@ -130,9 +130,7 @@ class FakeEngine:
     ) -> list[int]:
         vocab = self.model_config.vocab_size
         assert params.max_tokens is not None
-        return [
-            toy_next_token(prompt_ids, lora_id, index, step, vocab) for step in range(params.max_tokens)
-        ]
+        return [toy_next_token(prompt_ids, lora_id, index, step, vocab) for step in range(params.max_tokens)]
 
     def _sequence(
         self, prompt_ids: list[int], params: SamplingParams, lora_id: int, index: int, step: int
@@ -183,6 +181,7 @@ class FakeEngine:
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        client_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.priorities_seen.append(priority)
         if isinstance(prompt, dict):  # {"prompt_token_ids": ids, "cache_salt": salt}

@@ -29,7 +29,13 @@ _RENAMED = {
     "waiting_by_adapter": "num_requests_waiting_by_lora",
 }
 # Engine stats keys that only ever grow: exported as counters, so rate() and alerts work on them.
-_COUNTERS = {"num_step_failures": "Engine steps that raised; their requests failed, the engine went on."}
+_COUNTERS = {
+    "num_step_failures": "Engine steps that raised; their requests failed, the engine went on.",
+    "grammar_compiles": "Grammars compiled by the compile worker processes.",
+    "grammar_compile_timeouts": "Grammar compiles killed at --structured-outputs-compile-timeout (a 400 each).",
+    "grammar_compiles_cancelled": "Grammar compiles withdrawn because their requests went away.",
+    "grammar_compile_workers_started": "Grammar compile worker processes started (a killed one is replaced).",
+}
 
 
 def metric_name(key: str) -> str:
@@ -59,7 +65,9 @@ def _generic_families(stats: Mapping[str, Any], extra: Mapping[str, str]) -> Ite
         yield family
 
 
-def stats_families(stats: Mapping[str, Any], now: float, extra: Mapping[str, str] | None = None) -> list[Metric]:
+def stats_families(
+    stats: Mapping[str, Any], now: float, extra: Mapping[str, str] | None = None
+) -> list[Metric]:
     """Every family of one engine's stats; `extra` (label name -> value) is added to each sample, and
     `now` is the value of `lora_requests_info` (vLLM's scrape time)."""
     extra = dict(extra or {})

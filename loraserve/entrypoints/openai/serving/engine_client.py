@@ -71,11 +71,14 @@ class EngineClient(Protocol):
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        client_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes; closing the iterator aborts it.
         Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one;
         `priority` orders them under scheduling_policy "priority". `prompt` may be a dict
-        {"prompt_token_ids": ids, "cache_salt": salt} (vLLM's per-request prefix-cache salt)."""
+        {"prompt_token_ids": ids, "cache_salt": salt} (vLLM's per-request prefix-cache salt).
+        `client_id`: whose turn and share the request's work off the step loop (a new grammar's
+        compile) counts in."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

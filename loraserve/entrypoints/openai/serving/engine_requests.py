@@ -108,6 +108,7 @@ class EngineRequestRunner:
                 lora_request=lora_request,
                 group_id=group_id,
                 priority=p.priority,
+                client_id=current_client().fairness_key,
             )
             for p in prompts
         ]

@@ -52,9 +52,11 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
     if not values:
         return None
     try:
-        return StructuredOutputsParams.from_dict(values)
+        params = StructuredOutputsParams.from_dict(values)
     except (TypeError, ValueError) as exc:
         raise APIError(str(exc), HTTPStatus.BAD_REQUEST, param) from exc
+    params.param = param  # what a compile refusal (too large, too slow, invalid) names
+    return params
 
 
 def _from_response_format(fmt: Any) -> dict[str, Any]:

@@ -190,7 +190,7 @@ def _past_call(call: dict[str, Any], index: int, j: int) -> dict[str, Any]:
 
 
 def _json(schema: dict[str, Any]) -> StructuredOutputsParams:
-    return StructuredOutputsParams(json=schema)
+    return StructuredOutputsParams(json=schema, param="tools")  # the tools' schemas are the grammar
 
 
 def _error(message: str, param: str = "tool_choice") -> APIError:
