@@ -105,7 +105,7 @@ def _is_done(
     if stopping is True:
         return True
     length = group.max_tokens if stopping == "never" and lp > 0.0 else num_generated
-    best_possible = continuing[0].cum_logprob / (length**lp)
+    best_possible = beam_score(continuing[0].cum_logprob, length, lp)
     return not best_possible > finished[-1].score
 
 

@@ -214,9 +214,9 @@ class LLMEngine:
         try:
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
-            failed = self.step_failures.step_failed(batch.scheduled, exc)
+            ended = self.step_failures.step_failed(batch.scheduled, exc)
             self.adapters.finish_removals()
-            return failed
+            return ended
         run = self.runner.run(
             batch.scheduled,
             None if masks is None else partial(self.structured.apply, masks),
@@ -228,8 +228,13 @@ class LLMEngine:
             if run.error is not None:
                 raise run.error
             if run.result is not None:
-                sampled = _stop_dead_ends(self.outputs.process(run.result, run.sampled), masks)
-                searched = self.scheduler.update(run.scheduled, sampled, run.beams)
+                failed = run.request_errors  # requests whose own work failed: they end alone
+                sampled = _stop_dead_ends(self.outputs.process(run.result, run.sampled, failed), masks)
+                scheduled = (
+                    [s for s in run.scheduled if s.seq.request not in failed] if failed else run.scheduled
+                )
+                searched = self.scheduler.update(scheduled, sampled, run.beams, failed)
+                outputs += self.step_failures.requests_failed(failed)
                 outputs += self._request_outputs(sampled)
                 outputs += self._beam_outputs(searched)
         except Exception as exc:
@@ -322,7 +327,9 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
-        return engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+        stats = engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+        stats["num_request_failures"] = self.step_failures.requests_failed_alone
+        return stats
 
 
 def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:

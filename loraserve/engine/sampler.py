@@ -88,12 +88,12 @@ class Sampler:
         if index is not None and raw_logprobs is not None:
             picked = sampled[index]
             values = raw_logprobs.gather(1, picked.unsqueeze(1)).squeeze(1).tolist()
-            dicts = _position_logprobs(raw_logprobs, picked, [rows[i].params.logprobs or 0 for i in logprob_rows])
+            dicts = _position_logprobs(
+                raw_logprobs, picked, [rows[i].params.logprobs or 0 for i in logprob_rows]
+            )
             for i, value, entry in zip(logprob_rows, values, dicts, strict=True):
                 sampled_logprobs[i], top_logprobs[i] = value, entry
-        return SamplerOutput(
-            token_ids=sampled.tolist(), logprobs=sampled_logprobs, top_logprobs=top_logprobs
-        )
+        return SamplerOutput(token_ids=sampled.tolist(), logprobs=sampled_logprobs, top_logprobs=top_logprobs)
 
 
 def _greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -213,9 +213,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             [row.params.repetition_penalty, row.params.frequency_penalty, row.params.presence_penalty]
             for row in sub_rows
         ],
-        dtype=logits.dtype,
+        dtype=torch.float64,
         device=device,
     )
+    # Any positive finite penalty is valid (vLLM's range); in the logits' dtype 1e300 would be inf and
+    # 1e-300 zero, and 0 * inf or x / 0 a NaN row: they saturate at the dtype's extremes instead.
+    limits = torch.finfo(logits.dtype)
+    params[:, 0].clamp_(min=limits.tiny, max=limits.max)
+    params = params.to(logits.dtype)
     repetition, frequency, presence = params[:, 0:1], params[:, 1:2], params[:, 2:3]
     index = torch.tensor(penalised, device=device)
     sub = logits[index]

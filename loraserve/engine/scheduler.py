@@ -117,10 +117,12 @@ class Scheduler:
         scheduled: list[ScheduledSeq],
         sampled: list[SampledToken],
         beams: Sequence_[BeamCandidates] = (),
+        failed: dict[Request, Exception] | None = None,
     ) -> list[Request]:
         """Apply a step that ran: computed tokens and their full blocks, then the sampled tokens, then
         the beams' candidates (a group whose every live beam has them takes its round). Returns the
-        beam-search requests whose search ended."""
+        beam-search requests whose search ended. With `failed`, a group whose round raises goes into
+        it (the caller ends it) and the other groups go on."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.commit_computed(item.seq, item.seq.request.cache_salt)
@@ -136,9 +138,20 @@ class Scheduler:
                 if cand.seq.request is request:
                     group.pending[cand.seq.seq_id] = cand
             if all(seq.seq_id in group.pending for seq in request.seqs):
-                apply_selection(
-                    request, select(group, request.seqs), self.blocks, self.running, self.finish, self.seq_ids
-                )
+                try:
+                    apply_selection(
+                        request,
+                        select(group, request.seqs),
+                        self.blocks,
+                        self.running,
+                        self.finish,
+                        self.seq_ids,
+                    )
+                except Exception as exc:
+                    if failed is None:
+                        raise
+                    failed[request] = exc
+                    continue
                 if group.done:
                     ended.append(request)
         return ended
@@ -277,7 +290,9 @@ class Scheduler:
         wanted = running | {order[i].lora_id for i in places}
         if self._adapters_fit(wanted):
             return order
-        demand = Counter(lora_id for lora_id, _ in {(order[i].lora_id, order[i].request.turn_key) for i in places})
+        demand = Counter(
+            lora_id for lora_id, _ in {(order[i].lora_id, order[i].request.turn_key) for i in places}
+        )
         first_place: dict[int, int] = {}
         for i in places:
             first_place.setdefault(order[i].lora_id, i)
