@@ -227,6 +227,16 @@ class SchedulerConfig:
         group=_CACHE,
         help="Most tokens processed in one engine step, prefill chunks included (default: %(default)s).",
     )
+    max_num_seqs_share: float = option(
+        0.5,
+        type=queue_share,
+        group=_CACHE,
+        help="loraserve only: the fraction (0 < f <= 1) of --max-num-seqs one request's sequences (its n "
+        "samples, best_of or beams, the prompts of one call) may hold while another request's wait for a "
+        "slot; the latest of them yield (preempted, recomputed later). Alone, a request uses every slot; "
+        "1.0 is vLLM's behaviour, where a newcomer waits for a whole request to finish (default: 0.5).",
+        check=_a_queue_share,
+    )
     max_model_len: int = 2048  # resolved from the model (EngineArgs.max_model_len)
     scheduling_policy: str = option(
         "fcfs",

@@ -69,6 +69,7 @@ class LLMEngine:
             config.lora.max_loras if config.lora else None,
             self.lora.can_activate if self.lora is not None else None,
             seq_ids,
+            config.model.vocab_size,
         )
         self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.runner = ModelRunner(
