@@ -28,6 +28,7 @@ from loraserve.entrypoints.openai.serving.protocol import (
 from loraserve.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 from loraserve.entrypoints.openai.tool_parsers.forced_tool_parsers import NamedToolParser, RequiredToolParser
 from loraserve.entrypoints.openai.tool_parsers.manager import ToolParserManager
+from loraserve.json_limits import JSONDepthError, loads_bounded
 from loraserve.structured_output.params import StructuredOutputsParams
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
@@ -183,9 +184,11 @@ def _past_call(call: dict[str, Any], index: int, j: int) -> dict[str, Any]:
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = loads_bounded(arguments, f"{where}.function.arguments") if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             raise _error(f"{where}.function.arguments is not valid JSON: {exc}", "messages") from exc
+        except JSONDepthError as exc:
+            raise _error(str(exc), "messages") from None
     return {**call, "function": {**function, "arguments": arguments}}
 
 
