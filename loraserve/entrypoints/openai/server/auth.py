@@ -1,8 +1,9 @@
 """--api-key enforcement: a raw ASGI middleware, so no routing quirk can skip it.
 
-The decision uses the raw request path exactly as received: only `/health` is open. Percent-encoding,
-double slashes or `..` segments never match it, so they are checked like any other path. Keys are
-compared in constant time against every configured key.
+The decision uses the raw request path exactly as received: only `/health` and `/ping` (vLLM's
+SageMaker health check, which answers as `/health` does and is open in vLLM too) are open.
+Percent-encoding, double slashes or `..` segments never match them, so they are checked like any
+other path. Keys are compared in constant time against every configured key.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraserve.entrypoints.openai.server.http_guard import app_path, send_json_error
 
-OPEN_PATHS = frozenset({b"/health"})
+OPEN_PATHS = frozenset({b"/health", b"/ping"})
 
 
 class APIKeyMiddleware:
@@ -46,4 +47,6 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send_json_error(send, 401, "Unauthorized", "AuthenticationError", [(b"www-authenticate", b"Bearer")])
+        await send_json_error(
+            send, 401, "Unauthorized", "AuthenticationError", [(b"www-authenticate", b"Bearer")]
+        )
