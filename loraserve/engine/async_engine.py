@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.arg_utils import EngineArgs
-from loraserve.engine.fair_admission import AdmissionHold, FairAdmission
+from loraserve.engine.fair_admission import AdmissionHold, ClientLimits, FairAdmission
 from loraserve.engine.heap_trim import HeapTrimmer
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.step_failures import StepFailureLimitError
@@ -242,7 +242,11 @@ class AsyncLLMEngine:
                 await self.abort(request_id)
 
     async def admit(
-        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+        self,
+        num_seqs: int,
+        num_prefill_tokens: int,
+        client_id: str | None = None,
+        limits: ClientLimits | None = None,
     ) -> AdmissionHold:
         """Room in the queue for one API call (prompts x n sequences, their prompt tokens), held until
         the hold is released: at once, or after a bounded wait in turn by client (`FairAdmission`)."""
@@ -250,7 +254,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"The engine is dead: {self.dead_error}")
         if self._closed:
             raise EngineShutdownError("The server is shutting down and accepts no new requests.")
-        return await self.admission.admit(num_seqs, num_prefill_tokens, client_id)
+        return await self.admission.admit(num_seqs, num_prefill_tokens, client_id, limits)
 
     async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """EngineOverloadedError unless a request of this size fits the queue now (on the engine thread,

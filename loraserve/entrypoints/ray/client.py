@@ -27,7 +27,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from loraserve import envs
 from loraserve.beam_search import BeamSearchParams
-from loraserve.engine.fair_admission import AdmissionHold, unlimited_hold
+from loraserve.engine.fair_admission import AdmissionHold, ClientLimits, unlimited_hold
 from loraserve.entrypoints.ray.deployment import ReplicaHello, ReplicaInfo
 from loraserve.entrypoints.ray.known_replicas import known_replica_ids, note_loaded
 from loraserve.entrypoints.ray.replica_header import note_replica
@@ -142,7 +142,11 @@ class ReplicaClient:
             stream.cancel()
 
     async def admit(
-        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+        self,
+        num_seqs: int,
+        num_prefill_tokens: int,
+        client_id: str | None = None,
+        limits: ClientLimits | None = None,
     ) -> AdmissionHold:
         """Each replica's engine checks every request it is given (the per-request share included);
         a call of more than one sequence asks the least loaded replica first (advisory: its prompts

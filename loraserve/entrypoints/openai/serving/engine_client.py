@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from loraserve.beam_search import BeamSearchParams
     from loraserve.config import LoRAConfig, SchedulerConfig
-    from loraserve.engine.fair_admission import AdmissionHold
+    from loraserve.engine.fair_admission import AdmissionHold, ClientLimits
     from loraserve.lora.request import LoRARequest
     from loraserve.outputs import RequestOutput
     from loraserve.sampling_params import SamplingParams
@@ -88,11 +88,16 @@ class EngineClient(Protocol):
         ...
 
     async def admit(
-        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+        self,
+        num_seqs: int,
+        num_prefill_tokens: int,
+        client_id: str | None = None,
+        limits: ClientLimits | None = None,
     ) -> AdmissionHold:
         """Room for one API call (all its prompts x n), held until the hold is released; waits a
-        bounded time in turn by client (`client_id`: the API key's, None: a client of its own), then
-        EngineOverloadedError (503); RequestTooLargeError (400) beyond one request's share."""
+        bounded time in turn by client (`client_id`: the API key's, None: a client of its own; `limits`:
+        that key's own), then EngineOverloadedError (503); RequestTooLargeError (400) beyond one
+        request's share."""
         ...
 
     async def add_lora(self, lora_request: LoRARequest) -> bool: ...
