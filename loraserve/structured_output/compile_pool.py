@@ -29,6 +29,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing import popen_forkserver, spawn
+from multiprocessing.context import ForkServerProcess
 from typing import Any
 
 from loraserve.errors import EngineShutdownError
@@ -43,6 +45,35 @@ logger = logging.getLogger(__name__)
 WORKER_START_TIMEOUT_S = 120.0
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload([compile_worker.__name__])
+_PREPARING = threading.Lock()
+
+
+class _WorkerPopen(popen_forkserver.Popen):
+    """The fork server's start, without the parent's `__main__` in what the child prepares from: a
+    worker runs `compile_worker.serve` and nothing else (multiprocessing imports the main module in
+    every child, so a script without a `__main__` guard ran again in each worker, server and all)."""
+
+    def _launch(self, process_obj: Any) -> None:
+        with _PREPARING:
+            original = spawn.get_preparation_data
+
+            def without_main(name: str) -> dict[str, Any]:
+                data = original(name)
+                data.pop("init_main_from_name", None)
+                data.pop("init_main_from_path", None)
+                return data
+
+            spawn.get_preparation_data = without_main  # read by the base class's _launch, only there
+            try:
+                super()._launch(process_obj)  # type: ignore[misc]  # (typeshed omits it)
+            finally:
+                spawn.get_preparation_data = original
+
+
+class _WorkerProcess(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _WorkerPopen:  # type: ignore[override]
+        return _WorkerPopen(process_obj)
 
 
 class GrammarCompileTimeoutError(GrammarCompileError):
@@ -275,7 +306,7 @@ class _Worker:
             if self._process is not None and self._process.is_alive():
                 return self._conn
         parent, child = _CONTEXT.Pipe()
-        process = _CONTEXT.Process(
+        process = _WorkerProcess(
             target=compile_worker.serve,
             args=(child, self.pool.tokenizer_info()),
             name=f"loraserve-grammar-{self.index}",
