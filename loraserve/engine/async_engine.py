@@ -290,9 +290,9 @@ class AsyncLLMEngine:
         ticket = pool.submit(key, client_id if client_id is not None else object(), params.param)
         try:
             return await asyncio.wrap_future(ticket.future)
-        except asyncio.CancelledError:
-            ticket.cancel()
-            raise
+        finally:  # cancelled, or the generator closed while it waited: nobody wants this compile now
+            if not ticket.future.done() or ticket.future.cancelled():
+                ticket.cancel()
 
     async def _prefetch(self, lora_request: LoRARequest | None) -> None:
         """Read and validate a new adapter on an adapter I/O thread, so the step loop never stalls on

@@ -74,11 +74,19 @@ class FairSlots:
         if not self.enabled:
             return chosen
         taken = set(map(id, chosen))
+        # Under the priority policy a request yields only to waiting ones of its level or better.
+        best = min((s.request.priority for s in waiting if not is_parked(s)), default=0)
         while len(chosen) < need:
-            key, count = max(held.items(), key=lambda kv: kv[1], default=("", 0))
-            if count <= self.cap:
+            over = {k: n for k, n in held.items() if n > self.cap}
+            candidates = [
+                s
+                for s in reversed(running)
+                if s.request.turn_key in over and id(s) not in taken and s.request.priority >= best
+            ]
+            if not candidates:
                 break
-            seq = next(s for s in reversed(running) if s.request.turn_key == key and id(s) not in taken)
+            key = max((s.request.turn_key for s in candidates), key=lambda k: (over[k], k))
+            seq = next(s for s in candidates if s.request.turn_key == key)
             chosen.append(seq)
             taken.add(id(seq))
             held[key] -= 1

@@ -219,6 +219,8 @@ class GrammarCompilePool:
 
     def _withdraw(self, ticket: CompileTicket) -> None:
         ticket.future.cancel()
+        if ticket.future.done() and not ticket.future.cancelled():
+            return  # it has its answer already: nothing to withdraw
         job = ticket.job
         with self._cond:
             job.tickets.discard(ticket)

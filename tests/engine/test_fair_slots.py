@@ -128,3 +128,20 @@ def test_logprobs_beyond_the_entry_bound_are_refused(tiny_model: Any) -> None:
         engine.add_request("big", [5, 6], SamplingParams(n=n, max_tokens=200, logprobs=vocab))
     assert caught.value.parameter == "logprobs" and not engine.requests
     engine.add_request("fine", [5, 6], SamplingParams(n=n, max_tokens=200, logprobs=20))  # vLLM's default k
+
+
+@pytest.mark.parametrize(("priority", "waits"), [(1, True), (0, False)])
+def test_under_the_priority_policy_only_as_good_a_request_gets_a_slot(
+    tiny_model: Any, priority: int, waits: bool
+) -> None:
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=tiny_model("llama"), dtype="float32", max_num_seqs=SLOTS, scheduling_policy="priority"
+        )
+    )
+    engine.add_request("n", [5, 6, 7, 8], BIG["n"], priority=0)
+    for _ in range(4):
+        engine.step()
+    engine.add_request("short", [9, 10, 11], SHORT, priority=priority)
+    _, finished_at = _run(engine, {}, 0)
+    assert (finished_at["short"] > finished_at["n"]) is waits, finished_at
