@@ -25,6 +25,7 @@ from typing import Any
 
 from benchmarks.cluster_costs import Costs
 from benchmarks.cluster_sim_model import POLICIES, Cluster, SimConfig
+from benchmarks.common import save_results
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 GRID_REPLICAS = (2, 16, 64, 256)
@@ -154,8 +155,7 @@ def main() -> None:
     print_header()
     rows = grid(args, costs)
     out = {"costs": costs.to_json(), "defaults": asdict(defaults), "args": vars(args), "rows": rows}
-    with open(os.path.join(RESULTS, f"{args.out}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    save_results(args.out, out)
 
 
 if __name__ == "__main__":

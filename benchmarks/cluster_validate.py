@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import subprocess
@@ -26,9 +25,9 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.cluster_costs import measure
-from benchmarks.cluster_sim import RESULTS, percentile
+from benchmarks.cluster_sim import percentile
 from benchmarks.cluster_sim_model import Cluster, SimConfig, make_trace
-from benchmarks.common import build_adapters, build_model
+from benchmarks.common import build_adapters, build_model, save_results
 
 NUM_ADAPTERS = 32
 SERVER_FLAGS = ["--replicas", "2", "--replica-cpus", "1", "--enable-lora", "--max-loras", "8",
@@ -103,7 +102,10 @@ def run_real(model: str, store: str, trace: list[tuple[float, int]], config: Sim
         results = asyncio.run(replay(url, trace, config))
         handle = serve.get_app_handle("loraserve")
         replicas = sorted({rid for _, rid in results})
-        stats = [handle.options(multiplexed_model_id=TARGET_PREFIX + rid).stats.remote().result() for rid in replicas]
+        stats = [
+            handle.options(multiplexed_model_id=TARGET_PREFIX + rid).stats.remote().result()
+            for rid in replicas
+        ]
     finally:
         server.terminate()
         server.wait(120)
@@ -129,14 +131,22 @@ def main() -> None:
     rate = args.rate or 0.5 * 2 * capacity
     config = SimConfig(**{**asdict(config), "rate_per_s": rate})
     trace = make_trace(config, random.Random(config.seed))
-    sim = {p: simulate(SimConfig(**{**asdict(config), "policy": p}), trace, costs) for p in ("random", "affinity")}
+    sim = {
+        p: simulate(SimConfig(**{**asdict(config), "policy": p}), trace, costs)
+        for p in ("random", "affinity")
+    }
     real = run_real(model, os.path.dirname(adapters[0]), trace, config)
     print(f"{len(trace)} requests at {rate:.2f}/s over {NUM_ADAPTERS} adapters, 2 replicas")
     print(f"{'':<16}{'hit rate':>10}{'TTFT p50':>10}{'p99':>9}")
-    for name, row in (("sim random", sim["random"]), ("sim affinity", sim["affinity"]), ("real affinity", real)):
+    for name, row in (
+        ("sim random", sim["random"]),
+        ("sim affinity", sim["affinity"]),
+        ("real affinity", real),
+    ):
         print(f"{name:<16}{row['hit_rate']:>10.1%}{row['ttft_p50_s']:>9.3f}s{row['ttft_p99_s']:>8.3f}s")
-    with open(os.path.join(RESULTS, "cluster_validate.json"), "w") as f:
-        json.dump({"costs": costs.to_json(), "config": asdict(config), "sim": sim, "real": real}, f, indent=1)
+    save_results(
+        "cluster_validate", {"costs": costs.to_json(), "config": asdict(config), "sim": sim, "real": real}
+    )
 
 
 if __name__ == "__main__":

@@ -186,13 +186,15 @@ class CacheConfig:
     block_size: int = option(
         16, type=positive_int, group=_CACHE, help="Tokens per KV-cache block (default: %(default)s)."
     )
-    kv_cache_memory_bytes: int = option(
-        1 << 30,
+    kv_cache_memory_bytes: int | None = option(
+        None,
         flag=("--kv-cache-memory", "--kv-cache-memory-bytes"),
         metavar="KV_CACHE_MEMORY",
         type=positive_int,
         group=_CACHE,
-        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: 1GiB).",
+        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: VLLM_CPU_KVCACHE_SPACE GiB if set, else "
+        "a quarter of the memory available once the model is loaded, at most what max_num_seqs "
+        "sequences of max_model_len tokens need; pages are committed as blocks are first written).",
     )
     num_blocks: int | None = None  # overrides the memory budget when set (EngineArgs.num_kv_blocks)
     enable_prefix_caching: bool = option(
@@ -231,10 +233,8 @@ class SchedulerConfig:
         0.5,
         type=queue_share,
         group=_CACHE,
-        help="loraserve only: the fraction (0 < f <= 1) of --max-num-seqs one request's sequences (its n "
-        "samples, best_of or beams, the prompts of one call) may hold while another request's wait for a "
-        "slot; the latest of them yield (preempted, recomputed later). Alone, a request uses every slot; "
-        "1.0 is vLLM's behaviour, where a newcomer waits for a whole request to finish (default: 0.5).",
+        help="loraserve only: the fraction of --max-num-seqs one request's sequences (n, best_of, beams, "
+        "prompts) may hold while others wait for a slot; 1.0 is vLLM's behaviour (default: 0.5).",
         check=_a_queue_share,
     )
     max_model_len: int = 2048  # resolved from the model (EngineArgs.max_model_len)
@@ -360,10 +360,6 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
-    # loraserve's own (EngineArgs' structured_outputs_compile_*): the server's grammar compiles run on
-    # this many worker processes, each compile killed after compile_timeout_s.
-    compile_timeout_s: float = 10.0
-    compile_workers: int = 2
 
     def __post_init__(self) -> None:
         if self.backend not in SERVED_STRUCTURED_OUTPUT_BACKENDS:
@@ -379,18 +375,17 @@ class StructuredOutputsConfig:
 
     @classmethod
     def from_options(
-        cls, config: Mapping[str, Any] | None, guided_decoding_backend: str | None, **own: Any
+        cls, config: Mapping[str, Any] | None, guided_decoding_backend: str | None
     ) -> StructuredOutputsConfig:
-        """From --structured-outputs-config (a JSON object), the older --guided-decoding-backend, and
-        loraserve's own fields (`own`: compile_timeout_s, compile_workers)."""
+        """From --structured-outputs-config (a JSON object) and the older --guided-decoding-backend."""
         values = dict(config or {})
-        names = {f for f in cls.__dataclass_fields__} - {"compile_timeout_s", "compile_workers"}
+        names = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"structured_outputs_config has unknown field(s): {', '.join(unknown)}.")
         if guided_decoding_backend is not None:
             values.setdefault("backend", guided_decoding_backend)
-        return cls(**values, **own)
+        return cls(**values)
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,21 @@ def replica_stats_timeout() -> float:
     return seconds
 
 
+def cpu_kvcache_space_bytes() -> int | None:
+    """LORASERVE_CPU_KVCACHE_SPACE (vLLM's VLLM_CPU_KVCACHE_SPACE): the KV cache's size in GiB when
+    --kv-cache-memory is not given; None when unset or 0 (the machine's share decides)."""
+    value = get_env("CPU_KVCACHE_SPACE")
+    if value is None or not value.strip():
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:
+        raise ValueError(f"LORASERVE_CPU_KVCACHE_SPACE must be a number of GiB, got {value!r}")
+    return int(gib * (1 << 30)) or None
+
+
 def logging_level() -> str:
     return (get_env("LOGGING_LEVEL", "INFO") or "INFO").upper()
 
@@ -174,6 +189,15 @@ def cpu_packed_linear() -> bool:
 def cpu_lora_kernel() -> bool:
     """Run float32 and bfloat16 CPU LoRA through the fused C kernel (default on; "0" keeps the torch ops)."""
     return _switch("CPU_LORA_KERNEL")
+
+
+def cpu_quant_act_levels() -> int:
+    """LORASERVE_CPU_QUANT_ACT_LEVELS: int8 levels float32 activations take in the quantized-weight
+    kernel's decode path: 1 (the default, llama.cpp's precision) or 2 (to amax / 32512 per value)."""
+    value = (get_env("CPU_QUANT_ACT_LEVELS", "1") or "1").strip()
+    if value not in ("1", "2"):
+        raise ValueError(f"LORASERVE_CPU_QUANT_ACT_LEVELS must be 1 or 2, got {value!r}")
+    return int(value)
 
 
 def cpu_kernel_arch() -> str:

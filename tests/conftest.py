@@ -15,7 +15,7 @@ import torch
 
 from loraserve.demo.random_model import TINY_SHAPE
 
-pytest_plugins = ["support.fake_server_fixtures"]
+pytest_plugins = ["support.fake_server_fixtures", "support.parallel"]
 
 # The suite is hermetic: nothing may reach the Hugging Face Hub (PEFT, for one, looks base models up).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,6 +73,7 @@ def linear_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 TINY = TINY_SHAPE
+
 
 def _tiny_config(arch: str, vocab_size: int) -> Any:
     import transformers as tf
@@ -147,6 +148,9 @@ def smollm2_llm(smollm_cache_root: str) -> Any:
     assert GGUF_PATH is not None
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
+        # These modules hold the model to transformers' tokens: float32 activations at two int8 levels
+        # (test_real_model_quantized.py checks the default, one level, against the dense model).
+        patch.setenv("LORASERVE_CPU_QUANT_ACT_LEVELS", "2")
         # 128 MiB of KV cache (about 2,900 float32 tokens) holds every batch these modules run.
         return LLM(
             GGUF_PATH,

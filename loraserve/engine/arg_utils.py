@@ -281,10 +281,7 @@ class EngineArgs:
             device=device,
             lora=lora_config,
             structured_outputs=StructuredOutputsConfig.from_options(
-                self.structured_outputs_config,
-                self.guided_decoding_backend,
-                compile_timeout_s=self.structured_outputs_compile_timeout,
-                compile_workers=self.structured_outputs_compile_workers,
+                self.structured_outputs_config, self.guided_decoding_backend
             ),
         )
 

@@ -58,8 +58,12 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, compile_workers: int = 2, compile_timeout_s: float = 10.0) -> None:
+        """`compile_workers` / `compile_timeout_s`: the grammar compile pool (EngineArgs'
+        structured_outputs_compile_*; the offline engine compiles in its own thread, untimed)."""
         self.engine = engine
+        self.compile_workers = compile_workers
+        self.compile_timeout_s = compile_timeout_s
         self.model_config = engine.model_config
         self.tokenizer = engine.tokenizer
         self.lora_config = engine.lora_config
@@ -76,7 +80,11 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(args))
+        return cls(
+            LLMEngine.from_engine_args(args),
+            args.structured_outputs_compile_workers,
+            args.structured_outputs_compile_timeout,
+        )
 
     @property
     def errored(self) -> bool:
@@ -281,12 +289,8 @@ class AsyncLLMEngine:
             return found
         from loraserve.structured_output.compile_pool import CompileSettings  # imports xgrammar
 
-        settings = self.engine.config.structured_outputs
-        pool = structured.compile_pool(
-            CompileSettings(
-                settings.compile_workers, settings.compile_timeout_s, self.scheduler_config.max_queued_share
-            )
-        )
+        share = self.scheduler_config.max_queued_share
+        pool = structured.compile_pool(CompileSettings(self.compile_workers, self.compile_timeout_s, share))
         ticket = pool.submit(key, client_id if client_id is not None else object(), params.param)
         try:
             return await asyncio.wrap_future(ticket.future)

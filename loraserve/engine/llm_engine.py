@@ -27,6 +27,8 @@ from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.engine_stats import engine_stats
+from loraserve.engine.iteration_stats import IterationTokens, cache_config_info
+from loraserve.engine.kv_budget import PreemptionWarning, kv_budget
 from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
@@ -94,6 +96,11 @@ class LLMEngine:
             config.model, self.tokenizer, self.eos_ids, config.device, self.structured, seq_ids
         )
         self.requests: dict[str, Request] = {}
+        self.iteration_tokens = IterationTokens()  # vllm:iteration_tokens_total
+        self.preemption_warning = PreemptionWarning(num_blocks)
+        self.cache_info = cache_config_info(
+            config.cache, num_blocks, self.kv_budget.bytes
+        )  # vllm:cache_config_info
         self.adapters = EngineAdapters(self.lora, self.requests)  # the adapter API's rules
         self.step_failures = StepFailures(self.requests, self.scheduler, self.outputs, self.lora)
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
@@ -114,20 +121,25 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
-        else:
-            per_block = self.model.kv_cache_spec().block_bytes(cache.block_size, self.model_config.dtype)
-            num_blocks = cache.kv_cache_memory_bytes // per_block
-        needed = -(-self.model_config.max_model_len // cache.block_size)
-        if num_blocks < needed:
+        spec = self.model.kv_cache_spec()
+        budget = kv_budget(
+            self.config.cache,
+            spec,
+            self.model_config.dtype,
+            self.config.device,
+            self.model_config.max_model_len,
+            self.config.scheduler.max_num_seqs,
+        )
+        self.kv_budget = budget
+        block_size = self.config.cache.block_size
+        needed = -(-self.model_config.max_model_len // block_size)
+        if budget.num_blocks < needed:
             raise ValueError(
-                f"The KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than one sequence "
-                f"of max_model_len={self.model_config.max_model_len} needs ({needed}); raise the KV-cache "
-                f"memory or lower max_model_len."
+                f"The KV cache holds {budget.num_blocks} blocks of {block_size} tokens, fewer than one "
+                f"sequence of max_model_len={self.model_config.max_model_len} needs ({needed}); raise the "
+                f"KV-cache memory or lower max_model_len."
             )
-        return num_blocks
+        return budget.num_blocks
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
@@ -210,8 +222,11 @@ class LLMEngine:
         """Run one batch: schedule -> run -> update -> outputs. If it raises, its requests fail and the
         engine goes on (`StepFailures.step_failed`); StepFailureLimitError when it cannot."""
         batch = self.scheduler.schedule()
+        if batch.preempted:
+            self.preemption_warning.note(len(batch.preempted), self.scheduler.num_preemptions)
         if batch.is_empty:
             return []
+        self.iteration_tokens.observe(sum(item.num_new_tokens for item in batch.scheduled))
         try:
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
@@ -328,7 +343,14 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
-        stats = engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+        stats = engine_stats(
+            self.scheduler,
+            self.block_manager,
+            self.step_failures.total,
+            self.lora,
+            self.iteration_tokens,
+            self.cache_info,
+        )
         stats["num_request_failures"] = self.step_failures.requests_failed_alone
         return stats
 

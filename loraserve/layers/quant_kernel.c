@@ -2,24 +2,23 @@
  * layers/quant/kernel.py (the formats' layouts and their torch twin: layers/quant/formats.py).
  *
  * W is [n, k] in one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (type codes 0-5), row after row, each row
- * k / block_size blocks. Every format is read 32 weights at a time as value = s * q + add, with q 32
- * bytes (signed: Q8_0, Q4_0 as q - 8, Q6_K as q - 32; unsigned: Q4_1, Q4_K, Q5_K), s one float per
- * 16 weights (equal halves except Q6_K) and `add` one float (0 for the signed formats).
+ * k / block_size blocks, in the file's own layout (RSS stays the file's size).
  *
- * quant_linear (decode: few rows): bf16 x is quantized per 32 values to int8 (scale amax/127,
- * round to nearest: llama.cpp's q8_0 for activations), and every block's integer dot product with its
- * 32 quantized activations is scaled once: sum_blocks dx * (s * idot + add * sum(xq)). A step reads
- * each weight byte once. Integer dot products: AVX512-VNNI's vpdpbusd (u8 x s8; signed weights go in
- * as |q| with x's signs flipped where q < 0), AVX2's vpmaddubsw + vpmaddwd (the same operands: |q| <=
- * 128 and |xq| <= 127 keep its int16 pair sums from saturating), or portable C. float32 x takes two
- * int8 levels (quantize_row): the block's dot product with each, combined in int32, so that dtype keeps
- * activations to amax / 32512 at about 1.3x the int8 cost (widening every block to float32 and FMAing
- * it, as this kernel did, ran the decode step at a third of the int8 path's speed on AVX2).
- * quant_dequantize (prefill: many rows): rows [n0, n1) of W as float32 or bf16, for a tile product.
- * Parallel over output rows with OpenMP (torch's libgomp: the library is loaded after torch).
+ * quant_linear (decode: up to DECODE_ROWS rows of x) streams every weight byte once against x quantized
+ * to int8 once per product (quant_kernel_act.h): per 32 values for Q8_0 / Q4_0 / Q4_1, whose weights
+ * have a float scale per 32 (each block's integer dot product, vpmaddubsw + vpmaddwd on AVX2 or vpdpbusd
+ * with AVX512-VNNI, is scaled once: sum_blocks dx * (s * idot + add * sum(xq))), and per 256 for the
+ * K-quants, whose sub-block scales are small integers (quant_kernel_ksuper.h: int32 sums to the end of
+ * each super-block, one float multiply per 256 weights). Signed weights go into the unsigned-by-signed
+ * byte products as |q| with x's signs flipped where q < 0. float32 x takes one int8 level by default,
+ * llama.cpp's precision (amax / 254 per value), or two (amax / 32512; the X_TWO_LEVELS flag).
+ * quant_dequantize (prefill: more rows): rows [n0, n1) of W as float32 or bf16, for a tile product.
+ * Parallel over chunks of N_CHUNK output rows with OpenMP (torch's libgomp: the library is loaded after
+ * torch), claimed guided, so a thread slowed by another process takes fewer.
  * Semantics of quant_linear: float32 sums, one rounding to x's dtype at the end, bias added before it.
- * Parts: quant_kernel_blocks.h (the formats' decoding), quant_kernel_ksuper.h (the K-quants' decode
- * loop a super-block at a time), quant_kernel_dequantize.h (the prefill path's dequantize).
+ * Parts: quant_kernel_blocks.h (the formats' decoding), quant_kernel_act.h (x's quantization and its
+ * scratch), quant_kernel_ksuper.h (the K-quants' super-block loop), quant_kernel_dequantize.h (the
+ * prefill path's dequantize).
  */
 #ifdef _OPENMP
 #include <omp.h>
@@ -40,11 +39,17 @@
 #define PREFETCH_ROWS 4 /* weight rows ahead of the one being read (past the end: a harmless hint) */
 #define N_CHUNK 16  /* weight rows per work item (a few KB: stays in L1 while the row groups pass) */
 
-static const int BLOCK_SIZE[6] = {32, 32, 32, 256, 256, 256};
-static const int TYPE_SIZE[6] = {34, 18, 20, 144, 176, 210};
+/* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
+ * gives them their row layout, 6-8, at load); 3-5 the K-quants */
+static const int BLOCK_SIZE[9] = {32, 32, 32, 256, 256, 256, 32, 32, 32};
+static const int TYPE_SIZE[9] = {34, 18, 20, 144, 176, 210, 34, 18, 20};
 
 /* Which integer dot product this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
 int quant_kernel_path(void) { return QK_PATH; }
+
+/* The x argument's flags: its dtype, and (float32 only) whether it is quantized to two int8 levels
+ * (amax / 32512 per value, about 1.6x the integer work) instead of one (llama.cpp's precision). */
+enum { X_BF16 = 1, X_TWO_LEVELS = 2 };
 
 #include "quant_kernel_blocks.h"
 
@@ -86,113 +91,23 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-typedef struct {
-    int64_t nb;        /* 32-blocks per row */
-    const int8_t *xq;  /* [m][k] */
-    const int8_t *xq2; /* [m][k] the residuals' quants (float32 x), else NULL */
-    const float *dx;   /* [m][k / 32] activation scales (of xq2's unit with two levels) */
-    const float *dxs;  /* [m][k / 32] scale * sum of the block's quants (256 xq + xq2 with two levels) */
-} qx_t;
-
-#if QK_PATH > 0
-/* One block of the int8 path for rows r0 .. r0 + mr - 1: acc += dx * s * (q . xq), add += dx * add * sum(xq). */
-static inline __attribute__((always_inline)) void int8_block(int type, const uint8_t *row, int64_t b, const qx_t *qx,
-                                                             int64_t r0, int mr, int two, __m256 *acc, float *add) {
-    const int is_signed = type == 0 || type == 1 || type == 5;
-    const int64_t nb_row = qx->nb;
-    blockinfo bi;
-    const uint8_t *p = block_info(type, row, b, &bi);
-    const __m256i q = unpack_vec(type, p, b);
-    /* one scale for the whole block but in Q6_K: then a broadcast of s * dx is all a row needs */
-    const __m256 s = type == 5 ? _mm256_setr_m128(_mm_set1_ps(bi.s0), _mm_set1_ps(bi.s1)) : _mm256_setzero_ps();
-    for (int m = 0; m < MR; m++) {
-        if (m >= mr) break;
-        const int64_t at = (r0 + m) * nb_row + b;
-        const __m256 d = _mm256_cvtepi32_ps(dotq(q, qx->xq, qx->xq2, at, is_signed, two));
-        const __m256 sd = type == 5 ? _mm256_mul_ps(s, _mm256_set1_ps(qx->dx[at])) : _mm256_set1_ps(bi.s0 * qx->dx[at]);
-        acc[m] = _mm256_fmadd_ps(d, sd, acc[m]);
-        if (!is_signed) add[m] += bi.add * qx->dxs[at];
-    }
-}
+#include "quant_kernel_act.h"
 
 #include "quant_kernel_ksuper.h"
-#endif
+#include "quant_kernel_rows.h"
 
-/* out[i] = sum over the row's blocks for rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` and `two`
- * are constants after inlining, so each format gets its own loop. */
+/* out[i] = the row's dot product with rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` and `two` are
+ * constants after inlining, so each format gets its own loop. */
 static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *row, int64_t k, const qx_t *qx,
-                                                          int64_t r0, int mr, int two, float *out) {
-    const int64_t nb = k / 32;
+                                                          int64_t r0, int mr, int two, const uint8_t *ahead, float *out) {
 #if QK_PATH > 0
-    if (type >= 3) {
-        ksuper_row_dot(type, row, k, qx, r0, mr, two, out);
-        return;
-    }
-    /* Two accumulators per row, blocks alternating between them: one chain of dependent FMAs per row
-     * would hold the loop to its latency (4 cycles a block). */
-    __m256 acc0[MR], acc1[MR];
-    float add0[MR], add1[MR];
-    for (int m = 0; m < MR; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), add0[m] = add1[m] = 0.0f;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        int8_block(type, row, b, qx, r0, mr, two, acc0, add0);
-        int8_block(type, row, b + 1, qx, r0, mr, two, acc1, add1);
-    }
-    if (b < nb) int8_block(type, row, b, qx, r0, mr, two, acc0, add0);
-    for (int m = 0; m < mr; m++) out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m])) + (add0[m] + add1[m]);
+    if (type >= 6) rows_row_dot(type, row, k, qx, r0, mr, two, ahead, out);
+    else kq_row_dot(type, row, k, qx, r0, mr, two, ahead, out);
 #else
-    const int is_signed = type == 0 || type == 1 || type == 5, has_add = !is_signed;
-    float acc[MR] = {0}, add[MR] = {0};
-    for (int64_t b = 0; b < nb; b++) {
-        blockinfo bi;
-        int8_t q[32];
-        const uint8_t *p = block_info(type, row, b, &bi);
-        unpack_scalar(type, p, b, q);
-        for (int m = 0; m < mr; m++) {
-            const int64_t at = (r0 + m) * nb + b;
-            const int8_t *x = qx->xq + at * 32, *x2 = two ? qx->xq2 + at * 32 : NULL;
-            int32_t lo = 0, hi = 0;
-            for (int i = 0; i < 16; i++) {
-                /* unsigned formats hold 0..31 / 0..15 in the byte: read them unsigned */
-                const int32_t a = is_signed ? q[i] : (uint8_t)q[i], c = is_signed ? q[i + 16] : (uint8_t)q[i + 16];
-                lo += a * (two ? 256 * x[i] + x2[i] : x[i]), hi += c * (two ? 256 * x[i + 16] + x2[i + 16] : x[i + 16]);
-            }
-            acc[m] += qx->dx[at] * (bi.s0 * (float)lo + bi.s1 * (float)hi);
-            if (has_add) add[m] += bi.add * qx->dxs[at];
-        }
-    }
-    for (int m = 0; m < mr; m++) out[m] = acc[m] + add[m];
+    (void)ahead;
+    if (type >= 6) rows_row_dot_scalar(type, row, k, qx, r0, mr, two, out);
+    else kq_row_dot_scalar(type, row, k, qx, r0, mr, two, out);
 #endif
-}
-
-/* Row r of x, k values (float32 or bf16), as int8 per 32 with their scales: q = round(v / d) with
- * d = amax / 127. With xq2 (float32 x) a second level quantizes what is left, v - d q, in units of
- * d / 256 (at most 128 of them: clamped to 127), so v = d / 256 * (256 q + q2) to within amax / 32512
- * where bf16 x would keep amax / 254: the float32 dtype stays the precise one at integer speed. */
-static void quantize_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t k, int8_t *xq, int8_t *xq2,
-                         float *dx, float *dxs) {
-    float v[32];
-    for (int64_t b = 0; b < k / 32; b++) {
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            const int64_t at = r * ldx + b * 32 + i;
-            v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
-            const float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / 127.0f, inv = d > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < 32; i++) {
-            const int32_t q = (int32_t)nearbyintf(v[i] * inv);
-            xq[b * 32 + i] = (int8_t)q, sum += q;
-            if (xq2 != NULL) {
-                float q2 = nearbyintf((v[i] - d * (float)q) * (inv * 256.0f));
-                q2 = q2 > 127.0f ? 127.0f : (q2 < -127.0f ? -127.0f : q2);
-                xq2[b * 32 + i] = (int8_t)q2, sum += 255 * q + (int32_t)q2; /* sum of 256 q + q2 */
-            }
-        }
-        dx[b] = xq2 != NULL ? d / 256.0f : d, dxs[b] = dx[b] * (float)sum;
-    }
 }
 
 /* Weight rows [n0, n1) against x's rows r0 .. r0 + mr - 1; `mr` and `two` are constants after inlining
@@ -204,10 +119,8 @@ static inline __attribute__((always_inline)) void rows_pass(int type, const uint
         float out[MR];
         /* a step streams each weight once from memory: ask for rows PREFETCH_ROWS ahead (the hardware
          * prefetcher alone left a single thread at about half the read bandwidth on the LM head) */
-        if (r0 == 0)
-            for (int64_t at = 0; at < row_bytes; at += 64)
-                __builtin_prefetch(w + (n + PREFETCH_ROWS) * row_bytes + at, 0, 0);
-        row_dot(type, w + n * row_bytes, k, qx, r0, mr, two, out);
+        const uint8_t *ahead = r0 == 0 ? w + (n + PREFETCH_ROWS) * row_bytes : NULL;
+        row_dot(type, w + n * row_bytes, k, qx, r0, mr, two, ahead, out);
         for (int i = 0; i < mr; i++) acc[(r0 + i) * N_CHUNK + (n - n0)] = out[i];
     }
 }
@@ -215,7 +128,7 @@ static inline __attribute__((always_inline)) void rows_pass(int type, const uint
 static inline __attribute__((always_inline)) void chunk_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
                                                              int64_t n1, int64_t k, const qx_t *qx, int64_t m,
                                                              float *acc /*[m][N_CHUNK]*/) {
-    const int two = qx->xq2 != NULL;
+    const int two = qx->xq2 != NULL || qx->kq2 != NULL;
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
         const int mr = m - r0 < MR ? (int)(m - r0) : MR;
         if (two) {
@@ -239,7 +152,7 @@ static inline __attribute__((always_inline)) void chunk_rows(int type, const uin
 /* Whether w = {address, n, k, type} is a weight this kernel multiplies. */
 static int weight_ok(const int64_t *w) {
     const int type = (int)w[3];
-    return type >= 0 && type <= 5 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
+    return type >= 3 && type <= 8 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
 }
 
 /* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias, x from qx (acc: [m][N_CHUNK] scratch). */
@@ -251,12 +164,12 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
     const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
     const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
     switch (type) {
-    case 0: chunk_rows(0, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    case 1: chunk_rows(1, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    case 2: chunk_rows(2, wp, row_bytes, n0, n1, k, qx, m, acc); break;
     case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, qx, m, acc); break;
     case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, qx, m, acc); break;
-    default: chunk_rows(5, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 5: chunk_rows(5, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 6: chunk_rows(6, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    case 7: chunk_rows(7, wp, row_bytes, n0, n1, k, qx, m, acc); break;
+    default: chunk_rows(8, wp, row_bytes, n0, n1, k, qx, m, acc); break;
     }
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = n0; j < n1; j++) {
@@ -271,26 +184,30 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
  * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel
  * region over every part's chunks (a packed layer's slices are one fork, not one each). Returns 0, or
  * 2 without memory. */
-static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_bf16, const void *bias,
+static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_flags, const void *bias,
                         void *y, int64_t ldy, int64_t m, int num_threads) {
-    const int64_t k = w[2], nb = k / 32;
-    int8_t *xq = malloc((size_t)((x_bf16 ? 1 : 2) * m * k + 1)), *xq2 = x_bf16 ? NULL : xq + m * k;
-    float *scales = malloc(sizeof(float) * (size_t)(2 * m * nb + 1));
-    if (xq == NULL || scales == NULL) {
-        free(xq), free(scales);
-        return 2;
-    }
-    const qx_t qx = {nb, xq, xq2, scales, scales + m * nb};
-    for (int64_t r = 0; r < m; r++)
-        quantize_row(x, ldx, x_bf16, r, k, xq + r * k, xq2 == NULL ? NULL : xq2 + r * k, scales + r * nb,
-                     scales + m * nb + r * nb);
+    const int64_t k = w[2];
+    const int x_bf16 = x_flags & X_BF16, two = !x_bf16 && (x_flags & X_TWO_LEVELS);
+    int need32 = 0, need256 = 0;
     int64_t num_chunks = 0;
-    for (int64_t p = 0; p < parts; p++) num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
+    for (int64_t p = 0; p < parts; p++) {
+        if (w[4 * p + 3] <= 5) need256 = 1;
+        else need32 = 1;
+        num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
+    }
+    qx_t qx;
+    if (quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx) != 0) return 2;
     const int64_t elem = x_bf16 ? 2 : 4;
+    int failed = 0;
+    /* guided: a thread slowed by a neighbour's process takes fewer chunks, at few claims per call */
 #pragma omp parallel num_threads(num_threads)
     {
         float *acc = malloc(sizeof(float) * (size_t)(m * N_CHUNK + 1));
-#pragma omp for schedule(static)
+        if (acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(guided)
         for (int64_t c = 0; c < num_chunks; c++) {
             if (acc == NULL) continue;
             int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
@@ -301,22 +218,21 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
         }
         free(acc);
     }
-    free(xq), free(scales);
-    return 0;
+    return failed ? 2 : 0;
 }
 
-/* y[:, :n] = x W^T + bias for x [m, k] (row stride ldx, float32 or bf16 as x_bf16 says), y likewise
- * with row stride ldy, bias [n] in x's dtype or NULL. w = {address, n, k, type}.
+/* y[:, :n] = x W^T + bias for x [m, k] (row stride ldx, float32 or bf16 and its levels as x_flags
+ * says), y likewise with row stride ldy, bias [n] in x's dtype or NULL. w = {address, n, k, type}.
  * Returns 0, or 1 for an unknown type or a k the type does not divide (nothing written), 2 without
  * memory. */
-int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_bf16, const void *bias, void *y, int64_t ldy,
+int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_flags, const void *bias, void *y, int64_t ldy,
                  int64_t m, int num_threads) {
     if (!weight_ok(w) || m < 0) return 1;
-    return linear_parts(w, 1, x, ldx, x_bf16, bias, y, ldy, m, num_threads);
+    return linear_parts(w, 1, x, ldx, x_flags, bias, y, ldy, m, num_threads);
 }
 
 /* The decoder stack's linear (models/decoder_stack.c's gemm_fn signature): a layer of one or more
- * quantized output slices, a = {parts, x_bf16, n_total, then per part {address, n, k, type}}; y is
+ * quantized output slices, a = {parts, x_flags, n_total, then per part {address, n, k, type}}; y is
  * [m, n_total] contiguous, bias [n_total] or NULL. Each slice's values are those of the quant_linear
  * call the Python path (Linear._quant_forward) makes, so the two agree bit for bit. `side` (the dense
  * kernel's LoRA prefetch) is not used. Returns quant_linear's status, or 1 for a bad part list. */

@@ -19,12 +19,12 @@ static inline __attribute__((always_inline)) void store8(void *out, int64_t at, 
 }
 
 /* One block of row r dequantized with the vector unpacking; s * q + add unfused (see below). */
-static inline __attribute__((always_inline)) void dequantize_block(int type, const uint8_t *row, int64_t b, void *out,
-                                                                   int64_t at, int out_bf16) {
-    const int is_signed = type == 0 || type == 1 || type == 5;
+static inline __attribute__((always_inline)) void dequantize_block(int type, const uint8_t *row, int64_t nb, int64_t b,
+                                                                   void *out, int64_t at, int out_bf16) {
+    const int is_signed = is_signed_type(type);
     blockinfo bi;
-    const uint8_t *p = block_info(type, row, b, &bi);
-    const __m256i q = unpack_vec(type, p, b);
+    block_info(type, row, nb, b, &bi);
+    const __m256i q = unpack_vec(type, row, nb, b);
     const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     /* 16 weights a vector and one vcvtne2ps2bf16 (round to nearest even, as store8; no weight is a
@@ -59,27 +59,29 @@ int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int ou
     const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
     const int64_t k = w[2];
     const int type = (int)w[3];
-    if (type < 0 || type > 5 || k % BLOCK_SIZE[type] != 0 || n0 < 0 || n1 > w[1]) return 1;
+    if (!weight_ok(w) || n0 < 0 || n1 > w[1]) return 1;
     const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type], nb = k / 32;
-    const int is_signed = type == 0 || type == 1 || type == 5;
+    const int is_signed = is_signed_type(type);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = n0; r < n1; r++) {
 #if QK_PATH > 0
         switch (type) {
-        case 0: for (int64_t b = 0; b < nb; b++) dequantize_block(0, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        case 1: for (int64_t b = 0; b < nb; b++) dequantize_block(1, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        case 2: for (int64_t b = 0; b < nb; b++) dequantize_block(2, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        case 3: for (int64_t b = 0; b < nb; b++) dequantize_block(3, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        case 4: for (int64_t b = 0; b < nb; b++) dequantize_block(4, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
-        default: for (int64_t b = 0; b < nb; b++) dequantize_block(5, wp + r * row_bytes, b, out, (r - n0) * k + b * 32, out_bf16); break;
+#define DEQUANTIZE_ROW(T) for (int64_t b = 0; b < nb; b++) dequantize_block(T, wp + r * row_bytes, nb, b, out, (r - n0) * k + b * 32, out_bf16)
+        case 3: DEQUANTIZE_ROW(3); break;
+        case 4: DEQUANTIZE_ROW(4); break;
+        case 5: DEQUANTIZE_ROW(5); break;
+        case 6: DEQUANTIZE_ROW(6); break;
+        case 7: DEQUANTIZE_ROW(7); break;
+        default: DEQUANTIZE_ROW(8); break;
+#undef DEQUANTIZE_ROW
         }
         (void)is_signed;
 #else
         for (int64_t b = 0; b < nb; b++) {
             blockinfo bi;
             int8_t q[32];
-            const uint8_t *p = block_info(type, wp + r * row_bytes, b, &bi);
-            unpack_scalar(type, p, b, q);
+            block_info(type, wp + r * row_bytes, nb, b, &bi);
+            unpack_scalar(type, wp + r * row_bytes, nb, b, q);
             const int64_t at = (r - n0) * k + b * 32;
             for (int i = 0; i < 32; i++) {
                 const float qi = is_signed ? (float)q[i] : (float)(uint8_t)q[i];

@@ -181,13 +181,15 @@ class PEFTHelper:
 
 def trainable_tokens(v: ConfigFields) -> dict[str, tuple[int, ...]]:
     """PEFT's trainable_token_indices: a list (the input embedding's) or {module: list}, modules
-    being vocab modules only; token ids checked against the vocab when the weights are read."""
+    being vocab modules only. Each module's ids are checked here (a list that is not empty, no
+    negative or repeated id) and against the vocabulary when the weights are read (`vocab_checks`):
+    every refusal names the adapter, the module and the id."""
     field = "trainable_token_indices"
     value = v.config.get(field)
     if value in (None, [], {}):
         return {}
     if isinstance(value, list):
-        return {"embed_tokens": v.int_list(field) or ()}
+        return {"embed_tokens": _token_ids(v, "embed_tokens", value)}
     if not isinstance(value, dict) or len(value) > 2:
         v.fail(field, f"must be a list of token ids or a dict of them by module, got {shown(value)}")
     out: dict[str, tuple[int, ...]] = {}
@@ -195,9 +197,24 @@ def trainable_tokens(v: ConfigFields) -> dict[str, tuple[int, ...]]:
         leaf = str(module).rpartition(".")[2]
         if leaf not in VOCAB_LEAVES:
             v.fail(field, f"trainable tokens are served on {sorted(VOCAB_LEAVES)} only, got {shown(module)}")
-        sub = ConfigFields(v.lora_name, {field: ids}, v.patterns)
-        out[leaf] = sub.int_list(field) or ()
+        out[leaf] = _token_ids(v, str(module), ids)
     return out
+
+
+def _token_ids(v: ConfigFields, module: str, ids: Any) -> tuple[int, ...]:
+    """One module's trainable token ids: a non-empty list of distinct ids >= 0."""
+    field = "trainable_token_indices"
+    checked = ConfigFields(v.lora_name, {field: ids}, v.patterns).int_list(field) or ()
+    if not checked:
+        v.fail(field, f"the list of {module} is empty: name at least one token id, or leave the module out")
+    seen: set[int] = set()
+    for position, token_id in enumerate(checked):
+        if token_id < 0:
+            v.fail(field, f"{module} index {token_id} (at position {position}) is negative")
+        if token_id in seen:
+            v.fail(field, f"{module} index {token_id} (at position {position}) is repeated")
+        seen.add(token_id)
+    return checked
 
 
 def read_adapter_config(folder: str | Path, lora_name: str) -> Any:

@@ -116,6 +116,7 @@ def server(smollm_cache_root: str) -> Any:
     assert GGUF_PATH is not None
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
+        patch.setenv("LORASERVE_CPU_QUANT_ACT_LEVELS", "2")  # transformers' tokens: see conftest.smollm2_llm
         engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=GGUF_PATH, dtype="float32", device="cpu"))
         with RunningServer(engine, ServerOptions(served_model_names=[SERVED_MODEL_NAME])) as running:
             yield running

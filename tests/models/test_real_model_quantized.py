@@ -1,10 +1,11 @@
-"""SmolLM2-135M-Instruct's Q4_1 GGUF in bf16 with its weights kept quantized (the decode step's
-activations quantized to int8, as llama.cpp does) against the same file dequantized to bf16
-(LORASERVE_GGUF_DEQUANTIZE=1, the oracle), teacher-forced: every greedy token we generate is the
+"""SmolLM2-135M-Instruct's Q4_1 GGUF with its weights kept quantized (the decode step's activations
+quantized to one int8 level, as llama.cpp does: the default, in bf16 and in float32) against the same
+file dequantized to that dtype (LORASERVE_GGUF_DEQUANTIZE=1, the oracle), teacher-forced: every greedy token we generate is the
 oracle's argmax at its prefix or within TOL of it (a near-tie the int8 activations may break the other
 way: the sequences then part, as two bf16 kernels' would), its logprob within TOL of the oracle's and
 within MEAN_TOL on average.
-(In float32 the quantized base is checked against transformers and PEFT by test_real_model.py.)"""
+(At two levels, float32's precise setting, the quantized base is checked against transformers and PEFT
+token for token by test_real_model.py.)"""
 
 from __future__ import annotations
 
@@ -41,13 +42,15 @@ def _greedy(llm: LLM) -> list[tuple[list[int], list[int], list[float]]]:
     return runs
 
 
-def test_quantized_bf16_greedy_equals_dequantized(
-    smollm_cache_root: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_quantized_greedy_equals_dequantized(
+    smollm_cache_root: str, monkeypatch: pytest.MonkeyPatch, dtype: str
 ) -> None:
     assert GGUF_PATH is not None
     monkeypatch.setenv("LORASERVE_CACHE_ROOT", smollm_cache_root)
     monkeypatch.delenv("LORASERVE_GGUF_DEQUANTIZE", raising=False)
-    quantized = LLM(GGUF_PATH, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    monkeypatch.delenv("LORASERVE_CPU_QUANT_ACT_LEVELS", raising=False)
+    quantized = LLM(GGUF_PATH, dtype=dtype, max_model_len=256, kv_cache_memory_bytes=16 << 20)
     kept = [
         m for m in quantized.engine.model.modules() if isinstance(m, Linear) and m.quant_parts is not None
     ]
@@ -55,7 +58,7 @@ def test_quantized_bf16_greedy_equals_dequantized(
     ours = _greedy(quantized)
     del quantized
     monkeypatch.setenv("LORASERVE_GGUF_DEQUANTIZE", "1")
-    dense = LLM(GGUF_PATH, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    dense = LLM(GGUF_PATH, dtype=dtype, max_model_len=256, kv_cache_memory_bytes=16 << 20)
     assert not any(isinstance(m, Linear) and m.quant_parts is not None for m in dense.engine.model.modules())
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     diffs: list[float] = []
@@ -67,7 +70,9 @@ def test_quantized_bf16_greedy_equals_dequantized(
         for i, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
             entry = scored[len(prompt) + i]
             best = max(value.logprob for value in entry.values())
-            assert best - entry[token].logprob <= RANK_TOL, f"token {i} of {prompt}: the oracle ranks it far below"
+            assert best - entry[token].logprob <= RANK_TOL, (
+                f"token {i} of {prompt}: the oracle ranks it far below"
+            )
             assert abs(entry[token].logprob - logprob) <= TOL, f"token {i} of {prompt}: logprob differs"
             diffs.append(abs(entry[token].logprob - logprob))
     assert sum(diffs) / len(diffs) <= MEAN_TOL

@@ -93,6 +93,7 @@ class FakeEngine:
     shutdown_error: BaseException | None = None
     waiting: dict[str, int] = field(default_factory=dict)  # reported as waiting_by_adapter (adapter -> count)
     admitted_clients: list[str | None] = field(default_factory=list)  # the client id of every admit()
+    eos_after: int | None = None  # each sequence "writes eos" (finish_reason "stop") after this many tokens
     _admission: FairAdmission | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +139,13 @@ class FakeEngine:
         ids = self.expected_token_ids(prompt_ids, params, lora_id, index)[: step + 1]
         text = self.tokenizer.decode(ids)
         finish = "length" if len(ids) == params.max_tokens else None
+        if (
+            self.eos_after is not None
+            and len(ids) == self.eos_after
+            and finish is None
+            and not params.ignore_eos
+        ):
+            finish = "stop"
         for stop in params.stop or []:
             if stop in text:
                 text, finish = text[: text.index(stop)], "stop"

@@ -20,14 +20,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loraserve.layers.quant.formats import QuantTensor
+from loraserve import envs
+from loraserve.layers.quant.formats import QuantTensor, repack_rows
 from loraserve.native.build import function_address, load_library
 
-# At most this many rows take the integer path. Measured (1 thread, a 3072 x 576 weight, AVX512-VNNI
-# Xeon): int8 against the tile path at 24 rows 1405 vs 1618 us (Q4_1), 1251 vs 1829 (Q8_0), 1718 vs
-# 1652 (Q4_K); at 32 rows the tile path wins but for Q8_0. The integer path's cost grows with the rows
-# (each row's dot products), the tile path's hardly (its dequantizing does not).
-DECODE_ROWS = 24
+# At most this many rows take the integer path. Measured after the super-block and row-layout loops
+# (AVX2 EPYC, family 25 model 1, 1 thread, float32 x; tile-path time over integer-path time): Q4_1
+# 1536x576 2.24 / 1.24 / 1.00 at 8 / 24 / 48 rows, 0.82 at 64; Q8_0 8192x2048 2.82 / 1.65 / 1.28 / 1.11;
+# Q4_K 8192x2048 3.23 / 1.71 / 1.47 / 1.00; Q6_K 2048x8192 4.02 / 2.05 / 1.63 / 1.41. The integer path's
+# cost grows with the rows (each row's dot products), the tile path's hardly (its dequantizing does not).
+DECODE_ROWS = 48
 TILE_BYTES = 1 << 20  # a dequantized tile of the prefill path: about L2's size
 PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -81,10 +83,17 @@ def kernel_path() -> str:
 @dataclass(slots=True)
 class QuantWeight:
     """A quantized weight as the kernel reads it; `args` ({address, out, in, type code}) bound once.
-    `tensor.blocks` must not be replaced while the weight is in use (the kernel reads it raw)."""
+    `tensor.blocks` must not be replaced while the weight is in use (the kernel reads it raw).
+    `act_levels`: int8 levels float32 activations are quantized to on the decode path (1, llama.cpp's
+    precision, or 2: to amax / 32512 per value, about 1.6x the integer work; bf16 takes one)."""
 
     tensor: QuantTensor
+    act_levels: int = 1
     args: Any = None
+
+    def x_flags(self, dtype: torch.dtype) -> int:
+        """The kernel's flags for activations of `dtype`: bit 0 bf16, bit 1 two levels (float32)."""
+        return _DTYPES[dtype] | (2 if dtype == torch.float32 and self.act_levels == 2 else 0)
 
     @property
     def out_features(self) -> int:
@@ -110,23 +119,32 @@ def stack_serves(parts: list[QuantWeight | None] | None, dtype: torch.dtype, in_
         and dtype in _DTYPES
         and kernel_library() is not None
         and all(part is not None and part.in_features == in_features for part in parts)
+        and len({part.act_levels for part in parts if part is not None}) == 1
     )
 
 
 def stack_binding(parts: list[QuantWeight | None], dtype: torch.dtype) -> tuple[int, Any]:
     """(address of quant_gemm, its argument array for these slices): what the decoder stack binds for a
     layer `stack_serves` accepted. The array holds raw pointers: the slices must outlive its calls."""
-    fields = [len(parts), _DTYPES[dtype], sum(part.out_features for part in parts if part is not None)]
+    first = parts[0]
+    assert first is not None  # stack_serves checked
+    fields = [len(parts), first.x_flags(dtype), sum(part.out_features for part in parts if part is not None)]
     for part in parts:
         assert part is not None  # stack_serves checked
         fields += list(part.call_args())
     return function_address(kernel_library().quant_gemm), (ctypes.c_int64 * len(fields))(*fields)
 
 
-def prepare(tensor: QuantTensor) -> QuantWeight:
-    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU)."""
+def prepare(tensor: QuantTensor, act_levels: int | None = None) -> QuantWeight:
+    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU; Q8_0 / Q4_0 / Q4_1 in their
+    row layout, `formats.repack_rows`); `act_levels` None takes LORASERVE_CPU_QUANT_ACT_LEVELS
+    (default 1)."""
+    tensor = repack_rows(tensor)  # the loaders repack already (an embedding shares the head's bytes)
     blocks = tensor.blocks.contiguous().cpu()
-    return QuantWeight(QuantTensor(blocks, tensor.qtype, tensor.shape))
+    levels = envs.cpu_quant_act_levels() if act_levels is None else act_levels
+    if levels not in (1, 2):
+        raise ValueError(f"activation levels are 1 or 2, got {levels}")
+    return QuantWeight(QuantTensor(blocks, tensor.qtype, tensor.shape), levels)
 
 
 def linear(
@@ -156,7 +174,7 @@ def linear(
             weight.call_args(),
             rows.data_ptr(),
             rows.stride(0),
-            _DTYPES[x.dtype],
+            weight.x_flags(x.dtype),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             y.stride(0),

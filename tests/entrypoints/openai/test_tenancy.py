@@ -19,9 +19,11 @@ import pytest
 import yaml
 from support.fake_engine import FakeEngine, hold_generation, release_generation, write_adapter
 from support.harness import RunningServer, wait_for
+from support.tool_calls import TEMPLATE
 
 from loraserve.config import SchedulerConfig
 from loraserve.entrypoints.openai.server.api_server import ServerOptions
+from loraserve.entrypoints.openai.server.frontend_options import FrontendOptions
 from loraserve.entrypoints.openai.serving.serving_models import LoRAModulePath
 
 ACME, BRAVO, ADMIN = "sk-acme-0123456789", "sk-bravo-9876543210", "sk-admin-5555555555"
@@ -68,6 +70,7 @@ def tenancy(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory):
         api_key_file=str(key_file),
         lora_modules=[LoRAModulePath(name, path) for name, path in folders.items()],
         allow_runtime_lora_updating=True,
+        frontend=FrontendOptions(chat_template=TEMPLATE),  # the Responses API renders chats
     )
     with RunningServer(engine, options) as server:
         yield server, root, key_file
@@ -186,6 +189,26 @@ def test_metrics_carry_labels_never_keys(tenancy: Any) -> None:
     text = server.http.get("/metrics", headers=_as(ADMIN)).text
     assert 'loraserve:api_key_requests_total{api_key="acme"}' in text
     assert not any(key in text for key in (ACME, BRAVO, ADMIN))
+
+
+def test_responses_stay_with_the_key_that_made_them(tenancy: Any) -> None:
+    server, _, _ = tenancy
+    body = {"model": "acme-sql", "input": "hi", "max_output_tokens": 2}
+    made = server.http.post("/v1/responses", json=body, headers=_as(ACME))
+    assert made.status_code == 200, made.text
+    rid = made.json()["id"]
+    hidden = server.http.post("/v1/responses", json={**body, "model": "bravo-sql"}, headers=_as(ACME))
+    assert hidden.status_code == 404
+    never = server.http.get("/v1/responses/resp_nope", headers=_as(BRAVO)).json()["error"]
+    other = server.http.get(f"/v1/responses/{rid}", headers=_as(BRAVO))
+    assert other.status_code == 404 and other.json()["error"]["message"] == never["message"].replace(
+        "resp_nope", rid
+    )
+    chained = {"model": "bravo-sql", "input": "x", "previous_response_id": rid}
+    assert server.http.post("/v1/responses", json=chained, headers=_as(BRAVO)).status_code == 404
+    assert server.http.delete(f"/v1/responses/{rid}", headers=_as(BRAVO)).status_code == 404
+    assert server.http.get(f"/v1/responses/{rid}", headers=_as(ACME)).status_code == 200
+    assert server.http.get(f"/v1/responses/{rid}", headers=_as(ADMIN)).status_code == 200
 
 
 def test_a_reload_swaps_the_keys_and_a_bad_file_keeps_them(tenancy: Any) -> None:

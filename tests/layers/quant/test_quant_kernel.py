@@ -2,10 +2,11 @@
 every format on every build this machine can run (AVX512-VNNI, AVX2, portable C) and both paths (the
 integer decode path up to DECODE_ROWS rows, the dequantized-tile path above), and its torch twin.
 
-Tolerances come from what each path rounds: the decode path quantizes each 32 activations to int8
-(error at most amax/254 per value, so a block adds at most amax/254 * sum |w| of it) where x is bf16,
-and float32 x to two int8 levels (error at most amax/32512 per value); the tile path
-rounds the weights to x's dtype; both sum in float32 and round once to x's dtype."""
+Tolerances come from what each path rounds: the decode path quantizes activations to int8 per 32
+values for Q8_0 / Q4_0 / Q4_1 and per 256 for the K-quants (error at most amax/254 per value, so a group
+adds at most amax/254 * sum |w| of it), or float32 x to two int8 levels where the build is set to
+(amax/32512 per value); the tile path rounds the weights to x's dtype; both sum in float32 and round
+once to x's dtype."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ ROWS_OUT = [
 
 
 def _in_features(name: str) -> list[int]:
-    """K-quants take multiples of 256; the 32-blocks odd multiples of 32 too."""
-    return [256, 512] if QUANT_TYPES[name].block_size == 256 else [32, 96, 544]
+    """K-quants take multiples of 256; the 32-blocks odd multiples of 32 too, and rows whose blocks end
+    in a group of 8, a pair or one block (576: SmolLM2's width, 2 groups of 8 and a pair)."""
+    return [256, 512] if QUANT_TYPES[name].block_size == 256 else [32, 96, 544, 576]
 
 
 @pytest.fixture(params=list(BUILDS))
@@ -61,22 +63,28 @@ def build(request: pytest.FixtureRequest) -> Iterator[str]:
     qk.use_library(own)
 
 
-def _bounds(x: torch.Tensor, tensor: QuantTensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _bounds(
+    x: torch.Tensor, tensor: QuantTensor, bias: torch.Tensor | None, levels: int = 1
+) -> tuple[torch.Tensor, ...]:
     """(float64 reference, sum |x||w| (+|b|), the activations' quantization error bound per output:
-    amax/254 per value for bf16 x, amax/32512 for float32 x, plus float32 rounding of the residual)."""
+    amax/254 per value of its group (32 values, 256 for the K-quants), amax/32512 for float32 x at two
+    levels, plus float32 rounding of the residual)."""
     ref = reference_linear(x, tensor, bias)
     w = tensor.dequantize(torch.float64).abs()
     xd = x.double().abs()
     magnitude = xd @ w.T + (0 if bias is None else bias.double().abs())
     m, k = x.shape
-    amax = xd.reshape(m, k // 32, 32).amax(-1)  # [m, blocks]
-    w_sums = w.reshape(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
-    unit = 254 if x.dtype == torch.bfloat16 else 32000
+    group = tensor.qtype.block_size  # 32, or a K-quant's 256: how the kernel quantizes x for it
+    amax = xd.reshape(m, k // group, group).amax(-1)  # [m, groups]
+    w_sums = w.reshape(w.shape[0], k // group, group).sum(-1)  # [n, groups]
+    unit = 32000 if x.dtype == torch.float32 and levels == 2 else 254
     return ref, magnitude, (amax / unit) @ w_sums.T
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, tensor: QuantTensor, bias: torch.Tensor | None) -> None:
-    ref, magnitude, act = _bounds(x, tensor, bias)
+def _check(
+    y: torch.Tensor, x: torch.Tensor, tensor: QuantTensor, bias: torch.Tensor | None, levels: int = 1
+) -> None:
+    ref, magnitude, act = _bounds(x, tensor, bias, levels)
     bound = 2e-6 * magnitude  # float32 sums
     if x.shape[0] <= qk.DECODE_ROWS:
         bound = bound + act
@@ -91,9 +99,19 @@ def _check(y: torch.Tensor, x: torch.Tensor, tensor: QuantTensor, bias: torch.Te
     )
 
 
+@pytest.fixture(params=[1, 2], ids=["one level", "two levels"])
+def levels(request: pytest.FixtureRequest) -> int:
+    """float32 activations at one int8 level (the default) or two (LORASERVE_CPU_QUANT_ACT_LEVELS=2)."""
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
-def test_every_format_on_every_build_matches_reference(build: str, name: str, dtype: torch.dtype) -> None:
+def test_every_format_on_every_build_matches_reference(
+    build: str, name: str, dtype: torch.dtype, levels: int
+) -> None:
+    if dtype == torch.bfloat16 and levels == 2:
+        pytest.skip("bf16 activations take one level")
     qtype = QUANT_TYPES[name]
     g = torch.Generator().manual_seed(5)
     for i, (rows, out) in enumerate(ROWS_OUT):
@@ -101,9 +119,9 @@ def test_every_format_on_every_build_matches_reference(build: str, name: str, dt
             tensor = random_quant_tensor(qtype, out, k, seed=i * 7 + k)
             x = torch.randn(rows, k, generator=g).to(dtype)
             bias = torch.randn(out, generator=g).to(dtype) if i % 2 else None
-            y = qk.linear(x, qk.prepare(tensor), bias)
+            y = qk.linear(x, qk.prepare(tensor, act_levels=levels), bias)
             assert y.shape == (rows, out) and y.dtype == dtype
-            _check(y, x, tensor, bias)
+            _check(y, x, tensor, bias, levels)
 
 
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
@@ -127,7 +145,9 @@ def test_decode_path_is_exact_for_activations_int8_represents(build: str, name: 
 
 
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
-def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(build: str, name: str) -> None:
+def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(
+    build: str, name: str
+) -> None:
     """float32 activations (q + q2 / 256) * 2^-5 with |q| <= 126, |q2| <= 127 and one 127 (q2 = 0) per
     block quantize to exactly q and q2: the result is the reference to float32 sums, so a second level
     that is dropped, truncated, coarser or mis-signed shows at once."""
@@ -140,8 +160,8 @@ def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(
     x = ((q + q2 / 256) * 2.0**-5).float()
     assert bool((x.double() == (q + q2 / 256) * 2.0**-5).all())  # float32 holds these values exactly
     tensor = random_quant_tensor(qtype, 29, k, seed=3)
-    ref, magnitude, _ = _bounds(x, tensor, None)
-    y = qk.linear(x, qk.prepare(tensor))
+    ref, magnitude, _ = _bounds(x, tensor, None, 2)
+    y = qk.linear(x, qk.prepare(tensor, act_levels=2))
     assert bool(((y.double() - ref).abs() <= 2e-6 * magnitude + 1e-30).all())
 
 

@@ -36,6 +36,7 @@ _GROUPS = (
     "structured outputs",
     "HTTP front end",
     "limits and shutdown",
+    "Responses API",
     "replicas (Ray Serve)",
 )
 EPILOG = (

@@ -111,6 +111,8 @@ def server_options(args: argparse.Namespace, frontend: FrontendOptions) -> Serve
         request_read_timeout_s=server.request_read_timeout,
         keep_alive_timeout_s=envs.http_keep_alive_timeout(),
         shutdown_timeout_s=server.shutdown_timeout,
+        responses_store_max_responses=server.responses_store_max_responses,
+        responses_store_max_bytes=server.responses_store_max_bytes,
         frontend=frontend,
     )
 

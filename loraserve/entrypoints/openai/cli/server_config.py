@@ -24,6 +24,7 @@ from loraserve.options import check_options, option
 DEFAULT_SPREAD_QUEUE_DEPTH = 8
 _LIMITS = "limits and shutdown"
 _REPLICAS = "replicas (Ray Serve)"
+_RESPONSES = "Responses API"
 
 
 def lora_module(value: str) -> LoRAModulePath:
@@ -138,6 +139,20 @@ class ServerConfig:
         group=_LIMITS,
         help="On SIGTERM, seconds running requests may take to finish before they end with 503 "
         "(streams: an error event, then [DONE]); 0 ends them at once (default: %(default)s).",
+    )
+    responses_store_max_responses: int = option(
+        1024,
+        type=positive_int,
+        group=_RESPONSES,
+        help="Responses API: how many responses created with store=true are kept for GET /v1/responses/{id} "
+        "and previous_response_id; the oldest are evicted first (default: %(default)s).",
+    )
+    responses_store_max_bytes: int = option(
+        256 << 20,
+        type=positive_int,
+        group=_RESPONSES,
+        help="Responses API: the stored responses and the conversations they end take at most this many "
+        "bytes (serialized), e.g. 1GiB; the oldest are evicted first (default: 256MiB).",
     )
     replicas: int = option(
         1,

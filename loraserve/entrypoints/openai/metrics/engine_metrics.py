@@ -7,7 +7,8 @@ families of several engines that share a name into one (Prometheus allows each n
 The generic export: numbers become gauges (counters for the monotonic keys in `_COUNTERS`, exported
 with Prometheus' `_total` suffix), `{adapter: count}` maps become gauges labelled `lora_name` ("" is
 the base model). Lists (new observations) are not families: `metrics.py` adds them to histograms named
-by `metric_name`. The LoRA residency and request-info metrics are `lora_metrics.py`'s.
+by `metric_name`. The LoRA residency and request-info metrics are `lora_metrics.py`'s; the iteration
+tokens and the cache config are vLLM's only (`vllm_metrics.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loraserve.entrypoints.openai.metrics.lora_metrics import OWN_KEYS, lora_families
+from loraserve.entrypoints.openai.metrics.vllm_metrics import ENGINE_OWN_KEYS
 
 PREFIX = "loraserve:"
 # Engine stats keys with a fixed public name; any other key is exported as PREFIX + key.
@@ -46,7 +48,7 @@ def metric_name(key: str) -> str:
 def _generic_families(stats: Mapping[str, Any], extra: Mapping[str, str]) -> Iterator[Metric]:
     names, values = list(extra), list(extra.values())
     for key, value in sorted(stats.items()):
-        if key in OWN_KEYS:
+        if key in OWN_KEYS or key in ENGINE_OWN_KEYS:
             continue
         name = metric_name(key)
         family: GaugeMetricFamily | CounterMetricFamily

@@ -29,7 +29,7 @@ from loraserve.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolP
 from loraserve.entrypoints.openai.tool_parsers.declared_calls import DeclaredCalls
 from loraserve.entrypoints.openai.tool_parsers.forced_tool_parsers import NamedToolParser, RequiredToolParser
 from loraserve.entrypoints.openai.tool_parsers.manager import ToolParserManager
-from loraserve.json_limits import JSONDepthError, loads_bounded
+from loraserve.json_limits import JSONDepthError, check_json_depth
 from loraserve.structured_output.params import StructuredOutputsParams
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
@@ -187,7 +187,10 @@ def _past_call(call: dict[str, Any], index: int, j: int) -> dict[str, Any]:
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = loads_bounded(arguments, f"{where}.function.arguments") if arguments.strip() else {}
+            # strict=False: the arguments a grammar wrote may hold raw control characters in strings
+            # (xgrammar's JSON string rule admits them), and a client sends them back as they were.
+            check_json_depth(arguments, f"{where}.function.arguments")
+            arguments = json.loads(arguments, strict=False) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             raise _error(f"{where}.function.arguments is not valid JSON: {exc}", "messages") from exc
         except JSONDepthError as exc:
