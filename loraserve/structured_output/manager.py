@@ -130,6 +130,8 @@ class StructuredOutputs:
     def compile_pool(self, settings: Any) -> Any:
         """The pool of compile worker processes (`compile_pool.GrammarCompilePool`, made on first use
         with `settings`); its grammars land in this engine's cache."""
+        if self._compiles is not None:  # no lock: the backend's first build holds it for a second
+            return self._compiles
         with self._lock:
             if self._compiles is None:
                 from loraserve.structured_output.compile_pool import GrammarCompilePool
