@@ -229,6 +229,14 @@ class SchedulerConfig:
         group=_CACHE,
         help="Most tokens processed in one engine step, prefill chunks included (default: %(default)s).",
     )
+    max_num_seqs_share: float = option(
+        0.5,
+        type=queue_share,
+        group=_CACHE,
+        help="loraserve only: the fraction of --max-num-seqs one request's sequences (n, best_of, beams, "
+        "prompts) may hold while others wait for a slot; 1.0 is vLLM's behaviour (default: 0.5).",
+        check=_a_queue_share,
+    )
     max_model_len: int = 2048  # resolved from the model (EngineArgs.max_model_len)
     scheduling_policy: str = option(
         "fcfs",

@@ -50,8 +50,12 @@ def available_memory_bytes(device: str | torch.device) -> int | None:
 
 
 def kv_budget(
-    cache: CacheConfig, spec: KVCacheSpec, dtype: torch.dtype, device: str | torch.device,
-    max_model_len: int, max_num_seqs: int,
+    cache: CacheConfig,
+    spec: KVCacheSpec,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    max_model_len: int,
+    max_num_seqs: int,
 ) -> KVBudget:
     """The blocks this engine's KV cache gets, and where the size came from."""
     per_block = spec.block_bytes(cache.block_size, dtype)
@@ -70,8 +74,12 @@ def kv_budget(
     num_blocks = size // per_block
     logger.info(
         "KV cache: %.2f GiB, %d blocks of %d tokens (%s; %d sequences of max_model_len=%d fit)",
-        num_blocks * per_block / (1 << 30), num_blocks, cache.block_size, source,
-        num_blocks // per_sequence, max_model_len,
+        num_blocks * per_block / (1 << 30),
+        num_blocks,
+        cache.block_size,
+        source,
+        num_blocks // per_sequence,
+        max_model_len,
     )
     return KVBudget(num_blocks, num_blocks * per_block, source)
 
@@ -96,5 +104,7 @@ class PreemptionWarning:
             "%d sequence(s) preempted to be recomputed later: the KV cache (%d blocks) is too small for the "
             "running batch; total_num_cumulative_preemption=%d. Raise --kv-cache-memory (or "
             "VLLM_CPU_KVCACHE_SPACE) or lower --max-num-seqs.",
-            count, self.num_blocks, total,
+            count,
+            self.num_blocks,
+            total,
         )

@@ -71,6 +71,7 @@ class LLMEngine:
             config.lora.max_loras if config.lora else None,
             self.lora.can_activate if self.lora is not None else None,
             seq_ids,
+            config.model.vocab_size,
         )
         self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.runner = ModelRunner(
@@ -97,7 +98,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.iteration_tokens = IterationTokens()  # vllm:iteration_tokens_total
         self.preemption_warning = PreemptionWarning(num_blocks)
-        self.cache_info = cache_config_info(config.cache, num_blocks, self.kv_budget.bytes)  # vllm:cache_config_info
+        self.cache_info = cache_config_info(
+            config.cache, num_blocks, self.kv_budget.bytes
+        )  # vllm:cache_config_info
         self.adapters = EngineAdapters(self.lora, self.requests)  # the adapter API's rules
         self.step_failures = StepFailures(self.requests, self.scheduler, self.outputs, self.lora)
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
@@ -120,8 +123,12 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         spec = self.model.kv_cache_spec()
         budget = kv_budget(
-            self.config.cache, spec, self.model_config.dtype, self.config.device,
-            self.model_config.max_model_len, self.config.scheduler.max_num_seqs,
+            self.config.cache,
+            spec,
+            self.model_config.dtype,
+            self.config.device,
+            self.model_config.max_model_len,
+            self.config.scheduler.max_num_seqs,
         )
         self.kv_budget = budget
         block_size = self.config.cache.block_size
@@ -144,11 +151,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        grammar: Any = None,
     ) -> Request:
         """Validate and queue a request. Raises ValueError (bad prompt/params), LoRAAdapterError, or
         EngineOverloadedError (the queue is full: retry later). A dict prompt may carry vLLM's
         `cache_salt`; `priority` needs scheduling_policy "priority". `BeamSearchParams` make it a
-        beam search (its one output, at the end, holds the best beams)."""
+        beam search (its one output, at the end, holds the best beams). `grammar`: the request's
+        constraint already compiled (the async engine's compile pool); None compiles it here."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":  # vLLM's text
@@ -164,7 +173,10 @@ class LLMEngine:
         if request_salt:
             salt = RequestSalt(salt, str(request_salt))
         # Compiled (or found in the cache) before anything is queued: a bad schema is a ValueError.
-        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.structured.compile(params.structured_outputs)
         request = Request(
             request_id,
             text,
@@ -218,9 +230,9 @@ class LLMEngine:
         try:
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
-            failed = self.step_failures.step_failed(batch.scheduled, exc)
+            ended = self.step_failures.step_failed(batch.scheduled, exc)
             self.adapters.finish_removals()
-            return failed
+            return ended
         run = self.runner.run(
             batch.scheduled,
             None if masks is None else partial(self.structured.apply, masks),
@@ -232,8 +244,13 @@ class LLMEngine:
             if run.error is not None:
                 raise run.error
             if run.result is not None:
-                sampled = _stop_dead_ends(self.outputs.process(run.result, run.sampled), masks)
-                searched = self.scheduler.update(run.scheduled, sampled, run.beams)
+                failed = run.request_errors  # requests whose own work failed: they end alone
+                sampled = _stop_dead_ends(self.outputs.process(run.result, run.sampled, failed), masks)
+                scheduled = (
+                    [s for s in run.scheduled if s.seq.request not in failed] if failed else run.scheduled
+                )
+                searched = self.scheduler.update(scheduled, sampled, run.beams, failed)
+                outputs += self.step_failures.requests_failed(failed)
                 outputs += self._request_outputs(sampled)
                 outputs += self._beam_outputs(searched)
         except Exception as exc:
@@ -326,7 +343,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
-        return engine_stats(
+        stats = engine_stats(
             self.scheduler,
             self.block_manager,
             self.step_failures.total,
@@ -334,6 +351,8 @@ class LLMEngine:
             self.iteration_tokens,
             self.cache_info,
         )
+        stats["num_request_failures"] = self.step_failures.requests_failed_alone
+        return stats
 
 
 def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:

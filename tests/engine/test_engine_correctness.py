@@ -95,7 +95,11 @@ def test_batched_equals_one_at_a_time_with_chunking_and_preemption(
     assert tight.engine.scheduler.num_preemptions > 0
     # the user hears of it once (rate-limited), with the blocks and the running count
     warnings = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
-    assert len(warnings) == 1 and "12 blocks" in warnings[0] and "total_num_cumulative_preemption=" in warnings[0]
+    assert (
+        len(warnings) == 1
+        and "12 blocks" in warnings[0]
+        and "total_num_cumulative_preemption=" in warnings[0]
+    )
 
 
 def test_prefix_cache_hits_change_nothing(llama_path: str) -> None:

@@ -29,14 +29,17 @@ def budget(cache: CacheConfig, max_model_len: int = 256, max_num_seqs: int = 8) 
 
 def test_the_flag_and_the_blocks_option_come_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
-    assert budget(CacheConfig(kv_cache_memory_bytes=100 * PER_BLOCK)) == kb.KVBudget(100, 100 * PER_BLOCK, "--kv-cache-memory")
+    assert budget(CacheConfig(kv_cache_memory_bytes=100 * PER_BLOCK)) == kb.KVBudget(
+        100, 100 * PER_BLOCK, "--kv-cache-memory"
+    )
     assert budget(CacheConfig(num_blocks=7)).num_blocks == 7
 
 
 def test_vllms_cpu_kvcache_space_in_gib(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")
-    assert budget(CacheConfig()) == kb.KVBudget((1 << 29) // PER_BLOCK, (1 << 29) // PER_BLOCK * PER_BLOCK,
-                                                "VLLM_CPU_KVCACHE_SPACE")
+    assert budget(CacheConfig()) == kb.KVBudget(
+        (1 << 29) // PER_BLOCK, (1 << 29) // PER_BLOCK * PER_BLOCK, "VLLM_CPU_KVCACHE_SPACE"
+    )
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
     with pytest.raises(ValueError, match="CPU_KVCACHE_SPACE"):
         budget(CacheConfig())
@@ -51,7 +54,9 @@ def test_vllms_cpu_kvcache_space_in_gib(monkeypatch: pytest.MonkeyPatch) -> None
         (None, 8 * 16),  # unreadable: the 1 GiB fallback, capped as any share
     ],
 )
-def test_auto_is_a_share_of_the_machine_capped_by_use(monkeypatch: pytest.MonkeyPatch, available: Any, want: int) -> None:
+def test_auto_is_a_share_of_the_machine_capped_by_use(
+    monkeypatch: pytest.MonkeyPatch, available: Any, want: int
+) -> None:
     monkeypatch.setattr(kb, "available_memory_bytes", lambda device: available)
     got = budget(CacheConfig())
     assert (got.num_blocks, got.source) == (want, "auto")

@@ -74,7 +74,7 @@ def test_rms_norm_adds_the_residual_in_place(ops: Ops, dtype: torch.dtype) -> No
     out, updated = ops.rms_norm(x, weight, 1e-5, residual)
     assert updated is residual
     torch.testing.assert_close(residual, (before + x), atol=0, rtol=0)  # the add rounds like torch's
-    h = (before.double() + x.double())
+    h = before.double() + x.double()
     ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(out.double(), ref, **tol(dtype))
 
@@ -90,7 +90,9 @@ def test_silu_and_mul_matches_float64(ops: Ops, dtype: torch.dtype, rows: int, w
 
 
 def test_silu_and_mul_extremes_and_nan(ops: Ops) -> None:
-    gate = torch.tensor([-100.0, 100.0, 0.0, float("nan"), 2.0, -3.0, 30.0, -30.0]).repeat(5)  # lanes and tail
+    gate = torch.tensor([-100.0, 100.0, 0.0, float("nan"), 2.0, -3.0, 30.0, -30.0]).repeat(
+        5
+    )  # lanes and tail
     out = ops.silu_and_mul(torch.cat([gate, torch.full_like(gate, 2.0)]).unsqueeze(0))[0]
     for i in (0, 8, 32):
         assert out[i].abs() < 1e-30 and out[i + 1] == pytest.approx(200.0) and out[i + 2] == 0.0
@@ -111,7 +113,9 @@ def test_rotary_in_place_matches_float64(ops: Ops, dtype: torch.dtype, num_heads
     freqs = torch.outer(torch.arange(512).double(), inv_freq)
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
     ops.rotary_(x, positions, cos.float(), sin.float(), num_heads, head_dim)
-    torch.testing.assert_close(x[:, num_heads * head_dim:], before[:, num_heads * head_dim:], atol=0, rtol=0)
+    torch.testing.assert_close(
+        x[:, num_heads * head_dim :], before[:, num_heads * head_dim :], atol=0, rtol=0
+    )
     heads = before[:, : num_heads * head_dim].double().unflatten(-1, (num_heads, head_dim))
     half = head_dim // 2
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
@@ -130,7 +134,7 @@ def test_kernel_and_twin_agree_on_bf16_rounding(dtype: torch.dtype) -> None:
     kernel_silu = fused_cpu.silu_and_mul(x)
     kernel_norm = fused_cpu.rms_norm(x, weight, 1e-6)[0]
     twin_silu, twin_norm = fused_cpu.silu_and_mul_twin(x), fused_cpu.rms_norm_twin(x, weight, 1e-6)[0]
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -17  # float32: sum order over 3072 values
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-17  # float32: sum order over 3072 values
     for a, b in ((kernel_silu, twin_silu), (kernel_norm, twin_norm)):
         diff = (a.double() - b.double()).abs()
         assert bool((diff <= b.double().abs() * ulp + 1e-30).all()), float(diff.max())

@@ -145,7 +145,9 @@ def test_decode_path_is_exact_for_activations_int8_represents(build: str, name: 
 
 
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
-def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(build: str, name: str) -> None:
+def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(
+    build: str, name: str
+) -> None:
     """float32 activations (q + q2 / 256) * 2^-5 with |q| <= 126, |q2| <= 127 and one 127 (q2 = 0) per
     block quantize to exactly q and q2: the result is the reference to float32 sums, so a second level
     that is dropped, truncated, coarser or mis-signed shows at once."""

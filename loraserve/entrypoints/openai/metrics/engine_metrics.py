@@ -31,7 +31,14 @@ _RENAMED = {
     "waiting_by_adapter": "num_requests_waiting_by_lora",
 }
 # Engine stats keys that only ever grow: exported as counters, so rate() and alerts work on them.
-_COUNTERS = {"num_step_failures": "Engine steps that raised; their requests failed, the engine went on."}
+_COUNTERS = {
+    "num_step_failures": "Engine steps that raised; their requests failed, the engine went on.",
+    "num_request_failures": "Requests whose own sampling or beam round raised; they failed alone, their batch went on.",
+    "grammar_compiles": "Grammars compiled by the compile worker processes.",
+    "grammar_compile_timeouts": "Grammar compiles killed at --structured-outputs-compile-timeout (a 400 each).",
+    "grammar_compiles_cancelled": "Grammar compiles withdrawn because their requests went away.",
+    "grammar_compile_workers_started": "Grammar compile worker processes started (a killed one is replaced).",
+}
 
 
 def metric_name(key: str) -> str:

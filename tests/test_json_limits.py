@@ -1,4 +1,4 @@
-"""`json_depth`: the nesting of a JSON text, counted on its bytes before it is decoded."""
+"""`json_limits`: the nesting of a JSON text, counted on its bytes before it is decoded, and the field it is too deep in."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loraserve.lora.json_bounds import json_depth
+from loraserve.json_limits import deepest_member, json_depth
 
 
 @pytest.mark.parametrize(
@@ -35,3 +35,22 @@ def test_agrees_with_the_decoded_value() -> None:
         return 0 if children is None else 1 + max((depth(c) for c in children), default=0)
 
     assert json_depth(json.dumps(value).encode()) == depth(value) == 6
+
+
+def test_the_deepest_member_is_named() -> None:
+    deep = "[" * 100 + "]" * 100
+    body = '{"model": "m", "note": "{[{[ \\" [[", "response_format": {"schema": ' + deep + '}, "n": 1}'
+    assert json_depth(body) == 102
+    assert deepest_member(body, 64) == "response_format"
+    assert deepest_member(body, 200) is None
+    assert deepest_member(deep, 64) is None  # not an object: no field to name
+
+
+def test_loads_bounded_refuses_before_decoding() -> None:
+    from loraserve.json_limits import JSONDepthError, loads_bounded, value_depth
+
+    with pytest.raises(JSONDepthError, match="guided_json nests 100000 levels") as caught:
+        loads_bounded("[" * 100_000 + "]" * 100_000, "guided_json", "guided_json")
+    assert caught.value.parameter == "guided_json"
+    assert loads_bounded('{"a": [1]}', "x") == {"a": [1]}
+    assert value_depth({"a": [[{}]], "b": 1}) == 4
