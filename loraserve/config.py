@@ -25,16 +25,9 @@ DTYPE_CHOICES = ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float1
 def _dtype_names() -> dict[str, torch.dtype]:
     import torch
 
-    return {
-        "float32": torch.float32,
-        "float": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "half": torch.float16,
-        "fp16": torch.float16,
-    }
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    aliases = dict(float="float32", fp32="float32", bf16="bfloat16", half="float16", fp16="float16")
+    return names | {alias: names[name] for alias, name in aliases.items()}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -187,13 +180,15 @@ class CacheConfig:
     block_size: int = option(
         16, type=positive_int, group=_CACHE, help="Tokens per KV-cache block (default: %(default)s)."
     )
-    kv_cache_memory_bytes: int = option(
-        1 << 30,
+    kv_cache_memory_bytes: int | None = option(
+        None,
         flag=("--kv-cache-memory", "--kv-cache-memory-bytes"),
         metavar="KV_CACHE_MEMORY",
         type=positive_int,
         group=_CACHE,
-        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: 1GiB).",
+        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: VLLM_CPU_KVCACHE_SPACE GiB if set, else "
+        "a quarter of the memory available once the model is loaded, at most what max_num_seqs "
+        "sequences of max_model_len tokens need; pages are committed as blocks are first written).",
     )
     num_blocks: int | None = None  # overrides the memory budget when set (EngineArgs.num_kv_blocks)
     enable_prefix_caching: bool = option(
@@ -227,6 +222,14 @@ class SchedulerConfig:
         type=positive_int,
         group=_CACHE,
         help="Most tokens processed in one engine step, prefill chunks included (default: %(default)s).",
+    )
+    max_num_seqs_share: float = option(
+        0.5,
+        type=queue_share,
+        group=_CACHE,
+        help="loraserve only: the fraction of --max-num-seqs one request's sequences (n, best_of, beams, "
+        "prompts) may hold while others wait for a slot; 1.0 is vLLM's behaviour (default: 0.5).",
+        check=_a_queue_share,
     )
     max_model_len: int = 2048  # resolved from the model (EngineArgs.max_model_len)
     scheduling_policy: str = option(
@@ -310,13 +313,10 @@ class LoRAConfig:
         False, action="store_true", group="LoRA", help="Accept adapters with bias terms."
     )
     enable_tower_connector_lora: bool = option(
-        False,
-        action="bool",
-        group="LoRA",
-        help="Vision-language models: serve adapters' LoRA on the vision tower and the connector "
-        "(projector) too; off, those modules of an adapter are skipped with a warning and only its "
-        "language-model modules apply (vLLM's rule).",
-    )
+        False, action="bool", group="LoRA",
+        help="Vision-language models: serve adapters' LoRA on the vision tower and connector too; off, "
+        "an adapter's modules there are skipped with a warning (vLLM's rule).",
+    )  # fmt: skip
     lora_eviction_policy: str | None = option(
         None,
         choices=("lru", "cost"),

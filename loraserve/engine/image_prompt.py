@@ -92,7 +92,9 @@ def image_processor(model: Any, architecture: str, config: EngineConfig) -> Mult
     except OSError as exc:  # no processor files: the checkpoint is served as the text model it holds
         logger.warning(
             "%s: the model folder has no image processor (%s); serving its language model only: "
-            "requests with images are refused.", architecture, str(exc).splitlines()[0][:200],
+            "requests with images are refused.",
+            architecture,
+            str(exc).splitlines()[0][:200],
         )
         return None
     processor.process(processor.placeholder, [Image.new("RGB", (32, 32), (127, 127, 127))])

@@ -39,7 +39,7 @@ class IterationTokens:
             return {"buckets": list(ITERATION_TOKEN_BUCKETS), "counts": list(self.counts), "sum": self.total}
 
 
-def cache_config_info(cache: CacheConfig, num_blocks: int) -> dict[str, str]:
+def cache_config_info(cache: CacheConfig, num_blocks: int, kv_bytes: int) -> dict[str, str]:
     """vLLM's CacheConfig fields that mean something here, as strings (vLLM's `metrics_info()`):
     the KV blocks, on whatever device, are vLLM's `num_gpu_blocks`; no blocks are swapped to the CPU
     (`num_cpu_blocks` None, as vLLM v1 leaves it); the KV cache takes the model's dtype ("auto")."""
@@ -47,7 +47,7 @@ def cache_config_info(cache: CacheConfig, num_blocks: int) -> dict[str, str]:
         "block_size": str(cache.block_size),
         "cache_dtype": "auto",
         "enable_prefix_caching": str(cache.enable_prefix_caching),
-        "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
+        "kv_cache_memory_bytes": str(kv_bytes),
         "num_gpu_blocks": str(num_blocks),
         "num_cpu_blocks": "None",
     }

@@ -40,16 +40,43 @@ class OutputProcessor:
             lp.decoded_token = self.decode_token(token_id)
         return entry
 
-    def process(self, result: StepResult, sampled: SamplerOutput) -> list[SampledToken]:
-        """Record the step's prompt logprobs and report what each sampled token does to its sequence."""
-        self._record_prompt_logprobs(result.prompt_chunks)
+    def process(
+        self, result: StepResult, sampled: SamplerOutput, failed: dict[Request, Exception] | None = None
+    ) -> list[SampledToken]:
+        """Record the step's prompt logprobs and report what each sampled token does to its sequence.
+        With `failed`: a request whose processing raises is added to it and reported no further (the
+        others go on); requests already in it are skipped."""
         reports = []
+        for chunk in result.prompt_chunks:
+            if failed is None or chunk.seq.request not in failed:
+                self._guarded(chunk.seq.request, failed, lambda c=chunk: self._record_prompt_logprobs([c]))
         for i, seq in enumerate(result.sample_seqs):
             if seq.request.beam is not None:  # a beam's token is its group's choice (Scheduler.update)
                 continue
+            if failed is not None and seq.request in failed:
+                continue
             top = sampled.top_logprobs[i] if sampled.top_logprobs else None
-            reports.append(self._report(seq, sampled.token_ids[i], sampled.logprobs[i], top))
+            report = self._guarded(
+                seq.request,
+                failed,
+                lambda s=seq, i=i, t=top: self._report(s, sampled.token_ids[i], sampled.logprobs[i], t),
+            )
+            if report is not None:
+                reports.append(report)
+        if failed:
+            reports = [r for r in reports if r.seq.request not in failed]
         return reports
+
+    @staticmethod
+    def _guarded(request: Request, failed: dict[Request, Exception] | None, fn: Any) -> Any:
+        """`fn()`; when it raises and `failed` is given, the request goes into `failed` (None back)."""
+        if failed is None:
+            return fn()
+        try:
+            return fn()
+        except Exception as exc:
+            failed[request] = exc
+            return None
 
     def _report(
         self, seq: Sequence, token_id: int, logprob: float | None, top: dict[int, Logprob] | None

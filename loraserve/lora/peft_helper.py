@@ -24,15 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+from loraserve.json_limits import MAX_JSON_DEPTH, json_depth
 from loraserve.lora.config_fields import CONFIG_NAME, ConfigFields, check_unsupported_features, shown
-from loraserve.lora.json_bounds import json_depth
 from loraserve.lora.patterns import PatternMatcher
 
 # The vocab modules an adapter may carry LoRA, trainable tokens or a saved copy of (`lora/vocab_checks.py`).
 VOCAB_LEAVES = frozenset({"embed_tokens", "lm_head"})
 
 MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KB
-MAX_CONFIG_DEPTH = 32  # real configs nest 3 levels (a rank_pattern in the config object)
 
 
 @dataclass(frozen=True)
@@ -220,7 +219,7 @@ def _token_ids(v: ConfigFields, module: str, ids: Any) -> tuple[int, ...]:
 
 def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
     """The parsed `folder/adapter_config.json`: a regular file of at most MAX_CONFIG_BYTES nesting at
-    most MAX_CONFIG_DEPTH levels (counted before decoding), else a LoRAAdapterError. Opened non-blocking and checked on the open descriptor, so a FIFO, a device
+    most MAX_JSON_DEPTH levels (counted before decoding), else a LoRAAdapterError. Opened non-blocking and checked on the open descriptor, so a FIFO, a device
     (`/dev/zero`) or a huge file swapped in can neither block the caller nor exhaust memory."""
     config_file = os.path.join(folder, CONFIG_NAME)
     try:
@@ -245,10 +244,10 @@ def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
             f"LoRA adapter '{lora_name}': {CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes"
         )
     depth = json_depth(data)
-    if depth > MAX_CONFIG_DEPTH:
+    if depth > MAX_JSON_DEPTH:
         raise LoRAAdapterError(
             f"LoRA adapter '{lora_name}': {CONFIG_NAME} nests {depth} levels deep, more than the "
-            f"{MAX_CONFIG_DEPTH} allowed"
+            f"{MAX_JSON_DEPTH} allowed"
         )
     try:
         return json.loads(data.decode("utf-8"))

@@ -12,7 +12,8 @@ import torch
 from support.adapter_files import unsafe_configs
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
-from loraserve.lora.peft_helper import MAX_CONFIG_DEPTH, PEFTHelper
+from loraserve.json_limits import MAX_JSON_DEPTH as MAX_CONFIG_DEPTH
+from loraserve.lora.peft_helper import PEFTHelper
 
 
 def _write(folder: Path, config: Any) -> Path:
@@ -147,7 +148,7 @@ def test_config_nesting_is_bounded_before_decoding(tmp_path: Path) -> None:
     deep = '{"r": 8, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
     with pytest.raises(
         LoRAAdapterError,
-        match="'deep': adapter_config.json nests 100001 levels deep, more than the 32 allowed",
+        match="'deep': adapter_config.json nests 100001 levels deep, more than the 64 allowed",
     ) as info:
         PEFTHelper.from_local_dir(_write(tmp_path / "deep", deep), "deep", max_lora_rank=16)
     assert type(info.value) is LoRAAdapterError

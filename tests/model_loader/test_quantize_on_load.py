@@ -33,6 +33,8 @@ PROMPTS = ["the cat in the hat", "on a mat", "hello there friend"]
 @pytest.fixture(autouse=True)
 def two_levels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORASERVE_CPU_QUANT_ACT_LEVELS", "2")
+
+
 TARGETS = {"attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"]}
 
 

@@ -120,7 +120,9 @@ def test_bfloat16_within_bf16_noise_of_the_float32_oracle(arch: str, vlms: dict[
     (parity.check_bf16's rule: near-ties may break either way in bf16)."""
     case = vlms[arch]
     twin = copy.deepcopy(case.peft).to(torch.bfloat16)
-    requests = [_requests(arch)[i] for i in (2, 3)]  # two images under the LM adapter, one under the tower one
+    requests = [
+        _requests(arch)[i] for i in (2, 3)
+    ]  # two images under the LM adapter, one under the tower one
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0, prompt_logprobs=0
     )

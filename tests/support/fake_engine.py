@@ -190,6 +190,7 @@ class FakeEngine:
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        client_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.priorities_seen.append(priority)
         if isinstance(prompt, dict):  # {"prompt_token_ids": ids, "cache_salt": salt}
@@ -237,13 +238,13 @@ class FakeEngine:
                 self._changed.notify_all()
 
     async def admit(
-        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None, limits: Any = None
     ) -> AdmissionHold:
         """The real gate (`FairAdmission`) over `scheduler_config`, as `AsyncLLMEngine.admit`."""
         if self._admission is None:
             self._admission = FairAdmission(self.scheduler_config)
         self.admitted_clients.append(client_id)
-        return await self._admission.admit(num_seqs, num_prefill_tokens, client_id)
+        return await self._admission.admit(num_seqs, num_prefill_tokens, client_id, limits)
 
     async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """Like the real engine's, against `scheduler_config` and the requests running now."""

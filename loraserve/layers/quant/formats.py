@@ -182,11 +182,15 @@ def unpack_rows(blocks: torch.Tensor, qtype: QuantType, inp: int) -> torch.Tenso
     source = QUANT_TYPES[qtype.rows_of or qtype.name]
     rows, nb = blocks.shape[0], inp // 32
     fields, qbytes = _row_fields(source)
-    scales = blocks[:, : nb * fields].reshape(rows, fields // 2, nb, 2).transpose(1, 2).reshape(rows, nb, fields)
+    scales = (
+        blocks[:, : nb * fields].reshape(rows, fields // 2, nb, 2).transpose(1, 2).reshape(rows, nb, fields)
+    )
     quants = blocks[:, nb * fields :]
     if qbytes == 32:
         even = nb // 2 * 2
-        pairs = quants[:, : even * 32].reshape(rows, nb // 2, 2, 2, 16).transpose(2, 3).reshape(rows, even, 32)
+        pairs = (
+            quants[:, : even * 32].reshape(rows, nb // 2, 2, 2, 16).transpose(2, 3).reshape(rows, even, 32)
+        )
         quants = torch.cat([pairs, quants[:, even * 32 :].reshape(rows, -1, 32)], dim=1)
     return torch.cat([scales, quants.reshape(rows, nb, qbytes)], dim=2).reshape(rows, nb * source.type_size)
 

@@ -104,6 +104,7 @@ def server_options(args: argparse.Namespace, frontend: FrontendOptions) -> Serve
     return ServerOptions(
         served_model_names=args.served_model_name or [],
         api_keys=list(server.api_key or []),
+        api_key_file=server.api_key_file,
         lora_modules=server.lora_modules,
         trust_request_chat_template=server.trust_request_chat_template,
         max_request_body_bytes=server.max_request_body_size,
@@ -152,7 +153,8 @@ def log_startup(app: FastAPI, engine: Any, args: argparse.Namespace, sock: socke
     else:
         scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
         where = f"{scheme}://{args.host}:{sock.getsockname()[1]}"
-    logger.info("Serving on %s (API key %s).", where, "required" if args.api_key else "not required")
+    required = "required" if app.state.key_store.enabled else "not required"
+    logger.info("Serving on %s (API key %s).", where, required)
 
 
 def configure_logging() -> None:

@@ -51,6 +51,26 @@ def _a_port(port: int) -> str | None:
     return None if 0 <= port <= 65535 else f"must be in 0..65535, got {port}."
 
 
+def _a_key_file(path: str | None) -> str | None:
+    """The key file must read and parse now: a server that starts must know its keys."""
+    if path is None:
+        return None
+    import yaml
+
+    from loraserve.entrypoints.openai.server.key_store import read_key_file
+    from loraserve.entrypoints.openai.serving.key_scopes import KeyFileError
+
+    try:
+        read_key_file(path)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or type(exc).__name__}"
+    except yaml.YAMLError:
+        return "is not valid YAML or JSON"
+    except KeyFileError as exc:
+        return f"is not valid: {exc}"
+    return None
+
+
 def _distinct_names(modules: list[LoRAModulePath]) -> str | None:
     seen: set[str] = set()
     for module in modules:
@@ -71,8 +91,16 @@ class ServerConfig:
         None,
         nargs="+",
         group="server",
-        help="Require 'Authorization: Bearer KEY' (any of the keys given) on every route but /health "
-        "(default: $LORASERVE_API_KEY).",
+        help="Require 'Authorization: Bearer KEY' (any of the keys given) on every route but /health and "
+        "/ping (default: $LORASERVE_API_KEY).",
+    )
+    api_key_file: str | None = option(
+        None,
+        group="server",
+        check=_a_key_file,
+        help="loraserve only: a YAML or JSON file of API keys, each with the adapters (names or glob "
+        "patterns) it may use, whether it may use the base model, load/unload under a name prefix, and "
+        "its own limits (docs/tenancy.md); re-read on SIGHUP. --api-key keys keep reaching everything.",
     )
     trust_request_chat_template: bool = option(
         False,

@@ -37,6 +37,11 @@ _COUNTERS = {
     "images_encoded": "Images run through the vision tower (not found in the image-embedding cache).",
     "image_cache_hits": "Image embeddings found in the cache by content hash (and tower adapter).",
     "image_cache_misses": "Image embeddings not in the cache when a step needed them.",
+    "num_request_failures": "Requests whose own sampling or beam round raised; they failed alone, their batch went on.",
+    "grammar_compiles": "Grammars compiled by the compile worker processes.",
+    "grammar_compile_timeouts": "Grammar compiles killed at --structured-outputs-compile-timeout (a 400 each).",
+    "grammar_compiles_cancelled": "Grammar compiles withdrawn because their requests went away.",
+    "grammar_compile_workers_started": "Grammar compile worker processes started (a killed one is replaced).",
 }
 
 

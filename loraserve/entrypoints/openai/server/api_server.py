@@ -7,7 +7,7 @@ the process around it (flags, model load, socket, uvicorn) is `launcher.py`'s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -30,6 +30,7 @@ from loraserve.entrypoints.openai.server.http_guard import (
     RequestGuardMiddleware,
     ServerLifecycle,
 )
+from loraserve.entrypoints.openai.server.key_store import KeyStore
 from loraserve.entrypoints.openai.server.respond import respond, take_request_id_header
 from loraserve.entrypoints.openai.server.responses_routes import add_responses_routes
 from loraserve.entrypoints.openai.server.vllm_routes import Handler, LoadTracker, add_vllm_routes
@@ -69,6 +70,7 @@ class ServerOptions:
 
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     api_keys: list[str] = field(default_factory=list)
+    api_key_file: str | None = None  # keys with scopes (serving/key_scopes.py), re-read on SIGHUP
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     allow_runtime_lora_updating: bool | None = None  # None: read the environment
     trust_request_chat_template: bool = False  # a request's own chat template runs only when True
@@ -114,6 +116,7 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     override_chat_template(engine.tokenizer, options.frontend)
     app = FastAPI(title="loraserve", version=__version__, **fastapi_kwargs(options.frontend))
     app.state.lifecycle = lifecycle = ServerLifecycle()
+    app.state.key_store = keys = KeyStore(options.api_keys, options.api_key_file)  # a bad file stops here
     app.state.engine = engine
     app.state.models = models
     app.state.metrics = metrics
@@ -157,18 +160,26 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     )
     if runtime_updating:
         _add_lora_routes(app, models)
-    app.add_middleware(ClientIdentityMiddleware, api_keys=options.api_keys)  # whose turn, whose share
+    # Whose turn, whose share, which adapters: the key's scope, counted under its label.
+    app.add_middleware(ClientIdentityMiddleware, scope_of=keys.scope, on_request=_key_counter(metrics))
     app.add_middleware(
         RequestGuardMiddleware,
         max_body_bytes=options.max_request_body_bytes,
         read_timeout_s=options.request_read_timeout_s,
         lifecycle=lifecycle,
     )
-    if options.api_keys:  # added last, so it runs first: no unauthenticated body is ever buffered
-        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    if keys.enabled:  # added last, so it runs first: no unauthenticated body is ever buffered
+        app.add_middleware(APIKeyMiddleware, keys=keys)
     apply_to_app(app, options.frontend)  # CORS outside the key check: preflight requests carry no API key
     app.add_middleware(HTTPVersionMiddleware)  # outermost: HTTP/9.9 is no request to answer as 1.1
     return app
+
+
+def _key_counter(metrics: ServerMetrics) -> Callable[[str], None]:
+    def count(label: str) -> None:
+        metrics.key_requests.labels(label).inc()
+
+    return count
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -135,6 +135,8 @@ def scan_call(
         if key in keys and arguments is None:
             arguments = spaced_json(text[j:] if end is None else text[j:end])
         elif key == "name" and end is not None:
+            if text[j] != '"':  # only a string names a function (and an array may nest past decoding)
+                raise ScanError("a call's name is not a string")
             value = json.loads(text[j:end])
             if not isinstance(value, str):
                 raise ScanError("a call's name is not a string")

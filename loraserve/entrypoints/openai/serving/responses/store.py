@@ -7,6 +7,10 @@ messages of every earlier turn, its input and its output, without instructions),
 naming it as `previous_response_id` continues; its size is those two serialized. A background
 response still running is pinned (never evicted: its task must find it), and the pinned ones are at
 most `max_responses`. A response that no longer fits is gone: its id is a 404 naming it.
+
+A response belongs to the API key that created it (`--api-key-file`): another key's id is the same
+404 as an id never stored, for GET, DELETE, cancel and `previous_response_id`; `--api-key` keys (and
+admin keys) reach every response, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from loraserve.entrypoints.openai.serving.client_identity import current_client
 from loraserve.entrypoints.openai.serving.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -30,6 +35,7 @@ class StoredResponse:
     conversation: list[dict[str, Any]]
     size: int = 0  # bytes of the two, serialized
     task: asyncio.Task | None = None  # a background response's generation, while it runs
+    owner: str | None = None  # the client id of the key that created it (None: no keys)
 
 
 @dataclass(slots=True)
@@ -55,13 +61,15 @@ class ResponseStore:
         """Store (or replace) `response`, newest last; evict the oldest unpinned ones beyond the limits."""
         response_id = response["id"]
         old = self._entries.pop(response_id, None)
+        owner = current_client().api_key
         if old is not None:
             self._bytes -= old.size
             task = task or old.task
+            owner = old.owner
         size = len(json.dumps(response, separators=(",", ":"))) + len(
             json.dumps(conversation, separators=(",", ":"))
         )
-        self._entries[response_id] = StoredResponse(response, conversation, size, task)
+        self._entries[response_id] = StoredResponse(response, conversation, size, task, owner)
         self._bytes += size
         self._evict()
 
@@ -75,7 +83,8 @@ class ResponseStore:
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
         """The entry, or a 404 naming the id (vLLM's text)."""
         entry = self._entries.get(response_id)
-        if entry is None:
+        client = current_client()
+        if entry is None or not (client.scope.admin or entry.owner == client.api_key):
             raise not_found(response_id, param)
         return entry
 
