@@ -2,7 +2,8 @@
 language model): base64 images, streamed and not, with and without the adapter, answered as
 transformers / PEFT answer the same rendered prompt and images; every hostile image (a decompression
 bomb, a truncated file, a wrong type, too many images, a URL that trickles, a file outside the media
-folder) a 400 naming the part, the server serving on; a text-only model refusing images by name."""
+folder) a 400 naming the part, the server serving on; a text-only model refusing images by name. The
+Responses API's `input_image` parts take the same path, its errors naming the input item."""
 
 from __future__ import annotations
 
@@ -180,6 +181,51 @@ def test_hostile_images_are_400s_naming_the_part_and_the_server_serves_on(
     assert stack["server"].http.get("/health").status_code == 200
     metrics = stack["server"].http.get("/metrics").text
     assert "loraserve:images_received_total" in metrics and "loraserve:image_cache_hits_total" in metrics
+
+
+def test_responses_input_images_are_served_as_chat_images(stack: dict[str, Any]) -> None:
+    client = _client(stack)
+    images = [random_image(36, 28, 7), random_image(30, 30, 8)]
+    urls = [png_url(image) for image in images]
+    parts = [_text("compare "), _image(urls[0]), _text(" and "), _image(urls[1])]
+    response = client.responses.create(
+        model="lm",
+        input=[
+            {"role": "user", "content": "first turn, text only"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "compare "},
+                    {"type": "input_image", "image_url": urls[0], "detail": "auto"},
+                    {"type": "input_text", "text": " and "},
+                    {"type": "input_image", "image_url": urls[1]},
+                ],
+            },
+        ],
+        max_output_tokens=NUM_NEW,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    turns = [{"role": "user", "content": "first turn, text only"}, {"role": "user", "content": parts}]
+    chat = _client(stack).chat.completions.create(
+        model="lm", messages=turns, max_tokens=NUM_NEW, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens > 2 * 16
+    bomb = "data:image/png;base64," + base64.b64encode(forged_png(30000, 30000)).decode()
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(
+            model="tiny",
+            instructions="be brief",
+            input=[
+                {"role": "user", "content": "hi"},
+                {"role": "user", "content": [{"type": "input_image", "image_url": bomb}]},
+            ],
+            max_output_tokens=2,
+        )
+    body = error.value.body
+    assert isinstance(body, dict) and body["param"] == "input[1].content[0]", body
+    assert body["message"].startswith("input[1].content[0]: ") and "pixels allowed" in body["message"]
 
 
 def test_a_text_only_model_refuses_images_by_name(server: RunningServer) -> None:

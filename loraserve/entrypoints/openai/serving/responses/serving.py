@@ -33,7 +33,7 @@ from loraserve.entrypoints.openai.serving.responses.request_checks import check_
 from loraserve.entrypoints.openai.serving.responses.request_items import (
     chat_request,
     input_messages,
-    responses_param,
+    responses_error,
 )
 from loraserve.entrypoints.openai.serving.responses.store import ResponseStore
 from loraserve.entrypoints.openai.serving.serving_chat import ChatJob, OpenAIServingChat
@@ -62,12 +62,12 @@ class OpenAIServingResponses:
                     "previous_response_id",
                 )
             history = previous.conversation
-        chat, conversation = chat_request(request, history)
+        chat, conversation, origins = chat_request(request, history)
         response_id = f"resp_{request.request_id}" if request.request_id else new_id("resp")
         try:
             job = await self.chat.prepare(chat, response_id)
-        except APIError as exc:  # the chat path names chat's fields
-            exc.param = responses_param(exc.param)
+        except APIError as exc:  # the chat path names chat's fields and messages
+            responses_error(exc, origins)
             raise
         response = _initial(request, job, response_id)
         if request.background:
