@@ -240,3 +240,13 @@ def test_a_text_only_model_refuses_images_by_name(server: RunningServer) -> None
     assert isinstance(body, dict) and body["param"] == "messages[0].content[1]"
     assert "The model 'base' takes text only" in body["message"]
     assert client.chat.completions.create(model="base", messages=_message(_text("hi")), max_tokens=2).choices
+    image = {"type": "input_image", "image_url": "data:image/png;base64,aGVsbG8="}
+    for content, message, param in [
+        ([{"type": "input_text", "text": "hi"}, image], "takes text only, and input[0].content[1] is an", "input[0].content[1]"),
+        ([{"type": "input_image", "file_id": "file_1"}], "input[0].content[0]: images by file_id are not offered", "input"),
+    ]:  # fmt: skip
+        reply = server.http.post(
+            "/v1/responses", json={"model": "base", "input": [{"role": "user", "content": content}]}
+        )
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and message in error["message"] and error["param"] == param, error
