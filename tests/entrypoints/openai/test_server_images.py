@@ -2,7 +2,8 @@
 language model): base64 images, streamed and not, with and without the adapter, answered as
 transformers / PEFT answer the same rendered prompt and images; every hostile image (a decompression
 bomb, a truncated file, a wrong type, too many images, a URL that trickles, a file outside the media
-folder) a 400 naming the part, the server serving on; a text-only model refusing images by name. The
+folder) a 400 naming the part, good requests sent at the same time answered as alone, the server
+serving on; a text-only model refusing images by name. The
 Responses API's `input_image` parts take the same path, its errors naming the input item."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import io
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -141,6 +143,17 @@ def test_base64_images_through_the_openai_client_streamed_and_not(stack: dict[st
     assert whole.usage.prompt_tokens > 2 * 16  # two images of 16 tokens each, and the text
 
 
+def _greedy_tokens(client: openai.OpenAI, model: str, parts: list[dict[str, Any]]) -> list[int]:
+    reply = client.chat.completions.create(
+        model=model,
+        messages=_message(*parts),
+        max_tokens=NUM_NEW,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    return list(reply.choices[0].model_extra["token_ids"])
+
+
 def test_the_models_list_says_the_model_takes_images(stack: dict[str, Any]) -> None:
     cards = {card.id: card.model_extra["input_modalities"] for card in _client(stack).models.list().data}
     assert cards == {"tiny": ["text", "image"], "lm": ["text", "image"]}
@@ -165,13 +178,29 @@ def test_hostile_images_are_400s_naming_the_part_and_the_server_serves_on(
         ([_image("file:///etc/hostname")], "messages[0].content[0]", "allowed-local-media-path"),
     ]
     client = _client(stack)
-    for parts, where, message in cases:
+
+    def refused(parts: list[dict[str, Any]]) -> tuple[Any, float]:
         started = time.monotonic()
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model="tiny", messages=_message(*parts), max_tokens=2)
-        body = error.value.body
-        assert isinstance(body, dict) and body["param"] == where and message in body["message"], body
-        assert time.monotonic() - started < 10
+        return error.value.body, time.monotonic() - started
+
+    # Every hostile request at once, beside good requests with images of their own (base and adapter):
+    # each hostile one a 400 naming its part, each good one the tokens transformers / PEFT give it.
+    images = [random_image(32, 32, 9), random_image(28, 36, 10)]
+    good_parts = [[_text("what is "), _image(png_url(image))] for image in images]
+    with ThreadPoolExecutor(len(cases) + len(images)) as pool:
+        served = [
+            pool.submit(_greedy_tokens, client, model, parts)
+            for model, parts in zip(("tiny", "lm"), good_parts)
+        ]
+        answers = [pool.submit(refused, parts) for parts, _, _ in cases]
+        for (_, where, message), answer in zip(cases, answers):
+            body, seconds = answer.result()
+            assert isinstance(body, dict) and body["param"] == where and message in body["message"], body
+            assert seconds < 10
+        for adapter, parts, image, tokens in zip((None, "lm"), good_parts, images, served):
+            assert tokens.result() == _oracle(stack, adapter, parts, [image])
     # Still serving: images from the media folder and from the request.
     media_url = f"file://{stack['media']}/cat.png"
     ok = client.chat.completions.create(
