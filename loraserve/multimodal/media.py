@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+# httpx at import, not on the first http image URL: that import took 160 ms on the event loop, and a
+# partly imported httpx in sys.modules broke a client in the same process that looked it up meanwhile.
+import httpx
 from PIL import Image, UnidentifiedImageError
 
 from loraserve import envs
@@ -140,8 +143,6 @@ def _check_host(url: str, limits: MediaLimits) -> None:
 
 async def fetch_http(url: str, limits: MediaLimits, timeout: float | None = None) -> bytes:
     """An http(s) image's bytes within the fetch timeout (whole download) and the byte limit."""
-    import httpx
-
     seconds = envs.image_fetch_timeout() if timeout is None else timeout
     try:
         return await asyncio.wait_for(_download(url, limits, seconds), seconds)
@@ -152,8 +153,6 @@ async def fetch_http(url: str, limits: MediaLimits, timeout: float | None = None
 
 
 async def _download(url: str, limits: MediaLimits, seconds: float) -> bytes:
-    import httpx
-
     async with httpx.AsyncClient(follow_redirects=False, timeout=seconds) as client:
         for _ in range(_MAX_REDIRECTS + 1):
             _check_host(url, limits)
@@ -174,8 +173,6 @@ async def _download(url: str, limits: MediaLimits, seconds: float) -> bytes:
 def fetch_http_sync(url: str, limits: MediaLimits, timeout: float | None = None) -> bytes:
     """`fetch_http` for callers without an event loop (`LLM.chat`): the same limits, the deadline
     checked before each read and bounding it."""
-    import httpx
-
     seconds = envs.image_fetch_timeout() if timeout is None else timeout
     deadline = time.monotonic() + seconds
 
