@@ -20,7 +20,7 @@ ROOT = Path(loraserve.__file__).parent
 LAYERS: list[set[str]] = [
     # settings, options, errors, value types
     {"envs", "errors", "options", "option_types", "config", "structured_output", "sampling_params", "sampling_tokens",
-     "outputs", "beam_search"},
+     "outputs", "beam_search", "speculative_config"},
     {"native"},  # building and loading the C kernels, huge pages
     {"batch"},  # the per-step batch types
     {"layers"},  # model building blocks and their kernels

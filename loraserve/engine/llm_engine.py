@@ -4,7 +4,8 @@ It wires the parts together and owns the request table; the scheduler owns each 
 the output processor its text, the model loader the weights, tokenization the prompt and eos ids,
 `RequestPrep` a new request's sampling params and sequences, `EngineAdapters` the rules of its
 adapter API (the `LoRAManager` owns the adapters), `StepFailures` which requests a failed step ends
-and when the engine gives up.
+and when the engine gives up, the `Speculator` (with a speculative config) a step's proposals, which
+`spec_verify.verify` turns into the tokens each sequence emits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import itertools
 import logging
 import time
 from collections.abc import Collection
-from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -33,11 +33,13 @@ from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.request_prep import RequestPrep
 from loraserve.engine.scheduler import SampledToken, Scheduler
 from loraserve.engine.sequence import CacheSalt, Request, RequestSalt
+from loraserve.engine.spec_verify import verify
+from loraserve.engine.speculator import Speculator
 from loraserve.engine.step_failures import StepFailures
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
-from loraserve.structured_output.manager import MaskJob, StructuredOutputs
+from loraserve.structured_output.manager import StructuredOutputs
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
@@ -97,6 +99,7 @@ class LLMEngine:
         self.step_failures = StepFailures(self.requests, self.scheduler, self.outputs, self.lora)
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
             self.lora.follow_demand(self.scheduler.adapters_in_demand)
+        self.speculator = _speculator(self, num_blocks, spec)
         logger.info(
             "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",
             config.model.model,
@@ -203,10 +206,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule -> run -> update -> outputs. If it raises, its requests fail and the
         engine goes on (`StepFailures.step_failed`); StepFailureLimitError when it cannot."""
+        begin = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         try:
+            if self.speculator is not None:
+                self.speculator.propose(batch)
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
             failed = self.step_failures.step_failed(batch.scheduled, exc)
@@ -223,10 +229,13 @@ class LLMEngine:
             if run.error is not None:
                 raise run.error
             if run.result is not None:
-                sampled = _stop_dead_ends(self.outputs.process(run.result, run.sampled), masks)
+                emitted = verify(run.result, run.sampled, masks.dead_offsets if masks is not None else None)
+                sampled = self.outputs.process(run.result, emitted)
                 searched = self.scheduler.update(run.scheduled, sampled, run.beams)
                 outputs += self._request_outputs(sampled)
                 outputs += self._beam_outputs(searched)
+                if self.speculator is not None:
+                    self.speculator.observe(run.scheduled, emitted, time.perf_counter() - begin)
         except Exception as exc:
             outputs += self.step_failures.step_failed(run.scheduled, exc)
         else:
@@ -317,7 +326,10 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
-        return engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+        stats = engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+        if self.speculator is not None:
+            stats["spec_decode"] = self.speculator.stats.snapshot()
+        return stats
 
 
 def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:
@@ -335,11 +347,22 @@ def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:
     return LoRAManager(model, config.lora, config.model.dtype, config.device)
 
 
-def _stop_dead_ends(sampled: list[SampledToken], masks: MaskJob | None) -> list[SampledToken]:
-    """A sequence whose grammar allowed nothing more stops ("stop"), whatever token it sampled."""
-    if masks is None or not masks.dead_ends:
-        return sampled
-    return [
-        replace(t, finish_reason="stop", stop_reason=None) if t.seq.seq_id in masks.dead_ends else t
-        for t in sampled
-    ]
+def _speculator(engine: LLMEngine, num_blocks: int, spec: KVCacheSpec) -> Speculator | None:
+    """The engine's speculative decoding (None without a speculative config), its draft model loaded."""
+    config = engine.config
+    if config.speculative is None:
+        return None
+    draft = None
+    if config.speculative.method == "draft_model":
+        from loraserve.engine.draft_model import DraftModel
+
+        draft = DraftModel(config, config.speculative, num_blocks, engine.eos_ids.eos_token_id, engine.tokenizer)
+    return Speculator(
+        config.speculative,
+        engine.scheduler,
+        config.model.max_model_len,
+        config.model.vocab_size,
+        config.device,
+        spec.rope_switch_length,
+        draft,
+    )

@@ -1,0 +1,134 @@
+"""How many tokens each sequence proposes in a step ("adaptive" `draft_policy`): only what is expected
+to raise the step's throughput, so speculation never makes a batch slower by its own estimate.
+
+Two estimates feed it. `StepCosts`: what a step of T token rows costs, measured on this machine as
+the engine runs (the median of the latest decode steps of exactly T rows, interpolated between the
+T's seen, scaled by a linear prior beyond them): a CPU's linear kernels cost more per row than a
+GPU's, and a quantized model changes kernel past some row count, which this table learns by itself.
+`Acceptance`: each sequence's chance that its next proposal is accepted, a moving average over its
+verified proposals (a proposal after a rejected one is not counted: it was never tried), which
+drifts back to the prior while the sequence is held back, so a request whose text turns copyable
+again is tried again.
+
+`plan_drafts` adds proposal rows one at a time, the most likely first (proposal i of a sequence with
+acceptance a adds a^i expected tokens), while the step's expected tokens per second rise: with one
+sequence a step takes many proposals, with a batch of sixteen only the near-certain ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PRIOR_ACCEPTANCE = 0.7
+_WEIGHT = 0.15  # of one verified proposal in the moving average
+_RECOVERY = 1 / 64  # of the gap to the prior closed per step a sequence is held back
+# The linear prior of a step's cost in one-row steps: the fixed part and each row's (a 135M model on
+# 2 AVX2 cores pays about a third of a one-row step per extra row; a GPU nearly nothing).
+_FIXED, _PER_ROW = 0.65, 0.35
+_SAMPLES = 7  # latest steps kept per row count
+_PASS_PRIOR = 0.15  # a draft model's pass, in one-row target steps, until measured
+_MAX_ROWS = 4096  # row counts above this are not tabled (they are prefills, never decode steps)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    rate: float = PRIOR_ACCEPTANCE
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        for _ in range(accepted):
+            self.rate += _WEIGHT * (1.0 - self.rate)
+        if accepted < proposed:
+            self.rate -= _WEIGHT * self.rate
+
+    def held_back(self) -> None:
+        self.rate += _RECOVERY * (PRIOR_ACCEPTANCE - self.rate)
+
+
+def _prior(rows: int) -> float:
+    return _FIXED + _PER_ROW * rows
+
+
+class StepCosts:
+    """Seconds per decode step by its number of token rows, as measured (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._samples: dict[int, deque[float]] = {}
+        self._known: list[int] = []  # sorted row counts with samples
+        self._passes: deque[float] = deque(maxlen=_SAMPLES)  # a draft model's passes (seconds)
+
+    def observe_pass(self, seconds: float) -> None:
+        if seconds > 0:
+            self._passes.append(seconds)
+
+    def pass_estimate(self) -> float:
+        """One draft-model pass, in `estimate`'s units."""
+        if self._passes and self._known:
+            return statistics.median(self._passes)
+        return _PASS_PRIOR * self.estimate(1)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if not 0 < rows <= _MAX_ROWS or not seconds > 0:
+            return
+        if rows not in self._samples:
+            self._samples[rows] = deque(maxlen=_SAMPLES)
+            self._known = sorted(self._samples)
+        self._samples[rows].append(seconds)
+
+    def _measured(self, rows: int) -> float:
+        return statistics.median(self._samples[rows])
+
+    def estimate(self, rows: int) -> float:
+        """A step of `rows` rows in seconds; in one-row steps (the prior alone) before any measurement."""
+        if not self._known:
+            return _prior(rows)
+        if rows in self._samples:
+            return self._measured(rows)
+        below = [r for r in self._known if r < rows]
+        above = [r for r in self._known if r > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            t_lo, t_hi = self._measured(lo), self._measured(hi)
+            return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+        near = below[-1] if below else above[0]
+        return self._measured(near) * _prior(rows) / _prior(near)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    key: int  # the sequence's id
+    acceptance: float
+    available: int  # tokens it could propose (ngram: found; draft model: its cap)
+
+
+def plan_drafts(
+    candidates: Iterable[Candidate],
+    base_rows: int,
+    base_tokens: int,
+    costs: StepCosts,
+    budget: int,
+    pass_cost: float = 0.0,
+) -> dict[int, int]:
+    """Proposed tokens per sequence key (absent: none) for a step of `base_rows` token rows that emits
+    `base_tokens` tokens without speculation, at most `budget` proposals in all; `pass_cost`: what
+    each proposal depth costs besides its rows (a draft model's forward pass), in the costs' units."""
+    heap = [(-c.acceptance, c.key, 1, c) for c in candidates if c.available > 0 and c.acceptance > 0]
+    heapq.heapify(heap)
+    plan: dict[int, int] = {}
+    rows, tokens, depth = base_rows, float(base_tokens), 0
+    cost = costs.estimate(rows)
+    while heap and budget > 0:
+        value, key, i, c = heapq.heappop(heap)
+        new_depth = max(depth, i)
+        new_cost = costs.estimate(rows + 1) + new_depth * pass_cost
+        if (tokens - value) * cost <= tokens * new_cost:  # (tokens + v) / new_cost <= tokens / cost
+            break
+        plan[key] = i
+        rows, tokens, depth, budget = rows + 1, tokens - value, new_depth, budget - 1
+        cost = new_cost
+        if i < c.available:
+            heapq.heappush(heap, (value * c.acceptance, key, i + 1, c))
+    return plan
