@@ -51,7 +51,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown field(s): {', '.join(unknown)}.")
         tp = values.pop("draft_tensor_parallel_size", None)
         if tp not in (None, 1):
-            raise ValueError(f"draft_tensor_parallel_size {tp} is not served: the draft runs in this process (1).")
+            raise ValueError(
+                f"draft_tensor_parallel_size {tp} is not served: the draft runs in this process (1)."
+            )
         for name in _NO_EFFECT:
             values.pop(name, None)
         method = values.get("method") or ("draft_model" if values.get("model") else None)
@@ -60,7 +62,11 @@ class SpeculativeConfig:
         if method is None:
             raise ValueError("speculative_config needs a 'method' ('ngram') or a draft 'model'.")
         if method not in SERVED_METHODS:
-            what = "needs trained heads this server does not load" if method in _REFUSED_METHODS else "is unknown"
+            what = (
+                "needs trained heads this server does not load"
+                if method in _REFUSED_METHODS
+                else "is unknown"
+            )
             raise ValueError(
                 f"speculative method {method!r} {what}; served: 'ngram' and a draft 'model' ('draft_model')."
             )
@@ -78,7 +84,9 @@ class SpeculativeConfig:
             _ngram_window(values)
             for name in ("model", "quantization", "max_model_len"):
                 if values.get(name) is not None:
-                    raise ValueError(f"'{name}' is a draft model's field; the ngram method has no draft model.")
+                    raise ValueError(
+                        f"'{name}' is a draft model's field; the ngram method has no draft model."
+                    )
             if values.get("draft_lora_modules"):
                 raise ValueError("draft_lora_modules needs a draft 'model'; the ngram method has none.")
         else:

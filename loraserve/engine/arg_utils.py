@@ -180,7 +180,7 @@ class EngineArgs:
         check=check_speculative_options,
         help='JSON object, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, '
         '"prompt_lookup_max": B} or {"model": DRAFT, "num_speculative_tokens": K}; also disable_by_batch_size, '
-        'loraserve\'s draft_lora_modules ({adapter: draft adapter path}) and draft_policy (adaptive, always). '
+        "loraserve's draft_lora_modules ({adapter: draft adapter path}) and draft_policy (adaptive, always). "
         "See docs/speculative-decoding.md.",
     )
 

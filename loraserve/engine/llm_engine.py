@@ -356,7 +356,9 @@ def _speculator(engine: LLMEngine, num_blocks: int, spec: KVCacheSpec) -> Specul
     if config.speculative.method == "draft_model":
         from loraserve.engine.draft_model import DraftModel
 
-        draft = DraftModel(config, config.speculative, num_blocks, engine.eos_ids.eos_token_id, engine.tokenizer)
+        draft = DraftModel(
+            config, config.speculative, num_blocks, engine.eos_ids.eos_token_id, engine.tokenizer
+        )
     return Speculator(
         config.speculative,
         engine.scheduler,

@@ -24,8 +24,8 @@ from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.engine.beam_group import beam_candidates
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from loraserve.engine.step_types import ScheduledSeq
 from loraserve.engine.sequence import BeamCandidates, DraftRound, Sequence
+from loraserve.engine.step_types import ScheduledSeq
 from loraserve.native import huge_pages
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from typing import Any
 from loraserve.engine.detokenizer import find_stop_string
 from loraserve.engine.model_runner import PromptLogprobChunk, StepResult
 from loraserve.engine.sampler import compute_prompt_logprobs
+from loraserve.engine.sequence import Request, Sequence
 from loraserve.engine.spec_verify import Verified
 from loraserve.engine.step_types import SampledToken
-from loraserve.engine.sequence import Request, Sequence
 from loraserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 Finish = tuple[str | None, int | str | None]  # (finish_reason, stop_reason)

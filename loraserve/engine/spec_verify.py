@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from loraserve.engine.model_runner import StepResult
 from loraserve.engine.sampler import SamplerOutput
@@ -41,7 +42,9 @@ class Verified:
     dead_end: bool = False  # the last token was sampled at a grammar's dead end: it stops the sequence
 
 
-def verify(result: StepResult, sampled: SamplerOutput, dead_offsets: Mapping[int, int] | None = None) -> list[Verified]:
+def verify(
+    result: StepResult, sampled: SamplerOutput, dead_offsets: Mapping[int, int] | None = None
+) -> list[Verified]:
     """Group the sampled rows by sequence and keep each one's agreeing prefix. `dead_offsets`: seq_id ->
     the row offset of its first grammar dead end (`MaskJob.dead_offsets`)."""
     out: list[Verified] = []
@@ -61,8 +64,9 @@ def verify(result: StepResult, sampled: SamplerOutput, dead_offsets: Mapping[int
         dead = (dead_offsets or {}).get(seq.seq_id)
         if dead is not None and dead < emitted:
             emitted = dead + 1
-        logprobs = sampled.logprobs[row : row + emitted] if sampled.logprobs else [None] * emitted
-        tops = sampled.top_logprobs[row : row + emitted] if sampled.top_logprobs else [None] * emitted
+        none: list[Any] = [None] * emitted
+        logprobs = sampled.logprobs[row : row + emitted] if sampled.logprobs else none
+        tops = sampled.top_logprobs[row : row + emitted] if sampled.top_logprobs else none
         out.append(
             Verified(seq, tokens[:emitted], logprobs, tops, len(proposed), emitted - 1, dead == emitted - 1)
         )

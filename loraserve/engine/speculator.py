@@ -80,7 +80,9 @@ class Speculator:
         found: dict[int, list[int]] = {}
         if self.draft is None:
             found = {seq_id: self._ngram(items[seq_id].seq, cap) for seq_id, cap in caps.items() if cap > 0}
-        plan = self._plan(batch, items, {seq_id: len(f) for seq_id, f in found.items()} if self.draft is None else caps)
+        plan = self._plan(
+            batch, items, {seq_id: len(f) for seq_id, f in found.items()} if self.draft is None else caps
+        )
         rounds: dict[int, tuple[ScheduledSeq, int]] = {}
         for seq_id, num in plan.items():
             item = items[seq_id]
@@ -91,7 +93,9 @@ class Speculator:
         noise = {seq_id: self._noise(item.seq, num) for seq_id, (item, num) in rounds.items()}
         if self.draft is not None:
             begin = time.perf_counter()
-            found = self.draft.propose([(item.seq, num, noise[seq_id][0]) for seq_id, (item, num) in rounds.items()])
+            found = self.draft.propose(
+                [(item.seq, num, noise[seq_id][0]) for seq_id, (item, num) in rounds.items()]
+            )
             self._draft_seconds = time.perf_counter() - begin
         for seq_id, (item, num) in rounds.items():
             tokens = found.get(seq_id, [])[:num]
@@ -134,10 +138,14 @@ class Speculator:
         index = self._state(seq).index
         return index.propose(seq.token_ids, cap) if index is not None else []
 
-    def _plan(self, batch: SchedulerOutput, items: dict[int, ScheduledSeq], available: dict[int, int]) -> dict[int, int]:
+    def _plan(
+        self, batch: SchedulerOutput, items: dict[int, ScheduledSeq], available: dict[int, int]
+    ) -> dict[int, int]:
         """Proposals per sequence id: all it has under "always", else what `plan_drafts` finds pays."""
         wanted = {seq_id: num for seq_id, num in available.items() if num > 0}
-        budget = self.scheduler.config.max_num_batched_tokens - sum(i.num_query_tokens for i in batch.scheduled)
+        budget = self.scheduler.config.max_num_batched_tokens - sum(
+            i.num_query_tokens for i in batch.scheduled
+        )
         if self.config.draft_policy == "always":
             plan: dict[int, int] = {}
             for seq_id, num in wanted.items():
@@ -145,7 +153,9 @@ class Speculator:
                 budget -= plan[seq_id]
             return {seq_id: num for seq_id, num in plan.items() if num > 0}
         states = {seq_id: self._state(items[seq_id].seq) for seq_id in wanted}
-        candidates = [Candidate(seq_id, states[seq_id].acceptance.rate, num) for seq_id, num in wanted.items()]
+        candidates = [
+            Candidate(seq_id, states[seq_id].acceptance.rate, num) for seq_id, num in wanted.items()
+        ]
         base_rows = sum(item.num_query_tokens for item in batch.scheduled)
         base_tokens = sum(1 for item in batch.scheduled if _samples(item))
         pass_cost = self.costs.pass_estimate() if self.draft is not None else 0.0
@@ -182,10 +192,13 @@ class Speculator:
         for out in emitted:
             if out.num_draft:
                 self._state(out.seq).acceptance.observe(out.num_draft, out.num_accepted)
-                self.stats.record(adapter_label(out.seq.request.lora_request), out.num_draft, out.num_accepted)
+                self.stats.record(
+                    adapter_label(out.seq.request.lora_request), out.num_draft, out.num_accepted
+                )
         for spec in self._held:
             spec.acceptance.held_back()
         self._held = []
+        self._prune()  # finished sequences' state (and a draft model's KV) goes now, not at the next step
 
 
 def _decoding(item: ScheduledSeq) -> bool:

@@ -192,7 +192,9 @@ class StructuredOutputs:
             self._pool = None
 
 
-def _fill(seqs: list[ConstrainedSeq], vocab_size: int, proposed: list[list[int]] | None = None) -> FilledMasks:
+def _fill(
+    seqs: list[ConstrainedSeq], vocab_size: int, proposed: list[list[int]] | None = None
+) -> FilledMasks:
     """Worker thread: advance each grammar to its sequence's tokens, fill its bitmask row (and one row
     after each of its `proposed` tokens), and unpack the rows into the tokens each may not take."""
     import xgrammar as xgr

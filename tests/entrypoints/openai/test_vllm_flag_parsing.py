@@ -62,7 +62,7 @@ def test_harmless_flags_print_one_notice(
         ),
         (
             ["--speculative-model", "draft"],
-            '--speculative-model draft is not supported: vLLM < 0.11\'s spelling: use --speculative-config',
+            "--speculative-model draft is not supported: vLLM < 0.11's spelling: use --speculative-config",
         ),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
         (

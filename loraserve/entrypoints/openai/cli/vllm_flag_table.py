@@ -252,7 +252,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     ),
     refused(
         "--speculative-model --num-speculative-tokens",
-        "vLLM < 0.11's spelling: use --speculative-config '{\"model\": DRAFT, \"num_speculative_tokens\": K}'",
+        'vLLM < 0.11\'s spelling: use --speculative-config \'{"model": DRAFT, "num_speculative_tokens": K}\'',
     ),
     refused("--long-lora-scaling-factors", "vLLM < 0.11: long-context LoRA is not supported"),
 )

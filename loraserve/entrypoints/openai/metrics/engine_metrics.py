@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loraserve.entrypoints.openai.metrics.lora_metrics import OWN_KEYS, lora_families
+from loraserve.entrypoints.openai.metrics.spec_metrics import SPEC_KEY
 
 PREFIX = "loraserve:"
 # Engine stats keys with a fixed public name; any other key is exported as PREFIX + key.
@@ -39,7 +40,7 @@ def metric_name(key: str) -> str:
 def _generic_families(stats: Mapping[str, Any], extra: Mapping[str, str]) -> Iterator[Metric]:
     names, values = list(extra), list(extra.values())
     for key, value in sorted(stats.items()):
-        if key in OWN_KEYS:
+        if key in OWN_KEYS or key == SPEC_KEY:  # (their own families)
             continue
         name = metric_name(key)
         family: GaugeMetricFamily | CounterMetricFamily

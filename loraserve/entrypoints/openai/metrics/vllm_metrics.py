@@ -6,7 +6,7 @@ first served name) and `engine` ("0"; behind `--replicas` the replica id, one en
 finish reason, the latency histograms: TTFT, inter-token, end to end, queue, prefill, decode,
 inference; prompt / generation length and n / max_tokens histograms); `vllm_engine_families` turns one
 engine's `stats()` into vLLM's gauges and counters (running / waiting requests, KV-cache usage, prefix
-cache queries and hits in tokens, preemptions).
+cache queries and hits in tokens, preemptions, speculative decoding's: `spec_metrics.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from loraserve.entrypoints.openai.metrics.spec_metrics import spec_decode_families
 
 VLLM = "vllm:"
 LABELS = ["model_name", "engine"]
@@ -156,3 +158,4 @@ def vllm_engine_families(stats: Mapping[str, Any], model_name: str, engine: str 
             counter = CounterMetricFamily(VLLM + name, doc, labels=LABELS)
             counter.add_metric(values, float(stats[key]))
             yield counter
+    yield from spec_decode_families(stats, LABELS, values)
