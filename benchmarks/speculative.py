@@ -21,13 +21,15 @@ speculation are checked equal to those without. Targets (speculation on over off
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from typing import Any
 
 import httpx
 
-from benchmarks.common import cpu_class, limit_threads, save_results
+from benchmarks import measure
+from benchmarks.common import limit_threads, save_results
 from benchmarks.llama_cpp import LlamaServer, gguf_adapters, server_binary
 
 TARGETS = {"sql": 2.0, "json": 2.0, "edit": 2.0, "chat": 0.97, "16 adapters": 1.0}
@@ -69,14 +71,14 @@ ADAPTER_QUESTIONS = {  # the demo adapters' jobs (SQL, French, pirate) on questi
 
 
 def load_average() -> str:
-    with open("/proc/loadavg", encoding="ascii") as f:
-        return " ".join(f.read().split()[:3])
+    return " ".join(f"{v:.2f}" for v in measure.load_average())
 
 
 def _chat(tokenizer: Any, text: str) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
     )
+    return list(tokenizer.encode(chat, add_special_tokens=False))
 
 
 class Ours:
@@ -190,7 +192,10 @@ def main() -> None:
     parser.add_argument("--no-llama-cpp", action="store_true")
     args = parser.parse_args()
     limit_threads(args.threads)
-    print(f"cpu: {cpu_class()}; load average before: {load_average()}", flush=True)
+    print(
+        f"cpu: {measure.describe_cpu()}; {args.threads} thread(s); load average before: {load_average()}",
+        flush=True,
+    )
     from loraserve.demo.smollm import build_smollm2_demo, find_smollm2_gguf
     from loraserve.lora.request import LoRARequest
 
@@ -212,7 +217,7 @@ def main() -> None:
     theirs: dict[str, Theirs] = {}
     if not args.no_llama_cpp and server_binary() is not None:
         theirs = _llama_servers(path, demo, names, args, low)
-    results: dict[str, Any] = {"cpu": cpu_class(), "threads": args.threads, "k": args.k, "lookup": [low, high],
+    results: dict[str, Any] = {"cpu": measure.describe_cpu(), "threads": args.threads, "k": args.k, "lookup": [low, high],
                                "llama_cpp": "--spec-type ngram-simple" if theirs else None, "rows": {}}  # fmt: skip
     try:
         for workload, texts in PROMPTS.items():
@@ -234,12 +239,20 @@ def _llama_servers(path: str, demo: Any, names: list[str], args: Any, low: int) 
     from loraserve.config import resolve_dtype
     from loraserve.model_loader.gguf import gguf_folder
 
-    base = gguf_folder(path, resolve_dtype("auto", torch.device("cpu")), keep_quantized=False)
-    converted = gguf_adapters(
-        [demo.adapters[n] for n in names],
-        base,
-        os.path.join(os.path.dirname(demo.adapters[names[0]]), "gguf"),
-    )
+    folder = gguf_folder(path, resolve_dtype("auto", torch.device("cpu")), keep_quantized=False)
+    root = os.path.dirname(demo.adapters[names[0]])
+    base = os.path.join(
+        root, "llama-cpp-base"
+    )  # the folder with the "architectures" llama.cpp's converter reads
+    os.makedirs(base, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    with open(os.path.join(base, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({**config, "architectures": config.get("architectures") or ["LlamaForCausalLM"]}, f)
+    for name in os.listdir(folder):
+        if name != "config.json" and not os.path.exists(os.path.join(base, name)):
+            os.symlink(os.path.join(folder, name), os.path.join(base, name))
+    converted = gguf_adapters([demo.adapters[n] for n in names], base, os.path.join(root, "gguf"))
     files = [converted[i % 3] for i in range(16)]  # 16 adapters, as loraserve's
     spec = (
         "--spec-type",

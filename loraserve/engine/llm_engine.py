@@ -99,7 +99,7 @@ class LLMEngine:
         self.step_failures = StepFailures(self.requests, self.scheduler, self.outputs, self.lora)
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
             self.lora.follow_demand(self.scheduler.adapters_in_demand)
-        self.speculator = _speculator(self, num_blocks, spec)
+        self.speculator = _speculator(self, num_blocks)
         logger.info(
             "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",
             config.model.model,
@@ -347,7 +347,7 @@ def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:
     return LoRAManager(model, config.lora, config.model.dtype, config.device)
 
 
-def _speculator(engine: LLMEngine, num_blocks: int, spec: KVCacheSpec) -> Speculator | None:
+def _speculator(engine: LLMEngine, num_blocks: int) -> Speculator | None:
     """The engine's speculative decoding (None without a speculative config), its draft model loaded."""
     config = engine.config
     if config.speculative is None:
@@ -365,6 +365,5 @@ def _speculator(engine: LLMEngine, num_blocks: int, spec: KVCacheSpec) -> Specul
         config.model.max_model_len,
         config.model.vocab_size,
         config.device,
-        spec.rope_switch_length,
         draft,
     )

@@ -169,10 +169,15 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             input_ids.extend(draft)
             positions.extend(range(start, end + len(draft)))
-            query_lens.append(num_query)
-            context_lens.append(end + len(draft))
-            block_tables.append(seq.block_ids)
-            seq_lens.append(seq.num_tokens + len(draft))
+            if draft:  # each row attends as its own one-token query (see `_verification_rows`)
+                _verification_rows(
+                    end, len(draft), seq.block_ids, query_lens, context_lens, block_tables, seq_lens
+                )
+            else:
+                query_lens.append(num_query)
+                context_lens.append(end)
+                block_tables.append(seq.block_ids)
+                seq_lens.append(seq.num_tokens)
             if lora_slots is not None:
                 slot = lora_slots[seq.lora_id] if seq.lora_id else -1
                 token_slots.extend([slot] * num_query)
@@ -305,3 +310,26 @@ class ModelRunner:
             for seq, first, rows, start in prompt_spans
         ]
         return StepResult(sample_seqs, logits, chunks, row_offsets, drafts)
+
+
+def _verification_rows(
+    end: int,
+    num_draft: int,
+    block_ids: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+) -> None:
+    """The attention metadata of a speculating sequence's rows (its own token at `end` - 1, then the
+    proposals): one single-query entry per row over the sequence's blocks, its context ending at that
+    row, as a decode step of the same position sees it. The attention kernel shapes its work by each
+    entry's query length, so a row computed here is bit for bit the decode step's, which is what
+    makes a greedy output with speculation the output without it; every row's K/V is written before
+    any row attends, so each still sees the proposals before it. The sequence lengths are the decode
+    steps' too (LongRoPE picks its factors by them)."""
+    for row in range(num_draft + 1):
+        query_lens.append(1)
+        context_lens.append(end + row)
+        block_tables.append(block_ids)
+        seq_lens.append(end + row)

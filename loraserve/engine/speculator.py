@@ -2,7 +2,7 @@
 
 After `Scheduler.schedule()`, `propose(batch)` picks the decoding sequences that may speculate
 (sampling or greedy, not beams, not while vLLM's `disable_by_batch_size` is exceeded, never past
-max_tokens, max_model_len or a LongRoPE switch), asks each one's proposer (its own `NgramIndex`, or
+max_tokens or max_model_len), asks each one's proposer (its own `NgramIndex`, or
 the `DraftModel` after the plan), plans how many tokens each proposes (`spec_policy.plan_drafts`, or
 all of them with draft_policy "always"), reserves their KV blocks from free ones only
 (`Scheduler.reserve_draft`), draws the rows' sampling noise ahead (`DraftRound`) and hangs the round
@@ -51,7 +51,6 @@ class Speculator:
         max_model_len: int,
         vocab_size: int,
         device: torch.device,
-        rope_switch_length: int | None = None,
         draft: DraftModel | None = None,
     ) -> None:
         self.config = config
@@ -59,7 +58,6 @@ class Speculator:
         self.max_model_len = max_model_len if draft is None else min(max_model_len, draft.max_model_len)
         self.vocab_size = vocab_size
         self.device = device
-        self.rope_switch_length = rope_switch_length
         self.draft = draft
         self.costs = StepCosts()
         self.stats = SpecStats(config.num_speculative_tokens)
@@ -128,10 +126,6 @@ class Speculator:
         left = self.max_model_len - seq.num_tokens
         if params.max_tokens is not None:
             left = min(left, params.max_tokens - seq.num_output_tokens)
-        # A LongRoPE model picks its factors by the sequence's length: the rows stay on one side of it.
-        switch = self.rope_switch_length
-        if switch is not None and seq.num_tokens <= switch:
-            left = min(left, switch - seq.num_tokens + 1)
         return max(0, min(self.config.num_speculative_tokens, left - 1))
 
     def _ngram(self, seq: Sequence, cap: int) -> list[int]:

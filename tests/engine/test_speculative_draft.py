@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_speculative import ADAPTERS, OPTIONS, both_ways, counters, repetitive, run, tokens
+from support.speculative import both_ways, counters, repetitive, run, tokens
+from test_speculative import ADAPTERS, OPTIONS
 
 from loraserve import LLM, SamplingParams
 from loraserve.demo.random_model import TINY_SHAPE, save_peft_adapter, save_random_model

@@ -190,3 +190,29 @@ def test_spec_decode_metric_families() -> None:
     ]
     assert families["vllm:spec_decode_num_accepted_tokens"].samples[0].value == 5.0
     assert not [f for f in stats_families({"spec_decode": spec}, 0.0) if "spec_decode" in f.name]
+
+
+def test_verification_rows_are_the_decode_steps_bit_for_bit(tiny_model: Any) -> None:
+    """A round's rows (its own token, then 8 proposals) against 9 decode steps of the same positions, at a
+    context long enough for the attention kernel to shape a many-query item otherwise: equal bits."""
+    from loraserve.engine.sequence import DraftRound
+    from loraserve.engine.step_types import ScheduledSeq
+
+    llm = LLM(tiny_model("llama"), dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20)
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": [(i * 7) % 300 + 10 for i in range(200)]},
+                       SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))  # fmt: skip
+    seq = engine.requests["r"].seqs[0]
+    while seq.num_output_tokens < 12:
+        engine.step()
+    tokens, first = list(seq.token_ids), seq.num_tokens - 10
+    decode = []
+    for i in range(9):
+        seq.num_computed_tokens, seq.token_ids[:] = first + i, tokens[: first + i + 1]
+        decode.append(engine.runner.execute([ScheduledSeq(seq, 1)], None).logits[0])
+    seq.num_computed_tokens, seq.token_ids[:] = first, tokens[: first + 1]
+    rows = engine.runner.execute(
+        [ScheduledSeq(seq, 1, DraftRound(tokens[first + 1 : first + 9]))], None
+    ).logits
+    seq.token_ids[:] = tokens
+    assert rows.shape[0] == 9 and all(torch.equal(rows[i], decode[i]) for i in range(9))
