@@ -161,7 +161,10 @@ class ModelRunner:
         token_slots: list[int] = []
         token_scales: list[float] = []
         scaled = lora_slots is not None and any(s.seq.lora_scale != 1.0 for s in scheduled)
-        query_lens, context_lens, block_tables, seq_lens = [], [], [], []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        seq_lens: list[int] = []
         for item in scheduled:
             seq, start, draft = item.seq, item.seq.num_computed_tokens, item.draft_tokens
             end = start + item.num_new_tokens
