@@ -33,30 +33,33 @@ from benchmarks.common import limit_threads, save_results
 from benchmarks.llama_cpp import LlamaServer, gguf_adapters, server_binary
 
 TARGETS = {"sql": 2.0, "json": 2.0, "edit": 2.0, "chat": 0.97, "16 adapters": 1.0}
-_NOTE = "Our billing service moved to a new data centre on Monday 3 March, after three weeks of testing in staging."
+_TEXT = (
+    "Our billing service moved to a new data centre on Monday 3 March, after three weeks of testing in staging. "
+    "Customers in Europe will see their invoices in euros, while customers in the United States keep paying in "
+    "dollars. Please contact support@example.com if you notice any problem with your account or your invoices."
+)
+_CLINIC = (
+    "Dr. Smith opened the clinic at eight in the morning. Dr. Smith checked the list of appointments, called "
+    "the first patient and wrote the prescriptions for the pharmacy on the corner of Elm Street and Main Street."
+)
 PROMPTS: dict[str, list[str]] = {
-    "sql": [
+    "sql": [  # the demo SQL adapter's questions, naming the tables and columns its query copies
         "Which rows of the table customer_orders have order_status 'shipped' and total_amount above 100?",
         "List first_name, last_name and hire_date from the table employees where department_name is 'Sales'.",
+        "Which products in the table inventory_items have stock_count below reorder_level?",
     ],
     "json": [
         "Extract the name, email, phone and city of each person as a JSON list of objects with the keys name, "
         "email, phone, city.\n\nAlice Martin (alice.martin@example.com, +33 6 12 34 56 78) lives in Lyon. "
         "Bob Chen (bob.chen@example.org, +1 415 555 0134) lives in San Francisco. Carla Diaz "
         "(carla.diaz@example.net, +34 612 345 678) lives in Madrid.",
-        "Extract the product, price, quantity and customer of this order as a JSON object with those keys.\n\n"
-        "Order 4411: customer Northwind Traders bought 12 units of the product Ergonomic Office Chair at 189.50 "
-        "dollars each, shipped to 1200 Market Street, Springfield.",
+        "Convert this list to JSON with the keys product, price and quantity:\n- Ergonomic Office Chair, 189.50, 12\n"
+        "- Standing Desk Converter, 249.00, 4\n- Wireless Keyboard and Mouse Set, 59.99, 30\n"
+        "- Noise Cancelling Headphones, 129.00, 8",
     ],
     "edit": [
-        "Copy the text below exactly, changing only 'Monday' to 'Tuesday'.\n\n"
-        + _NOTE
-        + " Customers in Europe "
-        "will see their invoices in euros, while customers in the United States keep paying in dollars. "
-        "Please contact support@example.com if you notice any problem with your account or your invoices.",
-        "Rewrite the following paragraph with the name 'Dr. Smith' replaced by 'Dr. Jones', keeping every other "
-        "word the same.\n\nDr. Smith opened the clinic at eight in the morning. Dr. Smith checked the list "
-        "of appointments, called the first patient and wrote the prescriptions for the pharmacy on the corner.",
+        "Repeat this text word for word, but replace 'euros' with 'pounds':\n\n" + _TEXT,
+        "Repeat this paragraph word for word, but replace 'Dr. Smith' with 'Dr. Jones':\n\n" + _CLINIC,
     ],
     "chat": [
         "Tell me a short story about a robot who learns to cook.",
@@ -190,6 +193,9 @@ def main() -> None:
     parser.add_argument("--lookup", default="2,5", help="prompt_lookup_min,max (llama.cpp's size-n: the min)")
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument(
+        "--rows", default=",".join([*PROMPTS, "16"]), help="which rows (sql,json,edit,chat,16)"
+    )
     args = parser.parse_args()
     limit_threads(args.threads)
     print(
@@ -221,10 +227,13 @@ def main() -> None:
                                "llama_cpp": "--spec-type ngram-simple" if theirs else None, "rows": {}}  # fmt: skip
     try:
         for workload, texts in PROMPTS.items():
+            if workload not in args.rows.split(","):
+                continue
             results["rows"][workload] = _one_sequence(
                 workload, texts, tokenizer, off, on, theirs, loras, args
             )
-        results["rows"]["16 adapters"] = _sixteen(tokenizer, off, on, theirs, loras, names, args)
+        if "16" in args.rows.split(","):
+            results["rows"]["16 adapters"] = _sixteen(tokenizer, off, on, theirs, loras, names, args)
     finally:
         for server in theirs.values():
             server.close()

@@ -2,23 +2,23 @@
 to raise the step's throughput, so speculation never makes a batch slower by its own estimate.
 
 Two estimates feed it. `StepCosts`: what a step of T token rows costs, measured on this machine as
-the engine runs (the median of the latest decode steps of exactly T rows, interpolated between the
-T's seen, scaled by a linear prior beyond them): a CPU's linear kernels cost more per row than a
-GPU's, and a quantized model changes kernel past some row count, which this table learns by itself.
-`Acceptance`: each sequence's chance that its next proposal is accepted, a moving average over its
-verified proposals (a proposal after a rejected one is not counted: it was never tried), which
-drifts back to the prior while the sequence is held back, so a request whose text turns copyable
-again is tried again.
+the engine runs (the fastest of the latest decode steps of exactly T rows: a neighbour's work only
+ever slows a step down; interpolated between the T's seen, scaled by a linear prior beyond them): a
+CPU's linear kernels cost more per row than a GPU's, and a quantized model changes kernel past some
+row count, which this table learns by itself. `Acceptance`: each sequence's chance that its next
+proposal is accepted, a moving average over its verified proposals (a proposal after a rejected one
+is not counted: it was never tried), starting from the engine's running average and drifting back to
+the prior while the sequence is held back, so a request whose text turns copyable is tried again.
 
-`plan_drafts` adds proposal rows one at a time, the most likely first (proposal i of a sequence with
-acceptance a adds a^i expected tokens), while the step's expected tokens per second rise: with one
-sequence a step takes many proposals, with a batch of sixteen only the near-certain ones.
+`plan_drafts` ranks every possible proposal row, the most likely first (proposal i of a sequence
+with acceptance a adds a^i expected tokens), and takes the prefix of that ranking with the most
+expected tokens per second: with one sequence a step takes many proposals, with a batch of sixteen
+only the near-certain ones, and one slow measurement at some T does not cut the plan short there.
 """
 
 from __future__ import annotations
 
 import heapq
-import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +30,9 @@ _RECOVERY = 1 / 64  # of the gap to the prior closed per step a sequence is held
 # 2 AVX2 cores pays about a third of a one-row step per extra row; a GPU nearly nothing).
 _FIXED, _PER_ROW = 0.65, 0.35
 _SAMPLES = 7  # latest steps kept per row count
+_STALE = 400  # steps after which a row count's samples no longer count (the machine's load moves)
 _PASS_PRIOR = 0.15  # a draft model's pass, in one-row target steps, until measured
+_NEGLIGIBLE = 0.02  # expected tokens below which a proposal is never worth a row
 _MAX_ROWS = 4096  # row counts above this are not tabled (they are prefills, never decode steps)
 
 
@@ -56,9 +58,10 @@ class StepCosts:
     """Seconds per decode step by its number of token rows, as measured (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._samples: dict[int, deque[float]] = {}
+        self._samples: dict[int, deque[tuple[int, float]]] = {}  # rows -> (step, seconds), latest last
         self._known: list[int] = []  # sorted row counts with samples
         self._passes: deque[float] = deque(maxlen=_SAMPLES)  # a draft model's passes (seconds)
+        self._steps = 0
 
     def observe_pass(self, seconds: float) -> None:
         if seconds > 0:
@@ -67,19 +70,23 @@ class StepCosts:
     def pass_estimate(self) -> float:
         """One draft-model pass, in `estimate`'s units."""
         if self._passes and self._known:
-            return statistics.median(self._passes)
+            return min(self._passes)
         return _PASS_PRIOR * self.estimate(1)
 
     def observe(self, rows: int, seconds: float) -> None:
         if not 0 < rows <= _MAX_ROWS or not seconds > 0:
             return
+        self._steps += 1
         if rows not in self._samples:
             self._samples[rows] = deque(maxlen=_SAMPLES)
+        self._samples[rows].append((self._steps, seconds))
+        if self._steps % 64 == 0 or rows not in self._known:  # forget the row counts not seen lately
+            for old in [r for r, samples in self._samples.items() if samples[-1][0] < self._steps - _STALE]:
+                del self._samples[old]
             self._known = sorted(self._samples)
-        self._samples[rows].append(seconds)
 
     def _measured(self, rows: int) -> float:
-        return statistics.median(self._samples[rows])
+        return min(seconds for _, seconds in self._samples[rows])
 
     def estimate(self, rows: int) -> float:
         """A step of `rows` rows in seconds; in one-row steps (the prior alone) before any measurement."""
@@ -117,18 +124,18 @@ def plan_drafts(
     each proposal depth costs besides its rows (a draft model's forward pass), in the costs' units."""
     heap = [(-c.acceptance, c.key, 1, c) for c in candidates if c.available > 0 and c.acceptance > 0]
     heapq.heapify(heap)
-    plan: dict[int, int] = {}
-    rows, tokens, depth = base_rows, float(base_tokens), 0
-    cost = costs.estimate(rows)
-    while heap and budget > 0:
+    taken: list[tuple[int, int]] = []  # (key, its proposals so far) in ranking order
+    tokens, depth = float(base_tokens), 0
+    best_rate, best_len = tokens / costs.estimate(base_rows), 0
+    while heap and len(taken) < budget:
         value, key, i, c = heapq.heappop(heap)
-        new_depth = max(depth, i)
-        new_cost = costs.estimate(rows + 1) + new_depth * pass_cost
-        if (tokens - value) * cost <= tokens * new_cost:  # (tokens + v) / new_cost <= tokens / cost
+        if -value < _NEGLIGIBLE:
             break
-        plan[key] = i
-        rows, tokens, depth, budget = rows + 1, tokens - value, new_depth, budget - 1
-        cost = new_cost
+        tokens, depth = tokens - value, max(depth, i)
+        taken.append((key, i))
+        rate = tokens / (costs.estimate(base_rows + len(taken)) + depth * pass_cost)
+        if rate > best_rate:
+            best_rate, best_len = rate, len(taken)
         if i < c.available:
             heapq.heappush(heap, (value * c.acceptance, key, i + 1, c))
-    return plan
+    return dict(taken[:best_len])  # (a key's later entries overwrite its earlier ones)

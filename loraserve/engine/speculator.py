@@ -62,6 +62,7 @@ class Speculator:
         self.costs = StepCosts()
         self.stats = SpecStats(config.num_speculative_tokens)
         self._seqs: dict[int, SeqSpec] = {}
+        self.overall = Acceptance()  # every proposal's: where a new sequence's estimate starts
         self._held: list[SeqSpec] = []  # this step's sequences with proposals the plan left out
         self._draft_seconds = 0.0  # this step's draft-model passes
 
@@ -117,7 +118,7 @@ class Speculator:
             index = None
             if self.draft is None:
                 index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-            spec = self._seqs[seq.seq_id] = SeqSpec(seq, index)
+            spec = self._seqs[seq.seq_id] = SeqSpec(seq, index, Acceptance(self.overall.rate))
         return spec
 
     def _cap(self, seq: Sequence) -> int:
@@ -186,6 +187,7 @@ class Speculator:
         for out in emitted:
             if out.num_draft:
                 self._state(out.seq).acceptance.observe(out.num_draft, out.num_accepted)
+                self.overall.observe(out.num_draft, out.num_accepted)
                 self.stats.record(
                     adapter_label(out.seq.request.lora_request), out.num_draft, out.num_accepted
                 )

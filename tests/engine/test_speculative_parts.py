@@ -216,3 +216,16 @@ def test_verification_rows_are_the_decode_steps_bit_for_bit(tiny_model: Any) -> 
     ).logits
     seq.token_ids[:] = tokens
     assert rows.shape[0] == 9 and all(torch.equal(rows[i], decode[i]) for i in range(9))
+
+
+def test_the_serve_flag_reaches_the_engine_config() -> None:
+    from loraserve.entrypoints.openai.cli.cli_args import parse_serve_args
+
+    value = (
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "disable_by_batch_size": 8}'
+    )
+    args = EngineArgs.from_cli_args(parse_serve_args(["some/model", "--speculative-config", value]))
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                       "disable_by_batch_size": 8}  # fmt: skip
+    config = SpeculativeConfig.from_options(args.speculative_config)
+    assert (config.prompt_lookup_min, config.disable_by_batch_size) == (4, 8)
