@@ -134,6 +134,10 @@ class Scheduler:
         seq.block_ids.extend(block_ids)
         return True
 
+    def release_draft(self, seq: Sequence) -> None:
+        """Give back what `reserve_draft` took when no proposal comes of it."""
+        seq.block_ids = self.blocks.release_tail(seq.block_ids, -(-seq.num_tokens // self.blocks.block_size))
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` (stop, length or abort) and free its blocks."""
         seq.status = SequenceStatus.FINISHED

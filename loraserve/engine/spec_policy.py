@@ -2,23 +2,30 @@
 to raise the step's throughput, so speculation never makes a batch slower by its own estimate.
 
 Two estimates feed it. `StepCosts`: what a step of T token rows costs, measured on this machine as
-the engine runs (the fastest of the latest decode steps of exactly T rows: a neighbour's work only
-ever slows a step down; interpolated between the T's seen, scaled by a linear prior beyond them): a
+the engine runs (the median of the latest decode steps of exactly T rows, interpolated between the
+T's seen, scaled by a linear prior beyond them, forgotten when not seen for a while): a
 CPU's linear kernels cost more per row than a GPU's, and a quantized model changes kernel past some
 row count, which this table learns by itself. `Acceptance`: each sequence's chance that its next
 proposal is accepted, a moving average over its verified proposals (a proposal after a rejected one
-is not counted: it was never tried), starting from the engine's running average and drifting back to
-the prior while the sequence is held back, so a request whose text turns copyable is tried again.
+is not counted: it was never tried), starting from a prior (0.7: a sequence's own text decides, not
+another workload's). The plan reads it optimistically, by a bonus that shrinks with the proposals
+tried (so a new sequence gets to show what it copies), and while a sequence is held back its average
+drifts back to the prior and its count of tries fades, so a request whose text turns copyable is
+tried again.
 
 `plan_drafts` ranks every possible proposal row, the most likely first (proposal i of a sequence
 with acceptance a adds a^i expected tokens), and takes the prefix of that ranking with the most
-expected tokens per second: with one sequence a step takes many proposals, with a batch of sixteen
-only the near-certain ones, and one slow measurement at some T does not cut the plan short there.
+expected tokens per second, if that beats no proposals by a margin (`_MARGIN`: the estimates are
+noisy, and a plan that only breaks even costs when they are off): with one sequence a step takes many
+proposals, with a batch of sixteen only the near-certain ones, and one slow measurement at some T
+does not cut the plan short there.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 PRIOR_ACCEPTANCE = 0.7
 _WEIGHT = 0.15  # of one verified proposal in the moving average
 _RECOVERY = 1 / 64  # of the gap to the prior closed per step a sequence is held back
+_BONUS = 0.3  # the optimism of a sequence with no verified proposal yet
 # The linear prior of a step's cost in one-row steps: the fixed part and each row's (a 135M model on
 # 2 AVX2 cores pays about a third of a one-row step per extra row; a GPU nearly nothing).
 _FIXED, _PER_ROW = 0.65, 0.35
@@ -33,21 +41,30 @@ _SAMPLES = 7  # latest steps kept per row count
 _STALE = 400  # steps after which a row count's samples no longer count (the machine's load moves)
 _PASS_PRIOR = 0.15  # a draft model's pass, in one-row target steps, until measured
 _NEGLIGIBLE = 0.02  # expected tokens below which a proposal is never worth a row
+_MARGIN = 1.1  # a plan's expected tokens per second over no proposals' at least
 _MAX_ROWS = 4096  # row counts above this are not tabled (they are prefills, never decode steps)
 
 
 @dataclass(slots=True)
 class Acceptance:
     rate: float = PRIOR_ACCEPTANCE
+    tried: float = 0.0  # proposals verified (fading while held back)
 
     def observe(self, proposed: int, accepted: int) -> None:
         for _ in range(accepted):
             self.rate += _WEIGHT * (1.0 - self.rate)
         if accepted < proposed:
             self.rate -= _WEIGHT * self.rate
+        self.tried += min(proposed, accepted + 1)
 
     def held_back(self) -> None:
         self.rate += _RECOVERY * (PRIOR_ACCEPTANCE - self.rate)
+        self.tried *= 1.0 - _RECOVERY
+
+    @property
+    def optimistic(self) -> float:
+        """What the plan reads: the average plus a bonus for how little it has seen."""
+        return min(1.0, self.rate + _BONUS / math.sqrt(1.0 + self.tried))
 
 
 def _prior(rows: int) -> float:
@@ -70,7 +87,7 @@ class StepCosts:
     def pass_estimate(self) -> float:
         """One draft-model pass, in `estimate`'s units."""
         if self._passes and self._known:
-            return min(self._passes)
+            return statistics.median(self._passes)
         return _PASS_PRIOR * self.estimate(1)
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -86,7 +103,7 @@ class StepCosts:
             self._known = sorted(self._samples)
 
     def _measured(self, rows: int) -> float:
-        return min(seconds for _, seconds in self._samples[rows])
+        return statistics.median(seconds for _, seconds in self._samples[rows])
 
     def estimate(self, rows: int) -> float:
         """A step of `rows` rows in seconds; in one-row steps (the prior alone) before any measurement."""
@@ -126,7 +143,7 @@ def plan_drafts(
     heapq.heapify(heap)
     taken: list[tuple[int, int]] = []  # (key, its proposals so far) in ranking order
     tokens, depth = float(base_tokens), 0
-    best_rate, best_len = tokens / costs.estimate(base_rows), 0
+    best_rate, best_len = _MARGIN * tokens / costs.estimate(base_rows), 0
     while heap and len(taken) < budget:
         value, key, i, c = heapq.heappop(heap)
         if -value < _NEGLIGIBLE:

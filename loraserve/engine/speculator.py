@@ -14,6 +14,7 @@ its sequence finishes.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +33,8 @@ from loraserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from loraserve.engine.draft_model import DraftModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -62,7 +65,6 @@ class Speculator:
         self.costs = StepCosts()
         self.stats = SpecStats(config.num_speculative_tokens)
         self._seqs: dict[int, SeqSpec] = {}
-        self.overall = Acceptance()  # every proposal's: where a new sequence's estimate starts
         self._held: list[SeqSpec] = []  # this step's sequences with proposals the plan left out
         self._draft_seconds = 0.0  # this step's draft-model passes
 
@@ -91,20 +93,38 @@ class Speculator:
                 rounds[seq_id] = (item, num)
         noise = {seq_id: self._noise(item.seq, num) for seq_id, (item, num) in rounds.items()}
         if self.draft is not None:
-            begin = time.perf_counter()
-            found = self.draft.propose(
-                [(item.seq, num, noise[seq_id][0]) for seq_id, (item, num) in rounds.items()]
-            )
-            self._draft_seconds = time.perf_counter() - begin
+            found = self._draft_proposals(rounds, noise)
         for seq_id, (item, num) in rounds.items():
             tokens = found.get(seq_id, [])[:num]
-            if tokens:
-                rows, states = noise[seq_id]
-                item.draft = DraftRound(
-                    tokens,
-                    None if rows is None else rows[: len(tokens) + 1],
-                    None if states is None else states[: len(tokens) + 1],
-                )
+            rows, states = noise[seq_id]
+            if not tokens:  # (a draft model that failed): the blocks and a seeded generator's draws go back
+                self.scheduler.release_draft(item.seq)
+                if states is not None and item.seq.generator is not None:
+                    item.seq.generator.set_state(states[0])
+                continue
+            item.draft = DraftRound(
+                tokens,
+                None if rows is None else rows[: len(tokens) + 1],
+                None if states is None else states[1 : len(tokens) + 2],
+            )
+
+    def _draft_proposals(
+        self,
+        rounds: dict[int, tuple[ScheduledSeq, int]],
+        noise: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]],
+    ) -> dict[int, list[int]]:
+        """The draft model's proposals; none this step if it fails (the requests go on without)."""
+        assert self.draft is not None
+        begin = time.perf_counter()
+        try:
+            return self.draft.propose(
+                [(item.seq, num, noise[seq_id][0]) for seq_id, (item, num) in rounds.items()]
+            )
+        except Exception:  # noqa: BLE001 - a draft's failure costs this step its proposals, nothing else
+            logger.exception("The draft model failed; this step runs without proposals")
+            return {}
+        finally:
+            self._draft_seconds = time.perf_counter() - begin
 
     def _prune(self) -> None:
         for seq_id in [seq_id for seq_id, spec in self._seqs.items() if spec.seq.is_finished]:
@@ -118,7 +138,7 @@ class Speculator:
             index = None
             if self.draft is None:
                 index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-            spec = self._seqs[seq.seq_id] = SeqSpec(seq, index, Acceptance(self.overall.rate))
+            spec = self._seqs[seq.seq_id] = SeqSpec(seq, index)
         return spec
 
     def _cap(self, seq: Sequence) -> int:
@@ -149,7 +169,7 @@ class Speculator:
             return {seq_id: num for seq_id, num in plan.items() if num > 0}
         states = {seq_id: self._state(items[seq_id].seq) for seq_id in wanted}
         candidates = [
-            Candidate(seq_id, states[seq_id].acceptance.rate, num) for seq_id, num in wanted.items()
+            Candidate(seq_id, states[seq_id].acceptance.optimistic, num) for seq_id, num in wanted.items()
         ]
         base_rows = sum(item.num_query_tokens for item in batch.scheduled)
         base_tokens = sum(1 for item in batch.scheduled if _samples(item))
@@ -160,14 +180,14 @@ class Speculator:
 
     def _noise(self, seq: Sequence, num: int) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
         """The Exponential(1) draws of a sampled sequence's num + 1 rows (from its generator when
-        seeded, keeping the state after each); (None, None) for a greedy one."""
+        seeded, keeping its state before them and after each); (None, None) for a greedy one."""
         if seq.params.is_greedy:
             return None, None
         rows = torch.empty(num + 1, self.vocab_size, device=self.device)
         generator = seq.generator
         if generator is None:
             return rows.exponential_(), None
-        states = []
+        states = [generator.get_state()]  # before the draws, then after each
         for row in rows:  # one row-sized draw at a time, as the sampler draws a seeded row
             row.exponential_(generator=generator)
             states.append(generator.get_state())
@@ -187,7 +207,6 @@ class Speculator:
         for out in emitted:
             if out.num_draft:
                 self._state(out.seq).acceptance.observe(out.num_draft, out.num_accepted)
-                self.overall.observe(out.num_draft, out.num_accepted)
                 self.stats.record(
                     adapter_label(out.seq.request.lora_request), out.num_draft, out.num_accepted
                 )

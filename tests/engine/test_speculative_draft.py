@@ -76,6 +76,29 @@ def test_a_draft_model_gives_the_same_outputs(llama: str, draft: str, base: LLM)
     assert not draft_model._mirrors and draft_model.blocks.num_free_blocks == draft_model.blocks.num_blocks
 
 
+def test_a_failing_draft_model_costs_only_its_proposals(
+    llama: str, draft: str, base: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft model raising: the step runs without proposals, its reserved blocks and a seeded
+    request's pre-drawn noise go back, and the outputs are those without speculation."""
+    spec = LLM(
+        llama,
+        **OPTIONS,
+        speculative_config={"model": draft, "num_speculative_tokens": 3, "draft_policy": "always"},
+    )
+
+    def broken(wanted: Any) -> Any:
+        raise RuntimeError("the draft is down")
+
+    monkeypatch.setattr(spec.engine.speculator.draft, "propose", broken)
+    prompts = repetitive(3, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=13, max_tokens=20, ignore_eos=True)] * 2  # fmt: skip
+    expected, _ = run(base, prompts, params[:3])
+    got, counts = run(spec, prompts, params[:3])
+    assert tokens(got) == tokens(expected) and counts["num_drafts"] == 0
+
+
 def test_draft_adapters_propose_for_their_target_adapter(
     llama: str, base: LLM, adapters: dict[str, LoRARequest]
 ) -> None:
