@@ -23,12 +23,14 @@ class NgramIndex:
         self.sizes = range(max_n, min_n - 1, -1)  # longest first: the first match found is the longest
         self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self.indexed = 0  # n-grams ending at positions < indexed are in the tables
+        self.matched = 0  # the n of the last proposal's match (0: none)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens predicted to follow `tokens` (the whole sequence so far); [] when no suffix
         of an indexed size occurred before."""
         end = len(tokens) - 1  # the suffix ends here; earlier n-grams end before it
         self._index(tokens, end)
+        self.matched = 0
         if k <= 0:
             return []
         for n in self.sizes:
@@ -36,6 +38,7 @@ class NgramIndex:
                 continue
             last = self.tables[n].get(tuple(tokens[end - n + 1 :]))
             if last is not None:
+                self.matched = n
                 return _continuation(tokens, last + 1, k)
         return []
 

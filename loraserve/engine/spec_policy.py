@@ -6,12 +6,13 @@ the engine runs (the median of the latest decode steps of exactly T rows, interp
 T's seen, scaled by a linear prior beyond them, forgotten when not seen for a while): a
 CPU's linear kernels cost more per row than a GPU's, and a quantized model changes kernel past some
 row count, which this table learns by itself. `Acceptance`: each sequence's chance that its next
-proposal is accepted, a moving average over its verified proposals (a proposal after a rejected one
-is not counted: it was never tried), starting from a prior (0.7: a sequence's own text decides, not
-another workload's). The plan reads it optimistically, by a bonus that shrinks with the proposals
-tried (so a new sequence gets to show what it copies), and while a sequence is held back its average
-drifts back to the prior and its count of tries fades, so a request whose text turns copyable is
-tried again.
+proposal is accepted: a moving average over its verified proposals (a proposal after a rejected one
+is not counted: it was never tried), weighed by how many it tried against the engine's own average
+for proposals of the same kind (the ngram method: the length of the n-gram match that made them; a
+five-token match into a text being copied is right far more often than a two-token one in free
+chat). So a new request drafts at once where such proposals pay and not where they do not, without
+paying to find out. While a sequence is held back its tries fade toward the engine's average, whose
+unused kinds drift back to the prior, so nothing is written off for good.
 
 `plan_drafts` ranks every possible proposal row, the most likely first (proposal i of a sequence
 with acceptance a adds a^i expected tokens), and takes the prefix of that ranking with the most
@@ -24,7 +25,6 @@ does not cut the plan short there.
 from __future__ import annotations
 
 import heapq
-import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.7
 _WEIGHT = 0.15  # of one verified proposal in the moving average
-_RECOVERY = 1 / 64  # of the gap to the prior closed per step a sequence is held back
-_BONUS = 0.3  # the optimism of a sequence with no verified proposal yet
+_RECOVERY = 1 / 64  # of a held-back sequence's tries faded per step (and a kind's gap to the prior)
+_PRIOR_TRIES = 4.0  # the engine's average counts as this many of a sequence's own tries
 # The linear prior of a step's cost in one-row steps: the fixed part and each row's (a 135M model on
 # 2 AVX2 cores pays about a third of a one-row step per extra row; a GPU nearly nothing).
 _FIXED, _PER_ROW = 0.65, 0.35
@@ -58,13 +58,16 @@ class Acceptance:
         self.tried += min(proposed, accepted + 1)
 
     def held_back(self) -> None:
-        self.rate += _RECOVERY * (PRIOR_ACCEPTANCE - self.rate)
+        """A sequence not proposing this step: its tries fade (the engine's average weighs more)."""
         self.tried *= 1.0 - _RECOVERY
 
-    @property
-    def optimistic(self) -> float:
-        """What the plan reads: the average plus a bonus for how little it has seen."""
-        return min(1.0, self.rate + _BONUS / math.sqrt(1.0 + self.tried))
+    def unused(self) -> None:
+        """An engine-wide kind no proposal tried this step: it drifts back to the prior."""
+        self.rate += _RECOVERY * (PRIOR_ACCEPTANCE - self.rate) / 4
+
+    def blended(self, engine: Acceptance) -> float:
+        """A sequence's estimate: its own average against the engine's for its kind of proposal."""
+        return (engine.rate * _PRIOR_TRIES + self.rate * self.tried) / (_PRIOR_TRIES + self.tried)
 
 
 def _prior(rows: int) -> float:

@@ -7,8 +7,8 @@ the `DraftModel` after the plan), plans how many tokens each proposes (`spec_pol
 all of them with draft_policy "always"), reserves their KV blocks from free ones only
 (`Scheduler.reserve_draft`), draws the rows' sampling noise ahead (`DraftRound`) and hangs the round
 on the `ScheduledSeq`: the model runner verifies it in the same forward as everything else.
-`observe(...)` after the step feeds each sequence's acceptance, the step-cost table and the
-per-adapter counters (`SpecStats`). Per-sequence state lives here, keyed by sequence id, and goes when
+`observe(...)` after the step feeds each sequence's acceptance and the engine's by kind of proposal,
+the step-cost table and the per-adapter counters (`SpecStats`). Per-sequence state lives here, keyed by sequence id, and goes when
 its sequence finishes.
 """
 
@@ -44,6 +44,7 @@ class SeqSpec:
     seq: Sequence
     index: NgramIndex | None  # the ngram method's
     acceptance: Acceptance = field(default_factory=Acceptance)
+    kind: int = 0  # its latest proposals' kind: the n-gram match's length (0: a draft model's)
 
 
 class Speculator:
@@ -65,6 +66,7 @@ class Speculator:
         self.costs = StepCosts()
         self.stats = SpecStats(config.num_speculative_tokens)
         self._seqs: dict[int, SeqSpec] = {}
+        self._kinds: dict[int, Acceptance] = {}  # the engine's acceptance by kind of proposal
         self._held: list[SeqSpec] = []  # this step's sequences with proposals the plan left out
         self._draft_seconds = 0.0  # this step's draft-model passes
 
@@ -150,8 +152,18 @@ class Speculator:
         return max(0, min(self.config.num_speculative_tokens, left - 1))
 
     def _ngram(self, seq: Sequence, cap: int) -> list[int]:
-        index = self._state(seq).index
-        return index.propose(seq.token_ids, cap) if index is not None else []
+        state = self._state(seq)
+        if state.index is None:
+            return []
+        found = state.index.propose(seq.token_ids, cap)
+        state.kind = state.index.matched
+        return found
+
+    def _kind(self, kind: int) -> Acceptance:
+        acceptance = self._kinds.get(kind)
+        if acceptance is None:
+            acceptance = self._kinds[kind] = Acceptance()
+        return acceptance
 
     def _plan(
         self, batch: SchedulerOutput, items: dict[int, ScheduledSeq], available: dict[int, int]
@@ -169,7 +181,8 @@ class Speculator:
             return {seq_id: num for seq_id, num in plan.items() if num > 0}
         states = {seq_id: self._state(items[seq_id].seq) for seq_id in wanted}
         candidates = [
-            Candidate(seq_id, states[seq_id].acceptance.optimistic, num) for seq_id, num in wanted.items()
+            Candidate(seq_id, states[seq_id].acceptance.blended(self._kind(states[seq_id].kind)), num)
+            for seq_id, num in wanted.items()
         ]
         base_rows = sum(item.num_query_tokens for item in batch.scheduled)
         base_tokens = sum(1 for item in batch.scheduled if _samples(item))
@@ -204,14 +217,21 @@ class Speculator:
                 depth = max((len(item.draft_tokens) for item in scheduled), default=0)
                 if depth:
                     self.costs.observe_pass(self._draft_seconds / depth)
+        tried: set[int] = set()
         for out in emitted:
             if out.num_draft:
-                self._state(out.seq).acceptance.observe(out.num_draft, out.num_accepted)
+                state = self._state(out.seq)
+                state.acceptance.observe(out.num_draft, out.num_accepted)
+                self._kind(state.kind).observe(out.num_draft, out.num_accepted)
+                tried.add(state.kind)
                 self.stats.record(
                     adapter_label(out.seq.request.lora_request), out.num_draft, out.num_accepted
                 )
         for spec in self._held:
             spec.acceptance.held_back()
+        for kind, acceptance in self._kinds.items():
+            if kind not in tried:
+                acceptance.unused()
         self._held = []
         self._prune()  # finished sequences' state (and a draft model's KV) goes now, not at the next step
 

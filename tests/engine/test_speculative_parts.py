@@ -145,9 +145,15 @@ def test_estimates_follow_what_they_observe() -> None:
     assert low < PRIOR_ACCEPTANCE
     acceptance.observe(proposed=4, accepted=4)
     assert acceptance.rate > low
+    engine = Acceptance(rate=0.95)  # the engine's for this kind of proposal
+    own = Acceptance(rate=0.2, tried=40.0)
+    assert own.blended(engine) < 0.4  # a sequence that tried a lot is judged by itself
     for _ in range(500):
-        acceptance.held_back()  # a held-back request drifts back to being tried
-    assert acceptance.rate == pytest.approx(PRIOR_ACCEPTANCE, abs=1e-3)
+        own.held_back()  # a held-back sequence's tries fade: the engine's average decides again
+    assert own.blended(engine) == pytest.approx(0.95, abs=0.01)
+    for _ in range(5000):
+        engine.unused()  # a kind nobody tries drifts back to the prior
+    assert engine.rate == pytest.approx(PRIOR_ACCEPTANCE, abs=0.01)
 
 
 def test_disable_by_batch_size_stops_proposals_in_a_big_batch(tiny_model: Any) -> None:
