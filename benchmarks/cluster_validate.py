@@ -102,7 +102,10 @@ def run_real(model: str, store: str, trace: list[tuple[float, int]], config: Sim
         results = asyncio.run(replay(url, trace, config))
         handle = serve.get_app_handle("loraserve")
         replicas = sorted({rid for _, rid in results})
-        stats = [handle.options(multiplexed_model_id=TARGET_PREFIX + rid).stats.remote().result() for rid in replicas]
+        stats = [
+            handle.options(multiplexed_model_id=TARGET_PREFIX + rid).stats.remote().result()
+            for rid in replicas
+        ]
     finally:
         server.terminate()
         server.wait(120)
@@ -128,13 +131,22 @@ def main() -> None:
     rate = args.rate or 0.5 * 2 * capacity
     config = SimConfig(**{**asdict(config), "rate_per_s": rate})
     trace = make_trace(config, random.Random(config.seed))
-    sim = {p: simulate(SimConfig(**{**asdict(config), "policy": p}), trace, costs) for p in ("random", "affinity")}
+    sim = {
+        p: simulate(SimConfig(**{**asdict(config), "policy": p}), trace, costs)
+        for p in ("random", "affinity")
+    }
     real = run_real(model, os.path.dirname(adapters[0]), trace, config)
     print(f"{len(trace)} requests at {rate:.2f}/s over {NUM_ADAPTERS} adapters, 2 replicas")
     print(f"{'':<16}{'hit rate':>10}{'TTFT p50':>10}{'p99':>9}")
-    for name, row in (("sim random", sim["random"]), ("sim affinity", sim["affinity"]), ("real affinity", real)):
+    for name, row in (
+        ("sim random", sim["random"]),
+        ("sim affinity", sim["affinity"]),
+        ("real affinity", real),
+    ):
         print(f"{name:<16}{row['hit_rate']:>10.1%}{row['ttft_p50_s']:>9.3f}s{row['ttft_p99_s']:>8.3f}s")
-    save_results("cluster_validate", {"costs": costs.to_json(), "config": asdict(config), "sim": sim, "real": real})
+    save_results(
+        "cluster_validate", {"costs": costs.to_json(), "config": asdict(config), "sim": sim, "real": real}
+    )
 
 
 if __name__ == "__main__":

@@ -29,30 +29,73 @@ SMOLLM_SHAPE = dict(
 # every other layer; Gemma-3-1B: 26 layers, 4 heads over 1 KV head of 256, 512-token window on 5 of
 # every 6 layers, q/k norms, two rope bases.
 GEMMA_SHAPES: dict[str, dict[str, Any]] = {
-    "gemma2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                      query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
-                      final_logit_softcapping=30.0, max_position_embeddings=8192),
-    "gemma3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
-                      num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                      query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768),
+    "gemma2-2b": dict(
+        model_type="gemma2",
+        vocab_size=256000,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=8192,
+    ),
+    "gemma3-1b": dict(
+        model_type="gemma3_text",
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=32768,
+    ),
     # Phi-3.5-mini: 32 layers, 32 heads of 96 (no GQA), fused qkv/gate_up, LongRoPE from 4096 to 131072
     # (48 factors each; these stand in for the checkpoint's, short near 1, long up to ~60).
-    "phi3.5-mini": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
-                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                        max_position_embeddings=131072, original_max_position_embeddings=4096,
-                        sliding_window=262144, rope_parameters=dict(
-                            rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=1.0,
-                            original_max_position_embeddings=4096,
-                            short_factor=[1.0 + 2.0 * i / 47 for i in range(48)],
-                            long_factor=[1.0 + 59.0 * i / 47 for i in range(48)])),
+    "phi3.5-mini": dict(
+        model_type="phi3",
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        sliding_window=262144,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            partial_rotary_factor=1.0,
+            original_max_position_embeddings=4096,
+            short_factor=[1.0 + 2.0 * i / 47 for i in range(48)],
+            long_factor=[1.0 + 59.0 * i / 47 for i in range(48)],
+        ),
+    ),
 }
 # OLMoE-1B-7B's layer shape (hidden 2048, 16 heads, 64 experts of 1024, 8 per token, its 50k vocabulary)
 # with 2 of its 16 layers, so that the random model fits in 2 GB of bf16.
 MOE_SHAPES: dict[str, dict[str, Any]] = {
-    "olmoe-2l": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
-                     num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
-                     num_experts_per_tok=8, norm_topk_prob=False, max_position_embeddings=4096),
+    "olmoe-2l": dict(
+        model_type="olmoe",
+        vocab_size=50304,
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        max_position_embeddings=4096,
+    ),
 }
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -125,8 +168,15 @@ def build_adapters(model_path: str, count: int, rank: int = 16) -> list[str]:
     if missing:
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         for i in missing:
-            save_peft_adapter(base, paths[i], seed=1000 + i, base_name=model_path, r=rank, lora_alpha=2 * rank,
-                              target_modules=ALL_TARGETS)
+            save_peft_adapter(
+                base,
+                paths[i],
+                seed=1000 + i,
+                base_name=model_path,
+                r=rank,
+                lora_alpha=2 * rank,
+                target_modules=ALL_TARGETS,
+            )
     return paths
 
 
@@ -166,8 +216,9 @@ def other_prompts(prompts: list[list[int]], shift: int = 1, vocab_size: int = 49
 TIMED_RUNS = 3
 
 
-def steady_timed(run: Callable[[list[list[int]]], Any], prompts: list[list[int]],
-                 repeats: int = TIMED_RUNS) -> tuple[float, Any]:
+def steady_timed(
+    run: Callable[[list[list[int]]], Any], prompts: list[list[int]], repeats: int = TIMED_RUNS
+) -> tuple[float, Any]:
     """Seconds of `run(prompts)` in steady state, and its result: `run` goes once untimed, then
     `repeats` timed runs, each on same-shaped prompts of its own (no prefix-cache hit between them),
     and the fastest counts. First-touch page faults, allocator growth and lazily built kernels fall
@@ -184,8 +235,9 @@ def steady_timed(run: Callable[[list[list[int]]], Any], prompts: list[list[int]]
     return best
 
 
-def interleaved_timed(runs: dict[str, Callable[[list[list[int]]], Any]], prompts: list[list[int]],
-                      repeats: int = TIMED_RUNS) -> dict[str, tuple[float, Any]]:
+def interleaved_timed(
+    runs: dict[str, Callable[[list[list[int]]], Any]], prompts: list[list[int]], repeats: int = TIMED_RUNS
+) -> dict[str, tuple[float, Any]]:
     """`steady_timed` for systems whose ratio is the figure: each goes once untimed, then `repeats`
     rounds time every system once in turn, and each keeps its fastest run. A shared machine's speed
     drifts over seconds; timed back to back in one window each, two systems would be compared across
@@ -230,8 +282,13 @@ def save_results(name: str, data: dict[str, Any]) -> bool:
 
 
 def report_vs_plain(
-    result_name: str, runs: dict[str, Callable[[list[list[int]]], Any]], num_requests: int,
-    prompt_len: int, gen_len: int, dtype: str, vocab_size: int,
+    result_name: str,
+    runs: dict[str, Callable[[list[list[int]]], Any]],
+    num_requests: int,
+    prompt_len: int,
+    gen_len: int,
+    dtype: str,
+    vocab_size: int,
 ) -> None:
     """Time `runs` interleaved on the same prompts, print each one's tok/s against the "plain" run,
     and save the result as `result_name` (with the CPU class)."""

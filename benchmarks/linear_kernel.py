@@ -1,4 +1,4 @@
-"""The C linear kernel (layers/gemm_kernel.c) against oneDNN's packed linear, the path it replaces.
+"""The C linear kernel (native/kernels/gemm_kernel.c) against oneDNN's packed linear, the path it replaces.
 
 Per layer shape of a SmolLM-135M-shaped model and row count: one weight, called back to back (it stays
 in the caches: the kernels' compute). Then a whole step: 30 layers' distinct weights and the LM head,

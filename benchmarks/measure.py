@@ -89,10 +89,24 @@ def cpu_identity() -> dict[str, str]:
     except OSError:
         pass
     flags = cpu_flags()
-    found = [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_vnni", "VNNI"),
-                                     ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if flag in flags]
-    return {"model": fields["model name"], "family": fields["cpu family"], "model_number": fields["model"],
-            "extensions": " + ".join(found) or "no AVX2", "cores": str(os.cpu_count())}
+    found = [
+        name
+        for flag, name in (
+            ("avx2", "AVX2"),
+            ("avx512f", "AVX-512"),
+            ("avx512_vnni", "VNNI"),
+            ("avx512_bf16", "AVX512-BF16"),
+            ("amx_bf16", "AMX"),
+        )
+        if flag in flags
+    ]
+    return {
+        "model": fields["model name"],
+        "family": fields["cpu family"],
+        "model_number": fields["model"],
+        "extensions": " + ".join(found) or "no AVX2",
+        "cores": str(os.cpu_count()),
+    }
 
 
 def describe_cpu() -> str:
@@ -145,16 +159,22 @@ def conditions() -> dict[str, Any]:
 def check_and_print(name: str, cond: dict[str, Any]) -> bool:
     """Print the run's conditions; False when the result must not be saved (a busy start, not allowed)."""
     bandwidth = ", ".join(f"{v} GB/s on {k}" for k, v in cond["read_bandwidth_gbs"].items())
-    print(f"[{name}] {cond['cpu']}; {cond['threads']} threads; read bandwidth {bandwidth}; "
-          f"load average before {cond['load_before'][0]:.2f}, after {cond['load_after'][0]:.2f}")
+    print(
+        f"[{name}] {cond['cpu']}; {cond['threads']} threads; read bandwidth {bandwidth}; "
+        f"load average before {cond['load_before'][0]:.2f}, after {cond['load_after'][0]:.2f}"
+    )
     if not cond["busy"]:
         return True
     assert _run is not None
     if _run.allow_busy:
-        print(f"[{name}] saved although the load average at the start was {cond['load_before'][0]:.2f} "
-              f"(> {MAX_START_LOAD}, {ALLOW_BUSY_FLAG}): the result is marked busy")
+        print(
+            f"[{name}] saved although the load average at the start was {cond['load_before'][0]:.2f} "
+            f"(> {MAX_START_LOAD}, {ALLOW_BUSY_FLAG}): the result is marked busy"
+        )
         return True
-    print(f"[{name}] NOT SAVED: the 1-minute load average at the start was {cond['load_before'][0]:.2f} "
-          f"(> {MAX_START_LOAD}); figures taken beside other work measure it. Rerun on a quiet machine "
-          f"(../shared/tools/quiet), or pass {ALLOW_BUSY_FLAG} to save it marked busy.")
+    print(
+        f"[{name}] NOT SAVED: the 1-minute load average at the start was {cond['load_before'][0]:.2f} "
+        f"(> {MAX_START_LOAD}); figures taken beside other work measure it. Rerun on a quiet machine "
+        f"(../shared/tools/quiet), or pass {ALLOW_BUSY_FLAG} to save it marked busy."
+    )
     return False

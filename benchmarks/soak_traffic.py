@@ -4,7 +4,11 @@ Workers run at once until the deadline, each drawing its next request from a fix
 - valid generations (completions and chats, streamed or not, the base model or a stable adapter): each
   must end 200 with a finish reason (a stream: no error event, then [DONE]);
 - client disconnects: a stream closed after its first chunk;
-- bad requests: invalid bodies and unknown names, each of which must get a 4xx;
+- bad requests: invalid bodies and unknown names, each of which must get a 4xx, among them issue 39's
+  attacks (a runaway regex, over-budget constraints, JSON nested past the bound in the body and in
+  strings, NaN numbers, a runaway tool schema);
+- served attacks (issue 39): requests a server must serve without failing anyone (a beam search whose
+  length_penalty overflows, a request filling every batch slot), each 200 (or a 503 refusal);
 - adapter churn (one worker, when a churn adapter is given): load a fresh name, use it, unload it.
 
 Every request ends in exactly one outcome, so `issued == sum(outcomes)`: nothing is silently dropped.
@@ -36,11 +40,64 @@ BAD_BODIES: list[tuple[str, Any]] = [
     ("/v1/completions", {"model": "{base}", "prompt": [[1, 2]] * 50, "n": 128}),
     ("/v1/completions", {"model": "p\ud800", "prompt": "x"}),
     ("/v1/chat/completions", {"model": "{base}", "messages": []}),
-    ("/v1/chat/completions", {"model": "{base}", "messages": [{"role": "user", "content": "x"}],
-                              "chat_template": "{% for i in range(10**7) %}x{% endfor %}"}),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "{base}",
+            "messages": [{"role": "user", "content": "x"}],
+            "chat_template": "{% for i in range(10**7) %}x{% endfor %}",
+        },
+    ),
     ("/v1/completions", "not json at all"),
     ("/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": "../../../../etc"}),
     ("/v1/load_lora_adapter", {"lora_name": "x\nINFO forged", "lora_path": "/tmp"}),
+    # Issue 39: grammar compiles that must end (timeout, budget), JSON past the depth bound, NaN.
+    ("/v1/completions", {"model": "{base}", "prompt": "x", "max_tokens": 4, "guided_regex": ".*" * 2000}),
+    ("/v1/completions", {"model": "{base}", "prompt": "x", "guided_regex": "a" * 300_000}),
+    ("/v1/completions", {"model": "{base}", "prompt": "x", "guided_json": "[" * 1000 + "]" * 1000}),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "{base}",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"x": {"type": "string", "pattern": ".*" * 300}},
+                        },
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
+    ),
+    ("/v1/completions", '{"model": "{base}", "prompt": "x", "logit_bias": {"7": NaN}}'),
+    (
+        "/v1/completions",
+        '{"model": "{base}", "prompt": "x", "response_format": ' + "[" * 500 + "]" * 500 + "}",
+    ),
+    ("/invocations", "[" * 100_000),
+]
+# Attacks that must be served, each a 200 (or a 503 refusal) while the rest of the traffic goes on.
+SERVED_ATTACKS: list[tuple[str, Any]] = [
+    (
+        "/v1/completions",
+        {
+            "model": "{base}",
+            "prompt": "x",
+            "max_tokens": 4,
+            "use_beam_search": True,
+            "n": 2,
+            "length_penalty": 1e308,
+        },
+    ),
+    ("/v1/completions", {"model": "{base}", "prompt": "x", "max_tokens": 8, "n": 32, "temperature": 0.8}),
+    ("/v1/completions", {"model": "{base}", "prompt": "x", "max_tokens": 4, "repetition_penalty": 1e308}),
 ]
 
 
@@ -82,8 +139,11 @@ class SoakTally:
         if not self.health_latencies_s:
             return {}
         ordered = sorted(self.health_latencies_s)
-        return {"health_checks": len(ordered), "health_p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1),
-                "health_max_ms": round(1000 * ordered[-1], 1)}
+        return {
+            "health_checks": len(ordered),
+            "health_p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1),
+            "health_max_ms": round(1000 * ordered[-1], 1),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,16 +157,23 @@ class SoakPlan:
     churn_adapter_path: str | None = None  # an adapter folder to load under fresh names
     seed: int = 0
     mix: tuple[float, float, float] = (0.7, 0.15, 0.15)  # shares of valid, disconnecting and bad requests
-    hostile_adapters: dict[str, str] | None = None  # kind -> folder (benchmarks.hostile_adapters), each load a 400
+    hostile_adapters: dict[str, str] | None = (
+        None  # kind -> folder (benchmarks.hostile_adapters), each load a 400
+    )
     watch_health: bool = False  # poll /health throughout, latencies in the tally
 
 
 async def run_soak_traffic(plan: SoakPlan) -> SoakTally:
     tally = SoakTally()
     deadline = time.monotonic() + plan.duration_s
-    limits = httpx.Limits(max_connections=plan.concurrency + 4, max_keepalive_connections=plan.concurrency + 4)
+    limits = httpx.Limits(
+        max_connections=plan.concurrency + 4, max_keepalive_connections=plan.concurrency + 4
+    )
     async with httpx.AsyncClient(base_url=plan.url, timeout=180, limits=limits) as client:
-        workers = [_worker(client, plan, tally, deadline, random.Random(plan.seed + i)) for i in range(plan.concurrency)]
+        workers = [
+            _worker(client, plan, tally, deadline, random.Random(plan.seed + i))
+            for i in range(plan.concurrency)
+        ]
         if plan.churn_adapter_path is not None:
             workers.append(_churn_worker(client, plan, tally, deadline))
         if plan.hostile_adapters:
@@ -117,8 +184,9 @@ async def run_soak_traffic(plan: SoakPlan) -> SoakTally:
     return tally
 
 
-async def _worker(client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTally, deadline: float,
-                  rng: random.Random) -> None:
+async def _worker(
+    client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTally, deadline: float, rng: random.Random
+) -> None:
     while time.monotonic() < deadline:
         roll = rng.random() * sum(plan.mix)
         if roll < plan.mix[0]:
@@ -130,7 +198,9 @@ async def _worker(client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTally, d
 
 
 def _generation_body(plan: SoakPlan, rng: random.Random, model: str) -> tuple[str, dict[str, Any]]:
-    words = " ".join(rng.choice(["capital", "river", "France", "table", "query", "ship", "sea"]) for _ in range(6))
+    words = " ".join(
+        rng.choice(["capital", "river", "France", "table", "query", "ship", "sea"]) for _ in range(6)
+    )
     common = {"model": model, "max_tokens": plan.max_tokens, "temperature": rng.choice([0.0, 0.7])}
     if rng.random() < 0.5:
         return "/v1/completions", {**common, "prompt": words, "n": rng.choice([1, 1, 2])}
@@ -179,7 +249,9 @@ async def _read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any
     return "ok", ""
 
 
-async def _disconnect(client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTally, rng: random.Random) -> None:
+async def _disconnect(
+    client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTally, rng: random.Random
+) -> None:
     model = rng.choice([plan.base_model, *plan.adapters])
     path, body = _generation_body(plan, rng, model)
     body = {**body, "stream": True, "max_tokens": plan.max_tokens * 4}
@@ -198,21 +270,25 @@ async def _disconnect(client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTall
 
 
 async def _bad(client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTally, rng: random.Random) -> None:
-    path, body = rng.choice(BAD_BODIES)
-    tally.issued["bad"] += 1
+    served = rng.random() < len(SERVED_ATTACKS) / (len(SERVED_ATTACKS) + len(BAD_BODIES))
+    kind = "attack-served" if served else "bad"
+    path, body = rng.choice(SERVED_ATTACKS if served else BAD_BODIES)
+    tally.issued[kind] += 1
+    text = (body if isinstance(body, str) else json.dumps(body)).replace("{base}", plan.base_model)
     try:
-        if isinstance(body, str):
-            response = await client.post(path, content=body, headers={"content-type": "application/json"})
-        else:
-            text = json.dumps(body).replace("{base}", plan.base_model)
-            response = await client.post(path, content=text.encode(), headers={"content-type": "application/json"})
+        response = await client.post(
+            path, content=text.encode(), headers={"content-type": "application/json"}
+        )
     except httpx.HTTPError as exc:
-        tally.record("bad", "unexpected", f"{path}: {type(exc).__name__}: {exc}")
+        tally.record(kind, "unexpected", f"{path}: {type(exc).__name__}: {exc}")
         return
-    if 400 <= response.status_code < 500:
-        tally.record("bad", "ok")
+    expected = response.status_code in (200, 503) if served else 400 <= response.status_code < 500
+    if expected:
+        tally.record(kind, "ok")
     else:
-        tally.record("bad", "unexpected", f"{path} {str(body)[:80]} -> {response.status_code} {response.text[:200]}")
+        tally.record(
+            kind, "unexpected", f"{path} {text[:80]} -> {response.status_code} {response.text[:200]}"
+        )
 
 
 async def _churn_worker(client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTally, deadline: float) -> None:
@@ -223,7 +299,9 @@ async def _churn_worker(client: httpx.AsyncClient, plan: SoakPlan, tally: SoakTa
         name = f"churn-{number}"
         tally.issued["churn"] += 1
         try:
-            loaded = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": plan.churn_adapter_path})
+            loaded = await client.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": plan.churn_adapter_path}
+            )
             if loaded.status_code != 200:
                 tally.record("churn", "lost", f"load {name}: {loaded.status_code} {loaded.text}")
                 continue

@@ -224,7 +224,7 @@ def main() -> None:
     if not args.no_llama_cpp and server_binary() is not None:
         theirs = _llama_servers(path, demo, names, args, low)
     results: dict[str, Any] = {"cpu": measure.describe_cpu(), "threads": args.threads, "k": args.k, "lookup": [low, high],
-                               "llama_cpp": "--spec-type ngram-simple" if theirs else None, "rows": {}}  # fmt: skip
+                               "llama_cpp": "--spec-type ngram-simple" if theirs else None, "targets": TARGETS, "rows": {}}  # fmt: skip
     try:
         for workload, texts in PROMPTS.items():
             if workload not in args.rows.split(","):

@@ -76,8 +76,17 @@ class BeamSearchParams:
 
 def beam_score(cum_logprob: float, num_generated: int, length_penalty: float) -> float:
     """transformers' length-penalised score of a finished beam: the sum of its tokens' logprobs over
-    (generated tokens, eos included) ** length_penalty."""
-    return cum_logprob / (num_generated**length_penalty)
+    (generated tokens, eos included) ** length_penalty. Saturating: a length_penalty so large that
+    the power overflows scores 0 (-0.0 for a negative sum), so small that it underflows -inf (0 for a
+    zero sum), where the plain division raised OverflowError or ZeroDivisionError inside an engine
+    step."""
+    try:
+        denominator = float(num_generated) ** length_penalty
+    except OverflowError:
+        denominator = math.inf
+    if denominator == 0.0:
+        return -math.inf if cum_logprob < 0 else 0.0
+    return cum_logprob / denominator
 
 
 @dataclass(slots=True)

@@ -187,13 +187,15 @@ class CacheConfig:
     block_size: int = option(
         16, type=positive_int, group=_CACHE, help="Tokens per KV-cache block (default: %(default)s)."
     )
-    kv_cache_memory_bytes: int = option(
-        1 << 30,
+    kv_cache_memory_bytes: int | None = option(
+        None,
         flag=("--kv-cache-memory", "--kv-cache-memory-bytes"),
         metavar="KV_CACHE_MEMORY",
         type=positive_int,
         group=_CACHE,
-        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: 1GiB).",
+        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: VLLM_CPU_KVCACHE_SPACE GiB if set, else "
+        "a quarter of the memory available once the model is loaded, at most what max_num_seqs "
+        "sequences of max_model_len tokens need; pages are committed as blocks are first written).",
     )
     num_blocks: int | None = None  # overrides the memory budget when set (EngineArgs.num_kv_blocks)
     enable_prefix_caching: bool = option(
@@ -227,6 +229,14 @@ class SchedulerConfig:
         type=positive_int,
         group=_CACHE,
         help="Most tokens processed in one engine step, prefill chunks included (default: %(default)s).",
+    )
+    max_num_seqs_share: float = option(
+        0.5,
+        type=queue_share,
+        group=_CACHE,
+        help="loraserve only: the fraction of --max-num-seqs one request's sequences (n, best_of, beams, "
+        "prompts) may hold while others wait for a slot; 1.0 is vLLM's behaviour (default: 0.5).",
+        check=_a_queue_share,
     )
     max_model_len: int = 2048  # resolved from the model (EngineArgs.max_model_len)
     scheduling_policy: str = option(

@@ -148,6 +148,21 @@ def replica_stats_timeout() -> float:
     return seconds
 
 
+def cpu_kvcache_space_bytes() -> int | None:
+    """LORASERVE_CPU_KVCACHE_SPACE (vLLM's VLLM_CPU_KVCACHE_SPACE): the KV cache's size in GiB when
+    --kv-cache-memory is not given; None when unset or 0 (the machine's share decides)."""
+    value = get_env("CPU_KVCACHE_SPACE")
+    if value is None or not value.strip():
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:
+        raise ValueError(f"LORASERVE_CPU_KVCACHE_SPACE must be a number of GiB, got {value!r}")
+    return int(gib * (1 << 30)) or None
+
+
 def logging_level() -> str:
     return (get_env("LOGGING_LEVEL", "INFO") or "INFO").upper()
 

@@ -74,6 +74,7 @@ def linear_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 
 TINY = TINY_SHAPE
 
+
 def _tiny_config(arch: str, vocab_size: int) -> Any:
     import transformers as tf
 

@@ -19,8 +19,20 @@ ROOT = Path(loraserve.__file__).parent
 # "" is loraserve/__init__.py (the public facade) and the top-level modules' layer is their own name.
 LAYERS: list[set[str]] = [
     # settings, options, errors, value types
-    {"envs", "errors", "options", "option_types", "config", "structured_output", "sampling_params", "sampling_tokens",
-     "outputs", "beam_search", "speculative_config"},
+    {
+        "envs",
+        "errors",
+        "json_limits",
+        "options",
+        "option_types",
+        "config",
+        "structured_output",
+        "sampling_params",
+        "sampling_tokens",
+        "outputs",
+        "beam_search",
+        "speculative_config",
+    },
     {"native"},  # building and loading the C kernels, huge pages
     {"batch"},  # the per-step batch types
     {"layers"},  # model building blocks and their kernels

@@ -24,8 +24,8 @@ from loraserve.config import (
     StructuredOutputsConfig,
     resolve_device,
 )
-from loraserve.option_types import json_object, json_value, positive_int
-from loraserve.options import check_options, declared_options, option, shares_options
+from loraserve.option_types import json_object, json_value, positive_int, positive_seconds
+from loraserve.options import at_least, check_options, declared_options, option, shares_options
 from loraserve.speculative_config import SpeculativeConfig, check_speculative_options
 
 _LOADING = "model loading, tokenizer and sampling defaults"
@@ -38,6 +38,10 @@ def _structured_outputs_config(config: dict[str, Any]) -> str | None:
     except (TypeError, ValueError) as exc:
         return f"is not valid: {exc}"
     return None
+
+
+def _finite_positive(seconds: float) -> str | None:
+    return None if 0 < seconds < float("inf") else f"must be a finite number > 0, got {seconds}."
 
 
 def _served_backend(backend: str) -> str | None:
@@ -104,6 +108,23 @@ class EngineArgs:
         group="structured outputs",
         check=_served_backend,
         help="vLLM's older name for structured_outputs_config's backend ('auto' or 'xgrammar' here).",
+    )
+    structured_outputs_compile_timeout: float = option(
+        10.0,
+        type=positive_seconds,
+        group="structured outputs",
+        check=_finite_positive,
+        help="loraserve only: seconds one grammar (JSON schema, regex, EBNF, structural tag, tool "
+        "schemas) may take to compile on the server; past it the compile is killed and the request "
+        "gets a 400 naming its field (default: 10).",
+    )
+    structured_outputs_compile_workers: int = option(
+        2,
+        type=positive_int,
+        group="structured outputs",
+        check=at_least(1),
+        help="loraserve only: worker processes compiling grammars for the server; one client's "
+        "compiles hold at most --max-queued-share of them at once (default: 2).",
     )
     # A dict or callable(PretrainedConfig) -> PretrainedConfig.
     hf_overrides: dict[str, Any] | Any | None = option(

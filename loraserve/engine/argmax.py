@@ -13,27 +13,24 @@ maximum (the first NaN wins).
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 import torch
 
 from loraserve import envs
 from loraserve.native.build import load_library
+from loraserve.native.kernel_slot import KernelSlot
 
 CHUNK = 128
 # Rows shorter than this go straight to torch.argmax: the three small ops would not pay off.
 MIN_FAST_LEN = 16 * CHUNK
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_lock = threading.Lock()
-_kernel: Any = None
-_loaded = False
 
 
 def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     """`argmax_rows` of a build of argmax_kernel.c (a ctypes function), or None without a compiler;
     `extra_flags` select another code path (tests run the portable one on any CPU)."""
-    lib = load_library("loraserve.engine", "argmax_kernel.c", extra_flags=extra_flags)
+    lib = load_library("argmax_kernel.c", extra_flags=extra_flags)
     if lib is None:
         return None
     i64 = ctypes.c_int64
@@ -42,15 +39,12 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     return lib.argmax_rows
 
 
+_kernel: KernelSlot[Any] = KernelSlot(lambda: build_kernel() if envs.cpu_argmax_kernel() else None)
+
+
 def kernel_function() -> Any:
     """This process's build of the kernel (built once), or None: disabled, or no compiler."""
-    global _kernel, _loaded
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                _kernel = build_kernel() if envs.cpu_argmax_kernel() else None
-                _loaded = True
-    return _kernel
+    return _kernel.get()
 
 
 def kernel_argmax(kernel: Any, x: torch.Tensor) -> torch.Tensor | None:

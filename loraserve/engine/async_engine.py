@@ -10,6 +10,11 @@ marked dead and /health reports it.
 Admission: the serving layer asks `admit` for each API call before its requests start; the
 `FairAdmission` gate (on the event loop) gives out the queue's room fairly by client and lets a call
 wait a bounded time for room; `add_request`'s own check on the engine thread stays the exact net.
+
+Work that must not stall the step loop runs elsewhere, each kind on its own pool: a new grammar on
+the compile worker processes (`structured_output/compile_pool.py`: timed out, fair by client, killed
+when its request goes away; a cached grammar is looked up on the event loop and never waits), adapter
+reads and digests on the adapter I/O threads (`lora/adapter_io.py`). Shutdown waits for neither.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 from loraserve.beam_search import BeamSearchParams
 from loraserve.engine.arg_utils import EngineArgs
-from loraserve.engine.fair_admission import AdmissionHold, FairAdmission
+from loraserve.engine.fair_admission import AdmissionHold, ClientLimits, FairAdmission
 from loraserve.engine.heap_trim import HeapTrimmer
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.step_failures import StepFailureLimitError
 from loraserve.errors import EngineDeadError, EngineShutdownError
+from loraserve.lora.adapter_io import run_adapter_io
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
+from loraserve.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from loraserve.lora.request import LoRARequest
@@ -51,8 +58,12 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, compile_workers: int = 2, compile_timeout_s: float = 10.0) -> None:
+        """`compile_workers` / `compile_timeout_s`: the grammar compile pool (EngineArgs'
+        structured_outputs_compile_*; the offline engine compiles in its own thread, untimed)."""
         self.engine = engine
+        self.compile_workers = compile_workers
+        self.compile_timeout_s = compile_timeout_s
         self.model_config = engine.model_config
         self.tokenizer = engine.tokenizer
         self.lora_config = engine.lora_config
@@ -69,7 +80,11 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(args))
+        return cls(
+            LLMEngine.from_engine_args(args),
+            args.structured_outputs_compile_workers,
+            args.structured_outputs_compile_timeout,
+        )
 
     @property
     def errored(self) -> bool:
@@ -87,9 +102,10 @@ class AsyncLLMEngine:
     async def shutdown(self) -> None:
         """Stop the step loop; requests still open fail with EngineDeadError, later calls too."""
         self._closed = True
+        self.engine.structured.stop_compiles()  # kills them: a shutdown waits for no compile
         self._stop.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+            await run_adapter_io(self._thread.join, 30)
         self._fail_pending(EngineShutdownError("The server is shutting down; the request did not finish."))
 
     # ---- engine thread --------------------------------------------------------------------------
@@ -114,7 +130,9 @@ class AsyncLLMEngine:
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            command: _Command | None = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+            command: _Command | None = (
+                self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while command is not None:
@@ -186,20 +204,29 @@ class AsyncLLMEngine:
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        client_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until finished; aborts the request if the consumer stops early.
         Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one;
-        `priority` (lower first) needs scheduling_policy "priority"."""
+        `priority` (lower first) needs scheduling_policy "priority"; `client_id` is whose turn and
+        share a new grammar's compile counts in (None: a client of its own)."""
         stream = _Stream(asyncio.get_running_loop())
         await self._prefetch(lora_request)
+        grammar = None
         if sampling_params.structured_outputs is not None:
-            # A new constraint compiles here, on a worker thread (tens of ms for a real schema), so the
-            # step loop finds it in the grammar cache; a bad one fails here, before it is queued.
-            await asyncio.to_thread(self.engine.structured.compile, sampling_params.structured_outputs)
+            # Compiled before the request is queued, so a bad one fails here and the step loop never
+            # compiles: the grammar goes to add_request with the request.
+            grammar = await self._grammar(sampling_params.structured_outputs, client_id)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(
-                request_id, prompt, sampling_params, lora_request, group_id=group_id, priority=priority
+                request_id,
+                prompt,
+                sampling_params,
+                lora_request,
+                group_id=group_id,
+                priority=priority,
+                grammar=grammar,
             )
             self._streams[request_id] = stream
 
@@ -223,7 +250,11 @@ class AsyncLLMEngine:
                 await self.abort(request_id)
 
     async def admit(
-        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+        self,
+        num_seqs: int,
+        num_prefill_tokens: int,
+        client_id: str | None = None,
+        limits: ClientLimits | None = None,
     ) -> AdmissionHold:
         """Room in the queue for one API call (prompts x n sequences, their prompt tokens), held until
         the hold is released: at once, or after a bounded wait in turn by client (`FairAdmission`)."""
@@ -231,7 +262,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"The engine is dead: {self.dead_error}")
         if self._closed:
             raise EngineShutdownError("The server is shutting down and accepts no new requests.")
-        return await self.admission.admit(num_seqs, num_prefill_tokens, client_id)
+        return await self.admission.admit(num_seqs, num_prefill_tokens, client_id, limits)
 
     async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """EngineOverloadedError unless a request of this size fits the queue now (on the engine thread,
@@ -248,11 +279,30 @@ class AsyncLLMEngine:
         if self.dead_error is None and not self._closed:
             await self._call(abort)
 
+    async def _grammar(self, params: StructuredOutputsParams, client_id: str | None) -> Any:
+        """The request's compiled grammar: from the cache at once, else from the compile pool (in turn
+        by client, bounded in time); the compile is withdrawn if this request goes away meanwhile."""
+        structured = self.engine.structured
+        key = structured.key(params)  # over the budget: a ValueError naming the field, nothing queued
+        found = structured.cached(key)
+        if found is not None:
+            return found
+        from loraserve.structured_output.compile_pool import CompileSettings  # imports xgrammar
+
+        share = self.scheduler_config.max_queued_share
+        pool = structured.compile_pool(CompileSettings(self.compile_workers, self.compile_timeout_s, share))
+        ticket = pool.submit(key, client_id if client_id is not None else object(), params.param)
+        try:
+            return await asyncio.wrap_future(ticket.future)
+        finally:  # cancelled, or the generator closed while it waited: nobody wants this compile now
+            if not ticket.future.done() or ticket.future.cancelled():
+                ticket.cancel()
+
     async def _prefetch(self, lora_request: LoRARequest | None) -> None:
-        """Read and validate a new adapter on a worker thread, so the step loop never stalls on disk;
-        the engine thread then finds it cached (each adapter is read once, however many ask)."""
+        """Read and validate a new adapter on an adapter I/O thread, so the step loop never stalls on
+        disk; the engine thread then finds it cached (each adapter is read once, however many ask)."""
         if lora_request is not None and not self.engine.is_lora_registered(lora_request.lora_id):
-            await asyncio.to_thread(self.engine.prefetch_lora, lora_request)
+            await run_adapter_io(self.engine.prefetch_lora, lora_request)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         await self._prefetch(lora_request)
@@ -264,7 +314,7 @@ class AsyncLLMEngine:
         if not self.engine.is_lora_registered(lora_request.lora_id):  # read off the step loop
             running = await self._call(lambda engine: engine.is_lora_in_use(old_lora_id))
             keep = (old_lora_id,) if running else ()  # the old copy may be all its requests have left
-            await asyncio.to_thread(self.engine.prefetch_lora, lora_request, keep)
+            await run_adapter_io(self.engine.prefetch_lora, lora_request, keep)
         return bool(await self._call(lambda engine: engine.replace_lora(old_lora_id, lora_request)))
 
     async def remove_lora(self, lora_id: int) -> bool:
@@ -297,7 +347,7 @@ class AsyncLLMEngine:
 
     async def lora_digest(self, lora_id: int) -> str:
         """The content digest of a registered adapter (hashed off the event loop)."""
-        return await asyncio.to_thread(self.engine.lora_digest, lora_id)
+        return await run_adapter_io(self.engine.lora_digest, lora_id)
 
     def lora_version_residency(self) -> dict[str, str]:
         """Version keys ("name@<12 digest digits>") -> "slot" / "host" (`LLMEngine.lora_version_residency`)."""
@@ -313,7 +363,8 @@ class AsyncLLMEngine:
             stats = dict(self.engine.stats())
         except RuntimeError:  # dict changed size while the engine thread runs: report next scrape
             stats = {}
-        return {**stats, **self.admission.stats()}  # the gate lives on this (the event loop's) side
+        # The gate and the grammar compiles live on this (the event loop's) side.
+        return {**stats, **self.admission.stats(), **self.engine.structured.compile_stats()}
 
 
 def _settle(future: concurrent.futures.Future[None], error: BaseException | None) -> None:

@@ -14,6 +14,7 @@ the continuing beams (shared KV blocks) and drops the others.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import torch
 
 from loraserve.beam_search import beam_score
 from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.sequence import BeamCandidates, BeamGroup, Hypothesis, Request, Sequence
+from loraserve.engine.sequence import BeamCandidates, BeamGroup, Hypothesis, Request, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ def _is_done(
     if stopping is True:
         return True
     length = group.max_tokens if stopping == "never" and lp > 0.0 else num_generated
-    best_possible = continuing[0].cum_logprob / (length**lp)
+    best_possible = beam_score(continuing[0].cum_logprob, length, lp)
     return not best_possible > finished[-1].score
 
 
@@ -113,13 +114,16 @@ def apply_selection(
     request: Request,
     selection: Selection,
     blocks: BlockManager,
-    running: list[Sequence],
+    queues: tuple[list[Sequence], deque[Sequence]],
     finish: Callable[[Sequence, str], None],
     seq_ids: Iterator[int],
 ) -> None:
     """The scheduler's half of a round: continuing beams take their token (a parent chosen twice or
-    more is forked first: the fork shares its KV blocks), parents no continuation chose end and leave
-    the request, and a finished search ends every beam. `request.seqs` stays the live beams."""
+    more is forked first: the fork shares its KV blocks and joins its parent's queue, `queues` being
+    the scheduler's running and waiting ones: a parked parent waits), parents no continuation chose
+    end and leave the request, and a finished search ends every beam. `request.seqs` stays the live
+    beams."""
+    running, waiting = queues
     group = request.beam
     assert group is not None
     group.pending.clear()
@@ -133,7 +137,10 @@ def apply_selection(
             beams.append((parent, cont))
             continue
         child = _fork(parent, next(seq_ids), blocks)
-        running.insert(running.index(parent) + 1 if parent in running else len(running), child)
+        if parent.status is SequenceStatus.WAITING:  # parked (preempted with its candidates)
+            waiting.insert(waiting.index(parent) + 1, child)
+        else:
+            running.insert(running.index(parent) + 1 if parent in running else len(running), child)
         beams.append((child, cont))
     for seq in list(request.seqs):
         if seq.seq_id not in uses:

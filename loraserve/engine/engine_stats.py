@@ -6,13 +6,13 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.iteration_stats import IterationTokens
 from loraserve.engine.scheduler import Scheduler
 from loraserve.lora.mix import MIX_LABEL
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
     from loraserve.lora.request import LoRARequest
-
 
 
 def adapter_label(lora_request: LoRARequest | None) -> str:
@@ -25,13 +25,20 @@ def adapter_label(lora_request: LoRARequest | None) -> str:
 
 
 def engine_stats(
-    scheduler: Scheduler, block_manager: BlockManager, num_step_failures: int, lora: LoRAManager | None
+    scheduler: Scheduler,
+    block_manager: BlockManager,
+    num_step_failures: int,
+    lora: LoRAManager | None,
+    iteration_tokens: IterationTokens | None = None,
+    cache_info: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Numbers (gauges; monotonic counters such as `num_step_failures`, `lora_num_loads`,
     `lora_num_load_failures`), `{adapter name: count}` maps (`running_by_adapter`,
     `waiting_by_adapter`; "" is the base model, MIX_LABEL every mix), and lists of new observations (`lora_load_seconds`,
     drained by each call). With LoRA: `max_lora` (the number of compute slots) and
-    `lora_adapters_loaded` = {"slot": [names], "host": [names]} (`LoRAManager.resident_adapters`)."""
+    `lora_adapters_loaded` = {"slot": [names], "host": [names]} (`LoRAManager.resident_adapters`).
+    vLLM's own: `iteration_tokens` (`IterationTokens.snapshot()`, cumulative) and `cache_config_info`
+    (`iteration_stats.cache_config_info`)."""
     running, waiting = scheduler.running, scheduler.waiting
     stats: dict[str, Any] = {
         "num_running": len(running),
@@ -47,6 +54,10 @@ def engine_stats(
         "kv_blocks_free": block_manager.num_free_blocks,
         "kv_blocks_total": block_manager.num_blocks,
     }
+    if iteration_tokens is not None:
+        stats["iteration_tokens"] = iteration_tokens.snapshot()
+    if cache_info is not None:
+        stats["cache_config_info"] = dict(cache_info)
     if lora is not None:
         stats.update(lora.stats())  # its lists are observations new since the last call
         stats["max_lora"] = lora.lora_config.max_loras

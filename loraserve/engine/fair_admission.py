@@ -9,6 +9,8 @@ each prompt has been prefilled (every choice has a token). A call is admitted wh
   key is a client of its own, so without keys only the per-request share applies: a peer address
   names a proxy as often as a person, and capping a proxy would cap everyone behind it),
 - and the whole queue has room.
+A client may also carry its own `ClientLimits` (an API key's, from the key file): at most so many
+calls in flight and so many prompt tokens queued; they apply beside the share, the smaller winning.
 A call that does not fit waits up to `queue_wait_timeout_s`, then gets EngineOverloadedError (503).
 Waiters are served round-robin by client, FIFO within a client, and nobody passes the first waiter
 in that order that the queue is too full for (so a big call is not starved by a stream of small
@@ -25,15 +27,24 @@ from dataclasses import dataclass, field
 
 from loraserve.config import SchedulerConfig
 from loraserve.engine.admission import RETRY_AFTER_S, check_request_size, share_limits
-from loraserve.errors import EngineOverloadedError
+from loraserve.errors import EngineOverloadedError, RequestTooLargeError
 
 MAX_RECORDED_WAITS = 4096  # admission waits kept for the next stats scrape (the oldest go first)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """One client's own limits (None: only the share applies)."""
+
+    max_requests_in_flight: int | None = None  # API calls admitted and not yet done
+    max_queued_tokens: int | None = None  # prompt tokens admitted and not yet prefilled
 
 
 @dataclass(slots=True)
 class Holding:
     num_seqs: int = 0
     num_prefill_tokens: int = 0
+    num_calls: int = 0
 
 
 class AdmissionHold:
@@ -44,7 +55,7 @@ class AdmissionHold:
     def __init__(self, gate: FairAdmission | None, client: Hashable, num_seqs: int, num_tokens: int) -> None:
         self._gate = gate
         self.client = client
-        self.held = Holding(num_seqs, num_tokens)
+        self.held = Holding(num_seqs, num_tokens, 1)
 
     def prefilled(self, num_tokens: int) -> None:
         """These prompt tokens have been processed: they no longer wait in front of anyone."""
@@ -55,16 +66,18 @@ class AdmissionHold:
         self._give_back(num_seqs, num_tokens)
 
     def release(self) -> None:
-        self._give_back(self.held.num_seqs, self.held.num_prefill_tokens)
+        self._give_back(self.held.num_seqs, self.held.num_prefill_tokens, self.held.num_calls)
 
-    def _give_back(self, num_seqs: int, num_tokens: int) -> None:
+    def _give_back(self, num_seqs: int, num_tokens: int, num_calls: int = 0) -> None:
         seqs, tokens = min(num_seqs, self.held.num_seqs), min(num_tokens, self.held.num_prefill_tokens)
-        if seqs == 0 and tokens == 0:
+        calls = min(num_calls, self.held.num_calls)
+        if seqs == 0 and tokens == 0 and calls == 0:
             return
         self.held.num_seqs -= seqs
         self.held.num_prefill_tokens -= tokens
+        self.held.num_calls -= calls
         if self._gate is not None:
-            self._gate._give_back(self.client, seqs, tokens)
+            self._gate._give_back(self.client, seqs, tokens, calls)
 
     async def __aenter__(self) -> AdmissionHold:
         return self
@@ -84,6 +97,7 @@ class _Waiter:
     num_seqs: int
     num_tokens: int
     future: asyncio.Future[AdmissionHold] = field(repr=False)
+    limits: ClientLimits | None = None
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -114,12 +128,30 @@ class FairAdmission:
     def num_waiting(self) -> int:
         return sum(len(queue) for queue in self._waiting.values())
 
-    async def admit(self, num_seqs: int, num_prefill_tokens: int, client: str | None = None) -> AdmissionHold:
-        """The call's hold once it fits; RequestTooLargeError beyond its share, EngineOverloadedError
-        when no room came within the wait."""
+    async def admit(
+        self,
+        num_seqs: int,
+        num_prefill_tokens: int,
+        client: str | None = None,
+        limits: ClientLimits | None = None,
+    ) -> AdmissionHold:
+        """The call's hold once it fits; RequestTooLargeError beyond its share (or its client's own
+        token limit), EngineOverloadedError when no room came within the wait."""
         check_request_size(self.config, num_seqs, num_prefill_tokens)
+        if (
+            limits is not None
+            and limits.max_queued_tokens is not None
+            and num_prefill_tokens > limits.max_queued_tokens
+        ):
+            raise RequestTooLargeError(
+                f"This request has {num_prefill_tokens} prompt tokens to process (summed over prompts x n), "
+                f"more than your API key may queue at once ({limits.max_queued_tokens}). Send fewer or "
+                "shorter prompts, or a smaller n."
+            )
         key: Hashable = client if client is not None else object()  # no key: a client of its own
-        waiter = _Waiter(key, num_seqs, num_prefill_tokens, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(
+            key, num_seqs, num_prefill_tokens, asyncio.get_running_loop().create_future(), limits
+        )
         self._waiting.setdefault(key, deque()).append(waiter)
         self._pump()
         if waiter.future.done():
@@ -145,9 +177,13 @@ class FairAdmission:
         holding = self._by_client.get(waiter.client)
         if holding is None:
             return True
+        limits = waiter.limits or ClientLimits()
+        calls, tokens = limits.max_requests_in_flight, limits.max_queued_tokens
         return (
             holding.num_seqs + waiter.num_seqs <= self.share.num_seqs
             and holding.num_prefill_tokens + waiter.num_tokens <= self.share.num_prefill_tokens
+            and (calls is None or holding.num_calls + 1 <= calls)
+            and (tokens is None or holding.num_prefill_tokens + waiter.num_tokens <= tokens)
         )
 
     def _queue_fits(self, waiter: _Waiter) -> bool:
@@ -182,16 +218,18 @@ class FairAdmission:
         holding = self._by_client.setdefault(waiter.client, Holding())
         holding.num_seqs += waiter.num_seqs
         holding.num_prefill_tokens += waiter.num_tokens
+        holding.num_calls += 1
         self._waits.append(time.monotonic() - waiter.arrival)
         waiter.future.set_result(AdmissionHold(self, waiter.client, waiter.num_seqs, waiter.num_tokens))
 
-    def _give_back(self, client: Hashable, num_seqs: int, num_tokens: int) -> None:
+    def _give_back(self, client: Hashable, num_seqs: int, num_tokens: int, num_calls: int = 0) -> None:
         self.total.num_seqs -= num_seqs
         self.total.num_prefill_tokens -= num_tokens
         holding = self._by_client[client]
         holding.num_seqs -= num_seqs
         holding.num_prefill_tokens -= num_tokens
-        if holding.num_seqs <= 0 and holding.num_prefill_tokens <= 0:
+        holding.num_calls -= num_calls
+        if holding.num_seqs <= 0 and holding.num_prefill_tokens <= 0 and holding.num_calls <= 0:
             del self._by_client[client]
         self._pump()
 
@@ -206,6 +244,15 @@ class FairAdmission:
     def _busy_error(self, waiter: _Waiter) -> EngineOverloadedError:
         if not self._client_fits(waiter):
             holding = self._by_client[waiter.client]
+            limits = waiter.limits
+            if limits is not None and (limits.max_requests_in_flight or limits.max_queued_tokens):
+                return EngineOverloadedError(
+                    f"Your API key has {holding.num_calls} requests in flight and {holding.num_prefill_tokens} "
+                    f"prompt tokens queued; its limits are {limits.max_requests_in_flight} requests and "
+                    f"{limits.max_queued_tokens} tokens (or its share: {self.share.num_seqs} sequences, "
+                    f"{self.share.num_prefill_tokens} tokens). Retry once some of them finish.",
+                    RETRY_AFTER_S,
+                )
             return EngineOverloadedError(
                 f"Your API key's requests already hold {holding.num_seqs} sequences and "
                 f"{holding.num_prefill_tokens} prompt tokens of the queue; this request adds {waiter.num_seqs} "

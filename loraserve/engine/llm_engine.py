@@ -27,6 +27,8 @@ from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.engine_stats import engine_stats
+from loraserve.engine.iteration_stats import IterationTokens, cache_config_info
+from loraserve.engine.kv_budget import PreemptionWarning, kv_budget
 from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
@@ -34,7 +36,7 @@ from loraserve.engine.request_prep import RequestPrep
 from loraserve.engine.scheduler import SampledToken, Scheduler
 from loraserve.engine.sequence import CacheSalt, Request, RequestSalt
 from loraserve.engine.spec_verify import verify
-from loraserve.engine.speculator import Speculator
+from loraserve.engine.speculator import build_speculator
 from loraserve.engine.step_failures import StepFailures
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.outputs import RequestOutput
@@ -71,6 +73,7 @@ class LLMEngine:
             config.lora.max_loras if config.lora else None,
             self.lora.can_activate if self.lora is not None else None,
             seq_ids,
+            config.model.vocab_size,
         )
         self.eos_ids = end_of_sequence_ids(self.tokenizer, config.model)
         self.runner = ModelRunner(
@@ -95,11 +98,18 @@ class LLMEngine:
             config.model, self.tokenizer, self.eos_ids, config.device, self.structured, seq_ids
         )
         self.requests: dict[str, Request] = {}
+        self.iteration_tokens = IterationTokens()  # vllm:iteration_tokens_total
+        self.preemption_warning = PreemptionWarning(num_blocks)
+        self.cache_info = cache_config_info(
+            config.cache, num_blocks, self.kv_budget.bytes
+        )  # vllm:cache_config_info
         self.adapters = EngineAdapters(self.lora, self.requests)  # the adapter API's rules
         self.step_failures = StepFailures(self.requests, self.scheduler, self.outputs, self.lora)
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
             self.lora.follow_demand(self.scheduler.adapters_in_demand)
-        self.speculator = _speculator(self, num_blocks)
+        self.speculator = build_speculator(
+            config, self.scheduler, num_blocks, self.eos_ids.eos_token_id, self.tokenizer
+        )
         logger.info(
             "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",
             config.model.model,
@@ -116,20 +126,25 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
-        else:
-            per_block = self.model.kv_cache_spec().block_bytes(cache.block_size, self.model_config.dtype)
-            num_blocks = cache.kv_cache_memory_bytes // per_block
-        needed = -(-self.model_config.max_model_len // cache.block_size)
-        if num_blocks < needed:
+        spec = self.model.kv_cache_spec()
+        budget = kv_budget(
+            self.config.cache,
+            spec,
+            self.model_config.dtype,
+            self.config.device,
+            self.model_config.max_model_len,
+            self.config.scheduler.max_num_seqs,
+        )
+        self.kv_budget = budget
+        block_size = self.config.cache.block_size
+        needed = -(-self.model_config.max_model_len // block_size)
+        if budget.num_blocks < needed:
             raise ValueError(
-                f"The KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than one sequence "
-                f"of max_model_len={self.model_config.max_model_len} needs ({needed}); raise the KV-cache "
-                f"memory or lower max_model_len."
+                f"The KV cache holds {budget.num_blocks} blocks of {block_size} tokens, fewer than one "
+                f"sequence of max_model_len={self.model_config.max_model_len} needs ({needed}); raise the "
+                f"KV-cache memory or lower max_model_len."
             )
-        return num_blocks
+        return budget.num_blocks
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
@@ -141,11 +156,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        grammar: Any = None,
     ) -> Request:
         """Validate and queue a request. Raises ValueError (bad prompt/params), LoRAAdapterError, or
         EngineOverloadedError (the queue is full: retry later). A dict prompt may carry vLLM's
         `cache_salt`; `priority` needs scheduling_policy "priority". `BeamSearchParams` make it a
-        beam search (its one output, at the end, holds the best beams)."""
+        beam search (its one output, at the end, holds the best beams). `grammar`: the request's
+        constraint already compiled (the async engine's compile pool); None compiles it here."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":  # vLLM's text
@@ -161,7 +178,10 @@ class LLMEngine:
         if request_salt:
             salt = RequestSalt(salt, str(request_salt))
         # Compiled (or found in the cache) before anything is queued: a bad schema is a ValueError.
-        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.structured.compile(params.structured_outputs)
         request = Request(
             request_id,
             text,
@@ -208,6 +228,8 @@ class LLMEngine:
         engine goes on (`StepFailures.step_failed`); StepFailureLimitError when it cannot."""
         begin = time.perf_counter()
         batch = self.scheduler.schedule()
+        if batch.preempted:
+            self.preemption_warning.note(len(batch.preempted), self.scheduler.num_preemptions)
         if batch.is_empty:
             return []
         try:
@@ -215,9 +237,10 @@ class LLMEngine:
                 self.speculator.propose(batch)
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
-            failed = self.step_failures.step_failed(batch.scheduled, exc)
+            ended = self.step_failures.step_failed(batch.scheduled, exc)
             self.adapters.finish_removals()
-            return failed
+            return ended
+        self.iteration_tokens.observe(sum(item.num_query_tokens for item in batch.scheduled))
         run = self.runner.run(
             batch.scheduled,
             None if masks is None else partial(self.structured.apply, masks),
@@ -229,13 +252,21 @@ class LLMEngine:
             if run.error is not None:
                 raise run.error
             if run.result is not None:
-                emitted = verify(run.result, run.sampled, masks.dead_offsets if masks is not None else None)
-                sampled = self.outputs.process(run.result, emitted)
-                searched = self.scheduler.update(run.scheduled, sampled, run.beams)
+                failed = run.request_errors  # requests whose own work failed: they end alone
+                dead = masks.dead_offsets if masks is not None else None
+                emitted = verify(run.result, run.sampled, dead)
+                if failed:
+                    emitted = [out for out in emitted if out.seq.request not in failed]
+                sampled = self.outputs.process(run.result, emitted, failed)
+                scheduled = (
+                    [s for s in run.scheduled if s.seq.request not in failed] if failed else run.scheduled
+                )
+                searched = self.scheduler.update(scheduled, sampled, run.beams, failed)
+                outputs += self.step_failures.requests_failed(failed)
                 outputs += self._request_outputs(sampled)
                 outputs += self._beam_outputs(searched)
                 if self.speculator is not None:
-                    self.speculator.observe(run.scheduled, emitted, time.perf_counter() - begin)
+                    self.speculator.observe(scheduled, emitted, time.perf_counter() - begin)
         except Exception as exc:
             outputs += self.step_failures.step_failed(run.scheduled, exc)
         else:
@@ -326,7 +357,15 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics (any thread); the keys are listed in `engine_stats.engine_stats`."""
-        stats = engine_stats(self.scheduler, self.block_manager, self.step_failures.total, self.lora)
+        stats = engine_stats(
+            self.scheduler,
+            self.block_manager,
+            self.step_failures.total,
+            self.lora,
+            self.iteration_tokens,
+            self.cache_info,
+        )
+        stats["num_request_failures"] = self.step_failures.requests_failed_alone
         if self.speculator is not None:
             stats["spec_decode"] = self.speculator.stats.snapshot()
         return stats
@@ -345,25 +384,3 @@ def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:
             "has no module that can take a LoRA adapter (no linear layer but the vocab projection)."
         )
     return LoRAManager(model, config.lora, config.model.dtype, config.device)
-
-
-def _speculator(engine: LLMEngine, num_blocks: int) -> Speculator | None:
-    """The engine's speculative decoding (None without a speculative config), its draft model loaded."""
-    config = engine.config
-    if config.speculative is None:
-        return None
-    draft = None
-    if config.speculative.method == "draft_model":
-        from loraserve.engine.draft_model import DraftModel
-
-        draft = DraftModel(
-            config, config.speculative, num_blocks, engine.eos_ids.eos_token_id, engine.tokenizer
-        )
-    return Speculator(
-        config.speculative,
-        engine.scheduler,
-        config.model.max_model_len,
-        config.model.vocab_size,
-        config.device,
-        draft,
-    )

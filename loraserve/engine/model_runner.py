@@ -12,6 +12,7 @@ It reads sequences and never writes them: the scheduler applies the step (`Sched
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,12 +25,14 @@ from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.engine.beam_group import beam_candidates
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from loraserve.engine.sequence import BeamCandidates, DraftRound, Sequence
+from loraserve.engine.sequence import BeamCandidates, DraftRound, Request, Sequence
 from loraserve.engine.step_types import ScheduledSeq
 from loraserve.native import huge_pages
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
+
+logger = logging.getLogger(__name__)
 
 # What a step's LoRA mapping is built from: the token slots and the token scales (None: all 1).
 _MappingKey = tuple[tuple[int, ...], tuple[float, ...] | None]
@@ -77,6 +80,8 @@ class StepRun:
     sampled: SamplerOutput = field(default_factory=_no_tokens)  # one token per result.sample_seqs
     beams: list[BeamCandidates] = field(default_factory=list)  # the beam rows' top next tokens
     error: Exception | None = None
+    # Requests whose own rows could not be sampled (the others' were): they fail alone.
+    request_errors: dict[Request, Exception] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -131,8 +136,18 @@ class ModelRunner:
                     step.scheduled = [s for s in scheduled if s.seq.lora_id not in step.failed]
             if step.scheduled:
                 step.result = self.execute(step.scheduled, lora_slots)
-                step.sampled = self.sample(step.result, process_logits)
-                step.beams = beam_candidates(step.result.logits, step.result.sample_seqs)
+                step.sampled = self.sample(step.result, process_logits, step.request_errors)
+                seqs = step.result.sample_seqs
+                if step.request_errors:  # a failed request's rows have no candidates
+                    seqs = [seq for seq in seqs if seq.request not in step.request_errors]
+                    index = [
+                        i
+                        for i, seq in enumerate(step.result.sample_seqs)
+                        if seq.request not in step.request_errors
+                    ]
+                    step.beams = beam_candidates(step.result.logits[index], seqs)
+                else:
+                    step.beams = beam_candidates(step.result.logits, seqs)
         except Exception as exc:
             step.error = exc
         finally:
@@ -214,8 +229,17 @@ class ModelRunner:
             )
         return self._lora_mapping[1]
 
-    def sample(self, result: StepResult, process_logits: LogitsProcessor | None = None) -> SamplerOutput:
-        """One token for each row of `result.sample_seqs` (none when only prefill chunks ran)."""
+    def sample(
+        self,
+        result: StepResult,
+        process_logits: LogitsProcessor | None = None,
+        errors: dict[Request, Exception] | None = None,
+    ) -> SamplerOutput:
+        """One token for each row of `result.sample_seqs` (none when only prefill chunks ran). If
+        sampling the batch raises and `errors` is given, each request's rows are sampled again on their
+        own: a request that still raises goes into `errors` (its rows get no token), and the others get
+        their tokens (greedy and seeded rows exactly those the batch would have given them: seeded
+        generators are rewound first; a speculating row's noise was drawn ahead)."""
         if not result.sample_seqs:
             return _no_tokens()
         offsets = result.row_offsets or [0] * len(result.sample_seqs)
@@ -225,7 +249,44 @@ class ModelRunner:
             self._sampling_row(seq, offset, result.drafts.get(seq.seq_id))
             for seq, offset in zip(result.sample_seqs, offsets, strict=True)
         ]
-        return self.sampler(result.logits, rows)
+        if errors is None:
+            return self.sampler(result.logits, rows)
+        requests = list(dict.fromkeys(seq.request for seq in result.sample_seqs))
+        states = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
+        try:
+            return self.sampler(result.logits, rows)
+        except Exception as exc:
+            if len(requests) == 1:
+                errors[requests[0]] = exc
+                return SamplerOutput([0] * len(rows), [None] * len(rows), [None] * len(rows))
+            logger.warning(
+                "Sampling a batch of %d requests failed (%s); sampling each alone.", len(requests), exc
+            )
+        for generator, state in states:
+            generator.set_state(state)
+        return self._sample_each(result, rows, requests, errors)
+
+    def _sample_each(
+        self,
+        result: StepResult,
+        rows: list[SamplingRow],
+        requests: list[Request],
+        errors: dict[Request, Exception],
+    ) -> SamplerOutput:
+        """Each request's rows sampled alone; one that raises goes into `errors` (token 0, no logprobs)."""
+        num_rows = len(rows)
+        out = SamplerOutput([0] * num_rows, [None] * num_rows, [None] * num_rows)
+        for request in requests:
+            index = [i for i, seq in enumerate(result.sample_seqs) if seq.request is request]
+            try:
+                own = self.sampler(result.logits[index], [rows[i] for i in index])
+            except Exception as exc:
+                errors[request] = exc
+                continue
+            for j, i in enumerate(index):
+                out.token_ids[i], out.logprobs[i] = own.token_ids[j], own.logprobs[j]
+                out.top_logprobs[i] = own.top_logprobs[j]
+        return out
 
     def _sampling_row(self, seq: Sequence, offset: int = 0, draft: DraftRound | None = None) -> SamplingRow:
         """Token history is copied only for rows whose penalties or min_tokens read it (bad words:

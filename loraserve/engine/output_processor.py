@@ -2,8 +2,9 @@
 
 It never changes a sequence: each emitted token becomes a `SampledToken` report (token, logprobs,
 finish reason) that the scheduler applies; a sequence may emit several in one step (speculative
-decoding), checked one after another as if each were its own step, the first that ends it the last. What it does own is text: every sequence's detokenizer
-(stop strings cut there) and each request's prompt logprobs.
+decoding), checked one after another as if each were its own step, the first that ends it the last.
+What it does own is text: every sequence's detokenizer (stop strings cut there) and each request's
+prompt logprobs. A request whose own processing raises fails alone (`failed`), the others go on.
 """
 
 from __future__ import annotations
@@ -42,23 +43,54 @@ class OutputProcessor:
             lp.decoded_token = self.decode_token(token_id)
         return entry
 
-    def process(self, result: StepResult, emitted: list[Verified]) -> list[SampledToken]:
+    def process(
+        self, result: StepResult, emitted: list[Verified], failed: dict[Request, Exception] | None = None
+    ) -> list[SampledToken]:
         """Record the step's prompt logprobs and report what each emitted token does to its sequence
-        (a grammar's dead end stops it: "stop", no stop reason)."""
-        self._record_prompt_logprobs(result.prompt_chunks)
-        reports = []
+        (a grammar's dead end stops it: "stop", no stop reason). With `failed`: a request whose
+        processing raises is added to it and reported no further (the others go on); requests already
+        in it are skipped."""
+        reports: list[SampledToken] = []
+        for chunk in result.prompt_chunks:
+            if failed is None or chunk.seq.request not in failed:
+                self._guarded(chunk.seq.request, failed, lambda c=chunk: self._record_prompt_logprobs([c]))
         for out in emitted:
             seq = out.seq
             if seq.request.beam is not None:  # a beam's token is its group's choice (Scheduler.update)
                 continue
-            for ahead, token_id in enumerate(out.token_ids):
-                report = self._report(seq, token_id, out.logprobs[ahead], out.top_logprobs[ahead], ahead)
-                if out.dead_end and ahead == len(out.token_ids) - 1:
-                    report = SampledToken(seq, token_id, report.logprob, report.top_logprobs, "stop", None)
-                reports.append(report)
-                if report.finish_reason is not None:
-                    break
+            if failed is not None and seq.request in failed:
+                continue
+            own = self._guarded(seq.request, failed, lambda o=out: self._reports(o))
+            if own is not None:
+                reports += own
+        if failed:
+            reports = [r for r in reports if r.seq.request not in failed]
         return reports
+
+    def _reports(self, out: Verified) -> list[SampledToken]:
+        """One sequence's emitted tokens, each checked as if it were its own step; the first that ends
+        the sequence is the last."""
+        reports = []
+        for ahead, token_id in enumerate(out.token_ids):
+            report = self._report(out.seq, token_id, out.logprobs[ahead], out.top_logprobs[ahead], ahead)
+            if out.dead_end and ahead == len(out.token_ids) - 1:
+                report = SampledToken(out.seq, token_id, report.logprob, report.top_logprobs, "stop", None)
+            reports.append(report)
+            if report.finish_reason is not None:
+                break
+        return reports
+        return reports
+
+    @staticmethod
+    def _guarded(request: Request, failed: dict[Request, Exception] | None, fn: Any) -> Any:
+        """`fn()`; when it raises and `failed` is given, the request goes into `failed` (None back)."""
+        if failed is None:
+            return fn()
+        try:
+            return fn()
+        except Exception as exc:
+            failed[request] = exc
+            return None
 
     def _report(
         self, seq: Sequence, token_id: int, logprob: float | None, top: dict[int, Logprob] | None, ahead: int

@@ -23,8 +23,14 @@ from loraserve.config import ModelConfig
 from loraserve.engine.detokenizer import IncrementalDetokenizer
 from loraserve.engine.sequence import BeamGroup, Request, Sequence
 from loraserve.engine.tokenization import EndOfSequenceIds
-from loraserve.sampling_params import SamplingParams
+from loraserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from loraserve.sampling_tokens import SamplingParamsError
 from loraserve.structured_output.manager import StructuredOutputs
+
+# Logprob entries (positions x (k + 1)) one request may ask for once k is beyond vLLM's default of 20
+# (--max-logprobs raised): each is a Python object in the response, ~170 bytes; `-1` on an 8,000-token
+# prompt at a 49k vocabulary asked for 393 million of them.
+MAX_LOGPROB_ENTRIES = 1 << 22
 
 
 class RequestPrep:
@@ -75,6 +81,7 @@ class RequestPrep:
         ids and the max_tokens left by the prompt; refuses what this engine cannot give it."""
         params = (params or SamplingParams(**self.model_config.sampling_defaults)).clone()
         self._check_params(params)
+        _check_entries(params, num_prompt_tokens, self.model_config.max_model_len)
         extra_eos_ids = self.eos_ids.extra_eos_ids
         if extra_eos_ids and not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(extra_eos_ids))
@@ -127,3 +134,22 @@ class RequestPrep:
             detokenizer=detok,
             grammar=self.structured.new_state(grammar) if grammar is not None else None,
         )
+
+
+def _check_entries(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> None:
+    """SamplingParamsError (a 400 naming the field) when the logprobs asked for, at a k beyond vLLM's
+    default, add up to more than MAX_LOGPROB_ENTRIES."""
+    max_tokens = params.max_tokens or max(max_model_len - num_prompt_tokens, 0)
+    for field, k, positions in (
+        ("prompt_logprobs", params.prompt_logprobs, num_prompt_tokens),
+        ("logprobs", params.logprobs, params.n * max_tokens),
+    ):
+        if k is None or k <= MAX_LOGPROBS:
+            continue
+        entries = positions * (k + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise SamplingParamsError(
+                f"{field}={k} over {positions} positions asks for {entries} logprob entries; at most "
+                f"{MAX_LOGPROB_ENTRIES} are returned at once (ask for fewer per position, or fewer positions).",
+                field,
+            )

@@ -91,12 +91,12 @@ class Sampler:
         if index is not None and raw_logprobs is not None:
             picked = sampled[index]
             values = raw_logprobs.gather(1, picked.unsqueeze(1)).squeeze(1).tolist()
-            dicts = _position_logprobs(raw_logprobs, picked, [rows[i].params.logprobs or 0 for i in logprob_rows])
+            dicts = _position_logprobs(
+                raw_logprobs, picked, [rows[i].params.logprobs or 0 for i in logprob_rows]
+            )
             for i, value, entry in zip(logprob_rows, values, dicts, strict=True):
                 sampled_logprobs[i], top_logprobs[i] = value, entry
-        return SamplerOutput(
-            token_ids=sampled.tolist(), logprobs=sampled_logprobs, top_logprobs=top_logprobs
-        )
+        return SamplerOutput(token_ids=sampled.tolist(), logprobs=sampled_logprobs, top_logprobs=top_logprobs)
 
 
 def _greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -160,8 +160,11 @@ def _position_logprobs(
     if max_top > 0:
         top_vals, top_ids = logprobs.topk(max_top, dim=-1)
         # Ties make the i-th best token's rank smaller than i + 1; counting strictly higher values keeps
-        # the same definition as for the chosen token. All such values are themselves in the top-k.
-        top_ranks = (top_vals.unsqueeze(1) > top_vals.unsqueeze(2)).sum(dim=-1) + 1
+        # the same definition as for the chosen token. All such values are themselves in the top-k,
+        # which is sorted: the count is where the value first appears (a binary search per entry, in
+        # memory linear in k; comparing every pair took k x k, 67 GB at k = 49,152 per position).
+        descending = -top_vals
+        top_ranks = torch.searchsorted(descending, descending, side="left") + 1
         top_ids_list, top_vals_list, top_ranks_list = top_ids.tolist(), top_vals.tolist(), top_ranks.tolist()
     result = []
     for row, (token_id, value, rank) in enumerate(
@@ -216,9 +219,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             [row.params.repetition_penalty, row.params.frequency_penalty, row.params.presence_penalty]
             for row in sub_rows
         ],
-        dtype=logits.dtype,
+        dtype=torch.float64,
         device=device,
     )
+    # Any positive finite penalty is valid (vLLM's range); in the logits' dtype 1e300 would be inf and
+    # 1e-300 zero, and 0 * inf or x / 0 a NaN row: they saturate at the dtype's extremes instead.
+    limits = torch.finfo(logits.dtype)
+    params[:, 0].clamp_(min=limits.tiny, max=limits.max)
+    params = params.to(logits.dtype)
     repetition, frequency, presence = params[:, 0:1], params[:, 1:2], params[:, 2:3]
     index = torch.tensor(penalised, device=device)
     sub = logits[index]
@@ -345,7 +353,9 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         drawn = rows[j].noise
         assert drawn is not None
         if drawn.shape != noise[j].shape:
-            raise ValueError(f"a pre-drawn noise row has shape {tuple(drawn.shape)}, the logits rows {probs.shape[1]}")
+            raise ValueError(
+                f"a pre-drawn noise row has shape {tuple(drawn.shape)}, the logits rows {probs.shape[1]}"
+            )
         noise[j] = drawn
     # exponential_ may return exactly 0; a zero divisor would turn a masked 0-probability token into NaN.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

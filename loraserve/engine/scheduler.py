@@ -18,6 +18,13 @@ so fewer swaps serve the same traffic), except that a sequence waiting for MAX_L
 steps keeps its arrival-order place; with the bypass above, a sequence held back by adapters waits at
 most about MAX_LORA_REORDER_STEPS + MAX_LORA_BYPASS_STEPS steps for its turn at a slot.
 
+Fair slots (`fair_slots.py`): while another request's sequences wait for a slot, one request's
+hold at most `max_num_seqs_share` of `max_num_seqs`; before a step the latest of an over-share
+request's sequences yield (preempted, recomputed later), and a beam that already holds its round's
+candidates yields first (it keeps them, parked in the waiting queue until its group's round). A
+step's prompt-logprob rows are bounded (`logprob_budget.py`), so a long prompt asking for them is
+prefilled in small chunks and the rest of the step goes to others.
+
 With `scheduling_policy="priority"` (vLLM's) the waiting queue is served level by level, lower
 `Request.priority` first, the turns and adapter-demand order above applying within a level; running
 sequences are kept in (priority, arrival) order, so the one preempted is the lowest-priority latest.
@@ -35,13 +42,22 @@ from loraserve.config import SchedulerConfig
 from loraserve.engine.admission import QueueLoad
 from loraserve.engine.beam_group import apply_selection, select
 from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.fair_slots import FairSlots, is_parked
+from loraserve.engine.logprob_budget import LogprobBudget
 from loraserve.engine.sequence import BeamCandidates, Request, Sequence, SequenceStatus
 from loraserve.engine.step_types import SampledToken, ScheduledSeq, SchedulerOutput
+from loraserve.engine.turn_order import MAX_LORA_REORDER_STEPS, by_adapter_demand, turn_order
 
-__all__ = ["SampledToken", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
+__all__ = [
+    "MAX_LORA_BYPASS_STEPS",
+    "MAX_LORA_REORDER_STEPS",
+    "SampledToken",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerOutput",
+]
 
 MAX_LORA_BYPASS_STEPS = 8
-MAX_LORA_REORDER_STEPS = 16
 
 
 class Scheduler:
@@ -52,6 +68,7 @@ class Scheduler:
         max_loras: int | None,
         can_activate: Callable[[set[int]], bool] | None = None,
         seq_ids: Iterator[int] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.config = config
         self.blocks = block_manager
@@ -63,6 +80,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self.seq_ids = seq_ids if seq_ids is not None else itertools.count()  # ids for forked beams
+        self.fair = FairSlots(config)  # one request's share of the slots while others wait
+        self.vocab_size = vocab_size  # bounds a step's prompt-logprob rows (LogprobBudget)
+        self.num_yielded = 0  # sequences preempted so that another request's could run
 
     def add(self, seq: Sequence) -> None:
         seq.waiting_since_step = self.num_steps
@@ -77,9 +97,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        logprobs = LogprobBudget(self.vocab_size)
+        if self.waiting:
+            loras = self._active_loras()
+            for seq in self.fair.to_yield(
+                self.running, list(self.waiting), lambda s: self._lora_fits(loras, s.lora_id)
+            ):
+                self._preempt(seq, out, for_blocks=False)
+                self.num_yielded += 1
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, logprobs)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, logprobs)
         return out
 
     def update(
@@ -87,11 +115,13 @@ class Scheduler:
         scheduled: list[ScheduledSeq],
         sampled: list[SampledToken],
         beams: Sequence_[BeamCandidates] = (),
+        failed: dict[Request, Exception] | None = None,
     ) -> list[Request]:
         """Apply a step that ran: each sequence's sampled tokens, then its computed tokens (proposals
         the step accepted included) and their full blocks, the blocks that held only rejected proposals
         given back; then the beams' candidates (a group whose every live beam has them takes its
-        round). Returns the beam-search requests whose search ended."""
+        round). Returns the beam-search requests whose search ended. With `failed`, a group whose
+        round raises goes into it (the caller ends it) and the other groups go on."""
         tokens: dict[int, list[SampledToken]] = {}
         for token in sampled:
             tokens.setdefault(token.seq.seq_id, []).append(token)
@@ -117,9 +147,20 @@ class Scheduler:
                 if cand.seq.request is request:
                     group.pending[cand.seq.seq_id] = cand
             if all(seq.seq_id in group.pending for seq in request.seqs):
-                apply_selection(
-                    request, select(group, request.seqs), self.blocks, self.running, self.finish, self.seq_ids
-                )
+                try:
+                    apply_selection(
+                        request,
+                        select(group, request.seqs),
+                        self.blocks,
+                        (self.running, self.waiting),
+                        self.finish,
+                        self.seq_ids,
+                    )
+                except Exception as exc:
+                    if failed is None:
+                        raise
+                    failed[request] = exc
+                    continue
                 if group.done:
                     ended.append(request)
         return ended
@@ -165,11 +206,11 @@ class Scheduler:
             return "the queued sequences are not the unfinished sequences of the engine's requests"
         return self.blocks.check_consistency(seq.block_ids for seq in live)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, logprobs: LogprobBudget) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = logprobs.take(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if num_new == 0:  # a beam whose candidates wait for its group's other beams
                 i += 1
                 continue
@@ -186,10 +227,11 @@ class Scheduler:
             break  # `seq` itself was preempted: nothing after it can run either
         return budget
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, for_blocks: bool = True) -> None:
+        """Back to waiting, blocks freed (recomputed later). A beam keeps this round's candidates, if
+        it has them: its tokens have not changed, and it waits, parked, until its group's round.
+        `for_blocks=False`: it yields its slot to another request (`FairSlots`), and admission goes on."""
         self.running.remove(seq)
-        if seq.request.beam is not None:  # its candidates come again once it is recomputed
-            seq.request.beam.pending.pop(seq.seq_id, None)
         if out.block_copies:
             own = set(seq.block_ids)
             out.block_copies = [(src, dst) for src, dst in out.block_copies if dst not in own]
@@ -198,7 +240,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.waiting_since_step = self.num_steps
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        if for_blocks:
+            out.preempted.append(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.num_preemptions += 1
 
@@ -213,13 +256,17 @@ class Scheduler:
         waiting = Counter(seq.lora_id for seq in self.waiting if seq.lora_id and seq.lora_id not in running)
         return [*running, *(lora_id for lora_id, _ in waiting.most_common())]
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, logprobs: LogprobBudget) -> None:
         loras = self._active_loras()
         blocked_head: Sequence | None = None
         admitted: list[Sequence] = []
+        held = Counter(seq.request.turn_key for seq in self.running)
+        waiting_keys = {seq.request.turn_key for seq in self.waiting if not is_parked(seq)}
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
+            if is_parked(seq) or not self.fair.may_admit(seq, held, waiting_keys):
+                continue  # a parked beam waits for its round; an over-share request for the others
             lora_id = seq.lora_id
             if not self._lora_fits(loras, lora_id):
                 if blocked_head is None:
@@ -228,9 +275,10 @@ class Scheduler:
                     if seq.num_skipped_for_lora > MAX_LORA_BYPASS_STEPS:
                         break  # strict FCFS until the starved request fits
                 continue
-            num_new = self._admit_tokens(seq, budget)
+            num_new = self._admit_tokens(seq, budget, logprobs)
             if num_new == 0:
                 break
+            held[seq.request.turn_key] += 1
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.request.first_scheduled_time is None:  # vLLM's queue time; usage's cached_tokens
@@ -263,47 +311,10 @@ class Scheduler:
         return [seq for level in levels.values() for seq in self._by_adapter_demand(level)]
 
     def _by_adapter_demand(self, order: list[Sequence]) -> list[Sequence]:
-        """`order` with its sequences that need a new slot reordered among their own places: busiest
-        adapter first (by waiting requests), its sequences together, arrival order within; those that
-        waited MAX_LORA_REORDER_STEPS steps first of all. Unchanged when every adapter fits the slots."""
-        assert self.max_loras is not None
-        running = self._active_loras()
-        places = [i for i, seq in enumerate(order) if seq.lora_id and seq.lora_id not in running]
-        wanted = running | {order[i].lora_id for i in places}
-        if self._adapters_fit(wanted):
-            return order
-        demand = Counter(lora_id for lora_id, _ in {(order[i].lora_id, order[i].request.turn_key) for i in places})
-        first_place: dict[int, int] = {}
-        for i in places:
-            first_place.setdefault(order[i].lora_id, i)
-
-        def rank(i: int) -> tuple[int, int, int, int]:
-            seq = order[i]
-            if self.num_steps - seq.waiting_since_step >= MAX_LORA_REORDER_STEPS:
-                return (0, 0, 0, i)
-            return (1, -demand[seq.lora_id], first_place[seq.lora_id], i)
-
-        reordered = list(order)
-        for place, source in zip(places, sorted(places, key=rank)):
-            reordered[place] = order[source]
-        return reordered
+        return by_adapter_demand(order, self._active_loras(), self._adapters_fit, self.num_steps)
 
     def _turn_order(self) -> list[Sequence]:
-        """Waiting sequences taking turns by request (the prompts of one API call count as one request):
-        first each one's first sequence (in arrival order), then each one's second, and so on, counting
-        sequences already running. A request with many sequences (prompts x n) then cannot take every
-        free slot before a later one gets its turn."""
-        if len({seq.request.turn_key for seq in self.waiting}) <= 1:
-            return list(self.waiting)
-        taken = Counter(seq.request.turn_key for seq in self.running)
-        ranked = []
-        for position, seq in enumerate(self.waiting):
-            key = seq.request.turn_key
-            level = seq.request.priority if self._by_priority else 0
-            ranked.append((level, taken[key], position, seq))
-            taken[key] += 1
-        ranked.sort(key=lambda item: (item[0], item[1], item[2]))
-        return [seq for *_, seq in ranked]
+        return turn_order(self.waiting, self.running, self._by_priority)
 
     def _lora_fits(self, loras: set[int], lora_id: int) -> bool:
         """Whether a sequence of adapter `lora_id` (0: none) can join a step that uses `loras`."""
@@ -319,7 +330,7 @@ class Scheduler:
             return self.can_activate(lora_ids)
         return len(lora_ids) <= self.max_loras
 
-    def _admit_tokens(self, seq: Sequence, budget: int) -> int:
+    def _admit_tokens(self, seq: Sequence, budget: int, logprobs: LogprobBudget) -> int:
         """Attach cached prefix blocks and allocate for the first chunk; 0 if it cannot start now."""
         if not seq.block_ids:
             seq.block_ids = self.blocks.reuse_cached_prefix(seq, seq.request.cache_salt)
@@ -330,6 +341,10 @@ class Scheduler:
                 self._release_prefix(seq)
                 return 0
             num_new = budget
+        num_new = logprobs.take(seq, num_new)
+        if num_new == 0:
+            self._release_prefix(seq)
+            return 0
         if not self._allocate(seq, num_new):
             self._release_prefix(seq)
             return 0

@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loraserve.config import EngineConfig
 from loraserve.engine.engine_stats import adapter_label
 from loraserve.engine.ngram_index import NgramIndex
 from loraserve.engine.scheduler import Scheduler
@@ -234,6 +235,24 @@ class Speculator:
                 acceptance.unused()
         self._held = []
         self._prune()  # finished sequences' state (and a draft model's KV) goes now, not at the next step
+
+
+def build_speculator(
+    config: EngineConfig, scheduler: Scheduler, num_blocks: int, eos_token_id: int | None, tokenizer: Any
+) -> Speculator | None:
+    """The engine's speculative decoding (None without a speculative config), its draft model loaded
+    (`num_blocks` KV blocks of its own, as many as the target's)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    draft = None
+    if spec.method == "draft_model":
+        from loraserve.engine.draft_model import DraftModel
+
+        draft = DraftModel(config, spec, num_blocks, eos_token_id, tokenizer)
+    return Speculator(
+        spec, scheduler, config.model.max_model_len, config.model.vocab_size, config.device, draft
+    )
 
 
 def _decoding(item: ScheduledSeq) -> bool:

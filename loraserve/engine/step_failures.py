@@ -35,6 +35,11 @@ def request_error(exc: BaseException) -> str:
     return f"The engine failed while running this request's batch ({type(exc).__name__}: {exc}); the request was dropped."
 
 
+def own_error(exc: BaseException) -> str:
+    """The error a request ends with when its own work failed and the rest of its batch went on."""
+    return f"The engine failed while sampling this request ({type(exc).__name__}: {exc}); the request was dropped."
+
+
 class StepFailureLimitError(EngineDeadError):
     """The engine cannot continue after a failed step; the caller must stop serving."""
 
@@ -59,6 +64,7 @@ class StepFailures:
         self.limit = limit
         self.total = 0
         self.consecutive = 0
+        self.requests_failed_alone = 0  # requests whose own work failed while their batch went on
 
     def succeeded(self) -> None:
         self.consecutive = 0
@@ -72,6 +78,19 @@ class StepFailures:
         )
         outputs = self.fail_requests(requests, request_error(exc), "error")
         self._count(exc, self.check_consistency())
+        return outputs
+
+    def requests_failed(self, failed: dict[Request, Exception]) -> list[RequestOutput]:
+        """Requests whose own part of a step raised (sampling, output processing, a beam round) while
+        the rest of the batch went on: each ends alone with its error. Not a failed step: the give-up
+        count is untouched (the step's other requests were served)."""
+        outputs: list[RequestOutput] = []
+        for request, exc in failed.items():
+            if self.requests.get(request.request_id) is not request:
+                continue  # ended already (aborted meanwhile)
+            logger.error("Request %s failed alone; its batch goes on", request.request_id, exc_info=exc)
+            self.requests_failed_alone += 1
+            outputs += self.fail_requests([request], own_error(exc), "error")
         return outputs
 
     def adapters_failed(self, failed: dict[int, Exception]) -> list[RequestOutput]:

@@ -11,23 +11,22 @@ matmuls; bf16 elementwise ops are especially slow in torch on CPU.
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 import torch
 
 from loraserve import envs
 from loraserve.native.build import load_library
+from loraserve.native.kernel_slot import KernelSlot
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROTARY_HEAD_DIM = 1024  # fused_kernel.c's MAX_ROTARY_HALF * 2: the kernel's per-row table copy
-_lock = threading.Lock()
-_lib: Any = None
-_loaded = False
 
 
-def _load() -> Any:
-    lib = load_library("loraserve.layers", "fused_kernel.c")
+def build_kernel(arch: str | None = None) -> Any:
+    """A build of fused_kernel.c with its entry points bound (None without a compiler); `arch` builds
+    another CPU class's code paths (tests run them all on one CPU)."""
+    lib = load_library("fused_kernel.c", arch=arch)
     if lib is None:
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -45,23 +44,24 @@ def _load() -> Any:
     return lib
 
 
+# The switch is read once, on the first ask: these ops run ~10 times per layer and step.
+_kernel: KernelSlot[Any] = KernelSlot(lambda: build_kernel() if envs.cpu_fused_ops() else None)
+
+
 def kernel_available() -> bool:
-    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built. The
-    switch is read once, on the first call: these ops run ~10 times per layer and step."""
-    global _lib, _loaded
-    if _loaded:
-        return _lib is not None
-    with _lock:
-        if not _loaded:
-            _lib = _load() if envs.cpu_fused_ops() else None
-            _loaded = True
-    return _lib is not None
+    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built."""
+    return _kernel.get() is not None
 
 
 def kernel_library() -> Any:
     """The loaded kernel library (rms_norm, silu_and_mul, rotary_inplace, offset_rms_norm,
     gelu_tanh_and_mul), or None without it."""
-    return _lib if kernel_available() else None
+    return _kernel.get()
+
+
+def _lib() -> Any:
+    """The library an op calls once `_served` said the kernel serves it (so it is loaded)."""
+    return _kernel.current()
 
 
 def _served(*tensors: torch.Tensor) -> bool:
@@ -87,7 +87,7 @@ def rms_norm(
         return rms_norm_twin(x, weight, eps, residual)
     out = torch.empty_like(x)
     res_ptr, res_ld = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
-    _lib.rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_ld, out.data_ptr(), out.stride(0), weight.data_ptr(),
+    _lib().rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_ld, out.data_ptr(), out.stride(0), weight.data_ptr(),
                   x.shape[0], x.shape[1], eps, _DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out, residual
 
@@ -115,7 +115,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not _served(x) or x.shape[-1] % 2:
         return silu_and_mul_twin(x)
     out = x.new_empty(x.shape[0], width)
-    _lib.silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], width,
+    _lib().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], width,
                       _DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out
 
@@ -137,7 +137,7 @@ def rotary_(
             and rotary_tables_serve(cos_table, sin_table, head_dim)):
         rotary_twin_(x, positions, cos_table, sin_table, num_heads, head_dim)
         return
-    status = _lib.rotary_inplace(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_table.data_ptr(),
+    status = _lib().rotary_inplace(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_table.data_ptr(),
                                  sin_table.data_ptr(), cos_table.shape[0], x.shape[0], num_heads, head_dim,
                                  _DTYPE_CODES[x.dtype], torch.get_num_threads())
     if status == 1:
@@ -184,7 +184,7 @@ def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: 
     out = residual if mode == NORM_THEN_ADD else torch.empty_like(x)
     assert out is not None
     res_ptr, res_ld = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
-    _lib.offset_rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_ld, out.data_ptr(), out.stride(0), scale.data_ptr(),
+    _lib().offset_rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_ld, out.data_ptr(), out.stride(0), scale.data_ptr(),
                          x.shape[0], x.shape[1], eps, mode, _DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out
 
@@ -215,7 +215,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not _served(x) or x.shape[-1] % 2:
         return gelu_tanh_and_mul_twin(x)
     out = x.new_empty(x.shape[0], width)
-    _lib.gelu_tanh_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], width,
+    _lib().gelu_tanh_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], width,
                            _DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out
 

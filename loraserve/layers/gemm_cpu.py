@@ -8,7 +8,6 @@ then keeps oneDNN's packed linear. The twin is `F.linear` on the dense weight.
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,16 +16,14 @@ import torch.nn.functional as F
 
 from loraserve import envs
 from loraserve.native.build import cpu_flags, load_library
+from loraserve.native.kernel_slot import KernelSlot
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_lock = threading.Lock()
-_lib: Any = None
-_loaded = False
 
 
 def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     """A build of gemm_kernel.c (None without a compiler); `extra_flags` select other code paths."""
-    lib = load_library("loraserve.layers", "gemm_kernel.c", extra_flags=extra_flags)
+    lib = load_library("gemm_kernel.c", extra_flags=extra_flags)
     if lib is None:
         return None
     try:
@@ -43,22 +40,17 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     return lib
 
 
+_kernel: KernelSlot[Any] = KernelSlot(lambda: build_kernel() if envs.cpu_gemm_kernel() else None)
+
+
 def kernel_library() -> Any:
-    """The loaded kernel (built once per process), or None if disabled or it cannot be built."""
-    global _lib, _loaded
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                _lib = build_kernel() if envs.cpu_gemm_kernel() else None
-                _loaded = True
-    return _lib
+    """The loaded kernel, or None if disabled or it cannot be built."""
+    return _kernel.get()
 
 
 def use_library(lib: Any) -> None:
-    """Swap in another build of the kernel (tests run every code path on one CPU this way)."""
-    global _lib, _loaded
-    with _lock:
-        _lib, _loaded = lib, True
+    """Swap in another build (tests run every code path on one CPU this way)."""
+    _kernel.use(lib)
 
 
 @dataclass(slots=True)
@@ -154,7 +146,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
             raise ValueError(f"linear: bias {tuple(bias.shape)} on {bias.device}, the layer has {out_features} "
                              "outputs on CPU")
         bias = bias.to(x.dtype).contiguous()  # held until the call returns: the kernel reads it raw
-    lib = _lib if _loaded else kernel_library()
+    lib = _kernel.get()
     if lib is None:
         raise RuntimeError("linear: the weight was packed for the C linear kernel, which this process "
                            "has not loaded (LORASERVE_CPU_GEMM_KERNEL=0, or no C compiler)")

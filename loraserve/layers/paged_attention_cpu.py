@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from typing import Any
 
 import torch
@@ -17,13 +16,11 @@ import torch
 from loraserve import envs
 from loraserve.batch.attention_metadata import AttentionMetadata
 from loraserve.native.build import load_library
+from loraserve.native.kernel_slot import KernelSlot
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
-_lock = threading.Lock()
-_kernel: Any = None
-_loaded = False
 
 
 def bind(lib: ctypes.CDLL) -> Any:
@@ -37,7 +34,7 @@ def bind(lib: ctypes.CDLL) -> Any:
 
 
 def _load() -> Any:
-    lib = load_library("loraserve.layers", "paged_attention.c")
+    lib = load_library("paged_attention.c")
     if lib is None:
         return None
     try:
@@ -47,23 +44,18 @@ def _load() -> Any:
         return None
 
 
+# The switch is read on every call (benchmarks flip it between steps); the build happens once.
+_kernel: KernelSlot[Any] = KernelSlot(_load, envs.cpu_attention_kernel)
+
+
 def kernel_available() -> bool:
-    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built. The
-    switch is read on every call (benchmarks flip it between steps); the lock only until the load."""
-    global _kernel, _loaded
-    if not envs.cpu_attention_kernel():
-        return False
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                _kernel = _load()
-                _loaded = True
-    return _kernel is not None
+    """Builds (once per process) and loads the kernel; False if disabled or it cannot be built."""
+    return _kernel.get() is not None
 
 
 def kernel_function() -> Any:
     """The loaded kernel's `paged_attention` (a ctypes function), or None where `kernel_available` is False."""
-    return _kernel if kernel_available() else None
+    return _kernel.get()
 
 
 def serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,7 +126,7 @@ def paged_attention(
     query_starts [B + 1], all int32."""
     if not kernel_available():
         raise RuntimeError("the CPU attention kernel is disabled or could not be built")
-    return run_kernel(_kernel, q, k_cache, v_cache, block_tables, context_lens, query_starts, block_size, scale,
+    return run_kernel(_kernel.current(), q, k_cache, v_cache, block_tables, context_lens, query_starts, block_size, scale,
                       softcap, window)
 
 
@@ -216,4 +208,4 @@ def write_and_attend(
         check_inputs(q, k_cache, v_cache, index, meta.block_size)
         meta.cpu_checked = layout
     new_kv = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
-    return run_kernel(_kernel, q, k_cache, v_cache, *index, meta.block_size, scale, softcap, window, new_kv, True)
+    return run_kernel(_kernel.current(), q, k_cache, v_cache, *index, meta.block_size, scale, softcap, window, new_kv, True)

@@ -24,15 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+from loraserve.json_limits import MAX_JSON_DEPTH, json_depth
 from loraserve.lora.config_fields import CONFIG_NAME, ConfigFields, check_unsupported_features, shown
-from loraserve.lora.json_bounds import json_depth
 from loraserve.lora.patterns import PatternMatcher
 
 # The vocab modules an adapter may carry LoRA, trainable tokens or a saved copy of (`lora/vocab_checks.py`).
 VOCAB_LEAVES = frozenset({"embed_tokens", "lm_head"})
 
 MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KB
-MAX_CONFIG_DEPTH = 32  # real configs nest 3 levels (a rank_pattern in the config object)
 
 
 @dataclass(frozen=True)
@@ -182,13 +181,15 @@ class PEFTHelper:
 
 def trainable_tokens(v: ConfigFields) -> dict[str, tuple[int, ...]]:
     """PEFT's trainable_token_indices: a list (the input embedding's) or {module: list}, modules
-    being vocab modules only; token ids checked against the vocab when the weights are read."""
+    being vocab modules only. Each module's ids are checked here (a list that is not empty, no
+    negative or repeated id) and against the vocabulary when the weights are read (`vocab_checks`):
+    every refusal names the adapter, the module and the id."""
     field = "trainable_token_indices"
     value = v.config.get(field)
     if value in (None, [], {}):
         return {}
     if isinstance(value, list):
-        return {"embed_tokens": v.int_list(field) or ()}
+        return {"embed_tokens": _token_ids(v, "embed_tokens", value)}
     if not isinstance(value, dict) or len(value) > 2:
         v.fail(field, f"must be a list of token ids or a dict of them by module, got {shown(value)}")
     out: dict[str, tuple[int, ...]] = {}
@@ -196,14 +197,29 @@ def trainable_tokens(v: ConfigFields) -> dict[str, tuple[int, ...]]:
         leaf = str(module).rpartition(".")[2]
         if leaf not in VOCAB_LEAVES:
             v.fail(field, f"trainable tokens are served on {sorted(VOCAB_LEAVES)} only, got {shown(module)}")
-        sub = ConfigFields(v.lora_name, {field: ids}, v.patterns)
-        out[leaf] = sub.int_list(field) or ()
+        out[leaf] = _token_ids(v, str(module), ids)
     return out
+
+
+def _token_ids(v: ConfigFields, module: str, ids: Any) -> tuple[int, ...]:
+    """One module's trainable token ids: a non-empty list of distinct ids >= 0."""
+    field = "trainable_token_indices"
+    checked = ConfigFields(v.lora_name, {field: ids}, v.patterns).int_list(field) or ()
+    if not checked:
+        v.fail(field, f"the list of {module} is empty: name at least one token id, or leave the module out")
+    seen: set[int] = set()
+    for position, token_id in enumerate(checked):
+        if token_id < 0:
+            v.fail(field, f"{module} index {token_id} (at position {position}) is negative")
+        if token_id in seen:
+            v.fail(field, f"{module} index {token_id} (at position {position}) is repeated")
+        seen.add(token_id)
+    return checked
 
 
 def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
     """The parsed `folder/adapter_config.json`: a regular file of at most MAX_CONFIG_BYTES nesting at
-    most MAX_CONFIG_DEPTH levels (counted before decoding), else a LoRAAdapterError. Opened non-blocking and checked on the open descriptor, so a FIFO, a device
+    most MAX_JSON_DEPTH levels (counted before decoding), else a LoRAAdapterError. Opened non-blocking and checked on the open descriptor, so a FIFO, a device
     (`/dev/zero`) or a huge file swapped in can neither block the caller nor exhaust memory."""
     config_file = os.path.join(folder, CONFIG_NAME)
     try:
@@ -228,10 +244,10 @@ def read_adapter_config(folder: str | Path, lora_name: str) -> Any:
             f"LoRA adapter '{lora_name}': {CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes"
         )
     depth = json_depth(data)
-    if depth > MAX_CONFIG_DEPTH:
+    if depth > MAX_JSON_DEPTH:
         raise LoRAAdapterError(
             f"LoRA adapter '{lora_name}': {CONFIG_NAME} nests {depth} levels deep, more than the "
-            f"{MAX_CONFIG_DEPTH} allowed"
+            f"{MAX_JSON_DEPTH} allowed"
         )
     try:
         return json.loads(data.decode("utf-8"))

@@ -18,16 +18,43 @@ from typing import Any, TypeGuard
 
 import torch
 
+from loraserve.json_limits import check_json_depth
+
 # The library allows 100 MB; an adapter's header takes ~150 bytes per tensor (a LoRA on every module
 # of a 7B model: ~70 KB), so a longer one is garbage that would otherwise be read before being refused.
 MAX_HEADER_BYTES = 16 << 20
 # Element sizes of every safetensors dtype but the sub-byte ones (no LoRA adapter stores those).
-ELEMENT_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
-                 "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+ELEMENT_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 # The dtypes the zero-copy reader views directly; the others go through the library.
-TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                "U8": torch.uint8, "BOOL": torch.bool}
+TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _MAX_DIMS = 8  # LoRA tensors are 1-D or 2-D; anything stranger goes to the library
 
 # key -> (dtype, shape, byte offset in the data region, element count): what the zero-copy reader needs.
@@ -77,6 +104,7 @@ def read_header(fd: int, file_size: int) -> SafetensorsHeader:
     if not 2 <= header_len <= min(MAX_HEADER_BYTES, file_size - 8):
         raise ValueError("safetensors header length is out of range")
     text = _pread_exactly(fd, header_len, 8)
+    check_json_depth(text, "The safetensors header")  # a ValueError saying so, before decoding
     try:
         header = json.loads(text)
     except (UnicodeDecodeError, ValueError):
@@ -115,7 +143,8 @@ def _check_tiling(entries: dict[str, TensorEntry], data_len: int) -> None:
         position = entry.end
     if position != data_len:
         raise ValueError(
-            "the file is shorter than its header says" if position > data_len
+            "the file is shorter than its header says"
+            if position > data_len
             else "the file holds more data than its header describes"
         )
 

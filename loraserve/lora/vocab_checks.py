@@ -75,6 +75,7 @@ def vocab_weights(
 ) -> dict[str, VocabLoRAWeights]:
     """Checked `VocabLoRAWeights` by module: the tensors of `split_vocab_tensors`, plus a tied head's
     share of the embedding's trainable tokens."""
+    _check_token_ids_in_vocab(targets, helper, name)
     out: dict[str, VocabLoRAWeights] = {}
     for module_name, parts in groups.items():
         base = targets.vocab[module_name]
@@ -92,6 +93,20 @@ def vocab_weights(
             out[module_name] = weights
     _tie_tokens(out, targets, helper)
     return out
+
+
+def _check_token_ids_in_vocab(targets: LoRATargets, helper: PEFTHelper, name: str) -> None:
+    """Every trainable token id the config names is below its module's vocabulary (whether or not
+    the file holds that module's rows): a 400 naming the adapter, the module and the id."""
+    for module_name, module in targets.vocab.items():
+        ids = helper.trainable_tokens.get(module_name.rpartition(".")[2], ())
+        vocab_size = vocab_dims(module)[0]
+        for position, token_id in enumerate(ids):
+            if token_id >= vocab_size:
+                raise LoRAAdapterError(
+                    f"LoRA adapter '{name}': trainable_token_indices of {module_name}: index {token_id} (at "
+                    f"position {position}) is not below the vocabulary size {vocab_size}"
+                )
 
 
 def _lora(
@@ -154,11 +169,7 @@ def _tokens(
         raise LoRAAdapterError(
             f"LoRA adapter '{name}': {module_name} has trainable tokens its trainable_token_indices do not name"
         )
-    if len(set(ids)) != len(ids) or not all(0 <= i < vocab_size for i in ids):
-        raise LoRAAdapterError(
-            f"LoRA adapter '{name}': trainable_token_indices of {module_name} must be distinct token ids "
-            f"below the vocabulary size {vocab_size}"
-        )
+    # (distinct, >= 0: checked with the config; below the vocabulary: `_check_token_ids_in_vocab`)
     if tuple(delta.shape) != (len(ids), hidden):
         raise LoRAAdapterError(
             f"LoRA adapter '{name}': {module_name} trainable tokens have shape {tuple(delta.shape)}, expected "

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from loraserve.layers.linear import Linear
-from loraserve.layers.quant.formats import QuantTensor, quantize_q8_0
+from loraserve.layers.quant.formats import QuantTensor, quantize_q8_0, repack_rows
 
 _BLOCK = 32  # Q8_0's weights per block
 
@@ -57,10 +57,10 @@ def quantize_linears(
             continue
         if name == tied and tensor.shape[1] % _BLOCK == 0:
             yield name, tensor
-            yield "lm_head.weight", quantize_q8_0(tensor)
+            yield "lm_head.weight", repack_rows(quantize_q8_0(tensor))
             continue
         module = _linear_weight(model, modules, name)
         if module is None or module.in_features % _BLOCK or (tied is not None and module is model.lm_head):
             yield name, tensor  # a tied head's own entry is skipped by the model; its copy came above
             continue
-        yield name, quantize_q8_0(tensor)
+        yield name, repack_rows(quantize_q8_0(tensor))

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from loraserve import envs
-from loraserve.layers.quant.formats import QuantTensor
+from loraserve.layers.quant.formats import QuantTensor, repack_rows
 from loraserve.model_loader import gguf_quantized, mistral
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ def hf_weight_files(model_path: str, load_format: str = "auto") -> tuple[list[st
         "safetensors": f"{SAFETENSORS_INDEX} and *.safetensors files (load_format='safetensors')",
         "pt": f"{PICKLE_INDEX} and *.bin/*.pt files (load_format='pt')",
     }
-    raise ValueError(f"No weights found in {model_path}: looked for {looked_for.get(load_format, load_format)}.")
+    raise ValueError(
+        f"No weights found in {model_path}: looked for {looked_for.get(load_format, load_format)}."
+    )
 
 
 def hub_snapshot(
@@ -139,8 +141,12 @@ def download_weights(
         hub_snapshot(model, revision, ["consolidated*.safetensors"], cache_dir=cache_dir)
         return
     if load_format != "pt":
-        hub_snapshot(model, revision, ["*.safetensors", "*.safetensors.index.json"], ["consolidated*"], cache_dir)
-    if load_format == "pt" or not _files_with_suffix(model_path, (".safetensors",), skip_prefix="consolidated"):
+        hub_snapshot(
+            model, revision, ["*.safetensors", "*.safetensors.index.json"], ["consolidated*"], cache_dir
+        )
+    if load_format == "pt" or not _files_with_suffix(
+        model_path, (".safetensors",), skip_prefix="consolidated"
+    ):
         patterns = ["*.bin", "*.pt", "*.pth", "*.bin.index.json"]
         hub_snapshot(model, revision, patterns, ["consolidated*"], cache_dir)
 
@@ -205,4 +211,5 @@ def _quantized(
     """The tensors `quantized.json` names as QuantTensors (a GGUF folder's kept-quantized weights)."""
     for name, tensor in weights:
         entry = index.get(name)
-        yield name, tensor if entry is None else gguf_quantized.as_quant_tensor(tensor, entry)
+        # in the kernels' row layout at once: a tied LM head and the embedding share one tensor
+        yield name, tensor if entry is None else repack_rows(gguf_quantized.as_quant_tensor(tensor, entry))

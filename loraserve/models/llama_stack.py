@@ -1,6 +1,6 @@
 """`DecoderStack`: a Llama-family model's decoder layers for one step in one C call on CPU.
 
-`decoder_stack.c` (beside this file) runs, layer after layer, the very kernels the Python path
+`native/kernels/decoder_stack.c` runs, layer after layer, the very kernels the Python path
 (`llama.py`) calls:
 the fused RMSNorm, the C linear kernel (plus the LoRA kernel), rope, paged attention and SiLU-and-mul,
 with the same arguments, in the same order, so the hidden states come out bit for bit the same. What
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import threading
 from typing import Any
 
 import torch
@@ -44,33 +43,32 @@ from loraserve.layers import fused_cpu, gemm_cpu, paged_attention_cpu
 from loraserve.layers.quant import kernel as quant_kernel
 from loraserve.lora.ops import lora_cpu
 from loraserve.native.build import function_address, load_library
+from loraserve.native.kernel_slot import KernelSlot
 
 # decoder_stack.c's field counts, the model fields read back here, and its error ops.
 MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 20, 17, 21
 M_HIDDEN, M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 8, 9, 10, 11, 14, 18
 OP_GEMM, OP_ROPE, OP_ATTENTION, OP_LORA = 1, 2, 3, 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_lock = threading.Lock()
-_lib: Any = None
-_loaded = False
+
+
+def _load_stack() -> Any:
+    lib = load_library("decoder_stack.c")
+    if lib is not None:
+        i64p = ctypes.POINTER(ctypes.c_int64)
+        lib.decoder_stack.argtypes = [i64p, i64p, i64p, ctypes.c_float, ctypes.c_float]
+        lib.decoder_stack.restype = ctypes.c_int
+        lib.decoder_stack_layout.restype = ctypes.c_int
+        if lib.decoder_stack_layout() != MODEL_FIELDS | LAYER_FIELDS << 8 | STEP_FIELDS << 16:
+            raise RuntimeError("decoder_stack.c's argument layout differs from llama_stack.py's")
+    return lib
+
+
+_kernel: KernelSlot[Any] = KernelSlot(_load_stack)
 
 
 def _library() -> Any:
-    global _lib, _loaded
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                lib = load_library("loraserve.models", "decoder_stack.c")
-                if lib is not None:
-                    i64p = ctypes.POINTER(ctypes.c_int64)
-                    lib.decoder_stack.argtypes = [i64p, i64p, i64p, ctypes.c_float, ctypes.c_float]
-                    lib.decoder_stack.restype = ctypes.c_int
-                    lib.decoder_stack_layout.restype = ctypes.c_int
-                    if lib.decoder_stack_layout() != MODEL_FIELDS | LAYER_FIELDS << 8 | STEP_FIELDS << 16:
-                        raise RuntimeError("decoder_stack.c's argument layout differs from llama_stack.py's")
-                _lib = lib
-                _loaded = True
-    return _lib
+    return _kernel.get()
 
 
 def _kernel_addresses() -> list[int] | None:

@@ -8,7 +8,8 @@ carries a digest of the source, the flags and this CPU's feature flags, so a cac
 machines never runs code built for another CPU. No compiler or a failed build returns None and the
 caller keeps its torch twin.
 
-Every kernel includes `simd.h` (this package's shared SIMD vocabulary): it is compiled next to a copy
+The sources live in `loraserve/native/kernels/` (the kernel room). Every kernel includes `simd.h` (the
+room's shared SIMD vocabulary): it is compiled next to a copy
 of it, and the header's bytes are part of every kernel's digest, so a changed header rebuilds them all.
 A kernel split into parts keeps them beside its source as `<stem>_*.h` (`paged_attention_scores.h`
 for `paged_attention.c`): they are copied beside it too and are part of that kernel's digest.
@@ -36,7 +37,8 @@ from loraserve import envs
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
-HEADERS = ("simd.h",)  # in this package; every kernel may include them
+KERNELS = "loraserve.native.kernels"  # the package holding every kernel's source
+HEADERS = ("simd.h",)  # in KERNELS; every kernel may include them
 
 
 def function_address(fn: Any) -> int:
@@ -58,7 +60,7 @@ def cpu_flags() -> frozenset[str]:
 
 def _headers() -> tuple[tuple[str, bytes], ...]:
     """The shared headers' (name, bytes), read at each load: an edited header is a new digest at once."""
-    return tuple((name, resources.files("loraserve.native").joinpath(name).read_bytes()) for name in HEADERS)
+    return tuple((name, resources.files(KERNELS).joinpath(name).read_bytes()) for name in HEADERS)
 
 
 def _kernel_parts(package: str, stem: str) -> tuple[tuple[str, bytes], ...]:
@@ -91,9 +93,10 @@ def _build(
 
 
 def load_library(
-    package: str, source_name: str, arch: str | None = None, extra_flags: tuple[str, ...] = ()
+    source_name: str, arch: str | None = None, extra_flags: tuple[str, ...] = (), package: str = KERNELS
 ) -> ctypes.CDLL | None:
-    """The compiled `source_name` (a C file inside `package`), built if this CPU has no build yet;
+    """The compiled `source_name` (a C file in the kernel room, or in `package`), built if this CPU has
+    no build yet;
     None when there is no compiler or the build fails (logged once per call). `arch` is the `-march=`
     value (default: LORASERVE_CPU_KERNEL_ARCH, else `native`) and `extra_flags` go last: tests build
     another CPU class's code paths with them (`arch="haswell"`, or "-mno-avx512f" for an AVX2 path).

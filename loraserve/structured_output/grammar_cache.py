@@ -38,11 +38,30 @@ class GrammarCache(Generic[T]):
             self.misses += 1
         compiled = compile_fn(key)  # outside the lock: another schema need not wait for this one
         with self._lock:
-            self._entries[key] = compiled
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            self._store(key, compiled)
         return compiled
+
+    def get(self, key: GrammarKey) -> T | None:
+        """The cached grammar for `key` (counted as a hit), or None (not counted: the caller compiles
+        it elsewhere and `put`s it, counting the miss then)."""
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            return found
+
+    def put(self, key: GrammarKey, compiled: T) -> None:
+        """Cache a grammar compiled elsewhere (a compile worker): one miss."""
+        with self._lock:
+            self.misses += 1
+            self._store(key, compiled)
+
+    def _store(self, key: GrammarKey, compiled: T) -> None:
+        self._entries[key] = compiled
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._entries)

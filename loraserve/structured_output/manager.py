@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from loraserve.json_limits import JSONDepthError
+from loraserve.structured_output.grammar_compile import GrammarCompileError, check_budget
 from loraserve.structured_output.grammar_state import GrammarState
 from loraserve.structured_output.params import GrammarKey, StructuredOutputsParams
 from loraserve.structured_output.token_mask import disallowed_tokens, mask_rows
@@ -90,6 +92,7 @@ class StructuredOutputs:
         self._backend: Any = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._compiles: Any = None  # the server's GrammarCompilePool, made on first use
 
     @property
     def backend(self) -> Any:
@@ -107,13 +110,54 @@ class StructuredOutputs:
                 )
             return self._backend
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar of a request's constraint; GrammarCompileError (a ValueError) if it does
-        not compile, with vLLM's text."""
+    def key(self, params: StructuredOutputsParams) -> GrammarKey:
+        """The cache key of a request's constraint, checked against the compile budget (a ValueError
+        naming the request's field when over it)."""
         key = params.grammar_key()
         if self.disable_any_whitespace and key.any_whitespace:
             key = GrammarKey(key.kind, key.text, any_whitespace=False)
-        return self.backend.compile(key)
+        check_budget(key, params.param)
+        return key
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of a request's constraint, compiled on this thread when not cached (the
+        offline engine's path; the server compiles on `compile_pool`); GrammarCompileError (a
+        ValueError) if it does not compile, with vLLM's text."""
+        try:
+            return self.backend.compile(self.key(params))
+        except (GrammarCompileError, JSONDepthError) as exc:
+            exc.parameter = exc.parameter or params.param
+            raise
+
+    def cached(self, key: GrammarKey) -> Any:
+        """`key`'s compiled grammar if it is cached, else None; never waits (no backend yet: None)."""
+        backend = self._backend
+        return None if backend is None else backend.cache.get(key)
+
+    def compile_pool(self, settings: Any) -> Any:
+        """The pool of compile worker processes (`compile_pool.GrammarCompilePool`, made on first use
+        with `settings`); its grammars land in this engine's cache."""
+        if self._compiles is not None:  # no lock: the backend's first build holds it for a second
+            return self._compiles
+        with self._lock:
+            if self._compiles is None:
+                from loraserve.structured_output.compile_pool import GrammarCompilePool
+
+                self._compiles = GrammarCompilePool(
+                    lambda: self.backend.tokenizer_info_json(),
+                    lambda key, serialized: self.backend.load(key, serialized),
+                    settings,
+                )
+            return self._compiles
+
+    def compile_stats(self) -> dict[str, int]:
+        """The compile pool's counters (all zero before its first compile: the series exist from the start)."""
+        pool = self._compiles
+        if pool is None:
+            from loraserve.structured_output.compile_pool import GrammarCompilePool
+
+            return GrammarCompilePool.empty_stats()
+        return pool.stats()
 
     def new_state(self, compiled: Any) -> GrammarState:
         return GrammarState(self.backend.matcher(compiled))
@@ -186,7 +230,13 @@ class StructuredOutputs:
         if job is not None:
             job.future.exception()
 
+    def stop_compiles(self) -> None:
+        """Kill the compile workers (a shutdown waits for no compile); waiting requests fail (503)."""
+        if self._compiles is not None:
+            self._compiles.shutdown()
+
     def shutdown(self) -> None:
+        self.stop_compiles()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

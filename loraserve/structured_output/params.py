@@ -7,8 +7,10 @@ A request names exactly one constraint (vLLM's rule and text); `grammar_key()` t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from loraserve.json_limits import loads_bounded
 
 GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
@@ -39,6 +41,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # The request field that carried the constraint ("response_format", "guided_regex", "tools", ...),
+    # which a refusal names; set by the serving layer, never by a client.
+    param: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         count = sum(getattr(self, name) is not None for name in _CONSTRAINTS)
@@ -72,7 +77,7 @@ class StructuredOutputsParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> StructuredOutputsParams:
         """From a request's `structured_outputs` object; an unknown key is a ValueError naming it."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"param"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"structured_outputs has unknown field(s): {', '.join(unknown)}.")
@@ -85,7 +90,7 @@ class StructuredOutputsParams:
             schema = self.json
             if isinstance(schema, str):
                 try:
-                    schema = json.loads(schema)
+                    schema = loads_bounded(schema, "The JSON schema", self.param)
                 except json.JSONDecodeError as exc:
                     raise ValueError("Invalid JSON grammar specification.") from exc  # vLLM's text
             if not isinstance(schema, (dict, bool)):

@@ -71,7 +71,9 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> li
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_batched_equals_one_at_a_time_with_chunking_and_preemption(llama_path: str) -> None:
+def test_batched_equals_one_at_a_time_with_chunking_and_preemption(
+    llama_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
     prompts = _prompts(512, lengths=(5, 40, 23, 3, 61))
     params = _mixed_params()
     llm = LLM(llama_path, dtype="float32")
@@ -88,8 +90,16 @@ def test_batched_equals_one_at_a_time_with_chunking_and_preemption(llama_path: s
         max_model_len=96,
         enable_prefix_caching=False,
     )
-    assert _run(tight, prompts, params) == alone
+    with caplog.at_level("WARNING", logger="loraserve.engine.kv_budget"):
+        assert _run(tight, prompts, params) == alone
     assert tight.engine.scheduler.num_preemptions > 0
+    # the user hears of it once (rate-limited), with the blocks and the running count
+    warnings = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+    assert (
+        len(warnings) == 1
+        and "12 blocks" in warnings[0]
+        and "total_num_cumulative_preemption=" in warnings[0]
+    )
 
 
 def test_prefix_cache_hits_change_nothing(llama_path: str) -> None:

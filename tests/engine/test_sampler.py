@@ -308,3 +308,24 @@ def test_shape_mismatch_is_an_error() -> None:
         Sampler()(torch.randn(3, VOCAB), [make_row(SamplingParams())] * 2)
     with pytest.raises(ValueError, match="target_ids"):
         compute_prompt_logprobs(torch.randn(3, VOCAB), [1, 2], 1)
+
+
+def test_ranks_of_every_token_cost_memory_linear_in_k() -> None:
+    """Ranks of the top k with k = the vocabulary (vLLM's `-1`), ties included, for many positions:
+    the pairwise comparison this replaced needed rows x k x k booleans (here 64 x 8192^2: 4 GiB)."""
+    from loraserve.engine.sampler import compute_prompt_logprobs
+
+    vocab = 8192
+    logits = torch.randn(64, vocab)
+    logits[:, 100:110] = 5.0  # a tie at the top of every row
+    entries = compute_prompt_logprobs(logits, list(range(64)), vocab)
+    for i in (0, 31, 63):
+        row = entries[i]
+        assert len(row) == vocab
+        assert [row[t].rank for t in range(100, 110)] == [1] * 10
+        ranked = sorted(row.items(), key=lambda kv: -kv[1].logprob)
+        assert (
+            ranked[10][1].rank == 11
+            and ranked[-1][1].rank
+            == vocab - sum(1 for lp in row.values() if lp.logprob == ranked[-1][1].logprob) + 1
+        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from support.speculative import both_ways, repetitive, run, tokens
 
 from loraserve import LLM, SamplingParams
@@ -177,3 +178,102 @@ def test_preemption_by_a_small_kv_cache(llama: str, base: LLM) -> None:
     assert tokens(got) == tokens(expected)
     assert small.engine.scheduler.num_preemptions > 0
     both_ways(counts)
+
+
+def test_the_prefix_cache_holds_only_kept_tokens(base: LLM, spec: LLM) -> None:
+    """Blocks that held rejected proposals enter the prefix cache only with the kept tokens' KV: every
+    block both engines cached holds the same KV bits, outputs end on a block boundary (the last
+    step's block is the one a premature commit would leave wrong), and a request that extends an
+    output reuses its blocks and gets the tokens and logprobs of the engine without speculation."""
+    prompts = repetitive(4, seed=7)
+    size = spec.engine.block_manager.block_size
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=48 - (len(p["prompt_token_ids"]) + 48) % size, ignore_eos=True
+        )
+        for p in prompts
+    ]
+    expected_first, _ = run(base, prompts, params)
+    first, counts = run(spec, prompts, params)
+    both_ways(counts)  # rejected proposals were written into the KV cache
+    assert tokens(first) == tokens(expected_first)
+    longer = [
+        {"prompt_token_ids": p["prompt_token_ids"] + t + [7, 8]} for p, t in zip(prompts, tokens(first))
+    ]
+    again = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    expected, _ = run(base, longer, again)
+    hits = spec.engine.block_manager.num_prefix_hit_tokens
+    got, _ = run(spec, longer, again)
+    # Past the prompts themselves, whole blocks of the first outputs were found in the cache.
+    assert spec.engine.block_manager.num_prefix_hit_tokens - hits > sum(
+        len(p["prompt_token_ids"]) for p in prompts
+    )
+    assert tokens(got) == tokens(expected)
+    for a, b in zip(got, expected):
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert same_cached_kv(base, spec) > 0
+
+
+def same_cached_kv(base: LLM, spec: LLM) -> int:
+    """How many blocks both engines hold in their prefix caches; asserts their KV is the same bits."""
+    ours, theirs = spec.engine.block_manager.cached, base.engine.block_manager.cached
+    size = spec.engine.block_manager.block_size
+    common = [h for h in ours if h in theirs]
+    for h in common:
+        a, b = ours[h] * size, theirs[h] * size
+        for (k1, v1), (k2, v2) in zip(spec.engine.runner.kv_caches, base.engine.runner.kv_caches):
+            assert torch.equal(k1[a : a + size], k2[b : b + size]) and torch.equal(
+                v1[a : a + size], v2[b : b + size]
+            )
+    return len(common)
+
+
+def test_a_failed_sampling_fails_its_request_alone(
+    base: LLM, spec: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request whose sampling raises while it speculates fails alone; the others of the batch,
+    speculating too, are sampled request by request and keep their tokens (seeded ones included)."""
+    from loraserve.engine.sampler import Sampler
+
+    prompts = repetitive(3, seed=8)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=12, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=666, max_tokens=30, ignore_eos=True),  # the culprit
+    ]
+    expected, _ = run(base, prompts[:2], params[:2])
+    real = Sampler.__call__
+
+    def poisoned(self: Sampler, logits: Any, rows: list[Any]) -> Any:
+        # Only a verification row (its noise drawn ahead): the culprit fails while it speculates.
+        if any(row.params.seed == 666 and row.noise is not None for row in rows):
+            raise RuntimeError("injected fault in one request's sampling")
+        return real(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "__call__", poisoned)
+    engine = spec.engine
+    before = engine.stats()
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"fail-alone-{i}", prompt["prompt_token_ids"], p)
+    last: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out
+    assert "injected fault" in (last["fail-alone-2"].error or "")
+    assert [last[f"fail-alone-{i}"].error for i in (0, 1)] == [None, None]
+    assert tokens([last["fail-alone-0"], last["fail-alone-1"]]) == tokens(expected)
+    stats = engine.stats()
+    assert stats["num_step_failures"] == before["num_step_failures"]
+    assert stats["num_request_failures"] == before["num_request_failures"] + 1
+    assert counters_moved(before, stats)
+    assert engine.check_consistency() is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def counters_moved(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Proposals were verified between two `stats()` snapshots."""
+
+    def drafts(stats: dict[str, Any]) -> int:
+        return sum(c["num_drafts"] for c in stats.get("spec_decode", {}).values())
+
+    return drafts(after) > drafts(before)

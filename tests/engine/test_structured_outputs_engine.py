@@ -60,45 +60,45 @@ def test_dead_end_stops_and_unconstrained_rows_are_untouched(model_dir: str) -> 
     assert dead.finish_reason == "stop" and dead.text == "no" and len(dead.token_ids) < 24
 
 
-def test_the_async_engine_compiles_off_the_step_loop(model_dir: str) -> None:
-    """A new schema compiles on a worker thread before the request is queued: the engine thread only
-    finds it in the cache, and a bad schema is refused before anything is queued."""
+def test_the_async_engine_compiles_in_worker_processes(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new schema compiles in a compile worker process before the request is queued: nothing in this
+    process compiles (neither the engine thread nor another), the same schema again is a cache hit,
+    and a bad schema is refused before anything is queued."""
     import asyncio
-    import threading
 
     from loraserve.engine.arg_utils import EngineArgs
     from loraserve.engine.async_engine import AsyncLLMEngine
+    from loraserve.structured_output import xgrammar_backend
 
+    in_process: list[Any] = []
+    monkeypatch.setattr(xgrammar_backend, "compile_key", lambda *args: in_process.append(args))
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=model_dir, dtype="float32", max_model_len=64))
-    backend = engine.engine.structured.backend
-    compiled_on: list[str] = []
-    compile_key = backend._compile
-
-    def recording(key: Any) -> Any:
-        compiled_on.append(threading.current_thread().name)
-        return compile_key(key)
-
-    backend._compile = recording
     params = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs={"regex": REGEX})
     bad = SamplingParams(max_tokens=4, structured_outputs={"regex": "(a"})
 
-    async def main() -> tuple[str, str]:
+    async def run(request_id: str, sampling: SamplingParams) -> str:
+        text = ""
+        async for output in engine.generate("hello", sampling, request_id):
+            text = output.outputs[0].text
+        return text
+
+    async def main() -> tuple[list[str], dict[str, Any], bool]:
         await engine.start()
         try:
-            text = ""
-            async for output in engine.generate("hello", params, "r1"):
-                text = output.outputs[0].text
+            texts = [await run("r1", params), await run("r3", params)]
             with pytest.raises(ValueError, match="Failed to transform regex"):
-                async for _ in engine.generate("hello", bad, "r2"):
-                    pass
-            return text, engine.engine.has_unfinished_requests()
+                await run("r2", bad)
+            return texts, engine.stats(), engine.engine.has_unfinished_requests()
         finally:
             await engine.shutdown()
 
-    text, unfinished = asyncio.run(main())
-    assert re.fullmatch(REGEX, text), text
-    assert len(compiled_on) == 2 and "loraserve-engine" not in compiled_on  # r1's regex and r2's
-    assert (backend.cache.misses, backend.cache.hits) == (2, 1)  # the engine thread's lookup hit
+    texts, stats, unfinished = asyncio.run(main())
+    assert re.fullmatch(REGEX, texts[0]) and texts[1] == texts[0], texts
+    assert in_process == [] and stats["grammar_compiles"] == 1  # r1's; r2's failed there too
+    cache = engine.engine.structured.backend.cache
+    assert (cache.misses, cache.hits) == (1, 1)  # r3 found r1's grammar
     assert not unfinished
 
 

@@ -3,9 +3,7 @@ float64 reference, in float32 and bfloat16, on strided rows like the ones the mo
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +11,8 @@ import pytest
 import torch
 
 from loraserve.layers import fused_cpu
+from loraserve.native.build import cpu_flags
+from loraserve.native.kernel_slot import KernelSlot
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -29,10 +29,20 @@ class Ops:
     rotary_: Callable[..., None]
 
 
-@pytest.fixture(params=["kernel", "twin"])
-def ops(request: pytest.FixtureRequest) -> Ops:
+# the builds of other CPU classes this CPU can run: -march= values and the CPU flags they need
+OTHER_BUILDS = {"avx2": ("haswell", {"avx2", "fma"}), "portable": ("x86-64", set())}
+
+
+@pytest.fixture(params=["kernel", "avx2", "portable", "twin"])
+def ops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ops:
+    """The twin, this CPU's build, and the AVX2 and portable builds (what other CPUs run)."""
     if request.param == "twin":
         return Ops(fused_cpu.rms_norm_twin, fused_cpu.silu_and_mul_twin, fused_cpu.rotary_twin_)
+    if request.param in OTHER_BUILDS:
+        arch, needs = OTHER_BUILDS[request.param]
+        if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
+            pytest.skip(f"-march={arch} needs an x86-64 CPU with {sorted(needs)}")
+        monkeypatch.setattr(fused_cpu, "_kernel", KernelSlot.holding(fused_cpu.build_kernel(arch)))
     if not fused_cpu.kernel_available():
         pytest.skip("no C compiler: the fused kernel cannot be built here")
     return Ops(fused_cpu.rms_norm, fused_cpu.silu_and_mul, fused_cpu.rotary_)
@@ -64,7 +74,7 @@ def test_rms_norm_adds_the_residual_in_place(ops: Ops, dtype: torch.dtype) -> No
     out, updated = ops.rms_norm(x, weight, 1e-5, residual)
     assert updated is residual
     torch.testing.assert_close(residual, (before + x), atol=0, rtol=0)  # the add rounds like torch's
-    h = (before.double() + x.double())
+    h = before.double() + x.double()
     ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(out.double(), ref, **tol(dtype))
 
@@ -80,7 +90,9 @@ def test_silu_and_mul_matches_float64(ops: Ops, dtype: torch.dtype, rows: int, w
 
 
 def test_silu_and_mul_extremes_and_nan(ops: Ops) -> None:
-    gate = torch.tensor([-100.0, 100.0, 0.0, float("nan"), 2.0, -3.0, 30.0, -30.0]).repeat(5)  # lanes and tail
+    gate = torch.tensor([-100.0, 100.0, 0.0, float("nan"), 2.0, -3.0, 30.0, -30.0]).repeat(
+        5
+    )  # lanes and tail
     out = ops.silu_and_mul(torch.cat([gate, torch.full_like(gate, 2.0)]).unsqueeze(0))[0]
     for i in (0, 8, 32):
         assert out[i].abs() < 1e-30 and out[i + 1] == pytest.approx(200.0) and out[i + 2] == 0.0
@@ -101,7 +113,9 @@ def test_rotary_in_place_matches_float64(ops: Ops, dtype: torch.dtype, num_heads
     freqs = torch.outer(torch.arange(512).double(), inv_freq)
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
     ops.rotary_(x, positions, cos.float(), sin.float(), num_heads, head_dim)
-    torch.testing.assert_close(x[:, num_heads * head_dim:], before[:, num_heads * head_dim:], atol=0, rtol=0)
+    torch.testing.assert_close(
+        x[:, num_heads * head_dim :], before[:, num_heads * head_dim :], atol=0, rtol=0
+    )
     heads = before[:, : num_heads * head_dim].double().unflatten(-1, (num_heads, head_dim))
     half = head_dim // 2
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
@@ -120,25 +134,10 @@ def test_kernel_and_twin_agree_on_bf16_rounding(dtype: torch.dtype) -> None:
     kernel_silu = fused_cpu.silu_and_mul(x)
     kernel_norm = fused_cpu.rms_norm(x, weight, 1e-6)[0]
     twin_silu, twin_norm = fused_cpu.silu_and_mul_twin(x), fused_cpu.rms_norm_twin(x, weight, 1e-6)[0]
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -17  # float32: sum order over 3072 values
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-17  # float32: sum order over 3072 values
     for a, b in ((kernel_silu, twin_silu), (kernel_norm, twin_norm)):
         diff = (a.double() - b.double()).abs()
         assert bool((diff <= b.double().abs() * ulp + 1e-30).all()), float(diff.max())
-
-
-@pytest.mark.parametrize("arch", ["haswell", "x86-64"], ids=["avx2", "portable"])
-def test_the_other_cpu_paths_match_too(arch: str) -> None:
-    """The AVX2 build and the portable C build (what other CPUs run) pass this file's tests here."""
-    if not fused_cpu.kernel_available():
-        pytest.skip("no C compiler: the fused kernel cannot be built here")
-    # The run's own cache root: the build for `arch` is cached by source, flags and CPU like any other.
-    env = {**os.environ, "LORASERVE_CPU_KERNEL_ARCH": arch}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", "not other_cpu_paths"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout
 
 
 def test_rotary_positions_outside_the_tables_are_refused(ops: Ops) -> None:

@@ -214,7 +214,7 @@ def variant_kernels() -> dict[str, object]:
     for name, arch in VARIANT_ARCHES.items():
         if name == "avx2" and not {"avx2", "fma"} <= cpu_flags():
             continue
-        lib = load_library("loraserve.layers", "paged_attention.c", arch=arch)
+        lib = load_library("paged_attention.c", arch=arch)
         if lib is None:
             pytest.skip("no C compiler")
         kernels[name] = paged_attention_cpu.bind(lib)

@@ -21,6 +21,7 @@ from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora.ops import lora_cpu, lora_torch
 from loraserve.lora.ops.block_writer import BlockWriter
 from loraserve.native.build import cpu_flags
+from loraserve.native.kernel_slot import KernelSlot
 
 # name: (flags after -march=native, CPU flags the build needs, code paths it must report)
 BUILDS: dict[str, tuple[tuple[str, ...], set[str], set[str] | None]] = {
@@ -59,7 +60,7 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     assert paths is None or built.code_paths == paths  # the flags really selected that path
     if "avx512_bf16" in built.code_paths:
         assert "avx512_bf16" in cpu_flags()
-    monkeypatch.setattr(lora_cpu, "_build", built)
+    monkeypatch.setattr(lora_cpu, "_kernel", KernelSlot.holding(built))
     return name
 
 
@@ -92,8 +93,8 @@ def test_every_build_matches_reference(build: str, mix: str, dtype: torch.dtype)
     y = run_cpu_kernel(y0.clone(), x, buffers, mapping)
     none_rows = [i for i, s in enumerate(slots) if s < 0]
     assert torch.equal(y[none_rows], y0[none_rows])
-    assert lora_cpu._build is not None
-    t_dtype = lora_cpu._build.t_dtype(dtype)  # bf16 in the AVX512-BF16 build: the reference rounds t as it does
+    assert lora_cpu.kernel_build() is not None
+    t_dtype = lora_cpu.kernel_build().t_dtype(dtype)  # bf16 in the AVX512-BF16 build: the reference rounds t as it does
     _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=t_dtype)
     y_torch = lora_torch.add_lora(y0.clone(), x.contiguous(), a, bt.transpose(1, 2), mapping)
     if dtype == torch.float32:
@@ -145,8 +146,8 @@ def test_every_build_matches_reference_at_high_ranks(build: str, case: str, dtyp
     y0 = torch.randn(len(slots), offsets[-1], generator=g).to(dtype)
     mapping = LoRABatchMapping.build(slots, "cpu", max_loras=4)
     y = run_cpu_kernel(y0.clone(), x, make_buffers(a_nan, bt_nan, offsets, ranks, max_rank), mapping)
-    assert lora_cpu._build is not None
-    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=lora_cpu._build.t_dtype(dtype))
+    assert lora_cpu.kernel_build() is not None
+    _, delta = naive_lora(x, a, bt.transpose(1, 2), slots, scale=1.0, t_dtype=lora_cpu.kernel_build().t_dtype(dtype))
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), y0.double() + delta, atol=1e-4, rtol=1e-4)
     else:

@@ -27,6 +27,7 @@ from loraserve.batch.lora_layout import LoRALayout
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora import ops
 from loraserve.lora.ops import LoRABuffers, lora_cpu, lora_torch
+from loraserve.native.kernel_slot import KernelSlot
 
 
 def _zipf_slots(num_tokens: int, num_slots: int, seed: int) -> list[int]:
@@ -289,8 +290,7 @@ def test_cpu_kernel_off_or_unbuildable_falls_back(monkeypatch: pytest.MonkeyPatc
     assert not lora_cpu.kernel_available()
     monkeypatch.delenv("LORASERVE_CPU_LORA_KERNEL")
     # A compiler that fails: the kernel is reported unavailable (with the reason), nothing raises.
-    monkeypatch.setattr(lora_cpu, "_loaded", False)
-    monkeypatch.setattr(lora_cpu, "_build", None)
+    monkeypatch.setattr(lora_cpu, "_kernel", KernelSlot(lora_cpu._build_and_log, lora_cpu.envs.cpu_lora_kernel))
     monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     assert not lora_cpu.kernel_available() and not lora_cpu.write_kernel_available()

@@ -12,7 +12,8 @@ import torch
 from support.adapter_files import unsafe_configs
 
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
-from loraserve.lora.peft_helper import MAX_CONFIG_DEPTH, PEFTHelper
+from loraserve.json_limits import MAX_JSON_DEPTH as MAX_CONFIG_DEPTH
+from loraserve.lora.peft_helper import PEFTHelper
 
 
 def _write(folder: Path, config: Any) -> Path:
@@ -76,6 +77,32 @@ def test_parses_fields(tmp_path: Path) -> None:
         ({"alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens", "is not supported"),
         ({"init_lora_weights": "pissa"}, "init_lora_weights", "modify the base weights"),
         ({"target_parameters": ["experts.w1"]}, "target_parameters", "is not supported"),
+        # Trainable tokens (vLLM refuses these at load): the module and the index are named.
+        (
+            {"trainable_token_indices": [3, -2]},
+            "trainable_token_indices",
+            r"embed_tokens index -2 \(at position 1\) is negative",
+        ),
+        (
+            {"trainable_token_indices": [7, 4, 7]},
+            "trainable_token_indices",
+            r"embed_tokens index 7 \(at position 2\) is repeated",
+        ),
+        (
+            {"trainable_token_indices": {"lm_head": [1, 1]}},
+            "trainable_token_indices",
+            "lm_head index 1 .* is repeated",
+        ),
+        (
+            {"trainable_token_indices": {"model.embed_tokens": [5], "lm_head": []}},
+            "trainable_token_indices",
+            "the list of lm_head is empty",
+        ),
+        (
+            {"trainable_token_indices": {"embed_tokens": [0, -1]}},
+            "trainable_token_indices",
+            "embed_tokens index -1 .* is negative",
+        ),
         # Sizes: each entry is matched against every module of the model.
         ({"target_modules": ["q_proj"] * 1025}, "target_modules", "1025 entries, more than the 1024 allowed"),
         ({"exclude_modules": ["o_proj"] * 2000}, "exclude_modules", "2000 entries"),
@@ -121,7 +148,7 @@ def test_config_nesting_is_bounded_before_decoding(tmp_path: Path) -> None:
     deep = '{"r": 8, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
     with pytest.raises(
         LoRAAdapterError,
-        match="'deep': adapter_config.json nests 100001 levels deep, more than the 32 allowed",
+        match="'deep': adapter_config.json nests 100001 levels deep, more than the 64 allowed",
     ) as info:
         PEFTHelper.from_local_dir(_write(tmp_path / "deep", deep), "deep", max_lora_rank=16)
     assert type(info.value) is LoRAAdapterError

@@ -28,6 +28,7 @@ from support.lora_reference import (
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.lora.ops import lora_cpu, lora_torch
 from loraserve.native.build import cpu_flags
+from loraserve.native.kernel_slot import KernelSlot
 
 # Slot per token, with one slot at several scales (0.3, 1.0, -0.5, 2.0 on slot 2), base tokens between.
 SLOTS = [2, 2, -1, 0, 2, 2, 5, 5, -1, 0, 2, 3]
@@ -127,7 +128,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> l
         pytest.skip(f"the {request.param} build needs an x86-64 CPU with {sorted(needs)}")
     built = lora_cpu.build_kernels(flags)
     assert built is not None
-    monkeypatch.setattr(lora_cpu, "_build", built)
+    monkeypatch.setattr(lora_cpu, "_kernel", KernelSlot.holding(built))
     return built
 
 

@@ -102,7 +102,7 @@ def test_filesystem_resolver_refuses_an_adapter_for_another_base(tmp_path) -> No
         ("not json", "is not valid JSON"),
         ("[1, 2]", "must hold a JSON object, got list"),
         ('{"base_model_name_or_path": "org/base-model"}', "got None .field 'peft_type'"),
-        ("[" * 40 + "]" * 40, "nests 40 levels deep"),
+        ("[" * 70 + "]" * 70, "nests 70 levels deep"),
     ],
 )
 def test_filesystem_resolver_refuses_bad_configs_saying_why(tmp_path, config: str, reason: str) -> None:

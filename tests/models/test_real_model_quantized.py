@@ -70,7 +70,9 @@ def test_quantized_greedy_equals_dequantized(
         for i, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
             entry = scored[len(prompt) + i]
             best = max(value.logprob for value in entry.values())
-            assert best - entry[token].logprob <= RANK_TOL, f"token {i} of {prompt}: the oracle ranks it far below"
+            assert best - entry[token].logprob <= RANK_TOL, (
+                f"token {i} of {prompt}: the oracle ranks it far below"
+            )
             assert abs(entry[token].logprob - logprob) <= TOL, f"token {i} of {prompt}: logprob differs"
             diffs.append(abs(entry[token].logprob - logprob))
     assert sum(diffs) / len(diffs) <= MEAN_TOL

@@ -47,7 +47,7 @@ def probe_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
 def _load(package: str, arch: str | None = None) -> ctypes.CDLL:
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
-    lib = build.load_library(package, "probe.c", arch=arch)
+    lib = build.load_library("probe.c", arch=arch, package=package)
     assert lib is not None, "the probe did not build (is the header beside it?)"
     lib.probe_round.argtypes, lib.probe_round.restype = [ctypes.c_float], ctypes.c_float
     return lib
@@ -119,5 +119,5 @@ def test_a_kernel_split_into_parts_compiles_with_them_and_rebuilds_when_one_chan
 
 
 def test_the_attention_kernels_parts_ship_with_the_package() -> None:
-    names = [name for name, _ in build._kernel_parts("loraserve.layers", "paged_attention")]
+    names = [name for name, _ in build._kernel_parts(build.KERNELS, "paged_attention")]
     assert "paged_attention_scores.h" in names and all(n.startswith("paged_attention_") for n in names)

@@ -93,6 +93,7 @@ class FakeEngine:
     shutdown_error: BaseException | None = None
     waiting: dict[str, int] = field(default_factory=dict)  # reported as waiting_by_adapter (adapter -> count)
     admitted_clients: list[str | None] = field(default_factory=list)  # the client id of every admit()
+    eos_after: int | None = None  # each sequence "writes eos" (finish_reason "stop") after this many tokens
     _admission: FairAdmission | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -130,9 +131,7 @@ class FakeEngine:
     ) -> list[int]:
         vocab = self.model_config.vocab_size
         assert params.max_tokens is not None
-        return [
-            toy_next_token(prompt_ids, lora_id, index, step, vocab) for step in range(params.max_tokens)
-        ]
+        return [toy_next_token(prompt_ids, lora_id, index, step, vocab) for step in range(params.max_tokens)]
 
     def _sequence(
         self, prompt_ids: list[int], params: SamplingParams, lora_id: int, index: int, step: int
@@ -140,6 +139,13 @@ class FakeEngine:
         ids = self.expected_token_ids(prompt_ids, params, lora_id, index)[: step + 1]
         text = self.tokenizer.decode(ids)
         finish = "length" if len(ids) == params.max_tokens else None
+        if (
+            self.eos_after is not None
+            and len(ids) == self.eos_after
+            and finish is None
+            and not params.ignore_eos
+        ):
+            finish = "stop"
         for stop in params.stop or []:
             if stop in text:
                 text, finish = text[: text.index(stop)], "stop"
@@ -183,6 +189,7 @@ class FakeEngine:
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        client_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.priorities_seen.append(priority)
         if isinstance(prompt, dict):  # {"prompt_token_ids": ids, "cache_salt": salt}
@@ -230,13 +237,13 @@ class FakeEngine:
                 self._changed.notify_all()
 
     async def admit(
-        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None, limits: Any = None
     ) -> AdmissionHold:
         """The real gate (`FairAdmission`) over `scheduler_config`, as `AsyncLLMEngine.admit`."""
         if self._admission is None:
             self._admission = FairAdmission(self.scheduler_config)
         self.admitted_clients.append(client_id)
-        return await self._admission.admit(num_seqs, num_prefill_tokens, client_id)
+        return await self._admission.admit(num_seqs, num_prefill_tokens, client_id, limits)
 
     async def check_admission(self, num_seqs: int, num_prefill_tokens: int) -> None:
         """Like the real engine's, against `scheduler_config` and the requests running now."""

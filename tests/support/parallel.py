@@ -48,7 +48,9 @@ def module_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test's group: "smollm2" for the modules that use SmolLM2's session fixtures, else its module
     (a module is never split: its module-scoped fixtures would be built on two workers at once)."""
-    smollm2 = {module_of(item) for item in items if SMOLLM2_FIXTURES.intersection(getattr(item, "fixturenames", ()))}
+    smollm2 = {
+        module_of(item) for item in items if SMOLLM2_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    }
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             module = module_of(item)

@@ -27,7 +27,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from loraserve import envs
 from loraserve.beam_search import BeamSearchParams
-from loraserve.engine.fair_admission import AdmissionHold, unlimited_hold
+from loraserve.engine.fair_admission import AdmissionHold, ClientLimits, unlimited_hold
 from loraserve.entrypoints.ray.deployment import ReplicaHello, ReplicaInfo
 from loraserve.entrypoints.ray.known_replicas import known_replica_ids, note_loaded
 from loraserve.entrypoints.ray.replica_header import note_replica
@@ -94,13 +94,14 @@ class ReplicaClient:
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        client_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         model_id = lora_request.version_key if lora_request is not None else ""
         for attempt in range(2):
             self._check_open()
             handle = self._handle.options(stream=True, multiplexed_model_id=model_id)
             stream = handle.generate.remote(
-                prompt, sampling_params, request_id, lora_request, group_id, priority
+                prompt, sampling_params, request_id, lora_request, group_id, priority, client_id
             )
             self._streams[request_id] = stream
             replica_id: str | None = None
@@ -117,11 +118,16 @@ class ReplicaClient:
             except _REPLICA_LOST as exc:
                 if has_output or attempt > 0 or self._closed:
                     raise _lost(replica_id, exc) from None
-                logger.warning("Replica %s was lost before request %s started; sending it again.",
-                               replica_id or "(unknown)", request_id)
+                logger.warning(
+                    "Replica %s was lost before request %s started; sending it again.",
+                    replica_id or "(unknown)",
+                    request_id,
+                )
             except RequestCancelledError:
                 if self._closed:
-                    raise EngineShutdownError("The server is shutting down; the request did not finish.") from None
+                    raise EngineShutdownError(
+                        "The server is shutting down; the request did not finish."
+                    ) from None
                 raise
             except RayTaskError as exc:
                 raise _unwrapped(exc) from None
@@ -136,7 +142,11 @@ class ReplicaClient:
             stream.cancel()
 
     async def admit(
-        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+        self,
+        num_seqs: int,
+        num_prefill_tokens: int,
+        client_id: str | None = None,
+        limits: ClientLimits | None = None,
     ) -> AdmissionHold:
         """Each replica's engine checks every request it is given (the per-request share included);
         a call of more than one sequence asks the least loaded replica first (advisory: its prompts
@@ -195,7 +205,9 @@ class ReplicaClient:
 
     async def _remove_on(self, replica_ids: set[str], lora_id: int) -> bool:
         calls = [
-            self._call(self._handle.options(multiplexed_model_id=TARGET_PREFIX + rid).remove_lora.remote(lora_id))
+            self._call(
+                self._handle.options(multiplexed_model_id=TARGET_PREFIX + rid).remove_lora.remote(lora_id)
+            )
             for rid in sorted(replica_ids)
         ]
         removed = False
@@ -224,8 +236,11 @@ class ReplicaClient:
             return dict(await asyncio.wait_for(self._call(response), self.stats_timeout_s))
         except Exception as exc:  # TimeoutError, a lost replica, or its own failure: skipped this scrape
             response.cancel()
-            logger.warning("Replica %s gave no engine stats for /metrics (%s); left out of this scrape.",
-                           replica_id, type(exc).__name__)
+            logger.warning(
+                "Replica %s gave no engine stats for /metrics (%s); left out of this scrape.",
+                replica_id,
+                type(exc).__name__,
+            )
             return None
         except asyncio.CancelledError:  # the scrape itself went away
             response.cancel()

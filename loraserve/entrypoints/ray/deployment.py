@@ -72,6 +72,7 @@ class EngineReplica:
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        client_id: str | None = None,
     ) -> AsyncIterator[ReplicaHello | RequestOutput]:
         yield ReplicaHello(self.replica_id)
         if lora_request is not None:
@@ -80,7 +81,7 @@ class EngineReplica:
         self._in_flight[name] += 1  # counted as resident from now: the router sends its next ones here
         try:
             outputs = self.engine.generate(
-                prompt, sampling_params, request_id, lora_request, group_id, priority
+                prompt, sampling_params, request_id, lora_request, group_id, priority, client_id
             )
             async for output in outputs:
                 yield output

@@ -18,13 +18,16 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class QuantType:
-    """One block format: `ggml_type` is GGML's enum value (GGUF's tensor type), `code` the kernels'."""
+    """One block format: `ggml_type` is GGML's enum value (GGUF's tensor type), `code` the kernels'.
+    A row-layout type (`rows_of` names its GGUF format) holds the same bytes per row, reordered for the
+    decode kernel (see `repack_rows`); it exists only in memory."""
 
     name: str
     ggml_type: int
     block_size: int
     type_size: int
     code: int
+    rows_of: str | None = None
 
 
 QUANT_TYPES: dict[str, QuantType] = {
@@ -37,6 +40,16 @@ QUANT_TYPES: dict[str, QuantType] = {
         QuantType("Q5_K", 13, 256, 176, 4),
         QuantType("Q6_K", 14, 256, 210, 5),
     )
+}
+# The in-memory row layouts of the per-32 formats (`repack_rows`), by the file format they hold.
+ROW_TYPES: dict[str, QuantType] = {
+    t.rows_of: t
+    for t in (
+        QuantType("Q8_0R", 8, 32, 34, 6, rows_of="Q8_0"),
+        QuantType("Q4_0R", 2, 32, 18, 7, rows_of="Q4_0"),
+        QuantType("Q4_1R", 3, 32, 20, 8, rows_of="Q4_1"),
+    )
+    if t.rows_of is not None
 }
 
 
@@ -127,8 +140,59 @@ def _dequantize_blocks(b: torch.Tensor, name: str) -> torch.Tensor:
 def dequantize(blocks: torch.Tensor, qtype: QuantType, shape: tuple[int, int]) -> torch.Tensor:
     """The float32 [out, in] weight that `blocks` (uint8 [out, row_bytes]) encode in `qtype`."""
     out, inp = shape
+    if qtype.rows_of is not None:
+        blocks, qtype = unpack_rows(blocks, qtype, inp), QUANT_TYPES[qtype.rows_of]
     flat = blocks.reshape(-1, qtype.type_size)
     return _dequantize_blocks(flat, qtype.name).reshape(out, inp)
+
+
+def _row_fields(qtype: QuantType) -> tuple[int, int]:
+    """(bytes of float16 fields, bytes of quants) per block of a per-32 format."""
+    fields = 4 if qtype.name.startswith("Q4_1") else 2
+    return fields, qtype.type_size - fields
+
+
+def repack_rows(tensor: QuantTensor) -> QuantTensor:
+    """Q8_0 / Q4_0 / Q4_1 in their row layout (any other tensor as it is), the same bytes per row:
+    the row's float16 scales (nb of them), then Q4_1's mins, then the quants, so the decode kernel reads
+    8 blocks' scales in one load and two blocks' quants in one 256-bit register. Quants of a pair of
+    blocks (b, b + 1) go as: Q4_x, b's 16 nibble bytes then b + 1's (a register's low nibbles are then
+    weights 0-15 of b and of b + 1, its high ones 16-31); Q8_0, b's bytes 0-15, b + 1's 0-15, b's 16-31,
+    b + 1's 16-31 (the same order). An odd row's last block keeps its own order. The activations are
+    permuted to match (the kernel's quantize_x)."""
+    row_type = ROW_TYPES.get(tensor.qtype.name)
+    if row_type is None:
+        return tensor
+    out, inp = tensor.shape
+    nb = inp // 32
+    fields, qbytes = _row_fields(tensor.qtype)
+    b = tensor.blocks.reshape(out, nb, tensor.qtype.type_size)
+    scales = b[:, :, :fields].reshape(out, nb, fields // 2, 2).transpose(1, 2).reshape(out, nb * fields)
+    quants = b[:, :, fields:]
+    if qbytes == 32:  # Q8_0: pairs interleaved by halves
+        even = nb // 2 * 2
+        pairs = quants[:, :even].reshape(out, nb // 2, 2, 2, 16).transpose(2, 3).reshape(out, even * 32)
+        quants = torch.cat([pairs, quants[:, even:].reshape(out, -1)], dim=1)
+    rows = torch.cat([scales, quants.reshape(out, nb * qbytes)], dim=1).contiguous()
+    return QuantTensor(rows, row_type, tensor.shape)
+
+
+def unpack_rows(blocks: torch.Tensor, qtype: QuantType, inp: int) -> torch.Tensor:
+    """The GGUF blocks [rows, row_bytes] of `qtype`'s row layout (`repack_rows` undone)."""
+    source = QUANT_TYPES[qtype.rows_of or qtype.name]
+    rows, nb = blocks.shape[0], inp // 32
+    fields, qbytes = _row_fields(source)
+    scales = (
+        blocks[:, : nb * fields].reshape(rows, fields // 2, nb, 2).transpose(1, 2).reshape(rows, nb, fields)
+    )
+    quants = blocks[:, nb * fields :]
+    if qbytes == 32:
+        even = nb // 2 * 2
+        pairs = (
+            quants[:, : even * 32].reshape(rows, nb // 2, 2, 2, 16).transpose(2, 3).reshape(rows, even, 32)
+        )
+        quants = torch.cat([pairs, quants[:, even * 32 :].reshape(rows, -1, 32)], dim=1)
+    return torch.cat([scales, quants.reshape(rows, nb, qbytes)], dim=2).reshape(rows, nb * source.type_size)
 
 
 def reference_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,6 @@ F.linear.
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,20 +20,21 @@ import torch
 import torch.nn.functional as F
 
 from loraserve import envs
-from loraserve.layers.quant.formats import QuantTensor
+from loraserve.layers.quant.formats import QuantTensor, repack_rows
 from loraserve.native.build import function_address, load_library
+from loraserve.native.kernel_slot import KernelSlot
 
-# At most this many rows take the integer path. Measured (1 thread, a 3072 x 576 weight, AVX512-VNNI
-# Xeon): int8 against the tile path at 24 rows 1405 vs 1618 us (Q4_1), 1251 vs 1829 (Q8_0), 1718 vs
-# 1652 (Q4_K); at 32 rows the tile path wins but for Q8_0. The integer path's cost grows with the rows
-# (each row's dot products), the tile path's hardly (its dequantizing does not).
-DECODE_ROWS = 24
+# At most this many rows take the integer path. Measured after the super-block and row-layout loops
+# (AVX2 EPYC, family 25 model 1, 1 thread, float32 x; tile-path time over integer-path time) at 8 / 24 /
+# 32 / 48 rows: Q4_1 1536x576 2.24 / 1.24 / 1.10 / 1.00; Q8_0 8192x2048 2.82 / 1.65 / 1.40 / 1.28; Q4_K
+# 8192x2048 3.23 / 1.71 / 1.18 / 0.87-1.47; Q6_K 2048x8192 4.02 / 2.05 / 1.92 / 1.63. Past 32 rows a
+# format or two break even: the integer path's cost grows with the rows (each row's dot products, the
+# weights unpacked again per 4 rows), the tile path's hardly (its dequantizing does not), so a 32-sequence
+# decode step stays integer and prefill takes the tiles.
+DECODE_ROWS = 32
 TILE_BYTES = 1 << 20  # a dequantized tile of the prefill path: about L2's size
 PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_lock = threading.Lock()
-_lib: Any = None
-_loaded = False
 
 
 def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
@@ -42,7 +42,7 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     # No contraction: the tile path rounds s * q + add twice, as the torch twin does (a per-function
     # optimize attribute instead keeps GCC from inlining the vector helpers: 5x slower).
     flags = ("-ffp-contract=off", *extra_flags)
-    lib = load_library("loraserve.layers", "quant_kernel.c", extra_flags=flags)
+    lib = load_library("quant_kernel.c", extra_flags=flags)
     if lib is None:
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -55,22 +55,15 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     return lib
 
 
+_kernel: KernelSlot[Any] = KernelSlot(build_kernel)
 def kernel_library() -> Any:
-    """The loaded kernel (built once per process), or None where it cannot be built."""
-    global _lib, _loaded
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                _lib = build_kernel()
-                _loaded = True
-    return _lib
+    """The loaded kernel (built once per process), or None without a build."""
+    return _kernel.get()
 
 
 def use_library(lib: Any) -> None:
     """Swap in another build (tests run every code path on one CPU this way; None: the twin)."""
-    global _lib, _loaded
-    with _lock:
-        _lib, _loaded = lib, True
+    _kernel.use(lib)
 
 
 def kernel_path() -> str:
@@ -135,8 +128,10 @@ def stack_binding(parts: list[QuantWeight | None], dtype: torch.dtype) -> tuple[
 
 
 def prepare(tensor: QuantTensor, act_levels: int | None = None) -> QuantWeight:
-    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU); `act_levels` None takes
-    LORASERVE_CPU_QUANT_ACT_LEVELS (default 1)."""
+    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU; Q8_0 / Q4_0 / Q4_1 in their
+    row layout, `formats.repack_rows`); `act_levels` None takes LORASERVE_CPU_QUANT_ACT_LEVELS
+    (default 1)."""
+    tensor = repack_rows(tensor)  # the loaders repack already (an embedding shares the head's bytes)
     blocks = tensor.blocks.contiguous().cpu()
     levels = envs.cpu_quant_act_levels() if act_levels is None else act_levels
     if levels not in (1, 2):
@@ -163,7 +158,7 @@ def linear(
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=x.dtype) if out is None else out
-    lib = _lib if _loaded else kernel_library()
+    lib = _kernel.get()
     if lib is None:
         y.copy_(F.linear(rows, weight.tensor.dequantize(x.dtype), bias))
     elif rows.shape[0] <= DECODE_ROWS:

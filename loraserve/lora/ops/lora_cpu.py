@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from loraserve import envs
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.native.build import load_library
+from loraserve.native.kernel_slot import KernelSlot
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +65,12 @@ class LayerArgs:
     c_layer: ctypes.Array[ctypes.c_int64]  # the kernel's `layer` array (see lora_fused in lora_kernel.c)
 
 
-_lock = threading.Lock()
-_build: KernelBuild | None = None  # once loaded
-_loaded = False
 
 
 def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild | None:
     """A build of lora_kernel.c, or None when it cannot be built. `extra_flags` (see `load_library`)
     select another of its code paths: tests run them all on one CPU."""
-    lib = load_library("loraserve.lora.ops", "lora_kernel.c", extra_flags=extra_flags)
+    lib = load_library("lora_kernel.c", extra_flags=extra_flags)
     if lib is None:
         return None
     try:
@@ -93,20 +90,20 @@ def build_kernels(extra_flags: tuple[str, ...] = ()) -> KernelBuild | None:
     return KernelBuild(fused, write, ranges, frozenset(name for i, name in enumerate(CODE_PATHS) if bits >> i & 1))
 
 
+def _build_and_log() -> KernelBuild | None:
+    build = build_kernels()
+    if build is not None:
+        logger.info("CPU LoRA kernel ready (code paths: %s)", ", ".join(sorted(build.code_paths)) or "C")
+    return build
+
+
+# The switch is read on every call; the build happens once (`serves` asks for every layer of every step).
+_kernel: KernelSlot[KernelBuild] = KernelSlot(_build_and_log, envs.cpu_lora_kernel)
+
+
 def kernel_build() -> KernelBuild | None:
-    """Builds (once per process) and loads the kernels; None if disabled or they cannot be built."""
-    global _build, _loaded
-    if not envs.cpu_lora_kernel():
-        return None
-    if not _loaded:  # the lock only until the load: `serves` asks for every layer of every step
-        with _lock:
-            if not _loaded:
-                _build = build_kernels()
-                _loaded = True
-                if _build is not None:
-                    logger.info("CPU LoRA kernel ready (code paths: %s)",
-                                ", ".join(sorted(_build.code_paths)) or "C")
-    return _build
+    """The kernels (built once per process), or None if disabled or they cannot be built."""
+    return _kernel.get()
 
 
 def fused_function() -> Any:
@@ -135,10 +132,11 @@ def write_blocks(records: array, scales: array) -> None:
     """Run the slot writes `records` (RECORD_LEN int64 per block; see lora_kernel.c) with their `scales`."""
     if len(records) != RECORD_LEN * len(scales) or records.typecode != "q" or scales.typecode != "f":
         raise ValueError(f"write_blocks needs {RECORD_LEN} int64 values and one float32 scale per block")
-    assert _build is not None
+    build = _kernel.current()
+    assert build is not None
     records_ptr, _ = records.buffer_info()
     scales_ptr, _ = scales.buffer_info()
-    _build.write(len(scales), records_ptr, scales_ptr, torch.get_num_threads())
+    build.write(len(scales), records_ptr, scales_ptr, torch.get_num_threads())
 
 
 def layer_args(
@@ -212,7 +210,8 @@ def run(x: torch.Tensor, y: torch.Tensor, args: LayerArgs, mapping: LoRABatchMap
     AVX512-BF16, denormals count as zero (vdpbf16ps flushes them).
 
     x [T, in]; y [T, out], updated in place and returned; both of the buffers' dtype."""
-    assert mapping.cpu_kernel_args is not None and _build is not None
+    build = _kernel.current()
+    assert mapping.cpu_kernel_args is not None and build is not None
     if not (x.is_cpu and y.is_cpu and x.dim() == 2 and y.dim() == 2 and y.stride(1) == 1):
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} must be 2-D CPU rows, y's unit-stride")
     if x.stride(1) != 1:
@@ -225,7 +224,7 @@ def run(x: torch.Tensor, y: torch.Tensor, args: LayerArgs, mapping: LoRABatchMap
         raise ValueError(f"x ({x.dtype}) and y ({y.dtype}) are not of the LoRA buffers' dtype {args.dtype}")
     if mapping.active_slots and mapping.active_slots[-1] >= args.num_slots:
         raise ValueError(f"slot {mapping.active_slots[-1]} is out of range for a layer of {args.num_slots} slots")
-    status = _build.fused(args.c_layer, mapping.cpu_kernel_args, x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
+    status = build.fused(args.c_layer, mapping.cpu_kernel_args, x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
                           torch.get_num_threads())
     if status != 0:
         raise MemoryError("CPU LoRA kernel could not allocate its scratch buffer")

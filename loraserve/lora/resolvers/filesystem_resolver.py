@@ -11,12 +11,12 @@ server may still accept when the name is one it serves under).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 
 from loraserve import envs
 from loraserve.errors import LoRAAdapterBaseMismatchError, LoRAAdapterError
+from loraserve.lora.adapter_io import run_adapter_io
 from loraserve.lora.config_fields import CONFIG_NAME, shown
 from loraserve.lora.peft_helper import read_adapter_config
 from loraserve.lora.request import LoRARequest
@@ -100,7 +100,7 @@ class FilesystemResolver(LoRAResolver):
             logger.info("Adapter name %r does not name a folder inside the resolver directory.", lora_name)
             return None
         # File system work leaves the event loop: a slow disk must not stall every other request.
-        return await asyncio.to_thread(lora_request_from_path, lora_name, lora_path, base_model_name)
+        return await run_adapter_io(lora_request_from_path, lora_name, lora_path, base_model_name)
 
 
 def register_filesystem_resolver() -> None:

@@ -8,12 +8,12 @@ lets any client trigger downloads.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import posixpath
 from typing import Any
 
 from loraserve import envs
+from loraserve.lora.adapter_io import run_adapter_io
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAResolver, LoRAResolverRegistry
 from loraserve.lora.resolvers.filesystem_resolver import lora_request_from_path, path_inside
@@ -60,7 +60,7 @@ class HfHubResolver(LoRAResolver):
             return None
         repo_id, subpath = split
         try:
-            local_root = await asyncio.to_thread(self._download_if_adapter, repo_id, subpath)
+            local_root = await run_adapter_io(self._download_if_adapter, repo_id, subpath)
         except Exception as exc:  # a hub failure means "not found here" and must never fail the request
             logger.warning("Hub lookup of adapter %r in %s failed: %s", lora_name, repo_id, exc)
             return None
@@ -69,7 +69,7 @@ class HfHubResolver(LoRAResolver):
         lora_path = path_inside(local_root, subpath) if subpath else local_root
         if lora_path is None:
             return None
-        return await asyncio.to_thread(lora_request_from_path, lora_name, lora_path, base_model_name)
+        return await run_adapter_io(lora_request_from_path, lora_name, lora_path, base_model_name)
 
     def _download_if_adapter(self, repo_id: str, subpath: str) -> str | None:
         config_file = posixpath.join(subpath, "adapter_config.json") if subpath else "adapter_config.json"

@@ -80,7 +80,7 @@ def _write_resolver_adapters(root: Path, model_dir: str) -> None:
         shutil.copytree(root / "v1", resolver / name)
         config = resolver / name / "adapter_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": base}))
-    for name, text in (("deep", "[" * 50 + "]" * 50), ("not-lora", '{"peft_type": "IA3"}')):
+    for name, text in (("deep", "[" * 80 + "]" * 80), ("not-lora", '{"peft_type": "IA3"}')):
         (resolver / name).mkdir()
         (resolver / name / "adapter_config.json").write_text(text)
     assert json.loads((resolver / "pickled" / "adapter_config.json").read_text())["base_model_name_or_path"] == model_dir
@@ -215,7 +215,7 @@ def test_resolved_broken_adapters_show_no_server_paths(faults, name: str, phrase
     [
         ("other-base", ("trained for base model 'org/other-base'", "base_model_name_or_path")),
         ("other-local-base", ("trained for base model a local model path", "base_model_name_or_path")),
-        ("deep", ("adapter_config.json nests 50 levels deep",)),
+        ("deep", ("adapter_config.json nests 80 levels deep",)),
         ("not-lora", ("only LORA adapters are supported, got 'IA3'", "field 'peft_type'")),
     ],
 )

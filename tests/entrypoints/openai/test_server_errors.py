@@ -23,7 +23,6 @@ from loraserve.entrypoints.openai.server.api_server import ServerOptions
 API_KEY = "sk-test-key"
 
 
-
 @pytest.mark.parametrize(
     "body, status, param",
     [
@@ -194,9 +193,12 @@ def test_api_key(tokenizer, adapter_dir: str) -> None:
                 assert response.status_code == 401, (method, path, headers)
                 assert response.json()["error"]["code"] == 401
         assert server.http.get("/health").status_code == 200
+        # /ping is vLLM's health check (SageMaker): open as /health is, GET and POST.
+        assert server.http.get("/ping").status_code == server.http.post("/ping").status_code == 200
         for raw_path in (
             b"//v1/models",
             b"/health/../v1/models",
+            b"/ping/../v1/models",
             b"/%68ealth",
             b"/v1/models?x=/health",
             b"/health/",
@@ -261,5 +263,9 @@ def test_api_key_and_drain_behind_a_root_path(tokenizer) -> None:
         return seen
 
     assert asyncio.run(run()) == {
-        "health": 200, "models": 401, "models_key": 200, "metrics_draining": 200, "models_draining": 503,
+        "health": 200,
+        "models": 401,
+        "models_key": 200,
+        "metrics_draining": 200,
+        "models_draining": 503,
     }

@@ -167,6 +167,38 @@ def test_auto_reads_each_parsers_format(parser_server: tuple[str, RunningServer]
     assert plain["tool_calls"] == [] and plain["content"] and plain["finish_reason"] == "length"
 
 
+def test_auto_drops_calls_to_undeclared_functions(parser_server: tuple[str, RunningServer]) -> None:
+    """A hostile or hallucinating model calls a function the request never declared: the call is
+    dropped, streamed or not; an output whose every call is undeclared is plain content."""
+    name, server = parser_server
+    regex, _ = FORMATS[name]
+    one_undeclared = regex.replace("get_time", "rm_rf")
+    all_undeclared = one_undeclared.replace("get_weather", "drop_db")
+
+    async def main() -> list[dict[str, Any]]:
+        client = openai_client(server)
+        return [
+            await chat_choice(
+                client,
+                stream,
+                model="tiny",
+                tools=TOOLS,
+                temperature=0.0,
+                extra_body={"structured_outputs": {"regex": forced}},
+            )
+            for forced in (one_undeclared, all_undeclared)
+            for stream in (False, True)
+        ]
+
+    results = asyncio.run(main())
+    for result in results[:2]:
+        assert [c["name"] for c in result["tool_calls"]] == ["get_weather"], result
+        assert result["finish_reason"] == "tool_calls"
+    for result in results[2:]:
+        assert result["tool_calls"] == [] and result["finish_reason"] == "stop", result
+        assert "drop_db" in result["content"] and "rm_rf" in result["content"]
+
+
 def test_tools_and_tool_messages_go_through_the_template(server: RunningServer, tokenizer: Any) -> None:
     history = [
         *MESSAGES,

@@ -119,14 +119,17 @@ def test_a_cached_prompt_still_gets_every_prompt_logprob(stack: Any, model: str)
     prompt = _prompt(10 + len(model))
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     first = server.http.post("/v1/completions", json=body).json()
-    assert first["usage"]["prompt_tokens_details"] is None  # nothing cached yet
+    # Nothing cached yet: current vLLM still reports the details, with 0.
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     second = server.http.post("/v1/completions", json=body).json()
     cached = (len(prompt) - 1) // BLOCK * BLOCK  # whole blocks, the last token always computed
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
     with_logprobs = server.http.post("/v1/completions", json={**body, "prompt_logprobs": 1}).json()
     reference = _reference(oracle, MODELS[model], prompt)
     _check_prompt_logprobs(reference, prompt, with_logprobs["choices"][0]["prompt_logprobs"], 1)
-    assert with_logprobs["usage"]["prompt_tokens_details"] is None  # it computed its whole prompt
+    assert with_logprobs["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 0
+    }  # it computed its whole prompt
     assert with_logprobs["choices"][0]["text"] == second["choices"][0]["text"]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     chat = [{"role": "user", "content": "the same question, asked twice over"}]
@@ -235,6 +238,33 @@ def test_vllm_metrics_count_what_was_served(stack: Any) -> None:
     assert _value(after, "vllm:num_requests_running") == 0 and _value(after, "vllm:num_requests_waiting") == 0
     assert 0.0 <= _value(after, "vllm:kv_cache_usage_perc") <= 1.0
     assert ("vllm:kv_cache_usage_perc", (("engine", "0"), ("model_name", "tiny"))) in after
+    # Tokens per engine step (vLLM's histogram): one after the other, each request is a prefill step
+    # of its whole (uncached) prompt and three decode steps of one token.
+    assert grew("vllm:iteration_tokens_total_count") == 3 * 4
+    assert grew("vllm:iteration_tokens_total_sum") == sum(len(p) for p in prompts) + 3 * 3
+    buckets = {
+        labels: v for (name, labels), v in after.items() if name == "vllm:iteration_tokens_total_bucket"
+    }
+    bounds = sorted((float(dict(labels)["le"]), v) for labels, v in buckets.items())
+    assert [b for b, _ in bounds] == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, float("inf")]
+    assert all(a[1] <= b[1] for a, b in zip(bounds, bounds[1:])) and bounds[-1][1] == _value(
+        after, "vllm:iteration_tokens_total_count"
+    )
+    info = [
+        dict(labels) for (name, labels), v in after.items() if name == "vllm:cache_config_info" and v == 1
+    ]
+    assert info == [
+        {
+            "block_size": str(BLOCK),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "kv_cache_memory_bytes": str(16 << 20),
+            "num_gpu_blocks": info[0]["num_gpu_blocks"],
+            "num_cpu_blocks": "None",
+            "engine": "0",
+        }
+    ]
+    assert int(info[0]["num_gpu_blocks"]) > 0
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -249,10 +279,11 @@ def test_cache_salt_separates_prefix_caches(stack: Any, model: str) -> None:
         assert reply.status_code == 200, reply.text
         return reply.json()["usage"]["prompt_tokens_details"]
 
-    assert details(cache_salt="tenant-a") is None
+    none = {"cached_tokens": 0}
+    assert details(cache_salt="tenant-a") == none
     assert details(cache_salt="tenant-a") == {"cached_tokens": cached}  # the same salt shares blocks
-    assert details(cache_salt="tenant-b") is None  # another salt does not
-    assert details() is None  # nor a request without one
+    assert details(cache_salt="tenant-b") == none  # another salt does not
+    assert details() == none  # nor a request without one
     assert details() == {"cached_tokens": cached}
     chat = {
         "model": model,
@@ -261,4 +292,4 @@ def test_cache_salt_separates_prefix_caches(stack: Any, model: str) -> None:
     }
     first = server.http.post("/v1/chat/completions", json={**chat, "cache_salt": "s"}).json()["usage"]
     second = server.http.post("/v1/chat/completions", json={**chat, "cache_salt": "s"}).json()["usage"]
-    assert first["prompt_tokens_details"] is None and second["prompt_tokens_details"] is not None
+    assert first["prompt_tokens_details"] == none and second["prompt_tokens_details"]["cached_tokens"] > 0

@@ -1,6 +1,7 @@
 """vLLM's request fields the serving layer applies (fake engine, real server), base model and adapter:
-echo, request_id, truncate_prompt_tokens, return_token_ids, continue_final_message, documents, an
-empty model name, and vLLM's validation texts (priority, cache_salt, seed, top_logprobs)."""
+echo, request_id, truncate_prompt_tokens and truncation_side, return_token_ids, continue_final_message,
+documents, an empty model name, vLLM's validation texts (priority, cache_salt, seed, top_logprobs), and
+the null system_fingerprint and service_tier keys of every response and chunk."""
 
 from __future__ import annotations
 
@@ -282,3 +283,35 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_alone(
     assert "".join(c.choices[0].text for c in streamed if c.choices) == "just this"
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=model, prompt="just this", max_tokens=0)
+
+
+@pytest.mark.parametrize("model", ["base", "sql"])
+def test_truncation_side_right_keeps_the_first_tokens(server: RunningServer, tokenizer, model: str) -> None:
+    prompt = "one two three four five six seven eight"
+    ids = tokenizer.encode(prompt)
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "truncate_prompt_tokens": 3}
+    right = server.http.post("/v1/completions", json={**body, "truncation_side": "right"})
+    assert right.status_code == 200 and server.engine.prompts_seen[-1] == ids[:3]
+    assert right.json()["usage"]["prompt_tokens"] == 3
+    left = server.http.post("/v1/completions", json={**body, "truncation_side": "left"})
+    assert left.status_code == 200 and server.engine.prompts_seen[-1] == ids[-3:]
+    chat = {"model": model, "messages": MESSAGES, "max_tokens": 2, "truncate_prompt_tokens": 4}
+    reply = server.http.post("/v1/chat/completions", json={**chat, "truncation_side": "right"})
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert reply.status_code == 200
+    assert server.engine.prompts_seen[-1] == tokenizer.encode(rendered, add_special_tokens=False)[:4]
+    bad = server.http.post("/v1/completions", json={**body, "truncation_side": "middle"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation_side", bad.text
+
+
+def test_responses_and_chunks_carry_null_fingerprint_and_service_tier(server: RunningServer) -> None:
+    keys = {"system_fingerprint": None, "service_tier": None}
+    for path, body in (
+        ("/v1/completions", {"model": "sql", "prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": "base", "messages": MESSAGES, "max_tokens": 2}),
+    ):
+        whole = server.http.post(path, json=body).json()
+        assert {k: whole[k] for k in keys if k in whole} == keys, whole
+        events = server.sse_events(path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [e for e in events if e != "[DONE]"]
+        assert len(chunks) >= 3 and all({k: c[k] for k in keys if k in c} == keys for c in chunks), chunks

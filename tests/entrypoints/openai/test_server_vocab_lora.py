@@ -1,11 +1,16 @@
 """Adapters on the vocab modules over HTTP through the OpenAI client, on the real engine (tiny Llama):
 an adapter with LoRA on embed_tokens and lm_head, one with trainable tokens and a plain one, in one
 concurrent batch, each equal to the offline engine's greedy tokens and to PEFT's logprobs; a scale on
-the trainable-token adapter is a 400 naming why."""
+the trainable-token adapter is a 400 naming why; loading an adapter whose trainable_token_indices are
+negative, out of the vocabulary, repeated or an empty list is a 400 naming the adapter, the module and
+the index, and the server goes on serving."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -56,7 +61,9 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory):
         )
     )
     options = ServerOptions(
-        served_model_names=["tiny"], lora_modules=[LoRAModulePath(n, p) for n, p in paths.items()]
+        served_model_names=["tiny"],
+        lora_modules=[LoRAModulePath(n, p) for n, p in paths.items()],
+        allow_runtime_lora_updating=True,
     )
     with RunningServer(engine, options) as server:
         yield {"server": server, "paths": paths, "model_dir": model_dir}
@@ -108,3 +115,36 @@ def test_a_scale_on_trainable_tokens_is_a_400(stack: dict) -> None:
 
     with pytest.raises(openai.BadRequestError, match="replaces vocab weights"):
         stack["server"].call(scaled)
+
+
+@pytest.mark.parametrize(
+    ("indices", "message"),
+    [
+        ([5, -17, 33], "trainable_token_indices' in adapter_config.json"),
+        ([5, 17, 5], "embed_tokens index 5 (at position 2) is repeated"),
+        ({"embed_tokens": [5, 17, 33], "lm_head": []}, "the list of lm_head is empty"),
+        (
+            [5, 17, 100000],
+            "trainable_token_indices of model.embed_tokens: index 100000 (at position 2) is not below "
+            "the vocabulary size",
+        ),
+    ],
+)
+def test_bad_trainable_token_indices_are_refused_at_load(
+    stack: dict, tmp_path: Path, indices: Any, message: str
+) -> None:
+    folder = tmp_path / "bad-tokens"
+    shutil.copytree(stack["paths"]["tokens"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["trainable_token_indices"] = indices
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    http = stack["server"].http
+    reply = http.post("/v1/load_lora_adapter", json={"lora_name": "bad-tokens", "lora_path": str(folder)})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]["message"]
+    assert "LoRA adapter 'bad-tokens'" in error and message in error, error
+    if isinstance(indices, list) and -17 in indices:
+        assert "embed_tokens index -17 (at position 1) is negative" in error
+    assert all(card["id"] != "bad-tokens" for card in http.get("/v1/models").json()["data"])
+    ok = http.post("/v1/completions", json={"model": "tokens", "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text

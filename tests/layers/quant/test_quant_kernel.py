@@ -43,8 +43,9 @@ ROWS_OUT = [
 
 
 def _in_features(name: str) -> list[int]:
-    """K-quants take multiples of 256; the 32-blocks odd multiples of 32 too."""
-    return [256, 512] if QUANT_TYPES[name].block_size == 256 else [32, 96, 544]
+    """K-quants take multiples of 256; the 32-blocks odd multiples of 32 too, and rows whose blocks end
+    in a group of 8, a pair or one block (576: SmolLM2's width, 2 groups of 8 and a pair)."""
+    return [256, 512] if QUANT_TYPES[name].block_size == 256 else [32, 96, 544, 576]
 
 
 @pytest.fixture(params=list(BUILDS))
@@ -144,7 +145,9 @@ def test_decode_path_is_exact_for_activations_int8_represents(build: str, name: 
 
 
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
-def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(build: str, name: str) -> None:
+def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(
+    build: str, name: str
+) -> None:
     """float32 activations (q + q2 / 256) * 2^-5 with |q| <= 126, |q2| <= 127 and one 127 (q2 = 0) per
     block quantize to exactly q and q2: the result is the reference to float32 sums, so a second level
     that is dropped, truncated, coarser or mis-signed shows at once."""
@@ -199,3 +202,14 @@ def test_bad_inputs_are_refused() -> None:
         qk.linear(torch.randn(2, 32), weight)
     with pytest.raises(TypeError, match="float16"):
         qk.linear(torch.randn(2, 64).half(), weight)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_integer_path_over_several_row_blocks(build: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More rows than the kernel's 64-row blocks (as a caller past DECODE_ROWS may send): every block's
+    rows, the last one short, against the reference."""
+    monkeypatch.setattr(qk, "DECODE_ROWS", 10**6)
+    k = _in_features(name)[-1]
+    tensor = random_quant_tensor(QUANT_TYPES[name], 37, k, seed=9)
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(9))
+    _check(qk.linear(x, qk.prepare(tensor)), x, tensor, None)

@@ -37,6 +37,7 @@ _GROUPS = (
     "speculative decoding",
     "HTTP front end",
     "limits and shutdown",
+    "Responses API",
     "replicas (Ray Serve)",
 )
 EPILOG = (

@@ -104,12 +104,15 @@ def server_options(args: argparse.Namespace, frontend: FrontendOptions) -> Serve
     return ServerOptions(
         served_model_names=args.served_model_name or [],
         api_keys=list(server.api_key or []),
+        api_key_file=server.api_key_file,
         lora_modules=server.lora_modules,
         trust_request_chat_template=server.trust_request_chat_template,
         max_request_body_bytes=server.max_request_body_size,
         request_read_timeout_s=server.request_read_timeout,
         keep_alive_timeout_s=envs.http_keep_alive_timeout(),
         shutdown_timeout_s=server.shutdown_timeout,
+        responses_store_max_responses=server.responses_store_max_responses,
+        responses_store_max_bytes=server.responses_store_max_bytes,
         frontend=frontend,
     )
 
@@ -150,7 +153,8 @@ def log_startup(app: FastAPI, engine: Any, args: argparse.Namespace, sock: socke
     else:
         scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
         where = f"{scheme}://{args.host}:{sock.getsockname()[1]}"
-    logger.info("Serving on %s (API key %s).", where, "required" if args.api_key else "not required")
+    required = "required" if app.state.key_store.enabled else "not required"
+    logger.info("Serving on %s (API key %s).", where, required)
 
 
 def configure_logging() -> None:

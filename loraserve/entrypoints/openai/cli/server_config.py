@@ -24,6 +24,7 @@ from loraserve.options import check_options, option
 DEFAULT_SPREAD_QUEUE_DEPTH = 8
 _LIMITS = "limits and shutdown"
 _REPLICAS = "replicas (Ray Serve)"
+_RESPONSES = "Responses API"
 
 
 def lora_module(value: str) -> LoRAModulePath:
@@ -50,6 +51,26 @@ def _a_port(port: int) -> str | None:
     return None if 0 <= port <= 65535 else f"must be in 0..65535, got {port}."
 
 
+def _a_key_file(path: str | None) -> str | None:
+    """The key file must read and parse now: a server that starts must know its keys."""
+    if path is None:
+        return None
+    import yaml
+
+    from loraserve.entrypoints.openai.server.key_store import read_key_file
+    from loraserve.entrypoints.openai.serving.key_scopes import KeyFileError
+
+    try:
+        read_key_file(path)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or type(exc).__name__}"
+    except yaml.YAMLError:
+        return "is not valid YAML or JSON"
+    except KeyFileError as exc:
+        return f"is not valid: {exc}"
+    return None
+
+
 def _distinct_names(modules: list[LoRAModulePath]) -> str | None:
     seen: set[str] = set()
     for module in modules:
@@ -70,8 +91,16 @@ class ServerConfig:
         None,
         nargs="+",
         group="server",
-        help="Require 'Authorization: Bearer KEY' (any of the keys given) on every route but /health "
-        "(default: $LORASERVE_API_KEY).",
+        help="Require 'Authorization: Bearer KEY' (any of the keys given) on every route but /health and "
+        "/ping (default: $LORASERVE_API_KEY).",
+    )
+    api_key_file: str | None = option(
+        None,
+        group="server",
+        check=_a_key_file,
+        help="loraserve only: a YAML or JSON file of API keys, each with the adapters (names or glob "
+        "patterns) it may use, whether it may use the base model, load/unload under a name prefix, and "
+        "its own limits (docs/tenancy.md); re-read on SIGHUP. --api-key keys keep reaching everything.",
     )
     trust_request_chat_template: bool = option(
         False,
@@ -110,6 +139,20 @@ class ServerConfig:
         group=_LIMITS,
         help="On SIGTERM, seconds running requests may take to finish before they end with 503 "
         "(streams: an error event, then [DONE]); 0 ends them at once (default: %(default)s).",
+    )
+    responses_store_max_responses: int = option(
+        1024,
+        type=positive_int,
+        group=_RESPONSES,
+        help="Responses API: how many responses created with store=true are kept for GET /v1/responses/{id} "
+        "and previous_response_id; the oldest are evicted first (default: %(default)s).",
+    )
+    responses_store_max_bytes: int = option(
+        256 << 20,
+        type=positive_int,
+        group=_RESPONSES,
+        help="Responses API: the stored responses and the conversations they end take at most this many "
+        "bytes (serialized), e.g. 1GiB; the oldest are evicted first (default: 256MiB).",
     )
     replicas: int = option(
         1,

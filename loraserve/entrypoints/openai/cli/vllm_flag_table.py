@@ -180,7 +180,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     # ---- CacheConfig -------------------------------------------------------------------------------
     notice(
         "--gpu-memory-utilization",
-        "the KV cache is sized by --kv-cache-memory (default 1GiB), not by a share of device memory",
+        "the KV cache is sized by --kv-cache-memory (default: a share of the available memory), not by --gpu-memory-utilization",
         harmless=_number(lambda v: 0 < v <= 1),
     ),
     notice(

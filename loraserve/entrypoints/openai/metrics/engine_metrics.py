@@ -7,7 +7,8 @@ families of several engines that share a name into one (Prometheus allows each n
 The generic export: numbers become gauges (counters for the monotonic keys in `_COUNTERS`, exported
 with Prometheus' `_total` suffix), `{adapter: count}` maps become gauges labelled `lora_name` ("" is
 the base model). Lists (new observations) are not families: `metrics.py` adds them to histograms named
-by `metric_name`. The LoRA residency and request-info metrics are `lora_metrics.py`'s.
+by `metric_name`. The LoRA residency and request-info metrics are `lora_metrics.py`'s; the iteration
+tokens, the cache config and speculative decoding's counters are vLLM's only (`vllm_metrics.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loraserve.entrypoints.openai.metrics.lora_metrics import OWN_KEYS, lora_families
-from loraserve.entrypoints.openai.metrics.spec_metrics import SPEC_KEY
+from loraserve.entrypoints.openai.metrics.vllm_metrics import ENGINE_OWN_KEYS
 
 PREFIX = "loraserve:"
 # Engine stats keys with a fixed public name; any other key is exported as PREFIX + key.
@@ -30,7 +31,14 @@ _RENAMED = {
     "waiting_by_adapter": "num_requests_waiting_by_lora",
 }
 # Engine stats keys that only ever grow: exported as counters, so rate() and alerts work on them.
-_COUNTERS = {"num_step_failures": "Engine steps that raised; their requests failed, the engine went on."}
+_COUNTERS = {
+    "num_step_failures": "Engine steps that raised; their requests failed, the engine went on.",
+    "num_request_failures": "Requests whose own sampling or beam round raised; they failed alone, their batch went on.",
+    "grammar_compiles": "Grammars compiled by the compile worker processes.",
+    "grammar_compile_timeouts": "Grammar compiles killed at --structured-outputs-compile-timeout (a 400 each).",
+    "grammar_compiles_cancelled": "Grammar compiles withdrawn because their requests went away.",
+    "grammar_compile_workers_started": "Grammar compile worker processes started (a killed one is replaced).",
+}
 
 
 def metric_name(key: str) -> str:
@@ -40,7 +48,7 @@ def metric_name(key: str) -> str:
 def _generic_families(stats: Mapping[str, Any], extra: Mapping[str, str]) -> Iterator[Metric]:
     names, values = list(extra), list(extra.values())
     for key, value in sorted(stats.items()):
-        if key in OWN_KEYS or key == SPEC_KEY:  # (their own families)
+        if key in OWN_KEYS or key in ENGINE_OWN_KEYS:
             continue
         name = metric_name(key)
         family: GaugeMetricFamily | CounterMetricFamily
@@ -60,7 +68,9 @@ def _generic_families(stats: Mapping[str, Any], extra: Mapping[str, str]) -> Ite
         yield family
 
 
-def stats_families(stats: Mapping[str, Any], now: float, extra: Mapping[str, str] | None = None) -> list[Metric]:
+def stats_families(
+    stats: Mapping[str, Any], now: float, extra: Mapping[str, str] | None = None
+) -> list[Metric]:
     """Every family of one engine's stats; `extra` (label name -> value) is added to each sample, and
     `now` is the value of `lora_requests_info` (vLLM's scrape time)."""
     extra = dict(extra or {})

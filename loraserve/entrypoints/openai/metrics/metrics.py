@@ -110,6 +110,13 @@ class ServerMetrics:
             buckets=_LOAD_BUCKETS,
             registry=self.registry,
         )
+        # Per API key: the key's configured label (--api-key-file), never the key itself.
+        self.key_requests = Counter(
+            PREFIX + "api_key_requests",
+            "Requests that carried an API key, by the key's label ('key-<i>' for the i-th --api-key).",
+            ["api_key"],
+            registry=self.registry,
+        )
         self.vllm = VllmRequestMetrics(self.registry, model_name)
         self._engine_stats = _EngineStatsCollector(model_name=model_name)
         self.registry.register(self._engine_stats)

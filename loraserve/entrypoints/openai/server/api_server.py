@@ -7,19 +7,18 @@ the process around it (flags, model load, socket, uvicorn) is `launcher.py`'s.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraserve import __version__, envs
 from loraserve.entrypoints.openai.metrics.metrics import ServerMetrics
 from loraserve.entrypoints.openai.server.auth import APIKeyMiddleware
-from loraserve.entrypoints.openai.server.disconnect import ClientDisconnected, run_until_disconnect
 from loraserve.entrypoints.openai.server.frontend import (
     FrontendOptions,
     apply_to_app,
@@ -31,6 +30,9 @@ from loraserve.entrypoints.openai.server.http_guard import (
     RequestGuardMiddleware,
     ServerLifecycle,
 )
+from loraserve.entrypoints.openai.server.key_store import KeyStore
+from loraserve.entrypoints.openai.server.respond import respond, take_request_id_header
+from loraserve.entrypoints.openai.server.responses_routes import add_responses_routes
 from loraserve.entrypoints.openai.server.vllm_routes import Handler, LoadTracker, add_vllm_routes
 from loraserve.entrypoints.openai.serving.client_identity import ClientIdentityMiddleware
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient, ReplicaStatsSource
@@ -38,7 +40,6 @@ from loraserve.entrypoints.openai.serving.errors import (
     APIError,
     api_error_from_exception,
     error_response,
-    sse_error,
 )
 from loraserve.entrypoints.openai.serving.protocol import (
     ChatCompletionRequest,
@@ -46,6 +47,8 @@ from loraserve.entrypoints.openai.serving.protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from loraserve.entrypoints.openai.serving.responses.serving import OpenAIServingResponses
+from loraserve.entrypoints.openai.serving.responses.store import ResponseStore
 from loraserve.entrypoints.openai.serving.serving_chat import OpenAIServingChat
 from loraserve.entrypoints.openai.serving.serving_completion import OpenAIServingCompletion
 from loraserve.entrypoints.openai.serving.serving_models import (
@@ -67,6 +70,7 @@ class ServerOptions:
 
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     api_keys: list[str] = field(default_factory=list)
+    api_key_file: str | None = None  # keys with scopes (serving/key_scopes.py), re-read on SIGHUP
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     allow_runtime_lora_updating: bool | None = None  # None: read the environment
     trust_request_chat_template: bool = False  # a request's own chat template runs only when True
@@ -74,6 +78,8 @@ class ServerOptions:
     request_read_timeout_s: float = 30.0  # a request's head, and then its body, must arrive within this
     keep_alive_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 30.0  # SIGTERM: running requests may finish within this, then fail (503)
+    responses_store_max_responses: int = 1024  # stored Responses API responses: the oldest go first
+    responses_store_max_bytes: int = 256 << 20
     frontend: FrontendOptions = field(default_factory=FrontendOptions)  # vLLM's FrontendArgs
 
 
@@ -110,6 +116,7 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     override_chat_template(engine.tokenizer, options.frontend)
     app = FastAPI(title="loraserve", version=__version__, **fastapi_kwargs(options.frontend))
     app.state.lifecycle = lifecycle = ServerLifecycle()
+    app.state.key_store = keys = KeyStore(options.api_keys, options.api_key_file)  # a bad file stops here
     app.state.engine = engine
     app.state.models = models
     app.state.metrics = metrics
@@ -139,6 +146,10 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     )
     tracker = LoadTracker(frontend.enable_server_load_tracking)
     handlers = _add_generation_routes(app, completion, chat, tracker)
+    app.state.responses_store = store = ResponseStore(
+        options.responses_store_max_responses, options.responses_store_max_bytes
+    )
+    add_responses_routes(app, OpenAIServingResponses(chat, store), tracker)
     add_vllm_routes(
         app,
         lambda: _health(engine),
@@ -149,18 +160,26 @@ async def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     )
     if runtime_updating:
         _add_lora_routes(app, models)
-    app.add_middleware(ClientIdentityMiddleware, api_keys=options.api_keys)  # whose turn, whose share
+    # Whose turn, whose share, which adapters: the key's scope, counted under its label.
+    app.add_middleware(ClientIdentityMiddleware, scope_of=keys.scope, on_request=_key_counter(metrics))
     app.add_middleware(
         RequestGuardMiddleware,
         max_body_bytes=options.max_request_body_bytes,
         read_timeout_s=options.request_read_timeout_s,
         lifecycle=lifecycle,
     )
-    if options.api_keys:  # added last, so it runs first: no unauthenticated body is ever buffered
-        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    if keys.enabled:  # added last, so it runs first: no unauthenticated body is ever buffered
+        app.add_middleware(APIKeyMiddleware, keys=keys)
     apply_to_app(app, options.frontend)  # CORS outside the key check: preflight requests carry no API key
     app.add_middleware(HTTPVersionMiddleware)  # outermost: HTTP/9.9 is no request to answer as 1.1
     return app
+
+
+def _key_counter(metrics: ServerMetrics) -> Callable[[str], None]:
+    def count(label: str) -> None:
+        metrics.key_requests.labels(label).inc()
+
+    return count
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -248,13 +267,13 @@ def _add_generation_routes(
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        _take_request_id_header(body, raw_request)
-        return await _respond(raw_request, lambda: completion.create_completion(body), tracker)
+        take_request_id_header(body, raw_request)
+        return await respond(raw_request, lambda: completion.create_completion(body), tracker)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        _take_request_id_header(body, raw_request)
-        return await _respond(raw_request, lambda: chat.create_chat_completion(body), tracker)
+        take_request_id_header(body, raw_request)
+        return await respond(raw_request, lambda: chat.create_chat_completion(body), tracker)
 
     return [(ChatCompletionRequest, create_chat_completion), (CompletionRequest, create_completion)]
 
@@ -269,13 +288,6 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
         return await _plain(models.unload_lora_adapter(body))
 
 
-def _take_request_id_header(body: CompletionRequest | ChatCompletionRequest, raw_request: Request) -> None:
-    """vLLM names the response after the X-Request-Id header when there is one, over `request_id`."""
-    header = raw_request.headers.get("x-request-id")
-    if header:
-        body.request_id = header
-
-
 async def _plain(result: Awaitable[str]) -> Response:
     """A route's text, or its error as a response (the global handler would log a shutdown's 503 as a
     traceback: Starlette re-raises what reaches its `Exception` handler)."""
@@ -283,50 +295,3 @@ async def _plain(result: Awaitable[str]) -> Response:
         return PlainTextResponse(await result)
     except Exception as exc:
         return api_error_from_exception(exc).response()
-
-
-async def _respond(
-    raw_request: Request,
-    handle: Callable[[], Awaitable[BaseModel | AsyncIterator[str]]],
-    tracker: LoadTracker,
-) -> Response:
-    """Run a generation handler; a stream starts only once its first chunk (or first error) is known.
-    The request counts in `tracker` (/load) until its response or stream is done."""
-
-    async def produce() -> Response:
-        result = await handle()
-        if isinstance(result, BaseModel):
-            return JSONResponse(result.model_dump(exclude_none=False))
-        first = await anext(result)
-        return StreamingResponse(
-            tracker.until_done(_continue_stream(first, result)), media_type="text/event-stream"
-        )
-
-    tracker.begin()
-    response: Response | None = None
-    try:
-        response = await run_until_disconnect(raw_request, produce())
-        return response
-    except ClientDisconnected:
-        return Response(status_code=499)
-    except Exception as exc:
-        return api_error_from_exception(exc).response()
-    finally:
-        if not isinstance(response, StreamingResponse):  # a stream ends its count when it ends
-            tracker.end()
-
-
-async def _continue_stream(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    """SSE lines; a failure mid-stream becomes an error event followed by [DONE]."""
-    yield first
-    try:
-        async for line in rest:
-            yield line
-    except Exception as exc:
-        error = api_error_from_exception(exc)
-        yield sse_error(error.message, error.status, error.param, error.err_type)
-        yield "data: [DONE]\n\n"
-    finally:
-        aclose = getattr(rest, "aclose", None)
-        if aclose is not None:
-            await aclose()

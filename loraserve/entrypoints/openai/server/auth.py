@@ -1,27 +1,27 @@
-"""--api-key enforcement: a raw ASGI middleware, so no routing quirk can skip it.
+"""API key enforcement (`--api-key`, `--api-key-file`): a raw ASGI middleware, so no routing quirk can
+skip it.
 
-The decision uses the raw request path exactly as received: only `/health` is open. Percent-encoding,
-double slashes or `..` segments never match it, so they are checked like any other path. Keys are
-compared in constant time against every configured key.
+The decision uses the raw request path exactly as received: only `/health` and `/ping` (vLLM's
+SageMaker health check, which answers as `/health` does and is open in vLLM too) are open.
+Percent-encoding, double slashes or `..` segments never match them, so they are checked like any
+other path. Keys are compared in constant time against every configured key (`KeyStore.scope`); the
+set of keys is the store's at the moment the request arrives (it changes on SIGHUP).
 """
 
 from __future__ import annotations
 
-import hmac
-
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraserve.entrypoints.openai.server.http_guard import app_path, send_json_error
+from loraserve.entrypoints.openai.server.key_store import KeyStore
 
-OPEN_PATHS = frozenset({b"/health"})
+OPEN_PATHS = frozenset({b"/health", b"/ping"})
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
-        if not api_keys or any(not key for key in api_keys):
-            raise ValueError("api_keys must be a non-empty list of non-empty keys.")
+    def __init__(self, app: ASGIApp, keys: KeyStore) -> None:
         self.app = app
-        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        self.keys = keys
 
     def is_authorized(self, scope: Scope) -> bool:
         given = b""
@@ -29,11 +29,7 @@ class APIKeyMiddleware:
             if name.lower() == b"authorization":
                 given = value
                 break
-        matched = False
-        for expected in self.expected:
-            # No short-circuit: the time taken does not reveal which key, or how much of one, matched.
-            matched |= hmac.compare_digest(given, expected)
-        return matched
+        return self.keys.scope(given) is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -46,4 +42,6 @@ class APIKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send_json_error(send, 401, "Unauthorized", "AuthenticationError", [(b"www-authenticate", b"Bearer")])
+        await send_json_error(
+            send, 401, "Unauthorized", "AuthenticationError", [(b"www-authenticate", b"Bearer")]
+        )

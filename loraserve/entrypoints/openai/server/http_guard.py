@@ -8,7 +8,10 @@ any `HTTP/d.d` and would serve `HTTP/9.9` as if it were 1.1.
 `RequestGuardMiddleware` is raw ASGI. It reads a request's whole body (at most `max_body_bytes`, all
 within `read_timeout_s`) before the app sees the request, then replays it: a huge body costs one
 bounded buffer and a 413, a trickling one (slowloris on the body) a 408, and neither ever reaches a
-handler. Requests without a body pass straight through. It also counts the requests it lets in
+handler. A body nesting JSON deeper than `json_limits.MAX_JSON_DEPTH` is a 400 naming the top-level
+field it is too deep in, counted on the bytes before anything decodes it (decoding and validating
+recurse once per level: 100k `[` was a RecursionError, a 500 and a thousand-line traceback).
+Requests without a body pass straight through. It also counts the requests it lets in
 (`ServerLifecycle.active_requests`), which the drain waits for.
 
 A refusal sent before the body is read (413, 505, the drain's 503) is sent first and the rest of the
@@ -24,6 +27,8 @@ import json
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loraserve.json_limits import MAX_JSON_DEPTH, deepest_member, json_depth
 
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 _OPEN_WHILE_DRAINING = frozenset({b"/metrics"})
@@ -56,9 +61,9 @@ def app_path(scope: Scope) -> bytes:
     return bytes(raw)
 
 
-def _error_json(status: int, message: str, error_type: str) -> bytes:
+def _error_json(status: int, message: str, error_type: str, param: str | None = None) -> bytes:
     return json.dumps(
-        {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+        {"error": {"message": message, "type": error_type, "param": param, "code": status}}
     ).encode()
 
 
@@ -75,10 +80,15 @@ def _start(status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None) 
 
 
 async def send_json_error(
-    send: Send, status: int, message: str, error_type: str, headers: list[tuple[bytes, bytes]] | None = None
+    send: Send,
+    status: int,
+    message: str,
+    error_type: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    param: str | None = None,
 ) -> None:
     """An OpenAI-style error response, sent from middleware (outside FastAPI's handlers)."""
-    body = _error_json(status, message, error_type)
+    body = _error_json(status, message, error_type, param)
     await send(_start(status, body, headers))
     await send({"type": "http.response.body", "body": body})
 
@@ -200,6 +210,19 @@ class RequestGuardMiddleware:
             return
         body = await self._read_body(scope, receive, send)
         if body is None:
+            return
+        depth = json_depth(body)
+        if depth > MAX_JSON_DEPTH:
+            field = deepest_member(body)
+            where = f" (in {json.dumps(field[:80])})" if field else ""
+            await send_json_error(
+                send,
+                400,
+                f"The request body nests {depth} levels of JSON arrays and objects{where}; at most "
+                f"{MAX_JSON_DEPTH} are accepted.",
+                "BadRequestError",
+                param=field,
+            )
             return
         await self.app(scope, _Replay(body, receive), send)
 

@@ -10,6 +10,8 @@
   with a 503 (a stream: an error event, then `[DONE]`). Once no request runs, the listening socket
   closes and the connections close on their own: nothing is cancelled mid-write, so no tracebacks.
 - A dead engine stops the server too; the launcher then exits 1, so a supervisor restarts it.
+- SIGHUP re-reads `--api-key-file` (`KeyStore.reload`): new keys and scopes apply to the next
+  request, a file that does not load leaves the keys in force.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import h11
@@ -93,11 +95,13 @@ class LoraserveServer(uvicorn.Server):
         lifecycle: ServerLifecycle,
         engine: EngineClient | None,
         shutdown_timeout_s: float,
+        on_reload: Callable[[], object] | None = None,
     ) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
         self.engine = engine
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.on_reload = on_reload  # SIGHUP: re-read the key file
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -106,6 +110,9 @@ class LoraserveServer(uvicorn.Server):
             return
         handled = (signal.SIGINT, signal.SIGTERM)
         original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        if self.on_reload is not None:
+            reload = self.on_reload
+            original[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: reload())
         try:
             yield
         finally:
@@ -159,7 +166,9 @@ def build_server(
         timeout_graceful_shutdown=round(options.shutdown_timeout_s + _UVICORN_GRACE_MARGIN_S),
         **{"log_level": envs.logging_level().lower(), **(uvicorn_kwargs or {})},
     )
-    return LoraserveServer(config, app.state.lifecycle, engine, options.shutdown_timeout_s)
+    key_store = getattr(app.state, "key_store", None)
+    reload = key_store.reload if key_store is not None and key_store.key_file is not None else None
+    return LoraserveServer(config, app.state.lifecycle, engine, options.shutdown_timeout_s, reload)
 
 
 async def serve_app(

@@ -228,10 +228,25 @@ class AdapterLoader:
         logger.info("Loaded LoRA adapter %r from %r%s.", name, path, " in place" if loaded else "")
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    async def unload(self, request: UnloadLoRAAdapterRequest) -> str:
+    async def unload(
+        self, request: UnloadLoRAAdapterRequest, authorize: Callable[[str, APIError], None] | None = None
+    ) -> str:
         """POST /v1/unload_lora_adapter: forget the name (every version; `name@version`: that one, the
-        one before it becoming the newest) at once, then wait for their running requests."""
+        one before it becoming the newest) at once, then wait for their running requests.
+        `authorize(target, missing)` raises when the caller may not unload it (`missing`: the error of
+        a target that does not exist)."""
         target = self._find_unload_target(request)
+        if authorize is not None:
+            missing = (
+                APIError(not_found_message(target), HTTPStatus.NOT_FOUND, "lora_name")
+                if request.lora_name
+                else APIError(
+                    f"No lora adapter has lora_int_id {request.lora_int_id}.",
+                    HTTPStatus.NOT_FOUND,
+                    "lora_int_id",
+                )
+            )
+            authorize(target, missing)
         name, ref = (target, None) if target in self.lora_requests else split_version(target)
         async with self.name_locks.hold(confusable_key(name)):
             if name not in self.lora_requests:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from loraserve.beam_search import BeamSearchParams
     from loraserve.config import LoRAConfig, SchedulerConfig
-    from loraserve.engine.fair_admission import AdmissionHold
+    from loraserve.engine.fair_admission import AdmissionHold, ClientLimits
     from loraserve.lora.request import LoRARequest
     from loraserve.outputs import RequestOutput
     from loraserve.sampling_params import SamplingParams
@@ -71,11 +71,14 @@ class EngineClient(Protocol):
         lora_request: LoRARequest | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        client_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes; closing the iterator aborts it.
         Requests sharing a `group_id` (the prompts of one API call) take scheduling turns as one;
         `priority` orders them under scheduling_policy "priority". `prompt` may be a dict
-        {"prompt_token_ids": ids, "cache_salt": salt} (vLLM's per-request prefix-cache salt)."""
+        {"prompt_token_ids": ids, "cache_salt": salt} (vLLM's per-request prefix-cache salt).
+        `client_id`: whose turn and share the request's work off the step loop (a new grammar's
+        compile) counts in."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -85,11 +88,16 @@ class EngineClient(Protocol):
         ...
 
     async def admit(
-        self, num_seqs: int, num_prefill_tokens: int, client_id: str | None = None
+        self,
+        num_seqs: int,
+        num_prefill_tokens: int,
+        client_id: str | None = None,
+        limits: ClientLimits | None = None,
     ) -> AdmissionHold:
         """Room for one API call (all its prompts x n), held until the hold is released; waits a
-        bounded time in turn by client (`client_id`: the API key's, None: a client of its own), then
-        EngineOverloadedError (503); RequestTooLargeError (400) beyond one request's share."""
+        bounded time in turn by client (`client_id`: the API key's, None: a client of its own; `limits`:
+        that key's own), then EngineOverloadedError (503); RequestTooLargeError (400) beyond one
+        request's share."""
         ...
 
     async def add_lora(self, lora_request: LoRARequest) -> bool: ...

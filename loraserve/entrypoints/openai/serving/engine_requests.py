@@ -77,10 +77,12 @@ class EngineRequestRunner:
         `group_id` the prompts take scheduling turns as one request. `model_name` labels the metrics."""
         arrival = time.perf_counter()  # time to first token counts the wait for admission too
         arrival_wall = time.time()  # and so do vLLM's phase times (wall clock)
+        client = current_client()
         hold = await self.engine.admit(
             sum(p.sampling_params.n for p in prompts),
             sum(p.sampling_params.n * len(p.prompt_ids) for p in prompts),
-            current_client().api_key,
+            client.api_key,
+            client.scope.limits,  # the key's own limits (--api-key-file), beside its share
         )  # all or none: no prompt starts unless the whole call has room
         run = self._run(prompts, lora_request, model_name, group_id, hold, arrival, arrival_wall)
         async with hold, aclosing(run) as outputs:
@@ -108,6 +110,7 @@ class EngineRequestRunner:
                 lora_request=lora_request,
                 group_id=group_id,
                 priority=p.priority,
+                client_id=current_client().fairness_key,
             )
             for p in prompts
         ]

@@ -15,11 +15,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
     field_validator,
+    model_serializer,
 )
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -118,6 +120,9 @@ class SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = (
         None  # keep the last k; -1: max_model_len
     )
+    # Which end truncate_prompt_tokens keeps (vLLM PR #43260): "left" cuts the start (the default),
+    # "right" the end.
+    truncation_side: Literal["left", "right"] | None = None
     return_token_ids: StrictBool | None = None  # prompt_token_ids and token_ids in the response
     request_id: str | None = None  # the response id's suffix (vLLM: "<prefix>-<request_id>")
     priority: StrictInt = 0  # lower runs first, with --scheduling-policy priority
@@ -234,7 +239,24 @@ class CompletionChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None
 
 
-class CompletionResponse(OpenAIBaseModel):
+class FingerprintedResponse(OpenAIBaseModel):
+    """A completion or chat response (or stream chunk): vLLM's and OpenAI's `system_fingerprint` and
+    `service_tier` keys are always there, null here, even in a stream chunk dumped without its other
+    null fields (clients read the keys)."""
+
+    system_fingerprint: str | None = None
+    service_tier: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _keep_null_keys(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            data.setdefault("system_fingerprint", self.system_fingerprint)
+            data.setdefault("service_tier", self.service_tier)
+        return data
+
+
+class CompletionResponse(FingerprintedResponse):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now)
@@ -295,7 +317,7 @@ class ChatCompletionChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(FingerprintedResponse):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)
@@ -321,7 +343,7 @@ class ChatStreamChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None  # return_token_ids: this chunk's new tokens
 
 
-class ChatCompletionChunk(OpenAIBaseModel):
+class ChatCompletionChunk(FingerprintedResponse):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now)

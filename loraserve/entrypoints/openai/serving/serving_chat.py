@@ -61,7 +61,10 @@ from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass(slots=True)
-class _ChatJob:
+class ChatJob:
+    """One chat request, rendered, tokenized and checked: what the engine runs (the Responses API
+    prepares its requests through it too)."""
+
     request_id: str
     model_name: str
     prompt: EnginePrompt
@@ -100,12 +103,14 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A full response, or (stream=true) an iterator of SSE lines whose first item waits for output."""
-        job = await self._prepare(request)
+        job = await self.prepare(request)
         if request.stream:
             return self._stream(job)
         return await self._collect(job)
 
-    async def _prepare(self, request: ChatCompletionRequest) -> _ChatJob:
+    async def prepare(self, request: ChatCompletionRequest, request_id: str | None = None) -> ChatJob:
+        """The request checked, its model resolved, its messages rendered and tokenized, its tools
+        planned and its sampling params built; `request_id` names it (default: vLLM's chatcmpl id)."""
         self.check_request(request)
         plan = tool_plan(request, self.tool_settings)
         model_name, lora_request = await self.resolve_model(request)
@@ -122,7 +127,8 @@ class OpenAIServingChat(OpenAIServing):
         bad_words = await self.bad_words_token_ids(request)
         params = self.sampling_params(request, max_tokens, num_top, request.prompt_logprobs, bad_words)
         if plan.structured is not None:  # "required" / a named function: the grammar writes the calls
-            if isinstance(params, BeamSearchParams):  # beams take no grammar (structured outputs are a 400 too)
+            # Beams take no grammar (structured outputs are a 400 too).
+            if isinstance(params, BeamSearchParams):
                 raise APIError(BEAM_WITH_FORCED_TOOLS, HTTPStatus.BAD_REQUEST, "tool_choice")
             if params.structured_outputs is not None:
                 raise APIError(BOTH_CONSTRAINTS, HTTPStatus.BAD_REQUEST, "tool_choice")
@@ -132,38 +138,38 @@ class OpenAIServingChat(OpenAIServing):
                 params = dataclasses.replace(params, skip_special_tokens=False)
             else:
                 params.skip_special_tokens = False
-        request_id = response_id("chatcmpl", request)
+        request_id = request_id or response_id("chatcmpl", request)
         prompt = EnginePrompt(
             engine_request_id(request_id, request), prompt_ids, params, request.priority, request.cache_salt
         )
         self.check_request_size([prompt])
-        return _ChatJob(
+        return ChatJob(
             request_id, model_name, prompt, lora_request, num_top, self.token_renderer(request), request, plan
         )
 
     def _render(self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> str:
         return render_chat(self.tokenizer, request, tools, self.trust_request_chat_template)
 
-    def _echo(self, job: _ChatJob) -> str:
+    def _echo(self, job: ChatJob) -> str:
         """vLLM's chat `echo`: the last message's text when its role is the reply's, else ""."""
         last = job.request.messages[-1]
         if not job.request.echo or last.role != self.response_role:
             return ""
         return message_text(last.content, len(job.request.messages) - 1)
 
-    def _logprobs(self, job: _ChatJob, seq: CompletionOutput, start: int) -> Any:
+    def _logprobs(self, job: ChatJob, seq: CompletionOutput, start: int) -> Any:
         if job.num_top_logprobs is None or seq.logprobs is None:
             return None
         return chat_logprobs(
             seq.token_ids[start:], list(seq.logprobs[start:]), job.num_top_logprobs, job.render_token
         )
 
-    def _usage(self, job: _ChatJob, final: RequestOutput | None) -> UsageInfo:
+    def _usage(self, job: ChatJob, final: RequestOutput | None) -> UsageInfo:
         completion_tokens = sum(len(seq.token_ids) for seq in final.outputs) if final is not None else 0
         cached = final.num_cached_tokens if final is not None else None
         return usage(len(job.prompt.prompt_ids), completion_tokens, cached, self.enable_prompt_tokens_details)
 
-    async def _collect(self, job: _ChatJob) -> ChatCompletionResponse:
+    async def _collect(self, job: ChatJob) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         async with aclosing(self.generate([job.prompt], job.lora_request, job.model_name)) as outputs:
             async for _, output in outputs:
@@ -200,7 +206,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _chunk(
         self,
-        job: _ChatJob,
+        job: ChatJob,
         choices: list[ChatStreamChoice],
         usage_info: UsageInfo | None = None,
         prompt_token_ids: list[int] | None = None,
@@ -214,7 +220,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
-    def _delta(self, job: _ChatJob, seq: CompletionOutput) -> list[ChatStreamChoice]:
+    def _delta(self, job: ChatJob, seq: CompletionOutput) -> list[ChatStreamChoice]:
         """What `seq` adds since the last chunk, one choice per chunk: its text, or (read for tool
         calls) its content and call deltas; the step's logprobs and token ids ride on the first, the
         finish reason on the last."""
@@ -246,7 +252,7 @@ class OpenAIServingChat(OpenAIServing):
             job.finished.add(seq.index)
         return choices
 
-    def _role_chunks(self, job: _ChatJob, first: RequestOutput, continuous: bool) -> list[str]:
+    def _role_chunks(self, job: ChatJob, first: RequestOutput, continuous: bool) -> list[str]:
         """Each choice's role chunk (the first with return_token_ids' prompt_token_ids), then its
         echoed text, as vLLM sends them."""
         ids = list(first.prompt_token_ids) if job.request.return_token_ids else None
@@ -262,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
         return lines
 
-    async def _stream(self, job: _ChatJob) -> AsyncIterator[str]:
+    async def _stream(self, job: ChatJob) -> AsyncIterator[str]:
         options = job.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options and options.continuous_usage_stats)

@@ -10,6 +10,7 @@ base model or an adapter, and checks the request's size. Running the prompts on 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -267,7 +268,11 @@ class OpenAIServing:
 
 
 def clamped_logit_bias(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
-    """OpenAI's range for a bias, as vLLM applies it to API requests (the keys become ids later)."""
+    """OpenAI's range for a bias, as vLLM applies it to API requests (the keys become ids later). NaN
+    is kept, so that the engine's check refuses it naming the field: clamping it would make it -100."""
     if logit_bias is None:
         return None
-    return {token: min(100.0, max(-100.0, bias)) for token, bias in logit_bias.items()}
+    return {
+        token: bias if math.isnan(bias) else min(100.0, max(-100.0, bias))
+        for token, bias in logit_bias.items()
+    }

@@ -10,6 +10,11 @@ so look-alike spellings of one name are that name. A new name whose skeleton (`n
 equals that of a registered adapter or a served base name is refused (400) before anything loads; the
 per-name locks are keyed by skeleton, so two such names never register side by side.
 
+Tenancy: every lookup, listing, load and unload is seen through the request's API key scope
+(`client_identity.current_client().scope`, `key_scopes.KeyScope`): a name outside it is answered
+exactly as a name that does not exist (404: its existence is not disclosed) before anything resolves
+it, and listings hold only what the key may use.
+
 Each adapter name holds content versions (`adapter_versions`): the plain name is the newest,
 `name@<digest prefix>` or `name@<label>` one held version. Registering, versioning, load_inplace and
 unloading belong to the `AdapterLoader` this class holds (`adapter_loading`); this module resolves
@@ -31,6 +36,7 @@ from loraserve.entrypoints.openai.serving.adapter_versions import (
     AdapterVersions,
     split_version,
 )
+from loraserve.entrypoints.openai.serving.client_identity import current_client
 from loraserve.entrypoints.openai.serving.engine_client import EngineClient
 from loraserve.entrypoints.openai.serving.errors import APIError
 from loraserve.entrypoints.openai.serving.name_locks import NamedLocks
@@ -148,12 +154,26 @@ class OpenAIServingModels:
             await self.loader.add(name, module.path, module.base_model_name)
             logger.info("Registered LoRA adapter %r from %s.", name, module.path)
 
+    def missing(self, name: str) -> APIError:
+        """The error of a name that does not exist, which a name outside the key's scope gets too."""
+        if self.lora_enabled and self.allow_runtime_lora_updating and self.lora_resolvers:
+            return APIError(not_found_message(name), HTTPStatus.NOT_FOUND, param="model")
+        return APIError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
+
     async def resolve_model(self, name: str | None) -> LoRARequest | None:
-        """The LoRARequest for `name`, None for the base model; APIError 404/400 otherwise."""
+        """The LoRARequest for `name`, None for the base model; APIError 404/400 otherwise (404 for a
+        name outside the request's key scope, as for a name that does not exist)."""
+        scope = current_client().scope
         if self.is_base_model(name):
+            if not scope.base_model:
+                shown = name or self.served_model_name
+                raise APIError(f"The model `{shown}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
             return None
         assert name is not None
         name = checked_name(name, "model")  # before it is logged, counted or handed to a resolver
+        plain = name if name in self.lora_requests else split_version(name)[0]
+        if not scope.may_use(plain):  # before any lookup or resolver: nothing about the name leaks
+            raise self.missing(plain)
         if name in self.lora_requests:
             return self.lora_requests[name]
         plain, ref = split_version(name)
@@ -241,19 +261,45 @@ class OpenAIServingModels:
         return self.loader.held_versions(name)
 
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
-        """POST /v1/load_lora_adapter (`AdapterLoader.load`)."""
+        """POST /v1/load_lora_adapter (`AdapterLoader.load`), for a key allowed to load that name from
+        that folder (403 otherwise: the refusal depends on the key, never on what is loaded)."""
+        scope = current_client().scope
+        if not scope.admin:
+            name = checked_name((request.lora_name or "").strip() or "-", "lora_name")
+            if not scope.may_load(name):
+                raise APIError(_load_refusal(scope.load_prefix), HTTPStatus.FORBIDDEN, "lora_name")
+            if not scope.may_load_path((request.lora_path or "").strip() or "/"):
+                raise APIError(
+                    "This API key may not load adapters from that folder.", HTTPStatus.FORBIDDEN, "lora_path"
+                )
         return await self.loader.load(request)
 
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
-        """POST /v1/unload_lora_adapter (`AdapterLoader.unload`)."""
-        return await self.loader.unload(request)
+        """POST /v1/unload_lora_adapter (`AdapterLoader.unload`), within the key's scope: a name it may
+        not use is missing (404), one it may use but not unload a 403."""
+        scope = current_client().scope
+
+        def authorize(target: str, missing: APIError) -> None:
+            plain = target if target in self.lora_requests else split_version(target)[0]
+            if not scope.may_use(plain):
+                raise missing
+            if not scope.may_load(plain):
+                raise APIError(_load_refusal(scope.load_prefix), HTTPStatus.FORBIDDEN, "lora_name")
+
+        return await self.loader.unload(request, None if scope.admin else authorize)
 
     def listed_adapters(self) -> list[tuple[str, AdapterVersion | None, LoRARequest]]:
         """(listed name, version, request): each name's newest version under the name, in load
         order, then the older versions still held as name@<12 digest digits>. A request's `lora`
         entries index this list; old indices stay valid when a name gets a new version."""
-        newest = [(name, self._newest(name), lora) for name, lora in self.lora_requests.items()]
-        return newest + [(v.key, v, v.request) for v in self.versions.older()]
+        scope = current_client().scope
+        newest = [
+            (name, self._newest(name), lora)
+            for name, lora in self.lora_requests.items()
+            if scope.may_use(name)
+        ]
+        older = [(v.key, v, v.request) for v in self.versions.older() if scope.may_use(v.request.lora_name)]
+        return newest + older
 
     def _newest(self, name: str) -> AdapterVersion | None:
         held = self.versions.held(name)
@@ -272,13 +318,17 @@ class OpenAIServingModels:
         """GET /v1/models: every served base name, then every adapter's newest version under its
         name, then the older versions held (`listed_adapters`), each with its digest and label."""
         max_model_len = self.engine.model_config.max_model_len
-        cards = [
-            ModelCard(id=path.name, root=path.model_path, max_model_len=max_model_len)
-            for path in self.base_model_paths
-        ]
+        shown = self.base_model_paths if current_client().scope.base_model else []
+        cards = [ModelCard(id=path.name, root=path.model_path, max_model_len=max_model_len) for path in shown]
         for name, version, lora in self.listed_adapters():
             base = lora.base_model_name
             parent = base if base and self.is_base_model(base) else self.served_model_name
             digest, label = (version.digest, version.label) if version else (None, None)
             cards.append(ModelCard(id=name, root=lora.lora_path, parent=parent, digest=digest, version=label))
         return ModelList(data=cards)
+
+
+def _load_refusal(prefix: str | None) -> str:
+    if prefix is None:
+        return "This API key may not load or unload adapters."
+    return f"This API key may load and unload only adapters whose names start with {ascii(prefix)}, within its scope."

@@ -14,6 +14,7 @@ from typing import Any
 
 from loraserve.entrypoints.openai.serving.errors import APIError
 from loraserve.entrypoints.openai.serving.protocol import SamplingRequest
+from loraserve.structured_output.grammar_compile import check_budget
 from loraserve.structured_output.params import StructuredOutputsParams
 
 _BACKENDS = (None, "", "auto", "xgrammar")
@@ -52,9 +53,15 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
     if not values:
         return None
     try:
-        return StructuredOutputsParams.from_dict(values)
+        params = StructuredOutputsParams.from_dict(values)
     except (TypeError, ValueError) as exc:
         raise APIError(str(exc), HTTPStatus.BAD_REQUEST, param) from exc
+    params.param = param  # what a compile refusal (too large, too slow, invalid) names
+    try:  # what can be refused before the request queues: a schema that is not JSON, or too deep, or too large
+        check_budget(params.grammar_key(), param)
+    except ValueError as exc:
+        raise APIError(str(exc), HTTPStatus.BAD_REQUEST, param) from None
+    return params
 
 
 def _from_response_format(fmt: Any) -> dict[str, Any]:

@@ -26,8 +26,10 @@ from loraserve.entrypoints.openai.serving.protocol import (
     ChatMessage,
 )
 from loraserve.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
+from loraserve.entrypoints.openai.tool_parsers.declared_calls import DeclaredCalls
 from loraserve.entrypoints.openai.tool_parsers.forced_tool_parsers import NamedToolParser, RequiredToolParser
 from loraserve.entrypoints.openai.tool_parsers.manager import ToolParserManager
+from loraserve.json_limits import JSONDepthError, check_json_depth
 from loraserve.structured_output.params import StructuredOutputsParams
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
@@ -60,11 +62,12 @@ class ToolPlan:
     named: str | None = None  # "named": the function
     structured: StructuredOutputsParams | None = None  # "required" / "named": the grammar
     max_calls: int | None = None  # parallel_tool_calls=false: 1
+    declared: frozenset[str] = frozenset()  # "auto": the tools' names; calls to others are dropped
 
     def parser(self, tokenizer: Any) -> ToolParser | None:
         """A new parser for one choice's output; None when the output is not read for calls."""
         if self.mode == "auto" and self.parser_class is not None:
-            return self.parser_class(tokenizer)
+            return DeclaredCalls(self.parser_class(tokenizer), self.declared)
         if self.mode == "required":
             return RequiredToolParser(tokenizer)
         if self.mode == "named" and self.named is not None:
@@ -109,7 +112,8 @@ def tool_plan(request: ChatCompletionRequest, settings: ToolSettings) -> ToolPla
     parser_class = settings.parser_class()
     if parser_class is None:
         raise _error(AUTO_NEEDS_FLAGS)
-    return ToolPlan("auto", template_tools(tools), parser_class, max_calls=max_calls)
+    declared = frozenset(tool.function.name for tool in tools)
+    return ToolPlan("auto", template_tools(tools), parser_class, max_calls=max_calls, declared=declared)
 
 
 def _named(choice: dict[str, Any], tools: list[ChatCompletionToolsParam]) -> str:
@@ -183,14 +187,19 @@ def _past_call(call: dict[str, Any], index: int, j: int) -> dict[str, Any]:
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            # strict=False: the arguments a grammar wrote may hold raw control characters in strings
+            # (xgrammar's JSON string rule admits them), and a client sends them back as they were.
+            check_json_depth(arguments, f"{where}.function.arguments")
+            arguments = json.loads(arguments, strict=False) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             raise _error(f"{where}.function.arguments is not valid JSON: {exc}", "messages") from exc
+        except JSONDepthError as exc:
+            raise _error(str(exc), "messages") from None
     return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _json(schema: dict[str, Any]) -> StructuredOutputsParams:
-    return StructuredOutputsParams(json=schema)
+    return StructuredOutputsParams(json=schema, param="tools")  # the tools' schemas are the grammar
 
 
 def _error(message: str, param: str = "tool_choice") -> APIError:

@@ -2,9 +2,10 @@
 
 `request_id` names the response (`<prefix>-<request_id>`, as vLLM's responses do; the engine's own
 id stays unique, so two clients sending one id never collide), `truncate_prompt_tokens` keeps a
-prompt's last k tokens, `-1` logprob counts mean the whole vocabulary (then capped by
-`--max-logprobs` with vLLM's text), `prompt_logprobs` are reported in vLLM's JSON shape, and usage
-carries `prompt_tokens_details.cached_tokens` with `--enable-prompt-tokens-details`.
+prompt's last k tokens (its first k with `truncation_side: "right"`), `-1` logprob counts mean the
+whole vocabulary (then capped by `--max-logprobs` with vLLM's text), `prompt_logprobs` are reported
+in vLLM's JSON shape, and usage carries `prompt_tokens_details.cached_tokens` with
+`--enable-prompt-tokens-details`.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def engine_request_id(response_id: str, request: SamplingRequest) -> str:
 
 
 def truncate_prompt(prompt_ids: list[int], request: SamplingRequest, max_model_len: int) -> list[int]:
-    """The last `truncate_prompt_tokens` tokens (-1: max_model_len); 400 beyond max_model_len."""
+    """The last `truncate_prompt_tokens` tokens (-1: max_model_len), or the first ones with
+    `truncation_side: "right"`; 400 beyond max_model_len."""
     keep = request.truncate_prompt_tokens
     if keep is None:
         return prompt_ids
@@ -79,7 +81,9 @@ def truncate_prompt(prompt_ids: list[int], request: SamplingRequest, max_model_l
             HTTPStatus.BAD_REQUEST,
             "truncate_prompt_tokens",
         )
-    return prompt_ids[-keep:] if keep > 0 else prompt_ids
+    if keep <= 0:
+        return prompt_ids
+    return prompt_ids[:keep] if request.truncation_side == "right" else prompt_ids[-keep:]
 
 
 def logprob_count(value: int | None, vocab_size: int) -> int | None:
@@ -114,12 +118,12 @@ def prompt_logprobs_json(
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, details: bool) -> UsageInfo:
     """Usage; with `details` (--enable-prompt-tokens-details) the prompt tokens served from the
-    prefix cache, as vLLM reports them (only when there are any)."""
+    prefix cache, as current vLLM reports them: `{"cached_tokens": 0}` when there were none."""
     info = UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
-    if details and cached_tokens:
-        info.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+    if details:
+        info.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens or 0)
     return info

@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.json_limits import check_json_depth
+
 
 @dataclass(frozen=True, slots=True)
 class PartialToolCall:
@@ -92,6 +94,7 @@ def is_json_object(text: str) -> bool:
     # strict=False: a grammar's JSON string rule (xgrammar's, vLLM's too) admits raw control characters
     # other than newline and carriage return inside strings, which strict JSON escapes.
     try:
+        check_json_depth(text, "The arguments")  # the model's text: it may nest past what decoding can
         return isinstance(json.loads(text, strict=False), dict)
     except ValueError:
         return False

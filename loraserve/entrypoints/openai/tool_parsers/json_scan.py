@@ -19,6 +19,9 @@ _SCALAR = frozenset("0123456789+-.eEtruefalsn")
 _STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)  # a string's characters after its quote
 _STRUCTURE = re.compile(r'["{}\[\]]')
 _LAYOUT = re.compile(r'("(?:[^"\\]|\\.)*"?)|([,:])|[ \t\n\r]+', re.DOTALL)
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+_CONTROL = re.compile(r"[\x00-\x1f]")
+_ESCAPES = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 class ScanError(ValueError):
@@ -27,17 +30,30 @@ class ScanError(ValueError):
 
 def spaced_json(text: str) -> str:
     """JSON text (whole or cut anywhere) in json.dumps' layout: no whitespace outside strings, one space
-    after each ',' and ':'. Each character's output depends only on what precedes it, so the result for
-    a prefix is a prefix of the result for the whole: a stream sends the same arguments, in pieces,
-    that the finished output holds (as compact as vLLM's `json.dumps`, whatever whitespace the model
-    or a grammar allowing any whitespace wrote)."""
+    after each ',' and ':', control characters in strings escaped (a grammar's string rule, xgrammar's
+    as vLLM's, admits them raw; strict JSON parsers such as the clients' refuse them). Each character's
+    output depends only on what precedes it, so the result for a prefix is a prefix of the result for
+    the whole: a stream sends the same arguments, in pieces, that the finished output holds (as compact
+    as vLLM's `json.dumps`, whatever whitespace the model or a grammar allowing any whitespace wrote)."""
     return _LAYOUT.sub(_layout, text)
 
 
 def _layout(match: re.Match[str]) -> str:
-    if match[1] is not None:  # a string (or the start of one), as written
-        return match[1]
+    if match[1] is not None:  # a string (or the start of one), as written but for control characters
+        return _CONTROL.sub(_escape, match[1])
     return match[2] + " " if match[2] else ""
+
+
+def escaped_controls(text: str) -> str:
+    """JSON text (whole or cut anywhere) with the control characters inside its strings escaped and
+    nothing else changed: what strict parsers read, with the value a lenient one reads. Prefix-stable,
+    as `spaced_json`."""
+    return _STRING.sub(lambda match: _CONTROL.sub(_escape, match[0]), text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match[0]
+    return _ESCAPES.get(char) or f"\\u{ord(char):04x}"
 
 
 def skip_ws(text: str, i: int) -> int:
@@ -119,6 +135,8 @@ def scan_call(
         if key in keys and arguments is None:
             arguments = spaced_json(text[j:] if end is None else text[j:end])
         elif key == "name" and end is not None:
+            if text[j] != '"':  # only a string names a function (and an array may nest past decoding)
+                raise ScanError("a call's name is not a string")
             value = json.loads(text[j:end])
             if not isinstance(value, str):
                 raise ScanError("a call's name is not a string")

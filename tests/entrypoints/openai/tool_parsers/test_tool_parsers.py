@@ -228,6 +228,22 @@ def test_arguments_take_json_dumps_layout_whatever_the_whitespace() -> None:
     _check_stream(_parser("hermes"), text, list(text))
 
 
+def test_control_characters_in_argument_strings_are_escaped() -> None:
+    """A grammar's string rule (xgrammar's) admits raw control characters, which clients' strict JSON
+    parsers refuse: the arguments escape them (as json.dumps would), a stream's pieces included, and
+    `escaped_controls` does the same to a JSON text without touching anything else."""
+    from loraserve.entrypoints.openai.tool_parsers.json_scan import escaped_controls
+
+    text = '<tool_call>{"name": "f", "arguments": {"city": "Pa\tris\x01", "n": "a\\"\nb"}}</tool_call>'
+    (call,) = _parser("hermes").extract_tool_calls(text).calls
+    assert json.loads(call.arguments) == {"city": "Pa\tris\x01", "n": 'a"\nb'}  # strict: no raw control
+    assert call.arguments == json.dumps(json.loads(call.arguments), ensure_ascii=False)
+    _check_stream(_parser("hermes"), text, list(text))
+    raw = '{ "a" :"x\ty",\n "b": ["q\\"\x02"] }'
+    assert escaped_controls(raw) == '{ "a" :"x\\ty",\n "b": ["q\\"\\u0002"] }'
+    assert all(escaped_controls(raw).startswith(escaped_controls(raw[:i])) for i in range(len(raw)))
+
+
 @pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json", "pythonic", "required"])
 def test_a_stream_reads_each_finished_call_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each step re-parses the text, but resumes after the calls already whole: the work per step

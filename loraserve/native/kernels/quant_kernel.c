@@ -1,0 +1,264 @@
+/* Linear layers over GGUF block-quantized weights, y = x W^T + b, loaded through ctypes by
+ * layers/quant/kernel.py (the formats' layouts and their torch twin: layers/quant/formats.py).
+ *
+ * W is [n, k] in one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (type codes 0-5), row after row, each row
+ * k / block_size blocks, in the file's own layout (RSS stays the file's size).
+ *
+ * quant_linear (decode: up to DECODE_ROWS rows of x) streams every weight byte once against x quantized
+ * to int8 once per product (quant_kernel_act.h): per 32 values for Q8_0 / Q4_0 / Q4_1, whose weights
+ * have a float scale per 32 (each block's integer dot product, vpmaddubsw + vpmaddwd on AVX2 or vpdpbusd
+ * with AVX512-VNNI, is scaled once: sum_blocks dx * (s * idot + add * sum(xq))), and per 256 for the
+ * K-quants, whose sub-block scales are small integers (quant_kernel_ksuper.h: int32 sums to the end of
+ * each super-block, one float multiply per 256 weights). Signed weights go into the unsigned-by-signed
+ * byte products as |q| with x's signs flipped where q < 0. float32 x takes one int8 level by default,
+ * llama.cpp's precision (amax / 254 per value), or two (amax / 32512; the X_TWO_LEVELS flag).
+ * quant_dequantize (prefill: more rows): rows [n0, n1) of W as float32 or bf16, for a tile product.
+ * Parallel over chunks of N_CHUNK output rows with OpenMP (torch's libgomp: the library is loaded after
+ * torch), claimed guided, so a thread slowed by another process takes fewer.
+ * Semantics of quant_linear: float32 sums, one rounding to x's dtype at the end, bias added before it.
+ * Parts: quant_kernel_blocks.h (the formats' decoding), quant_kernel_act.h (x's quantization and its
+ * scratch), quant_kernel_ksuper.h (the K-quants' super-block loop), quant_kernel_dequantize.h (the
+ * prefill path's dequantize).
+ */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <stdlib.h>
+
+#include "simd.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QK_PATH 2
+#elif defined(__AVX2__)
+#define QK_PATH 1
+#else
+#define QK_PATH 0
+#endif
+
+#define MR 4        /* rows of x per pass over a weight row: its unpacked blocks are reused that often */
+#define PREFETCH_ROWS 4 /* weight rows ahead of the one being read (past the end: a harmless hint) */
+#define N_CHUNK 16  /* weight rows per work item (a few KB: stays in L1 while the row groups pass) */
+#define M_BLOCK 64  /* rows of x per work item: their quants (64 x k bytes) stay in L2 while the chunks pass */
+
+/* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
+ * gives them their row layout, 6-8, at load); 3-5 the K-quants */
+static const int BLOCK_SIZE[9] = {32, 32, 32, 256, 256, 256, 32, 32, 32};
+static const int TYPE_SIZE[9] = {34, 18, 20, 144, 176, 210, 34, 18, 20};
+
+/* Which integer dot product this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
+int quant_kernel_path(void) { return QK_PATH; }
+
+/* The x argument's flags: its dtype, and (float32 only) whether it is quantized to two int8 levels
+ * (amax / 32512 per value, about 1.6x the integer work) instead of one (llama.cpp's precision). */
+enum { X_BF16 = 1, X_TWO_LEVELS = 2 };
+
+#include "quant_kernel_blocks.h"
+
+#if QK_PATH > 0
+/* The 8 int32 partial sums of q . x over 32 bytes (lanes 0-3: weights 0-15, lanes 4-7: 16-31). */
+static inline __attribute__((always_inline)) __m256i dot_us(__m256i u, __m256i s) {
+#if QK_PATH == 2
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __attribute__((always_inline)) __m256i dot32(__m256i q, __m256i x, int is_signed) {
+    return is_signed ? dot_us(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)) : dot_us(q, x);
+}
+
+/* The partial sums of block q against 32-block `at` of the activations: q . xq, or with `two` (float32
+ * x) q . (256 xq + xq2) = 256 (q . xq) + q . xq2 (|q . xq| <= 32 * 128 * 127: no int32 overflow). */
+static inline __attribute__((always_inline)) __m256i dotq(__m256i q, const int8_t *xq, const int8_t *xq2, int64_t at,
+                                                          int is_signed, int two) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + at * 32));
+    if (!two) return dot32(q, x, is_signed);
+    const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq2 + at * 32));
+    const __m256i u = is_signed ? _mm256_sign_epi8(q, q) : q;
+    const __m256i s = is_signed ? _mm256_sign_epi8(x, q) : x, s2 = is_signed ? _mm256_sign_epi8(x2, q) : x2;
+#if QK_PATH == 2
+    return _mm256_add_epi32(_mm256_slli_epi32(dot_us(u, s), 8), dot_us(u, s2));
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(u, s2), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#include "quant_kernel_act.h"
+
+#include "quant_kernel_ksuper.h"
+#include "quant_kernel_rows.h"
+
+/* out[i] = the row's dot product with rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` and `two` are
+ * constants after inlining, so each format gets its own loop. */
+static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *row, int64_t k, const qx_t *qx,
+                                                          int64_t r0, int mr, int two, const uint8_t *ahead, float *out) {
+#if QK_PATH > 0
+    if (type >= 6) rows_row_dot(type, row, k, qx, r0, mr, two, ahead, out);
+    else kq_row_dot(type, row, k, qx, r0, mr, two, ahead, out);
+#else
+    (void)ahead;
+    if (type >= 6) rows_row_dot_scalar(type, row, k, qx, r0, mr, two, out);
+    else kq_row_dot_scalar(type, row, k, qx, r0, mr, two, out);
+#endif
+}
+
+/* Weight rows [n0, n1) against x's rows r0 .. r0 + mr - 1; `mr` and `two` are constants after inlining
+ * (the switch below), so the per-row accumulators are registers rather than a stack array. */
+static inline __attribute__((always_inline)) void rows_pass(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                                                            int64_t n1, int64_t k, const qx_t *qx, int64_t r0, int mr,
+                                                            int two, int first, float *acc) {
+    for (int64_t n = n0; n < n1; n++) {
+        float out[MR];
+        /* the first pass over the chunk streams its weights from memory: ask for rows PREFETCH_ROWS
+         * ahead (the hardware prefetcher alone left a single thread at about half the read bandwidth
+         * on the LM head); later passes find them in L1 */
+        const uint8_t *ahead = first ? w + (n + PREFETCH_ROWS) * row_bytes : NULL;
+        row_dot(type, w + n * row_bytes, k, qx, r0, mr, two, ahead, out);
+        for (int i = 0; i < mr; i++) acc[i * N_CHUNK + (n - n0)] = out[i];
+    }
+}
+
+/* Weight rows [n0, n1) against x's rows [r_lo, r_hi) (at most M_BLOCK), MR rows at a time; acc is
+ * [r_hi - r_lo][N_CHUNK]. */
+static inline __attribute__((always_inline)) void chunk_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                                                             int64_t n1, int64_t k, const qx_t *qx, int64_t r_lo,
+                                                             int64_t r_hi, float *acc) {
+    const int two = qx->xq2 != NULL || qx->kq2 != NULL;
+    for (int64_t r0 = r_lo; r0 < r_hi; r0 += MR) {
+        const int mr = r_hi - r0 < MR ? (int)(r_hi - r0) : MR, first = r0 == r_lo;
+        float *a = acc + (r0 - r_lo) * N_CHUNK;
+        if (two) {
+            switch (mr) {
+            case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 1, 1, first, a); break;
+            case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 2, 1, first, a); break;
+            case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 3, 1, first, a); break;
+            default: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, MR, 1, first, a); break;
+            }
+        } else {
+            switch (mr) {
+            case 1: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 1, 0, first, a); break;
+            case 2: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 2, 0, first, a); break;
+            case 3: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, 3, 0, first, a); break;
+            default: rows_pass(type, w, row_bytes, n0, n1, k, qx, r0, MR, 0, first, a); break;
+            }
+        }
+    }
+}
+
+/* Whether w = {address, n, k, type} is a weight this kernel multiplies. */
+static int weight_ok(const int64_t *w) {
+    const int type = (int)w[3];
+    return type >= 3 && type <= 8 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
+}
+
+/* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias for x's rows [r_lo, r_hi), x from qx (acc:
+ * [M_BLOCK][N_CHUNK] scratch). */
+static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, const void *bias, void *y, int64_t ldy,
+                      int64_t r_lo, int64_t r_hi, float *acc) {
+    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
+    const int64_t n = w[1], k = w[2];
+    const int type = (int)w[3];
+    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
+    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
+    switch (type) {
+    case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    case 5: chunk_rows(5, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    case 6: chunk_rows(6, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    case 7: chunk_rows(7, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    default: chunk_rows(8, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
+    }
+    for (int64_t r = r_lo; r < r_hi; r++)
+        for (int64_t j = n0; j < n1; j++) {
+            float v = acc[(r - r_lo) * N_CHUNK + (j - n0)];
+            if (bias != NULL) v += x_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+            if (x_bf16) ((uint16_t *)y)[r * ldy + j] = f32_to_bf16(v);
+            else ((float *)y)[r * ldy + j] = v;
+        }
+}
+
+/* y[:, col_p : col_p + n_p] = x W_p^T + bias_p for the `parts` weights w[4p .. 4p + 3] side by side
+ * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel
+ * region over every part's chunks (a packed layer's slices are one fork, not one each). Returns 0, or
+ * 2 without memory. */
+static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_flags, const void *bias,
+                        void *y, int64_t ldy, int64_t m, int num_threads) {
+    const int64_t k = w[2];
+    const int x_bf16 = x_flags & X_BF16, two = !x_bf16 && (x_flags & X_TWO_LEVELS);
+    int need32 = 0, need256 = 0;
+    int64_t num_chunks = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        if (w[4 * p + 3] <= 5) need256 = 1;
+        else need32 = 1;
+        num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
+    }
+    qx_t qx;
+    if (quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx) != 0) return 2;
+    const int64_t elem = x_bf16 ? 2 : 4;
+    int failed = 0;
+    /* Work items: (block of M_BLOCK x rows, chunk of N_CHUNK weight rows), the chunks of one block in a
+     * row, so a block's quants stay in L2 while the weights stream past (a decode step is one block).
+     * guided: a thread slowed by a neighbour's process takes fewer items, at few claims per call. */
+    const int64_t num_items = (m + M_BLOCK - 1) / M_BLOCK * num_chunks;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *acc = malloc(sizeof(float) * (size_t)(M_BLOCK * N_CHUNK));
+        if (acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(guided)
+        for (int64_t item = 0; item < num_items; item++) {
+            if (acc == NULL) continue;
+            const int64_t c = item % num_chunks, r_lo = item / num_chunks * M_BLOCK;
+            const int64_t r_hi = r_lo + M_BLOCK < m ? r_lo + M_BLOCK : m;
+            int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
+            while (c >= first + (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK)
+                first += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK, col += w[4 * p + 1], p++;
+            const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
+            run_chunk(w + 4 * p, c - first, &qx, x_bf16, b, (char *)y + col * elem, ldy, r_lo, r_hi, acc);
+        }
+        free(acc);
+    }
+    return failed ? 2 : 0;
+}
+
+/* y[:, :n] = x W^T + bias for x [m, k] (row stride ldx, float32 or bf16 and its levels as x_flags
+ * says), y likewise with row stride ldy, bias [n] in x's dtype or NULL. w = {address, n, k, type}.
+ * Returns 0, or 1 for an unknown type or a k the type does not divide (nothing written), 2 without
+ * memory. */
+int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_flags, const void *bias, void *y, int64_t ldy,
+                 int64_t m, int num_threads) {
+    if (!weight_ok(w) || m < 0) return 1;
+    return linear_parts(w, 1, x, ldx, x_flags, bias, y, ldy, m, num_threads);
+}
+
+/* The decoder stack's linear (models/decoder_stack.c's gemm_fn signature): a layer of one or more
+ * quantized output slices, a = {parts, x_flags, n_total, then per part {address, n, k, type}}; y is
+ * [m, n_total] contiguous, bias [n_total] or NULL. Each slice's values are those of the quant_linear
+ * call the Python path (Linear._quant_forward) makes, so the two agree bit for bit. `side` (the dense
+ * kernel's LoRA prefetch) is not used. Returns quant_linear's status, or 1 for a bad part list. */
+int quant_gemm(const int64_t *a, const void *x, int64_t ldx, const void *bias, void *y, int64_t m, int num_threads,
+               const int64_t *side) {
+    (void)side;
+    const int64_t parts = a[0], n_total = a[2];
+    int64_t off = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        const int64_t *w = a + 3 + 4 * p;
+        if (!weight_ok(w) || w[2] != a[3 + 2]) return 1;
+        off += w[1];
+    }
+    if (parts < 1 || off != n_total || m < 0) return 1;
+    return linear_parts(a + 3, parts, x, ldx, (int)a[1], bias, y, n_total, m, num_threads);
+}
+
+#include "quant_kernel_dequantize.h"

@@ -1,0 +1,144 @@
+/* The activations' side of quant_kernel.c's decode path: x's rows quantized to int8 once per product,
+ * in the two granularities the formats read them in, and the scratch that holds them.
+ *
+ * Per 32 values (Q8_0, Q4_0, Q4_1, whose weight scales are per 32 too): q = round(v / d), d = amax /
+ * 127, as llama.cpp's q8_0; dxs = d * sum(q) carries Q4_1's min term; the bytes permuted pair by pair
+ * as the row layouts read them (quant_kernel_rows.h).
+ * Per 256 values (the K-quants, llama.cpp's q8_K): one d per super-block, so a super-block's integer
+ * dot products, each sub-block's times its small integer weight scale, add up in int32 to its end and
+ * take one float multiply there; `bs` holds the sums of q per 16 values, which the K-quants' min and
+ * offset terms need.
+ * With `two` (float32 x, LORASERVE_CPU_QUANT_ACT_LEVELS=2) a second level quantizes what the first
+ * leaves, v - d q, in units of d / 256 (at most 128: clamped to 127), so v = d / 256 * (256 q + q2) to
+ * within amax / 32512 instead of amax / 254.
+ * Included by quant_kernel.c after simd.h. */
+#ifndef LORASERVE_QUANT_KERNEL_ACT_H
+#define LORASERVE_QUANT_KERNEL_ACT_H
+
+typedef struct {
+    int64_t nb; /* 32-blocks per row of x */
+    /* per 32 values, when a part reads them (else NULL) */
+    const int8_t *xq, *xq2; /* [m][k] */
+    const float *dx;        /* [m][k / 32]: d (d / 256, xq2's unit, with two levels) */
+    const float *dxs;       /* [m][k / 32]: dx * the block's sum of its quants (256 q + q2 with two) */
+    /* per 256 values, when a part reads them (else NULL) */
+    const int8_t *kq, *kq2;   /* [m][k] */
+    const float *dk;          /* [m][k / 256]: d of the first level (the second's unit is d / 256) */
+    const int16_t *bs, *bs2;  /* [m][k / 16]: sums of kq (kq2) per 16 values */
+} qx_t;
+
+/* One 32- or 256-value group of x (float32 or bf16) as int8: q (and q2 with `two`), its d, the sums of
+ * q over its 16-value pieces (sum16, NULL: not kept) and the group's whole sum of 256 q + q2 (or q). */
+static inline int32_t quantize_group(const void *x, int64_t at, int x_bf16, int64_t len, int8_t *q, int8_t *q2,
+                                     float *d_out, int16_t *sum16, int16_t *sum16_2) {
+    float v[256], amax = 0.0f;
+    for (int64_t i = 0; i < len; i++) {
+        v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + i]) : ((const float *)x)[at + i];
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, inv = d > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t total = 0;
+    for (int64_t s = 0; s < len; s += 16) {
+        int32_t sum = 0, sum2 = 0;
+        for (int64_t i = s; i < s + 16; i++) {
+            const int32_t qi = (int32_t)nearbyintf(v[i] * inv);
+            q[i] = (int8_t)qi, sum += qi;
+            if (q2 != NULL) {
+                float r = nearbyintf((v[i] - d * (float)qi) * (inv * 256.0f));
+                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+                q2[i] = (int8_t)r, sum2 += (int32_t)r;
+            }
+        }
+        if (sum16 != NULL) sum16[s / 16] = (int16_t)sum;
+        if (sum16_2 != NULL) sum16_2[s / 16] = (int16_t)sum2;
+        total += q2 != NULL ? 256 * sum + sum2 : sum;
+    }
+    *d_out = d;
+    return total;
+}
+
+/* The bytes of a pair of quantized blocks [b 0-31, b+1 0-31] in the row layouts' order: b 0-15,
+ * b+1 0-15, b 16-31, b+1 16-31 (quant_kernel_rows.h reads a pair's weights so). */
+static inline void pair_order(const int8_t *t, int8_t *out) {
+    memcpy(out, t, 16), memcpy(out + 16, t + 32, 16), memcpy(out + 32, t + 16, 16), memcpy(out + 48, t + 48, 16);
+}
+
+/* Row r of x (k values) per 32: xq (xq2) permuted pair by pair as the row layouts read it (an odd row's
+ * last block in order), dx and dxs of that row in block order. */
+static void quantize_row32(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t k, int8_t *xq, int8_t *xq2,
+                           float *dx, float *dxs) {
+    const int64_t nb = k / 32;
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int64_t count = b + 1 < nb ? 2 : 1;
+        int8_t t[64], t2[64];
+        for (int64_t h = 0; h < count; h++) {
+            float d;
+            const int32_t sum = quantize_group(x, r * ldx + (b + h) * 32, x_bf16, 32, t + 32 * h,
+                                               xq2 == NULL ? NULL : t2 + 32 * h, &d, NULL, NULL);
+            dx[b + h] = xq2 != NULL ? d / 256.0f : d, dxs[b + h] = dx[b + h] * (float)sum;
+        }
+        if (count == 1) {
+            memcpy(xq + b * 32, t, 32);
+            if (xq2 != NULL) memcpy(xq2 + b * 32, t2, 32);
+        } else {
+            pair_order(t, xq + b * 32);
+            if (xq2 != NULL) pair_order(t2, xq2 + b * 32);
+        }
+    }
+}
+
+/* Row r of x (k values, a multiple of 256) per 256: kq (kq2), dk, bs (bs2) of that row. */
+static void quantize_row256(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t k, int8_t *kq, int8_t *kq2,
+                            float *dk, int16_t *bs, int16_t *bs2) {
+    for (int64_t sb = 0; sb < k / 256; sb++)
+        (void)quantize_group(x, r * ldx + sb * 256, x_bf16, 256, kq + sb * 256, kq2 == NULL ? NULL : kq2 + sb * 256,
+                             dk + sb, bs + sb * 16, bs2 == NULL ? NULL : bs2 + sb * 16);
+}
+
+/* The calling thread's scratch for quantized activations, kept between calls (a decode step makes a few
+ * hundred products: a malloc and free each, and fresh pages for larger ones, cost more than quantizing). */
+static void *act_scratch(size_t bytes) {
+    static __thread void *buf = NULL;
+    static __thread size_t size = 0;
+    if (bytes > size) {
+        free(buf);
+        buf = malloc(bytes);
+        size = buf == NULL ? 0 : bytes;
+    }
+    return buf;
+}
+
+/* Quantize x [m, k] for the granularities asked for into the thread's scratch; 0, or 2 without memory. */
+static int quantize_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k, int two, int need32,
+                      int need256, qx_t *qx) {
+    const int64_t nb = k / 32, levels = two ? 2 : 1;
+    /* rounded up to 64 bytes: the per-256 part's floats start aligned */
+    const size_t bytes32 = need32 ? (size_t)((levels * m * k + 2 * m * nb * (int64_t)sizeof(float) + 63) / 64 * 64) : 0;
+    const size_t bytes256 =
+        need256 ? (size_t)(levels * m * k + m * (k / 256) * (int64_t)sizeof(float) + levels * m * (k / 16) * 2) : 0;
+    char *buf = act_scratch(bytes32 + bytes256 + 64);
+    if (buf == NULL) return 2;
+    memset(qx, 0, sizeof(*qx));
+    qx->nb = nb;
+    if (need32) {
+        float *dx = (float *)buf, *dxs = dx + m * nb;
+        int8_t *xq = (int8_t *)(dxs + m * nb), *xq2 = two ? xq + m * k : NULL;
+        for (int64_t r = 0; r < m; r++)
+            quantize_row32(x, ldx, x_bf16, r, k, xq + r * k, two ? xq2 + r * k : NULL, dx + r * nb, dxs + r * nb);
+        qx->xq = xq, qx->xq2 = xq2, qx->dx = dx, qx->dxs = dxs;
+        buf += bytes32;
+    }
+    if (need256) {
+        float *dk = (float *)buf;
+        int16_t *bs = (int16_t *)(dk + m * (k / 256)), *bs2 = two ? bs + m * (k / 16) : NULL;
+        int8_t *kq = (int8_t *)(bs + levels * m * (k / 16)), *kq2 = two ? kq + m * k : NULL;
+        for (int64_t r = 0; r < m; r++)
+            quantize_row256(x, ldx, x_bf16, r, k, kq + r * k, two ? kq2 + r * k : NULL, dk + r * (k / 256),
+                            bs + r * (k / 16), two ? bs2 + r * (k / 16) : NULL);
+        qx->kq = kq, qx->kq2 = kq2, qx->dk = dk, qx->bs = bs, qx->bs2 = bs2;
+    }
+    return 0;
+}
+
+#endif
