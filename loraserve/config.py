@@ -15,6 +15,7 @@ from loraserve import envs
 from loraserve.multimodal_config import MultiModalConfig
 from loraserve.option_types import non_negative_seconds, positive_int, queue_share
 from loraserve.options import at_least, check_options, option
+from loraserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -312,11 +313,8 @@ class LoRAConfig:
     enable_lora_bias: bool = option(
         False, action="store_true", group="LoRA", help="Accept adapters with bias terms."
     )
-    enable_tower_connector_lora: bool = option(
-        False, action="bool", group="LoRA",
-        help="Vision-language models: serve adapters' LoRA on the vision tower and connector too; off, "
-        "an adapter's modules there are skipped with a warning (vLLM's rule).",
-    )  # fmt: skip
+    enable_tower_connector_lora: bool = option(False, action="bool", group="LoRA", help=(
+        "Vision-language models: LoRA on the vision tower and connector too (else skipped, vLLM's rule)."))  # fmt: skip
     lora_eviction_policy: str | None = option(
         None,
         choices=("lru", "cost"),
@@ -378,8 +376,7 @@ class StructuredOutputsConfig:
     ) -> StructuredOutputsConfig:
         """From --structured-outputs-config (a JSON object) and the older --guided-decoding-backend."""
         values = dict(config or {})
-        names = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(values) - names)
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"structured_outputs_config has unknown field(s): {', '.join(unknown)}.")
         if guided_decoding_backend is not None:
@@ -398,3 +395,4 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    speculative: SpeculativeConfig | None = None

@@ -35,6 +35,7 @@ _GROUPS = (
     "multimodal (images)",
     "model loading, tokenizer and sampling defaults",
     "structured outputs",
+    "speculative decoding",
     "HTTP front end",
     "limits and shutdown",
     "Responses API",
