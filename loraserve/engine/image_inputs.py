@@ -58,9 +58,9 @@ class ImageInputs:
     def step(self, scheduled: list[ScheduledSeq], lora_slots: dict[int, int] | None) -> StepImages:
         """The step's image embeddings and spans; `scheduled` in the order of the step's rows."""
         wanted: list[tuple[int, int, int, ImageItem, Sequence]] = []  # (row offset, start, end, image, seq)
-        offset = 0
+        offset = entry = 0  # the item's first row, and its first entry in the attention metadata
         spans: list[BidirectionalSpan] = []
-        for index, item in enumerate(scheduled):
+        for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             mm = seq.request.mm
@@ -68,8 +68,11 @@ class ImageInputs:
                 for image in mm.images_in(start, end):
                     wanted.append((offset, start, end, image, seq))
                     if mm.bidirectional:
-                        spans += _spans(index, offset, start, end, image)
-            offset += item.num_new_tokens
+                        spans += _spans(entry, offset, start, end, image)
+            # A speculating sequence's proposals follow its token as rows of their own, each row its
+            # own attention entry (model_runner._verification_rows).
+            offset += item.num_new_tokens + len(item.draft_tokens)
+            entry += len(item.draft_tokens) + 1 if item.draft_tokens else 1
         if not wanted:
             return StepImages()
         embeddings = self._embeddings([(image, seq) for *_, image, seq in wanted], lora_slots)
@@ -153,11 +156,12 @@ def _spans(index: int, offset: int, start: int, end: int, image: ImageItem) -> l
 
 def mrope_positions(scheduled: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
     """[3, T] M-RoPE positions of the step's tokens: the prompt's from its images, the rest (text-only
-    prompts, generated tokens) their index plus the request's delta, on all three axes."""
+    prompts, generated tokens, speculative proposals) their index plus the request's delta, on all
+    three axes."""
     columns = []
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
-        end = start + item.num_new_tokens
+        end = start + item.num_new_tokens + len(item.draft_tokens)  # proposals: positions after its token
         mm = seq.request.mm
         table = mm.mrope_positions if mm is not None else None
         delta = mm.mrope_delta if mm is not None else 0
