@@ -39,6 +39,17 @@ class StepImages:
     image_rows: list[int] = field(default_factory=list)  # flat rows whose input id is a placeholder
 
 
+def step_inputs(
+    model: Any, cache_bytes: int, lora: LoRAManager | None, max_loras: int | None, device: torch.device
+) -> ImageInputs | None:
+    """The model runner's image inputs for a vision-language model; None for a text-only one."""
+    return (
+        ImageInputs(model, cache_bytes, lora, max_loras, device)
+        if getattr(model, "takes_images", False)
+        else None
+    )
+
+
 class ImageInputs:
     def __init__(
         self,
@@ -54,6 +65,26 @@ class ImageInputs:
         self.max_loras = max_loras
         self.device = device
         self.tower_prefixes: tuple[str, ...] = tuple(getattr(model, "tower_module_prefixes", ()))
+        self.mrope = bool(getattr(model, "uses_mrope", False))
+
+    def apply(
+        self,
+        scheduled: list[ScheduledSeq],
+        lora_slots: dict[int, int] | None,
+        input_ids: list[int],
+        attn: Any,
+    ) -> EmbedOverlay | None:
+        """The step's image embeddings (None: no image token in it); the image rows' input ids are
+        zeroed (their embeddings replace the token's: any id in the vocabulary) and the attention
+        metadata `attn` takes the step's both-ways spans."""
+        images = self.step(scheduled, lora_slots)
+        for row in images.image_rows:
+            input_ids[row] = 0
+        attn.bidirectional = images.bidirectional
+        return images.overlay
+
+    def positions(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        return mrope_positions(scheduled, self.device)
 
     def step(self, scheduled: list[ScheduledSeq], lora_slots: dict[int, int] | None) -> StepImages:
         """The step's image embeddings and spans; `scheduled` in the order of the step's rows."""
@@ -70,7 +101,7 @@ class ImageInputs:
                     if mm.bidirectional:
                         spans += _spans(entry, offset, start, end, image)
             # A speculating sequence's proposals follow its token as rows of their own, each row its
-            # own attention entry (model_runner._verification_rows).
+            # own attention entry (step_types.verification_rows).
             offset += item.num_new_tokens + len(item.draft_tokens)
             entry += len(item.draft_tokens) + 1 if item.draft_tokens else 1
         if not wanted:

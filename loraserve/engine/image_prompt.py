@@ -4,7 +4,8 @@ or `multi_modal_inputs` the serving layer has already processed (off the event l
 pool). A model that takes no images refuses both by name: never answered as if the images were not
 there. A vision-language checkpoint whose folder has no image processor serves its language model,
 images refused. Also the engine's processor itself (`image_processor`) and the one check of a prompt's
-images against the step budget (`check_image_runs`)."""
+images against the step budget (`check_image_runs`), and `prepare_image_prompt`, the engine's
+`prepare_prompt` for a prompt that may carry images."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 from typing import Any
 
 from loraserve.config import EngineConfig
+from loraserve.engine.tokenization import PromptInput, prepare_prompt
 from loraserve.multimodal.inputs import MultiModalInputs
 from loraserve.multimodal.media import MediaLimits
 from loraserve.multimodal.processor import MultiModalProcessor
@@ -58,6 +60,23 @@ def image_inputs(
             f"{processor.placeholder!r} once per image: its processor expands them."
         )
     return processor.process(text, [image.convert("RGB") for image in images])
+
+
+def prepare_image_prompt(
+    prompt: PromptInput,
+    processor: MultiModalProcessor | None,
+    architecture: str,
+    tokenizer: Any,
+    config: EngineConfig,
+) -> tuple[str | None, list[int], MultiModalInputs | None]:
+    """`prepare_prompt` for a prompt that may carry images: (its text, its token ids, its images)."""
+    mm = image_inputs(prompt, processor, architecture)
+    if mm is None:
+        return (*prepare_prompt(prompt, tokenizer, config.model), None)
+    text = prompt.get("prompt") if isinstance(prompt, dict) else None
+    prompt_ids = prepare_prompt(mm.prompt_token_ids, tokenizer, config.model)[1]
+    check_image_runs(mm, config.scheduler.max_num_batched_tokens)
+    return text, prompt_ids, mm
 
 
 def check_image_runs(mm: MultiModalInputs, max_num_batched_tokens: int) -> None:

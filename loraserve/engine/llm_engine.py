@@ -27,7 +27,7 @@ from loraserve.engine.admission import check_admission
 from loraserve.engine.arg_utils import EngineArgs
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.engine_stats import engine_stats
-from loraserve.engine.image_prompt import check_image_runs, image_inputs, image_processor
+from loraserve.engine.image_prompt import image_processor, prepare_image_prompt
 from loraserve.engine.iteration_stats import IterationTokens, cache_config_info
 from loraserve.engine.kv_budget import PreemptionWarning, kv_budget
 from loraserve.engine.lora_adapters import EngineAdapters
@@ -39,7 +39,7 @@ from loraserve.engine.sequence import CacheSalt, Request, RequestSalt
 from loraserve.engine.spec_verify import verify
 from loraserve.engine.speculator import build_speculator
 from loraserve.engine.step_failures import StepFailures
-from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
+from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
 from loraserve.structured_output.manager import StructuredOutputs
@@ -172,14 +172,10 @@ class LLMEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":  # vLLM's text
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
-        mm = image_inputs(prompt, self.mm_processor, self.architecture)
-        if mm is None:
-            text, prompt_ids = prepare_prompt(prompt, self.tokenizer, self.model_config)
-        else:
-            text = prompt.get("prompt") if isinstance(prompt, dict) else None
-            prompt_ids = prepare_prompt(mm.prompt_token_ids, self.tokenizer, self.model_config)[1]
-            check_image_runs(mm, self.config.scheduler.max_num_batched_tokens)
-            self.images_received += len(mm.images)
+        text, prompt_ids, mm = prepare_image_prompt(
+            prompt, self.mm_processor, self.architecture, self.tokenizer, self.config
+        )
+        self.images_received += len(mm.images) if mm is not None else 0
         beam, params = self.prep.params(params, len(prompt_ids))
         width = beam.width if beam is not None else params.n
         check_admission(self.config.scheduler, self.scheduler.queue_load(), width, width * len(prompt_ids))

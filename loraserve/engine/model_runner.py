@@ -24,10 +24,10 @@ from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.engine.beam_group import beam_candidates
-from loraserve.engine.image_inputs import ImageInputs, StepImages, mrope_positions
+from loraserve.engine.image_inputs import step_inputs
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from loraserve.engine.sequence import BeamCandidates, DraftRound, Request, Sequence
-from loraserve.engine.step_types import ScheduledSeq
+from loraserve.engine.step_types import ScheduledSeq, verification_rows
 from loraserve.native import huge_pages
 
 if TYPE_CHECKING:
@@ -105,12 +105,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        # A vision-language model's image embeddings, bidirectional image spans and M-RoPE positions.
-        self.images = (
-            ImageInputs(model, image_cache_bytes, lora, max_loras, device)
-            if getattr(model, "takes_images", False)
-            else None
-        )
+        self.images = step_inputs(model, image_cache_bytes, lora, max_loras, device)  # None: text only
         self.spec: KVCacheSpec = self.model.kv_cache_spec()
         # The last step's LoRA mapping and the token slots it was built from: decode steps of an
         # unchanged batch reuse it (it is immutable, and its index tensors are only read).
@@ -195,8 +190,8 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             input_ids.extend(draft)
             positions.extend(range(start, end + len(draft)))
-            if draft:  # each row attends as its own one-token query (see `_verification_rows`)
-                _verification_rows(
+            if draft:  # each row attends as its own one-token query (see `verification_rows`)
+                verification_rows(
                     end, len(draft), seq.block_ids, query_lens, context_lens, block_tables, seq_lens
                 )
             else:
@@ -214,21 +209,18 @@ class ModelRunner:
         attn = build_attention_metadata(
             query_lens, context_lens, block_tables, self.block_size, self.device, self.spec.sliding_window
         )
-        images = self.images.step(scheduled, lora_slots) if self.images is not None else StepImages()
-        for row in images.image_rows:  # their embeddings replace the token's: any id in the vocabulary
-            input_ids[row] = 0
-        attn.bidirectional = images.bidirectional
+        overlay = None if self.images is None else self.images.apply(scheduled, lora_slots, input_ids, attn)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            mrope_positions(scheduled, self.device)
-            if getattr(self.model, "uses_mrope", False)
+            self.images.positions(scheduled)
+            if self.images is not None and self.images.mrope
             else torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
             ForwardBatch(
                 attn=attn,
                 lora=None if lora_slots is None else self._mapping(token_slots, scales),
                 seq_lens=seq_lens,
-                embeds=images.overlay,
+                embeds=overlay,
             ),
         )
         return self._select_logits(scheduled, hidden, lora_slots)
@@ -389,26 +381,3 @@ class ModelRunner:
             for seq, first, rows, start in prompt_spans
         ]
         return StepResult(sample_seqs, logits, chunks, row_offsets, drafts)
-
-
-def _verification_rows(
-    end: int,
-    num_draft: int,
-    block_ids: list[int],
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    seq_lens: list[int],
-) -> None:
-    """The attention metadata of a speculating sequence's rows (its own token at `end` - 1, then the
-    proposals): one single-query entry per row over the sequence's blocks, its context ending at that
-    row, as a decode step of the same position sees it. The attention kernel shapes its work by each
-    entry's query length, so a row computed here is bit for bit the decode step's, which is what
-    makes a greedy output with speculation the output without it; every row's K/V is written before
-    any row attends, so each still sees the proposals before it. The sequence lengths are the decode
-    steps' too (LongRoPE picks its factors by them)."""
-    for row in range(num_draft + 1):
-        query_lens.append(1)
-        context_lens.append(end + row)
-        block_tables.append(block_ids)
-        seq_lens.append(end + row)

@@ -1,5 +1,6 @@
 """The step's types between the scheduler, the model runner and the output processor: what runs
-(`ScheduledSeq`, `SchedulerOutput`) and what a sampled token does to its sequence (`SampledToken`)."""
+(`ScheduledSeq`, `SchedulerOutput`) and what a sampled token does to its sequence (`SampledToken`);
+and the attention entries of a speculating sequence's rows (`verification_rows`)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,26 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def verification_rows(
+    end: int,
+    num_draft: int,
+    block_ids: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+) -> None:
+    """The attention metadata of a speculating sequence's rows (its own token at `end` - 1, then the
+    proposals): one single-query entry per row over the sequence's blocks, its context ending at that
+    row, as a decode step of the same position sees it. The attention kernel shapes its work by each
+    entry's query length, so a row computed here is bit for bit the decode step's, which is what
+    makes a greedy output with speculation the output without it; every row's K/V is written before
+    any row attends, so each still sees the proposals before it. The sequence lengths are the decode
+    steps' too (LongRoPE picks its factors by them)."""
+    for row in range(num_draft + 1):
+        query_lens.append(1)
+        context_lens.append(end + row)
+        block_tables.append(block_ids)
+        seq_lens.append(end + row)
