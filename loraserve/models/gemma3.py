@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.models.gemma import GemmaForCausalLM, GemmaModel
 
 
@@ -45,7 +46,7 @@ class _TextOfMultimodal(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> torch.Tensor:
         return self.language_model(input_ids, positions, kv_caches, batch)

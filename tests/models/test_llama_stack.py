@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from loraserve import LLM, SamplingParams
 from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.layers import fused_cpu, gemm_cpu, paged_attention_cpu
 from loraserve.layers.linear import pack_cpu_linears
@@ -179,10 +180,10 @@ def _model(tiny_model: Any, arch: str, dtype: torch.dtype, qk_norm: bool = False
     return model
 
 
-def _caches(model: LlamaModel, dtype: torch.dtype, num_blocks: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _caches(model: LlamaModel, dtype: torch.dtype, num_blocks: int = 4) -> list[KVCache]:
     attn = model.layers[0].self_attn
     shape = (num_blocks * 16, attn.num_kv_heads, attn.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
+    return [KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
