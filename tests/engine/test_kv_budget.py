@@ -70,3 +70,37 @@ def test_the_engine_logs_its_choice(tiny_model: Any, caplog: pytest.LogCaptureFi
     assert any("KV cache:" in r.getMessage() and "auto" in r.getMessage() for r in caplog.records)
     info = llm.engine.stats()["cache_config_info"]
     assert info["kv_cache_memory_bytes"] == str(chosen.bytes)
+
+
+@pytest.mark.parametrize(
+    "dtype, per_block",
+    [
+        (torch.bfloat16, PER_BLOCK // 2),
+        (torch.float8_e4m3fn, PER_BLOCK // 4),
+        (torch.float8_e5m2, PER_BLOCK // 4),
+        (torch.int8, PER_BLOCK // 4 + 2 * 2 * 2 * 4),  # a float32 scale per (layer, K/V, KV head)
+    ],
+)
+def test_a_block_costs_its_cache_dtypes_bytes(dtype: torch.dtype, per_block: int) -> None:
+    """The same memory holds 2x (bf16) or 4x (8-bit) the float32 cache's blocks, int8's scales counted."""
+    assert SPEC.block_bytes(16, dtype) == per_block
+    got = kb.kv_budget(CacheConfig(kv_cache_memory_bytes=100 * PER_BLOCK), SPEC, dtype, "cpu", 256, 8)
+    assert got == kb.KVBudget(100 * PER_BLOCK // per_block, 100 * PER_BLOCK // per_block * per_block, "--kv-cache-memory")
+
+
+def test_the_engine_allocates_the_kv_dtype_it_was_given(tiny_model: Any, caplog: pytest.LogCaptureFixture) -> None:
+    budget_bytes = 4 << 20
+    blocks = {}
+    for name in ("auto", "int8"):
+        with caplog.at_level("INFO", logger="loraserve.engine.kv_budget"):
+            llm = LLM(tiny_model("llama"), dtype="float32", max_model_len=128, kv_cache_dtype=name,
+                      kv_cache_memory_bytes=budget_bytes)
+        engine = llm.engine
+        blocks[name] = engine.kv_budget.num_blocks
+        cache = engine.runner.kv_caches[0]
+        assert cache.dtype == (torch.float32 if name == "auto" else torch.int8)
+        assert (cache.scales.k_blocks is not None) == (name == "int8")
+        assert cache.k.shape[0] == blocks[name] * 16 and engine.kv_budget.bytes <= budget_bytes
+        assert engine.stats()["cache_config_info"]["cache_dtype"] == name
+    assert 3.5 * blocks["auto"] < blocks["int8"] <= 4 * blocks["auto"]
+    assert any("KV cache:" in r.getMessage() and "int8" in r.getMessage() for r in caplog.records)
