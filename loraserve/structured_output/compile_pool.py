@@ -114,6 +114,16 @@ class CompileTicket:
         self.pool._withdraw(self)
 
 
+STAT_NAMES = (
+    "grammar_compiles_queued",
+    "grammar_compiles_running",
+    "grammar_compiles",
+    "grammar_compile_timeouts",
+    "grammar_compiles_cancelled",
+    "grammar_compile_workers_started",
+)
+
+
 class GrammarCompilePool:
     """`submit(key, client, parameter) -> CompileTicket`. `tokenizer_info()` gives the vocabulary
     (xgrammar's JSON) a worker starts from; `load(key, serialised)` turns a worker's answer into the
@@ -153,6 +163,11 @@ class GrammarCompilePool:
             ticket = CompileTicket(self, job)
             job.tickets.add(ticket)
             return ticket
+
+    @staticmethod
+    def empty_stats() -> dict[str, int]:
+        """`stats()` of a pool that has done nothing."""
+        return dict.fromkeys(STAT_NAMES, 0)
 
     def stats(self) -> dict[str, int]:
         with self._cond:

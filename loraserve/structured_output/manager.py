@@ -144,8 +144,13 @@ class StructuredOutputs:
             return self._compiles
 
     def compile_stats(self) -> dict[str, int]:
+        """The compile pool's counters (all zero before its first compile: the series exist from the start)."""
         pool = self._compiles
-        return {} if pool is None else pool.stats()
+        if pool is None:
+            from loraserve.structured_output.compile_pool import GrammarCompilePool
+
+            return GrammarCompilePool.empty_stats()
+        return pool.stats()
 
     def new_state(self, compiled: Any) -> GrammarState:
         return GrammarState(self.backend.matcher(compiled))

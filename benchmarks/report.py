@@ -1,0 +1,110 @@
+"""docs/performance.md's results section, rendered from the saved results (benchmarks/results/*.json).
+
+Only results that record their run's conditions (benchmarks/measure.py: CPU class, threads, load
+average before and after, read bandwidth) are rendered, each table under the file it came from, so
+every figure in the docs names its saved result. `python -m benchmarks.report` prints the section;
+`--write` replaces it in docs/performance.md between its markers (tests/benchmarks/test_report.py keeps
+the page equal to what the committed results render).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "performance.md")
+BEGIN, END = "<!-- results:begin (python -m benchmarks.report --write) -->", "<!-- results:end -->"
+
+
+def conditions_line(cond: dict[str, Any]) -> str:
+    bandwidth = ", ".join(f"{v} GB/s on {k}" for k, v in cond["read_bandwidth_gbs"].items())
+    busy = " **(started busy: saved with --allow-busy)**" if cond.get("busy") else ""
+    return (f"{cond['cpu']}; {cond['threads']} thread(s); read bandwidth {bandwidth}; load average "
+            f"{cond['load_before'][0]:.2f} before, {cond['load_after'][0]:.2f} after; {cond['started']}{busy}")
+
+
+def _beside_llama_cpp(data: dict[str, Any]) -> list[str]:
+    lines = ["| file | row | loraserve tok/s | llama.cpp tok/s | ratio | weight-read bound |",
+             "|---|---|---|---|---|---|"]
+    for entry in data["files"].values():
+        for label, row in entry["rows"].items():
+            ours, theirs = row["loraserve"], row["llama.cpp"]
+            bound = f"{row['bound']:.1f} tok/s (step {row['bound'] / ours:.2f}x)" if "bound" in row else ""
+            lines.append(f"| {entry['file']} | {label} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {bound} |")
+        rss = entry["rss_mb"]
+        theirs = f"{rss['llama.cpp']:.0f}" if "llama.cpp" in rss else ""
+        lines.append(f"| {entry['file']} | RSS after load, MB (file {rss['file_mb']:.0f} + KV {rss['kv_mb']:.0f}) "
+                     f"| {rss['loraserve']:.0f} | {theirs} | | |")
+    return lines
+
+
+def _long_context(data: dict[str, Any]) -> list[str]:
+    lines = ["| context | loraserve ms/step | transformers ms/step |", "|---|---|---|"]
+    for context, row in data["steps_ms"].items():
+        lines.append(f"| {context} | {row['loraserve_ms']:.1f} | {row.get('transformers_ms', float('nan')):.1f} |")
+    return lines
+
+
+def _flat(data: dict[str, Any]) -> list[str]:
+    """Any other result: its numbers, one row each (nested keys joined by ' / ')."""
+    rows: list[str] = ["| figure | value |", "|---|---|"]
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                if key not in ("conditions", "args", "cpu"):
+                    walk(f"{prefix} / {key}" if prefix else str(key), inner)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            rows.append(f"| {prefix} | {value:.4g} |")
+
+    walk("", data)
+    return rows
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "beside_llama_cpp": _beside_llama_cpp,
+    "long_context": _long_context,
+}
+
+
+def render(results_dir: str = RESULTS_DIR) -> str:
+    """The results section: every saved result with conditions, by file name."""
+    out = [BEGIN, "", "Rendered by `python -m benchmarks.report --write` from `benchmarks/results/`; every",
+           "table names its file and the conditions of the run that wrote it.", ""]
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if "conditions" not in data:
+            continue
+        name = os.path.basename(path)
+        renderer = next((fn for prefix, fn in RENDERERS.items() if name.startswith(prefix)), _flat)
+        out += [f"### `{name}`", "", conditions_line(data["conditions"]), "", *renderer(data), ""]
+    return "\n".join([*out, END])
+
+
+def write(doc: str = DOC) -> None:
+    with open(doc, encoding="utf-8") as f:
+        text = f.read()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    with open(doc, "w", encoding="utf-8") as f:
+        f.write(text[:start] + render() + text[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="replace the section in docs/performance.md")
+    args = parser.parse_args()
+    if args.write:
+        write()
+    else:
+        print(render())
+
+
+if __name__ == "__main__":
+    main()
