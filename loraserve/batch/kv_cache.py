@@ -59,7 +59,9 @@ class KVScales:
 def check_scales(dtype: torch.dtype, scales: KVScales | None) -> None:
     """ValueError unless `scales` has what a cache of `dtype` is read with (int8: block scales)."""
     if has_block_scales(dtype) and (scales is None or scales.k_blocks is None or scales.v_blocks is None):
-        raise ValueError(f"a {dtype} KV cache is read through its block scales (KVScales.k_blocks / v_blocks)")
+        raise ValueError(
+            f"a {dtype} KV cache is read through its block scales (KVScales.k_blocks / v_blocks)"
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -73,7 +75,9 @@ class KVCache:
 
     def __post_init__(self) -> None:
         if self.k.dtype != self.v.dtype or self.k.shape != self.v.shape:
-            raise ValueError(f"K {self.k.dtype} {tuple(self.k.shape)} and V {self.v.dtype} {tuple(self.v.shape)} differ")
+            raise ValueError(
+                f"K {self.k.dtype} {tuple(self.k.shape)} and V {self.v.dtype} {tuple(self.v.shape)} differ"
+            )
         check_scales(self.k.dtype, self.scales)
 
     @property

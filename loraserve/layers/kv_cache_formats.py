@@ -14,7 +14,9 @@ import torch
 from loraserve.batch.kv_cache import FP8_DTYPES, INT8_LEVELS, KVCache, KVScales, check_scales, fp8_max
 
 
-def write_kv(kv: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+def write_kv(
+    kv: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+) -> None:
     """Rows k[t], v[t] ([T, KVH * D] or [T, KVH, D], any float dtype) into cache slot slot_mapping[t], in
     the cache's format (`index_copy_` for a cache of the rows' dtype). The slots of one block follow
     one another within a step (a sequence's new tokens), as the scheduler writes them."""
@@ -23,7 +25,11 @@ def write_kv(kv: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
 
 
 def read_rows(
-    cache: torch.Tensor, slots: torch.Tensor, block_size: int, blocks: torch.Tensor | None, scale: float,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int,
+    blocks: torch.Tensor | None,
+    scale: float,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Cache rows `slots` ([N] -> [N, KVH, D]) as values in `dtype`: fp8 times the tensor's scale, int8
@@ -45,7 +51,11 @@ def read_scales(kv_dtype: torch.dtype, scales: KVScales | None) -> KVScales:
 
 
 def _write(
-    cache: torch.Tensor, blocks: torch.Tensor | None, scale: float, rows: torch.Tensor, slots: torch.Tensor,
+    cache: torch.Tensor,
+    blocks: torch.Tensor | None,
+    scale: float,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
     block_size: int,
 ) -> None:
     rows = rows.reshape(slots.shape[0], *cache.shape[1:])
@@ -65,7 +75,9 @@ def _levels(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(x / scale).clamp(-INT8_LEVELS, INT8_LEVELS).nan_to_num(0.0).to(torch.int8)
 
 
-def _write_int8(cache: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, bs: int) -> None:
+def _write_int8(
+    cache: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, bs: int
+) -> None:
     """Rows [T, KVH, D] float32 into an int8 cache by runs (slots that follow one another in a block):
     per run and head, a run at the block's slot 0 sets the scale to amax / 127; a later one whose amax
     exceeds scale * 127 (or is NaN) requantizes the block's earlier rows to amax / 127 first."""
@@ -82,7 +94,9 @@ def _write_int8(cache: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, s
     head_amax = rows.abs().amax(-1)  # [T, KVH]; NaN where a row's head holds one
     index = run.unsqueeze(1).expand(num_tokens, num_kv_heads)
     amax = rows.new_zeros(num_runs, num_kv_heads).scatter_reduce_(0, index, head_amax.nan_to_num(0.0), "amax")
-    has_nan = rows.new_zeros(num_runs, num_kv_heads).scatter_reduce_(0, index, head_amax.isnan().float(), "amax")
+    has_nan = rows.new_zeros(num_runs, num_kv_heads).scatter_reduce_(
+        0, index, head_amax.isnan().float(), "amax"
+    )
     amax = torch.where(has_nan > 0, torch.full_like(amax, float("nan")), amax)
     old = blocks.index_select(0, run_block)
     fresh = (run_offset == 0).unsqueeze(1)

@@ -42,7 +42,9 @@ def _assert_close(base: list[RequestOutput], got: list[RequestOutput], bound: fl
                 top = sorted((lp.logprob for lp in theirs.logprobs[i].values()), reverse=True)
                 assert top[0] - top[1] <= 2 * bound, f"diverged at step {i} without a near-tie"
                 break
-            assert math.isclose(ours.logprobs[i][want].logprob, theirs.logprobs[i][want].logprob, abs_tol=bound)
+            assert math.isclose(
+                ours.logprobs[i][want].logprob, theirs.logprobs[i][want].logprob, abs_tol=bound
+            )
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +99,27 @@ def test_prefix_cache_hits_reuse_quantized_blocks(llama_path: str, kv_cache_dtyp
     fresh = LLM(llama_path, dtype="float32", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
     for got, want in zip(first + second, _run(fresh, prompts[:1], params) + _run(fresh, prompts[1:], params)):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        for token, lg, lw in zip(got.outputs[0].token_ids, got.outputs[0].logprobs or [], want.outputs[0].logprobs or []):
+        for token, lg, lw in zip(
+            got.outputs[0].token_ids, got.outputs[0].logprobs or [], want.outputs[0].logprobs or []
+        ):
             assert math.isclose(lg[token].logprob, lw[token].logprob, abs_tol=1e-4)
 
 
-def test_preempted_sequences_recompute_into_an_int8_cache(llama_path: str, float32_run: list[RequestOutput]) -> None:
+def test_preempted_sequences_recompute_into_an_int8_cache(
+    llama_path: str, float32_run: list[RequestOutput]
+) -> None:
     """12 blocks of 8 tokens for sequences needing 24 at the end: the scheduler preempts and recomputes
     (the recomputed blocks are quantized as one prefill, not row by row); the outputs stay as close to
     the float32 cache's as without preemption."""
-    tight = LLM(llama_path, dtype="float32", kv_cache_dtype="int8", block_size=8, num_kv_blocks=12,
-                max_model_len=96, enable_prefix_caching=False)
+    tight = LLM(
+        llama_path,
+        dtype="float32",
+        kv_cache_dtype="int8",
+        block_size=8,
+        num_kv_blocks=12,
+        max_model_len=96,
+        enable_prefix_caching=False,
+    )
     outs = _run(tight, _prompts())
     assert tight.engine.scheduler.num_preemptions > 0
     _assert_close(float32_run, outs, LOGPROB_BOUND["int8"])

@@ -24,7 +24,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.attention_reference import AttentionCase, AttentionInputs, make_inputs, reference_attention, tolerance
+from support.attention_reference import (
+    AttentionCase,
+    AttentionInputs,
+    make_inputs,
+    reference_attention,
+    tolerance,
+)
 
 from loraserve.batch.kv_cache import KVCache, KVScales, has_block_scales
 from loraserve.layers import paged_attention_cpu, paged_attention_torch
@@ -56,12 +62,21 @@ def _empty_cache(num_blocks: int, block_size: int, kv_heads: int, dim: int, dtyp
     shape = (num_blocks * block_size, kv_heads, dim)
     scales = KVScales()
     if has_block_scales(dtype):  # unused blocks' scales NaN: reading one shows
-        scales = KVScales(torch.full((num_blocks, kv_heads), float("nan")), torch.full((num_blocks, kv_heads), float("nan")))
+        scales = KVScales(
+            torch.full((num_blocks, kv_heads), float("nan")), torch.full((num_blocks, kv_heads), float("nan"))
+        )
     return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), scales)
 
 
-def _kernel_write(kernel: Any, cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: list[int], block_size: int,
-                  act: torch.dtype = torch.float32) -> None:
+def _kernel_write(
+    kernel: Any,
+    cache: KVCache,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: list[int],
+    block_size: int,
+    act: torch.dtype = torch.float32,
+) -> None:
     """Rows k, v [T, KVH * D] into `slots` through the kernel's write (one sequence's step whose queries
     attend over the rows just written: the slots must be its context's last T positions)."""
     num_tokens, kv_heads, dim = len(slots), cache.k.shape[1], cache.k.shape[2]
@@ -73,8 +88,15 @@ def _kernel_write(kernel: Any, cache: KVCache, k: torch.Tensor, v: torch.Tensor,
     tables = torch.tensor([blocks], dtype=torch.int32)
     q = torch.zeros(num_tokens, kv_heads, dim, dtype=act)
     paged_attention_cpu.run_kernel(
-        kernel, q, cache.k, cache.v, tables, torch.tensor([context], dtype=torch.int32),
-        torch.tensor([0, num_tokens], dtype=torch.int32), block_size, 1.0,
+        kernel,
+        q,
+        cache.k,
+        cache.v,
+        tables,
+        torch.tensor([context], dtype=torch.int32),
+        torch.tensor([0, num_tokens], dtype=torch.int32),
+        block_size,
+        1.0,
         new_kv=(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr()),
         scales=cache.scales,
     )
@@ -83,7 +105,9 @@ def _kernel_write(kernel: Any, cache: KVCache, k: torch.Tensor, v: torch.Tensor,
 def _stored(cache: KVCache) -> list[torch.Tensor]:
     """What the cache holds as comparable bits: K and V bytes, int8's block scales (NaN ones too)."""
     held = [cache.k.view(torch.uint8), cache.v.view(torch.uint8)]
-    return held + [t.view(torch.int32) for t in (cache.scales.k_blocks, cache.scales.v_blocks) if t is not None]
+    return held + [
+        t.view(torch.int32) for t in (cache.scales.k_blocks, cache.scales.v_blocks) if t is not None
+    ]
 
 
 def _hard_values(seed: int) -> torch.Tensor:
@@ -95,8 +119,26 @@ def _hard_values(seed: int) -> torch.Tensor:
     grid = grid[grid.isfinite()].unique()
     mids = (grid[1:] + grid[:-1]) / 2  # exact ties between neighbours (the float32 mean is exact here)
     eps = torch.tensor([1 + 2**-20, 1 - 2**-20])
-    special = torch.tensor([0.0, -0.0, 448.0, 449.0, 480.0, 57344.0, 61440.0, 1e9, float("inf"), float("nan"),
-                            2**-9, 2**-10, 3 * 2**-11, 2**-16, 2**-17, 3 * 2**-18])
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            448.0,
+            449.0,
+            480.0,
+            57344.0,
+            61440.0,
+            1e9,
+            float("inf"),
+            float("nan"),
+            2**-9,
+            2**-10,
+            3 * 2**-11,
+            2**-16,
+            2**-17,
+            3 * 2**-18,
+        ]
+    )
     g = torch.Generator().manual_seed(seed)
     rand = torch.exp2(torch.rand(4096, generator=g) * 37 - 20) * torch.sign(torch.randn(4096, generator=g))
     values = torch.cat([grid, mids, (mids[:, None] * eps).flatten(), special, rand])
@@ -105,7 +147,9 @@ def _hard_values(seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("scale", [1.0, 0.37])
 @pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_fp8_write_is_torch_rounding_in_every_build(kernels: dict[str, Any], dtype: torch.dtype, scale: float) -> None:
+def test_fp8_write_is_torch_rounding_in_every_build(
+    kernels: dict[str, Any], dtype: torch.dtype, scale: float
+) -> None:
     kv_heads, dim, block = 2, 33, 8
     per_row = kv_heads * dim
     values = _hard_values(seed=1)
@@ -141,8 +185,10 @@ def test_int8_block_scales_follow_rows_written_over_steps(kernels: dict[str, Any
     # Rows whose magnitude grows now and then (a channel with larger values, as K often has), so
     # decode rows raise their block's amax and requantize its earlier rows.
     grow = [torch.cumprod(1 + 0.08 * torch.rand(n, generator=g), 0) for n in length]
-    values = [(torch.randn(n, 2, kv_heads * dim, generator=g) * grow[i].view(-1, 1, 1)).to(act).float()
-              for i, n in enumerate(length)]
+    values = [
+        (torch.randn(n, 2, kv_heads * dim, generator=g) * grow[i].view(-1, 1, 1)).to(act).float()
+        for i, n in enumerate(length)
+    ]
     twin = _empty_cache(8, block, kv_heads, dim, torch.int8)
     mine = {name: _empty_cache(8, block, kv_heads, dim, torch.int8) for name in kernels}
     done = [0, 0]
@@ -159,9 +205,16 @@ def test_int8_block_scales_follow_rows_written_over_steps(kernels: dict[str, Any
         write_kv(twin, rows[:, 0], rows[:, 1], torch.tensor(all_slots), block)
         for name, cache in mine.items():
             at = 0
-            for seq, n in step:
-                _kernel_write(kernels[name], cache, rows[at : at + n, 0], rows[at : at + n, 1],
-                              all_slots[at : at + n], block, act)
+            for _seq, n in step:
+                _kernel_write(
+                    kernels[name],
+                    cache,
+                    rows[at : at + n, 0],
+                    rows[at : at + n, 1],
+                    all_slots[at : at + n],
+                    block,
+                    act,
+                )
                 at += n
             for got, want in zip(_stored(cache), _stored(twin), strict=True):
                 assert torch.equal(got, want), name
@@ -181,8 +234,9 @@ def test_int8_block_scales_follow_rows_written_over_steps(kernels: dict[str, Any
                 assert err.abs().max() <= 2.5 and err.pow(2).mean().sqrt() <= 0.5
 
 
-def _quantized(case: AttentionCase, inputs: AttentionInputs, kv_dtype: torch.dtype,
-               fp8_scale: float = 1.0) -> tuple[KVCache, AttentionInputs]:
+def _quantized(
+    case: AttentionCase, inputs: AttentionInputs, kv_dtype: torch.dtype, fp8_scale: float = 1.0
+) -> tuple[KVCache, AttentionInputs]:
     """Each sequence's context written into a `kv_dtype` cache by the torch writer (a prefill chunk,
     then rows one by one, so int8 blocks are requantized as they grow), unused slots poisoned (NaN
     bytes, NaN scales); and the inputs with the cache's values (float64) for the reference."""
@@ -203,9 +257,13 @@ def _quantized(case: AttentionCase, inputs: AttentionInputs, kv_dtype: torch.dty
     every = torch.arange(inputs.k_cache.shape[0])
     s = cache.scales
     dequantized = AttentionInputs(
-        inputs.q, read_rows(cache.k, every, bs, s.k_blocks, s.k, torch.float64),
-        read_rows(cache.v, every, bs, s.v_blocks, s.v, torch.float64), inputs.tables, inputs.block_tables,
-        inputs.context_lens, inputs.query_starts,
+        inputs.q,
+        read_rows(cache.k, every, bs, s.k_blocks, s.k, torch.float64),
+        read_rows(cache.v, every, bs, s.v_blocks, s.v, torch.float64),
+        inputs.tables,
+        inputs.block_tables,
+        inputs.context_lens,
+        inputs.query_starts,
     )
     return cache, dequantized
 
@@ -243,7 +301,9 @@ def test_every_cpu_build_and_the_twin_read_each_format_in_place(
     twin = paged_attention_torch.paged_attention(inputs.q, cache.k, cache.v, *args, scales=cache.scales)
     outputs = {"twin": twin}
     for build, kernel in kernels.items():
-        outputs[build] = paged_attention_cpu.run_kernel(kernel, inputs.q, cache.k, cache.v, *args, scales=cache.scales)
+        outputs[build] = paged_attention_cpu.run_kernel(
+            kernel, inputs.q, cache.k, cache.v, *args, scales=cache.scales
+        )
     for label, out in outputs.items():
         assert out.dtype == act and out.shape == inputs.q.shape, label
         torch.testing.assert_close(out.double(), expected, **tolerance(act), msg=label)
@@ -301,10 +361,22 @@ def test_triton_reads_each_format(kv_dtype: torch.dtype) -> None:
     inputs = make_inputs(case, seed=11)
     cache, dequantized = _quantized(case, inputs, kv_dtype, fp8_scale=0.5)
     expected = reference_attention(case, dequantized)
-    to = [t.to(device) for t in (inputs.q, cache.k, cache.v, inputs.block_tables, inputs.context_lens,
-                                 inputs.query_starts)]
-    scales = KVScales(*(None if t is None else t.to(device) for t in (cache.scales.k_blocks, cache.scales.v_blocks)),
-                      cache.scales.k, cache.scales.v)
-    out = paged_attention_triton.paged_attention(*to, case.block_size, case.scale, case.softcap, case.window,
-                                                 max_query_len=max(case.query_lens), scales=scales)
+    to = [
+        t.to(device)
+        for t in (inputs.q, cache.k, cache.v, inputs.block_tables, inputs.context_lens, inputs.query_starts)
+    ]
+    scales = KVScales(
+        *(None if t is None else t.to(device) for t in (cache.scales.k_blocks, cache.scales.v_blocks)),
+        cache.scales.k,
+        cache.scales.v,
+    )
+    out = paged_attention_triton.paged_attention(
+        *to,
+        case.block_size,
+        case.scale,
+        case.softcap,
+        case.window,
+        max_query_len=max(case.query_lens),
+        scales=scales,
+    )
     torch.testing.assert_close(out.double().cpu(), expected, **tolerance(torch.float32))
