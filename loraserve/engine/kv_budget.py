@@ -8,8 +8,9 @@ the cache is an anonymous mapping committed page by page as blocks are first wri
 (`native/huge_pages.zeros(huge=False)`), so a large budget costs address space, not resident memory,
 until sequences fill it (`allocate_kv_caches`). A block's bytes are those of the cache's element dtype
 (`--kv-cache-dtype`: fp8 and int8 hold 2x a bf16 model's tokens, 4x a float32 one's; int8's block scales
-counted), so the same memory holds more tokens. The chosen size is logged, and so is preemption (`PreemptionWarning`): a cache too small for the
-running batch makes the scheduler recompute sequences, which a user should hear about."""
+counted), so the same memory holds more tokens. The chosen size is logged, and so is preemption
+(`PreemptionWarning`): a cache too small for the running batch makes the scheduler recompute
+sequences, which a user should hear about."""
 
 from __future__ import annotations
 
@@ -109,16 +110,17 @@ def allocate_kv_caches(
 ) -> list[KVCache]:
     """Every layer's cache, zero-filled, from one anonymous mapping committed as blocks are first
     written (`huge_pages.zeros(huge=False)`): a large budget costs address space until it is used."""
-    rows = ((num_blocks * block_size, spec.num_kv_heads, spec.head_dim), dtype)
+    rows: huge_pages.Spec = ((num_blocks * block_size, spec.num_kv_heads, spec.head_dim), dtype)
     specs = [rows, rows]
-    if has_block_scales(dtype):
+    if has_block_scales(dtype):  # K's and V's float32 scale per (block, KV head)
         specs += [((num_blocks, spec.num_kv_heads), torch.float32)] * 2
     per_layer = len(specs)
     tensors = huge_pages.zeros(specs * spec.num_layers, device, huge=False)
     caches = []
     for i in range(spec.num_layers):
         k, v, *blocks = tensors[i * per_layer : (i + 1) * per_layer]
-        caches.append(KVCache(k, v, KVScales(*blocks)))
+        scales = KVScales(k_blocks=blocks[0], v_blocks=blocks[1]) if blocks else KVScales()
+        caches.append(KVCache(k, v, scales))
     return caches
 
 

@@ -302,7 +302,7 @@ def _layer_serves(layer: Any, first: Any, rotary: Any, dtype: torch.dtype) -> bo
                     and n.eps == first.input_layernorm.eps for n in norms))
 
 
-def _cache_layout(cache: KVCache) -> list[tuple[Any, ...]]:
+def _cache_layout(cache: KVCache) -> list[tuple[Any, ...] | None]:
     """What the attention kernel's checks of a cache depend on: its K, V (and block scales') layouts."""
     tensors = (cache.k, cache.v, cache.scales.k_blocks, cache.scales.v_blocks)
     return [(t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors]
