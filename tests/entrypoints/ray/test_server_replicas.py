@@ -45,7 +45,10 @@ SERVE_FLAGS = [
     "--max-model-len", str(MAX_MODEL_LEN),
     "--enable-lora",
     "--max-loras", "4",
-    "--max-cpu-loras", str(NUM_ADAPTERS),
+    # Host room for both stores' adapters and the runtime-loaded ones: an eviction would send an
+    # adapter's next request to whichever replica is least loaded (it is held nowhere any more), and
+    # which adapter is evicted first depends on timing.
+    "--max-cpu-loras", str(2 * NUM_ADAPTERS + 8),
     "--kv-cache-memory-bytes", str(16 << 20),
     "--replica-cpus", "1",
 ]  # fmt: skip
