@@ -16,7 +16,7 @@ says how a stored value x_s means the value x (`--kv-cache-dtype`, `cache_config
   A block filled in one step (prefill) is thus exactly per-block absmax; one filled row by row is
   requantized each time its running amax grows (for random rows about ln(block_size) + 0.6 times),
   which measured ~1.2x the rounding error of one quantization (RMS 0.34 of a step, at most ~2 steps;
-  tests/layers/test_kv_cache_formats.py holds the bound). Stored values are |x_s| <= 127, round to
+  tests/layers/test_kv_cache_writes.py holds the bound). Stored values are |x_s| <= 127, round to
   nearest even; amax 0 gives scale 0 (the rows read as 0), a non-finite amax a NaN or inf scale (the
   block reads as NaN: a broken row poisons its own sequence only).
 The writers (the C kernel's `write_kv`, `layers/kv_cache_formats.py` for the other paths) follow this
