@@ -63,7 +63,17 @@ def gguf_adapters(peft_paths: list[str], base_model: str, out_dir: str) -> list[
         peft, out = job
         if os.path.isfile(out):
             return
-        command = [sys.executable, script, peft, "--base", base_model, "--outfile", out + ".tmp", "--outtype", "f16"]
+        command = [
+            sys.executable,
+            script,
+            peft,
+            "--base",
+            base_model,
+            "--outfile",
+            out + ".tmp",
+            "--outtype",
+            "f16",
+        ]
         subprocess.run(command, check=True, env=env, capture_output=True)
         os.replace(out + ".tmp", out)
 
@@ -74,23 +84,53 @@ def gguf_adapters(peft_paths: list[str], base_model: str, out_dir: str) -> list[
 
 class LlamaServer:
     """A running llama-server on `model` with `slots` parallel sequences of `ctx_per_slot` tokens,
-    `threads` threads for decode and batch, the file read into memory (`--load-mode none`, no mmap: RSS counts it)."""
+    `threads` threads for decode and batch, the file read into memory (`--load-mode none`, no mmap: RSS counts it);
+    `extra`: more of its flags (e.g. speculative decoding's)."""
 
     def __init__(
-        self, model: str, threads: int, slots: int, ctx_per_slot: int = 256, loras: list[str] | None = None
+        self,
+        model: str,
+        threads: int,
+        slots: int,
+        ctx_per_slot: int = 256,
+        loras: list[str] | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
         binary = server_binary()
         if binary is None:
             raise FileNotFoundError("no llama-server (LLAMA_SERVER, PATH or LLAMA_CPP_DIR/build/bin)")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-                   "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "--load-mode", "none",
-                   "-b", "2048", "-ub", "512", "--no-webui", *NO_REPACK]
+        command = [
+            binary,
+            "-m",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * ctx_per_slot),
+            "--load-mode",
+            "none",
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "--no-webui",
+            *NO_REPACK,
+        ]
         for lora in loras or []:
             command += ["--lora", lora]
         if loras:
             command.append("--lora-init-without-apply")  # scales 0 until a request names its adapter
+        command += extra
         self.log = open(f"/tmp/llama-server-{self.port}.log", "w", encoding="utf-8")  # noqa: SIM115
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self.client = httpx.Client(timeout=1800)
@@ -110,8 +150,15 @@ class LlamaServer:
         raise TimeoutError("llama-server did not become healthy")
 
     def complete(self, prompt: list[int], max_tokens: int, lora: int | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0,
-                                "ignore_eos": True, "cache_prompt": False, "samplers": ["top_k"], "top_k": 1}
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "samplers": ["top_k"],
+            "top_k": 1,
+        }
         if lora is not None:
             body["lora"] = [{"id": lora, "scale": 1.0}]
         response = self.client.post(self.url + "/completion", json=body)

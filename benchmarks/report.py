@@ -25,29 +25,58 @@ BEGIN, END = "<!-- results:begin (python -m benchmarks.report --write) -->", "<!
 def conditions_line(cond: dict[str, Any]) -> str:
     bandwidth = ", ".join(f"{v} GB/s on {k}" for k, v in cond["read_bandwidth_gbs"].items())
     busy = " **(started busy: saved with --allow-busy)**" if cond.get("busy") else ""
-    return (f"{cond['cpu']}; {cond['threads']} thread(s); read bandwidth {bandwidth}; load average "
-            f"{cond['load_before'][0]:.2f} before, {cond['load_after'][0]:.2f} after; {cond['started']}{busy}")
+    return (
+        f"{cond['cpu']}; {cond['threads']} thread(s); read bandwidth {bandwidth}; load average "
+        f"{cond['load_before'][0]:.2f} before, {cond['load_after'][0]:.2f} after; {cond['started']}{busy}"
+    )
 
 
 def _beside_llama_cpp(data: dict[str, Any]) -> list[str]:
-    lines = ["| file | row | loraserve tok/s | llama.cpp tok/s | ratio | weight-read bound |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| file | row | loraserve tok/s | llama.cpp tok/s | ratio | weight-read bound |",
+        "|---|---|---|---|---|---|",
+    ]
     for entry in data["files"].values():
         for label, row in entry["rows"].items():
             ours, theirs = row["loraserve"], row["llama.cpp"]
             bound = f"{row['bound']:.1f} tok/s (step {row['bound'] / ours:.2f}x)" if "bound" in row else ""
-            lines.append(f"| {entry['file']} | {label} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {bound} |")
+            lines.append(
+                f"| {entry['file']} | {label} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {bound} |"
+            )
         rss = entry["rss_mb"]
         theirs = f"{rss['llama.cpp']:.0f}" if "llama.cpp" in rss else ""
-        lines.append(f"| {entry['file']} | RSS after load, MB (file {rss['file_mb']:.0f} + KV {rss['kv_mb']:.0f}) "
-                     f"| {rss['loraserve']:.0f} | {theirs} | | |")
+        lines.append(
+            f"| {entry['file']} | RSS after load, MB (file {rss['file_mb']:.0f} + KV {rss['kv_mb']:.0f}) "
+            f"| {rss['loraserve']:.0f} | {theirs} | | |"
+        )
     return lines
 
 
 def _long_context(data: dict[str, Any]) -> list[str]:
     lines = ["| context | loraserve ms/step | transformers ms/step |", "|---|---|---|"]
     for context, row in data["steps_ms"].items():
-        lines.append(f"| {context} | {row['loraserve_ms']:.1f} | {row.get('transformers_ms', float('nan')):.1f} |")
+        lines.append(
+            f"| {context} | {row['loraserve_ms']:.1f} | {row.get('transformers_ms', float('nan')):.1f} |"
+        )
+    return lines
+
+
+def _speculative(data: dict[str, Any]) -> list[str]:
+    """benchmarks/speculative.py: each row's tok/s with speculation off and on, beside llama-server's."""
+    spec = data.get("llama_cpp") or "not run"
+    lines = [f"ngram, k={data['k']}, lookup {data['lookup']}; llama-server: {spec}", "",
+             "| row | off tok/s | ngram tok/s | ratio | target | llama.cpp tok/s | llama.cpp ngram tok/s | ratio |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for label, row in data["rows"].items():
+        target = data.get("targets", {}).get(label)
+        theirs, their_spec = row.get("llama.cpp"), row.get("llama.cpp ngram")
+        their = (
+            f"{theirs:.1f} | {their_spec:.1f} | {their_spec / theirs:.2f}x"
+            if theirs and their_spec
+            else "| |"
+        )
+        lines.append(f"| {label} | {row['off']:.1f} | {row['ngram']:.1f} | {row['ngram'] / row['off']:.2f}x | "
+                     f"{'>= ' + str(target) + 'x' if target else ''} | {their} |")  # fmt: skip
     return lines
 
 
@@ -70,13 +99,19 @@ def _flat(data: dict[str, Any]) -> list[str]:
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "beside_llama_cpp": _beside_llama_cpp,
     "long_context": _long_context,
+    "speculative": _speculative,
 }
 
 
 def render(results_dir: str = RESULTS_DIR) -> str:
     """The results section: every saved result with conditions, by file name."""
-    out = [BEGIN, "", "Rendered by `python -m benchmarks.report --write` from `benchmarks/results/`; every",
-           "table names its file and the conditions of the run that wrote it.", ""]
+    out = [
+        BEGIN,
+        "",
+        "Rendered by `python -m benchmarks.report --write` from `benchmarks/results/`; every",
+        "table names its file and the conditions of the run that wrote it.",
+        "",
+    ]
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -97,7 +132,9 @@ def write(doc: str = DOC) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--write", action="store_true", help="replace the section in docs/performance.md")
     args = parser.parse_args()
     if args.write:

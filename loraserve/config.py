@@ -16,6 +16,7 @@ from loraserve import envs
 from loraserve.cache_config import CACHE_GROUP, CacheConfig
 from loraserve.option_types import non_negative_seconds, positive_int, queue_share
 from loraserve.options import at_least, check_options, option
+from loraserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -371,3 +372,4 @@ class EngineConfig:
     device: torch.device
     lora: LoRAConfig | None = None
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None

@@ -32,6 +32,7 @@ LAYERS: list[set[str]] = [
         "sampling_tokens",
         "outputs",
         "beam_search",
+        "speculative_config",
     },
     {"native"},  # building and loading the C kernels, huge pages
     {"batch"},  # the per-step batch types

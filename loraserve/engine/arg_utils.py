@@ -26,6 +26,7 @@ from loraserve.config import (
 )
 from loraserve.option_types import json_object, json_value, positive_int, positive_seconds
 from loraserve.options import at_least, check_options, declared_options, option, shares_options
+from loraserve.speculative_config import SpeculativeConfig, check_speculative_options
 
 _LOADING = "model loading, tokenizer and sampling defaults"
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf", "mistral")
@@ -193,6 +194,17 @@ class EngineArgs:
         "skipped with a warning (default: every LoRA-capable module).",
     )
 
+    speculative_config: dict[str, Any] | None = option(
+        None,
+        type=json_object,
+        group="speculative decoding",
+        check=check_speculative_options,
+        help='JSON object, vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, '
+        '"prompt_lookup_max": B} or {"model": DRAFT, "num_speculative_tokens": K}; also disable_by_batch_size, '
+        "loraserve's draft_lora_modules ({adapter: draft adapter path}) and draft_policy (adaptive, always). "
+        "See docs/speculative-decoding.md.",
+    )
+
     def __post_init__(self) -> None:
         check_options(self)
 
@@ -283,6 +295,9 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig.from_options(
                 self.structured_outputs_config, self.guided_decoding_backend
             ),
+            speculative=SpeculativeConfig.from_options(self.speculative_config)
+            if self.speculative_config is not None
+            else None,
         )
 
     def _model_config(self, device: Any) -> ModelConfig:

@@ -180,16 +180,23 @@ class BlockManager:
         salt = salt_key(cache_salt)
         return salt + "|long-rope" if salt is not None and seq.seq_id in self.long_rope_seqs else salt
 
-    def free(self, seq: Sequence) -> None:
-        """Release a finished or preempted sequence's blocks (cached ones stay reusable); the caller
-        then forgets them."""
-        for block in reversed(seq.block_ids):
+    def release_tail(self, block_ids: list[int], keep: int) -> list[int]:
+        """Drop a sequence's references to its blocks after the first `keep` (speculative decoding's
+        rejected proposals: never committed, since they are past its computed tokens); returns the
+        blocks it keeps, which the caller records."""
+        for block in reversed(block_ids[keep:]):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 if block in self.hash_of:
                     self.evictable[block] = None
                 else:
                     self.free_ids.append(block)
+        return block_ids[:keep]
+
+    def free(self, seq: Sequence) -> None:
+        """Release a finished or preempted sequence's blocks (cached ones stay reusable); the caller
+        then forgets them."""
+        self.release_tail(seq.block_ids, 0)
         self.seq_hashes.pop(seq.seq_id, None)
         self.long_rope_seqs.discard(seq.seq_id)
 

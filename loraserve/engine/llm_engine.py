@@ -4,7 +4,8 @@ It wires the parts together and owns the request table; the scheduler owns each 
 the output processor its text, the model loader the weights, tokenization the prompt and eos ids,
 `RequestPrep` a new request's sampling params and sequences, `EngineAdapters` the rules of its
 adapter API (the `LoRAManager` owns the adapters), `StepFailures` which requests a failed step ends
-and when the engine gives up.
+and when the engine gives up, the `Speculator` (with a speculative config) a step's proposals, which
+`spec_verify.verify` turns into the tokens each sequence emits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import itertools
 import logging
 import time
 from collections.abc import Collection
-from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,11 +35,13 @@ from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.request_prep import RequestPrep
 from loraserve.engine.scheduler import SampledToken, Scheduler
 from loraserve.engine.sequence import CacheSalt, Request, RequestSalt
+from loraserve.engine.spec_verify import verify
+from loraserve.engine.speculator import build_speculator
 from loraserve.engine.step_failures import StepFailures
 from loraserve.engine.tokenization import PromptInput, end_of_sequence_ids, load_tokenizer, prepare_prompt
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
-from loraserve.structured_output.manager import MaskJob, StructuredOutputs
+from loraserve.structured_output.manager import StructuredOutputs
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
@@ -107,6 +109,9 @@ class LLMEngine:
         self.step_failures = StepFailures(self.requests, self.scheduler, self.outputs, self.lora)
         if self.lora is not None:  # the host cache keeps the adapters queued requests still need
             self.lora.follow_demand(self.scheduler.adapters_in_demand)
+        self.speculator = build_speculator(
+            config, self.scheduler, num_blocks, self.eos_ids.eos_token_id, self.tokenizer
+        )
         logger.info(
             "Engine ready: %s (%s, %s) on %s, %d KV blocks of %d tokens, LoRA %s",
             config.model.model,
@@ -223,18 +228,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule -> run -> update -> outputs. If it raises, its requests fail and the
         engine goes on (`StepFailures.step_failed`); StepFailureLimitError when it cannot."""
+        begin = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.preempted:
             self.preemption_warning.note(len(batch.preempted), self.scheduler.num_preemptions)
         if batch.is_empty:
             return []
-        self.iteration_tokens.observe(sum(item.num_new_tokens for item in batch.scheduled))
         try:
+            if self.speculator is not None:
+                self.speculator.propose(batch)
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
             ended = self.step_failures.step_failed(batch.scheduled, exc)
             self.adapters.finish_removals()
             return ended
+        self.iteration_tokens.observe(sum(item.num_query_tokens for item in batch.scheduled))
         run = self.runner.run(
             batch.scheduled,
             None if masks is None else partial(self.structured.apply, masks),
@@ -247,7 +255,11 @@ class LLMEngine:
                 raise run.error
             if run.result is not None:
                 failed = run.request_errors  # requests whose own work failed: they end alone
-                sampled = _stop_dead_ends(self.outputs.process(run.result, run.sampled, failed), masks)
+                dead = masks.dead_offsets if masks is not None else None
+                emitted = verify(run.result, run.sampled, dead)
+                if failed:
+                    emitted = [out for out in emitted if out.seq.request not in failed]
+                sampled = self.outputs.process(run.result, emitted, failed)
                 scheduled = (
                     [s for s in run.scheduled if s.seq.request not in failed] if failed else run.scheduled
                 )
@@ -255,6 +267,8 @@ class LLMEngine:
                 outputs += self.step_failures.requests_failed(failed)
                 outputs += self._request_outputs(sampled)
                 outputs += self._beam_outputs(searched)
+                if self.speculator is not None:
+                    self.speculator.observe(scheduled, emitted, time.perf_counter() - begin)
         except Exception as exc:
             outputs += self.step_failures.step_failed(run.scheduled, exc)
         else:
@@ -354,6 +368,8 @@ class LLMEngine:
             self.cache_info,
         )
         stats["num_request_failures"] = self.step_failures.requests_failed_alone
+        if self.speculator is not None:
+            stats["spec_decode"] = self.speculator.stats.snapshot()
         return stats
 
 
@@ -370,13 +386,3 @@ def _lora_manager(model: Any, config: EngineConfig) -> LoRAManager | None:
             "has no module that can take a LoRA adapter (no linear layer but the vocab projection)."
         )
     return LoRAManager(model, config.lora, config.model.dtype, config.device)
-
-
-def _stop_dead_ends(sampled: list[SampledToken], masks: MaskJob | None) -> list[SampledToken]:
-    """A sequence whose grammar allowed nothing more stops ("stop"), whatever token it sampled."""
-    if masks is None or not masks.dead_ends:
-        return sampled
-    return [
-        replace(t, finish_reason="stop", stop_reason=None) if t.seq.seq_id in masks.dead_ends else t
-        for t in sampled
-    ]

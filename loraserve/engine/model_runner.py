@@ -1,10 +1,13 @@
-"""`ModelRunner.run`: one step's model work, from the scheduled sequences to one sampled token each.
+"""`ModelRunner.run`: one step's model work, from the scheduled sequences to one sampled token per row.
 
 It activates the batch's adapters, turns the step into tensors (flat input ids and positions, the
 attention indices, the token -> LoRA-slot mapping: `loraserve.batch`), runs the model once over the
 paged KV cache it owns (allocated once), and samples the rows whose context is complete. Sequences are
-ordered by adapter so each adapter's tokens are contiguous for the multi-LoRA ops. It reads sequences
-and never writes them: the scheduler applies the step (`Scheduler.update`).
+ordered by adapter so each adapter's tokens are contiguous for the multi-LoRA ops. A sequence with
+proposed tokens (speculative decoding, `ScheduledSeq.draft`) runs them after its own token in the same
+forward and samples a row at each of them, every row with the history (penalties, min_tokens, bad
+words) and noise it would have had without speculation (`spec_verify.py` keeps the agreeing prefix).
+It reads sequences and never writes them: the scheduler applies the step (`Scheduler.update`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.engine.beam_group import beam_candidates
 from loraserve.engine.kv_budget import allocate_kv_caches
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from loraserve.engine.scheduler import ScheduledSeq
-from loraserve.engine.sequence import BeamCandidates, Request, Sequence
+from loraserve.engine.sequence import BeamCandidates, DraftRound, Request, Sequence
+from loraserve.engine.step_types import ScheduledSeq
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
@@ -47,13 +50,17 @@ class PromptLogprobChunk:
 
 @dataclass(slots=True)
 class StepResult:
-    sample_seqs: list[Sequence]  # sequences whose whole context is now computed: sample one token each
+    # One per logits row: the sequences whose whole context is now computed (a speculating one has a
+    # row at its own token and one at each proposed token, consecutive).
+    sample_seqs: list[Sequence]
     logits: torch.Tensor  # [len(sample_seqs), vocab], float32 or the LM head's dtype (the sampler converts)
     prompt_chunks: list[PromptLogprobChunk]
+    row_offsets: list[int] = field(default_factory=list)  # per row: proposed tokens before it (0: none)
+    drafts: dict[int, DraftRound] = field(default_factory=dict)  # seq_id -> its proposals this step
 
 
-# (logits [rows, vocab], the rows' sequences) -> None, editing the logits in place.
-LogitsProcessor = Callable[[torch.Tensor, list[Sequence]], None]
+# (logits [rows, vocab], the rows' sequences, their row offsets) -> None, editing the logits in place.
+LogitsProcessor = Callable[[torch.Tensor, list[Sequence], list[int]], None]
 
 
 def _no_tokens() -> SamplerOutput:
@@ -171,21 +178,31 @@ class ModelRunner:
         token_slots: list[int] = []
         token_scales: list[float] = []
         scaled = lora_slots is not None and any(s.seq.lora_scale != 1.0 for s in scheduled)
-        query_lens, context_lens, block_tables, seq_lens = [], [], [], []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        seq_lens: list[int] = []
         for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
+            seq, start, draft = item.seq, item.seq.num_computed_tokens, item.draft_tokens
             end = start + item.num_new_tokens
+            num_query = item.num_new_tokens + len(draft)
             input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            query_lens.append(item.num_new_tokens)
-            context_lens.append(end)
-            block_tables.append(seq.block_ids)
-            seq_lens.append(seq.num_tokens)
+            input_ids.extend(draft)
+            positions.extend(range(start, end + len(draft)))
+            if draft:  # each row attends as its own one-token query (see `_verification_rows`)
+                _verification_rows(
+                    end, len(draft), seq.block_ids, query_lens, context_lens, block_tables, seq_lens
+                )
+            else:
+                query_lens.append(num_query)
+                context_lens.append(end)
+                block_tables.append(seq.block_ids)
+                seq_lens.append(seq.num_tokens)
             if lora_slots is not None:
                 slot = lora_slots[seq.lora_id] if seq.lora_id else -1
-                token_slots.extend([slot] * item.num_new_tokens)
+                token_slots.extend([slot] * num_query)
                 if scaled:
-                    token_scales.extend([seq.lora_scale] * item.num_new_tokens)
+                    token_scales.extend([seq.lora_scale] * num_query)
 
         scales = token_scales if scaled else None
         attn = build_attention_metadata(
@@ -220,16 +237,20 @@ class ModelRunner:
         process_logits: LogitsProcessor | None = None,
         errors: dict[Request, Exception] | None = None,
     ) -> SamplerOutput:
-        """One token for each of `result.sample_seqs` (none when only prefill chunks ran). If sampling
-        the batch raises and `errors` is given, each request's rows are sampled again on their own:
-        a request that still raises goes into `errors` (its rows get no token), and the others get
+        """One token for each row of `result.sample_seqs` (none when only prefill chunks ran). If
+        sampling the batch raises and `errors` is given, each request's rows are sampled again on their
+        own: a request that still raises goes into `errors` (its rows get no token), and the others get
         their tokens (greedy and seeded rows exactly those the batch would have given them: seeded
-        generators are rewound first)."""
+        generators are rewound first; a speculating row's noise was drawn ahead)."""
         if not result.sample_seqs:
             return _no_tokens()
+        offsets = result.row_offsets or [0] * len(result.sample_seqs)
         if process_logits is not None:
-            process_logits(result.logits, result.sample_seqs)
-        rows = [self._sampling_row(seq) for seq in result.sample_seqs]
+            process_logits(result.logits, result.sample_seqs, offsets)
+        rows = [
+            self._sampling_row(seq, offset, result.drafts.get(seq.seq_id))
+            for seq, offset in zip(result.sample_seqs, offsets, strict=True)
+        ]
         if errors is None:
             return self.sampler(result.logits, rows)
         requests = list(dict.fromkeys(seq.request for seq in result.sample_seqs))
@@ -269,19 +290,22 @@ class ModelRunner:
                 out.top_logprobs[i] = own.top_logprobs[j]
         return out
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, offset: int = 0, draft: DraftRound | None = None) -> SamplingRow:
         """Token history is copied only for rows whose penalties or min_tokens read it (bad words:
         only the latest tokens they compare): the copies grow with the context, and most requests
-        use none of them."""
+        use none of them. Row `offset` of a speculating sequence has the first `offset` proposed
+        tokens in its history, as if they had been sampled, and its pre-drawn noise."""
         params = seq.params
+        ahead = draft.tokens[:offset] if draft is not None else []
         prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
         output_ids: list[int] = []
         if params.has_penalties or params.min_tokens > 0:
-            output_ids = seq.output_token_ids
+            output_ids = seq.output_token_ids + ahead
         elif params.bad_words_prefix_len > 0:
             start = max(seq.num_prompt_tokens, len(seq.token_ids) - params.bad_words_prefix_len)
-            output_ids = seq.token_ids[start:]
-        return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_token_id)
+            output_ids = (seq.token_ids[start:] + ahead)[-params.bad_words_prefix_len :]
+        noise = draft.noise[offset] if draft is not None and draft.noise is not None else None
+        return SamplingRow(params, prompt_ids, output_ids, seq.generator, self.eos_token_id, noise)
 
     def _rows_mapping(
         self, seqs: list[Sequence], counts: list[int], lora_slots: dict[int, int] | None
@@ -323,6 +347,8 @@ class ModelRunner:
     ) -> StepResult:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        row_offsets: list[int] = []
+        drafts: dict[int, DraftRound] = {}
         prompt_spans: list[tuple[Sequence, int, int, int]] = []  # seq, first row, num rows, start position
         offset = 0
         for item in scheduled:
@@ -330,10 +356,14 @@ class ModelRunner:
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 rows = min(n, seq.num_prompt_tokens - 1 - start)
                 prompt_spans.append((seq, offset, rows, start))
-            if start + n == seq.num_tokens:
-                sample_rows.append(offset + n - 1)
-                sample_seqs.append(seq)
-            offset += n
+            num_draft = len(item.draft_tokens)
+            if start + n == seq.num_tokens:  # its own token's row, then one per proposed token
+                sample_rows.extend(range(offset + n - 1, offset + n + num_draft))
+                sample_seqs.extend([seq] * (num_draft + 1))
+                row_offsets.extend(range(num_draft + 1))
+                if item.draft is not None:
+                    drafts[seq.seq_id] = item.draft
+            offset += n + num_draft
         logits = (
             self._logits(hidden[sample_rows], sample_seqs, [1] * len(sample_seqs), lora_slots, float32=False)
             if sample_rows
@@ -345,4 +375,27 @@ class ModelRunner:
             )
             for seq, first, rows, start in prompt_spans
         ]
-        return StepResult(sample_seqs, logits, chunks)
+        return StepResult(sample_seqs, logits, chunks, row_offsets, drafts)
+
+
+def _verification_rows(
+    end: int,
+    num_draft: int,
+    block_ids: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+) -> None:
+    """The attention metadata of a speculating sequence's rows (its own token at `end` - 1, then the
+    proposals): one single-query entry per row over the sequence's blocks, its context ending at that
+    row, as a decode step of the same position sees it. The attention kernel shapes its work by each
+    entry's query length, so a row computed here is bit for bit the decode step's, which is what
+    makes a greedy output with speculation the output without it; every row's K/V is written before
+    any row attends, so each still sees the proposals before it. The sequence lengths are the decode
+    steps' too (LongRoPE picks its factors by them)."""
+    for row in range(num_draft + 1):
+        query_lens.append(1)
+        context_lens.append(end + row)
+        block_tables.append(block_ids)
+        seq_lens.append(end + row)

@@ -1,8 +1,10 @@
 """After sampling: detokenize, decide stop conditions, record prompt logprobs, build RequestOutputs.
 
-It never changes a sequence: each sampled token becomes a `SampledToken` report (token, logprobs,
-finish reason) that the scheduler applies. What it does own is text: every sequence's detokenizer
-(stop strings cut there) and each request's prompt logprobs.
+It never changes a sequence: each emitted token becomes a `SampledToken` report (token, logprobs,
+finish reason) that the scheduler applies; a sequence may emit several in one step (speculative
+decoding), checked one after another as if each were its own step, the first that ends it the last.
+What it does own is text: every sequence's detokenizer (stop strings cut there) and each request's
+prompt logprobs. A request whose own processing raises fails alone (`failed`), the others go on.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from typing import Any
 
 from loraserve.engine.detokenizer import find_stop_string
 from loraserve.engine.model_runner import PromptLogprobChunk, StepResult
-from loraserve.engine.sampler import SamplerOutput, compute_prompt_logprobs
-from loraserve.engine.scheduler import SampledToken
+from loraserve.engine.sampler import compute_prompt_logprobs
 from loraserve.engine.sequence import Request, Sequence
+from loraserve.engine.spec_verify import Verified
+from loraserve.engine.step_types import SampledToken
 from loraserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 Finish = tuple[str | None, int | str | None]  # (finish_reason, stop_reason)
@@ -41,30 +44,41 @@ class OutputProcessor:
         return entry
 
     def process(
-        self, result: StepResult, sampled: SamplerOutput, failed: dict[Request, Exception] | None = None
+        self, result: StepResult, emitted: list[Verified], failed: dict[Request, Exception] | None = None
     ) -> list[SampledToken]:
-        """Record the step's prompt logprobs and report what each sampled token does to its sequence.
-        With `failed`: a request whose processing raises is added to it and reported no further (the
-        others go on); requests already in it are skipped."""
-        reports = []
+        """Record the step's prompt logprobs and report what each emitted token does to its sequence
+        (a grammar's dead end stops it: "stop", no stop reason). With `failed`: a request whose
+        processing raises is added to it and reported no further (the others go on); requests already
+        in it are skipped."""
+        reports: list[SampledToken] = []
         for chunk in result.prompt_chunks:
             if failed is None or chunk.seq.request not in failed:
                 self._guarded(chunk.seq.request, failed, lambda c=chunk: self._record_prompt_logprobs([c]))
-        for i, seq in enumerate(result.sample_seqs):
+        for out in emitted:
+            seq = out.seq
             if seq.request.beam is not None:  # a beam's token is its group's choice (Scheduler.update)
                 continue
             if failed is not None and seq.request in failed:
                 continue
-            top = sampled.top_logprobs[i] if sampled.top_logprobs else None
-            report = self._guarded(
-                seq.request,
-                failed,
-                lambda s=seq, i=i, t=top: self._report(s, sampled.token_ids[i], sampled.logprobs[i], t),
-            )
-            if report is not None:
-                reports.append(report)
+            own = self._guarded(seq.request, failed, lambda o=out: self._reports(o))
+            if own is not None:
+                reports += own
         if failed:
             reports = [r for r in reports if r.seq.request not in failed]
+        return reports
+
+    def _reports(self, out: Verified) -> list[SampledToken]:
+        """One sequence's emitted tokens, each checked as if it were its own step; the first that ends
+        the sequence is the last."""
+        reports = []
+        for ahead, token_id in enumerate(out.token_ids):
+            report = self._report(out.seq, token_id, out.logprobs[ahead], out.top_logprobs[ahead], ahead)
+            if out.dead_end and ahead == len(out.token_ids) - 1:
+                report = SampledToken(out.seq, token_id, report.logprob, report.top_logprobs, "stop", None)
+            reports.append(report)
+            if report.finish_reason is not None:
+                break
+        return reports
         return reports
 
     @staticmethod
@@ -79,17 +93,18 @@ class OutputProcessor:
             return None
 
     def _report(
-        self, seq: Sequence, token_id: int, logprob: float | None, top: dict[int, Logprob] | None
+        self, seq: Sequence, token_id: int, logprob: float | None, top: dict[int, Logprob] | None, ahead: int
     ) -> SampledToken:
         top_logprobs = (self.with_text(top) or {}) if seq.params.logprobs is not None else None
         delta_len = len(seq.detokenizer.append(token_id)) if seq.detokenizer is not None else 0
-        reason, stop_reason = self._check_stop(seq, token_id, delta_len)
+        reason, stop_reason = self._check_stop(seq, token_id, delta_len, ahead)
         return SampledToken(seq, token_id, logprob, top_logprobs, reason, stop_reason)
 
-    def _check_stop(self, seq: Sequence, token_id: int, delta_len: int) -> Finish:
-        """Whether `token_id`, about to be appended to `seq`, ends it; a matched stop string is cut."""
+    def _check_stop(self, seq: Sequence, token_id: int, delta_len: int, ahead: int = 0) -> Finish:
+        """Whether `token_id`, about to be appended to `seq` after the `ahead` tokens it emitted before
+        it this step, ends it; a matched stop string is cut."""
         params = seq.params
-        num_output_tokens = seq.num_output_tokens + 1
+        num_output_tokens = seq.num_output_tokens + 1 + ahead
         if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id == self.eos_token_id:
                 self._drop_stop_token_text(seq, delta_len)
@@ -106,7 +121,7 @@ class OutputProcessor:
                     seq.detokenizer.truncate(keep)
                     return "stop", matched
         is_max_tokens = params.max_tokens is not None and num_output_tokens >= params.max_tokens
-        if is_max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+        if is_max_tokens or seq.num_tokens + 1 + ahead >= self.max_model_len:
             return "length", None
         return None, None
 

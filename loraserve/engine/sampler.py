@@ -35,6 +35,9 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # the sequence's own generator; required when params.seed is set
     eos_token_id: int | None
+    # This row's Exponential(1) draw, made beforehand (speculative decoding's rows: `DraftRound.noise`);
+    # None: the sampler draws it (from `generator` when seeded).
+    noise: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -325,13 +328,16 @@ def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
 
 
 def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Exponential(1) noise: one shared draw for unseeded rows, each seeded row from its own generator."""
+    """Exponential(1) noise: one shared draw for unseeded rows, each seeded row from its own generator,
+    a row with a pre-drawn one (`SamplingRow.noise`) that one."""
     noise = torch.empty_like(probs)
-    seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
+    given = [j for j, row in enumerate(rows) if row.noise is not None]
+    seeded = [j for j, row in enumerate(rows) if row.params.seed is not None and row.noise is None]
     if not seeded:
-        noise.exponential_()
+        if len(given) < len(rows):
+            noise.exponential_()
     else:
-        unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
+        unseeded = [j for j, row in enumerate(rows) if row.params.seed is None and row.noise is None]
         if unseeded:
             index = torch.tensor(unseeded, device=probs.device)
             noise[index] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
@@ -343,5 +349,13 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
                     "create it once per sequence with create_generator()."
                 )
             noise[j].exponential_(generator=generator)
+    for j in given:
+        drawn = rows[j].noise
+        assert drawn is not None
+        if drawn.shape != noise[j].shape:
+            raise ValueError(
+                f"a pre-drawn noise row has shape {tuple(drawn.shape)}, the logits rows {probs.shape[1]}"
+            )
+        noise[j] = drawn
     # exponential_ may return exactly 0; a zero divisor would turn a masked 0-probability token into NaN.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

@@ -37,7 +37,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass, field
 
 from loraserve.config import SchedulerConfig
 from loraserve.engine.admission import QueueLoad
@@ -46,43 +45,19 @@ from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.fair_slots import FairSlots, is_parked
 from loraserve.engine.logprob_budget import LogprobBudget
 from loraserve.engine.sequence import BeamCandidates, Request, Sequence, SequenceStatus
+from loraserve.engine.step_types import SampledToken, ScheduledSeq, SchedulerOutput
 from loraserve.engine.turn_order import MAX_LORA_REORDER_STEPS, by_adapter_demand, turn_order
-from loraserve.outputs import PositionLogprobs
 
-__all__ = ["MAX_LORA_BYPASS_STEPS", "MAX_LORA_REORDER_STEPS", "SampledToken", "ScheduledSeq", "Scheduler"]
+__all__ = [
+    "MAX_LORA_BYPASS_STEPS",
+    "MAX_LORA_REORDER_STEPS",
+    "SampledToken",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerOutput",
+]
 
 MAX_LORA_BYPASS_STEPS = 8
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    """One sampled token and what it does to its sequence, as the output processor decided."""
-
-    seq: Sequence
-    token_id: int
-    logprob: float | None  # None unless the request asked for logprobs
-    top_logprobs: PositionLogprobs | None  # None unless the request asked for logprobs
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # (source, destination) KV blocks the runner copies before the forward: a beam about to write
-    # into a partial block it shares with a sibling gets its own copy first (copy on write).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -142,17 +117,28 @@ class Scheduler:
         beams: Sequence_[BeamCandidates] = (),
         failed: dict[Request, Exception] | None = None,
     ) -> list[Request]:
-        """Apply a step that ran: computed tokens and their full blocks, then the sampled tokens, then
-        the beams' candidates (a group whose every live beam has them takes its round). Returns the
-        beam-search requests whose search ended. With `failed`, a group whose round raises goes into
-        it (the caller ends it) and the other groups go on."""
-        for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.commit_computed(item.seq, item.seq.request.cache_salt)
+        """Apply a step that ran: each sequence's sampled tokens, then its computed tokens (proposals
+        the step accepted included) and their full blocks, the blocks that held only rejected proposals
+        given back; then the beams' candidates (a group whose every live beam has them takes its
+        round). Returns the beam-search requests whose search ended. With `failed`, a group whose
+        round raises goes into it (the caller ends it) and the other groups go on."""
+        tokens: dict[int, list[SampledToken]] = {}
         for token in sampled:
-            _append(token)
-            if token.finish_reason is not None:
-                self.finish(token.seq, token.finish_reason, token.stop_reason)
+            tokens.setdefault(token.seq.seq_id, []).append(token)
+        for item in scheduled:
+            seq = item.seq
+            own = tokens.pop(seq.seq_id, [])
+            for token in own:
+                _append(token)
+            # The KV of proposal i is right when the token emitted before it equals it: all but the last.
+            accepted = min(len(item.draft_tokens), max(len(own) - 1, 0))
+            seq.num_computed_tokens += item.num_new_tokens + accepted
+            self.blocks.commit_computed(seq, seq.request.cache_salt)
+            if item.draft is not None:
+                keep = -(-seq.num_tokens // self.blocks.block_size)
+                seq.block_ids = self.blocks.release_tail(seq.block_ids, keep)
+            if own and own[-1].finish_reason is not None:
+                self.finish(seq, own[-1].finish_reason, own[-1].stop_reason)
         ended = []
         for request in dict.fromkeys(c.seq.request for c in beams if not c.seq.is_finished):
             group = request.beam
@@ -178,6 +164,20 @@ class Scheduler:
                 if group.done:
                     ended.append(request)
         return ended
+
+    def reserve_draft(self, seq: Sequence, num_tokens: int) -> bool:
+        """KV blocks for `num_tokens` proposed positions after a decoding sequence's scheduled token,
+        from free blocks only (a proposal never preempts anyone); False, with nothing changed, if short.
+        `update` gives back the blocks that end up holding only rejected proposals."""
+        block_ids = self.blocks.allocate(seq, 1 + num_tokens)
+        if block_ids is None:
+            return False
+        seq.block_ids.extend(block_ids)
+        return True
+
+    def release_draft(self, seq: Sequence) -> None:
+        """Give back what `reserve_draft` took when no proposal comes of it."""
+        seq.block_ids = self.blocks.release_tail(seq.block_ids, -(-seq.num_tokens // self.blocks.block_size))
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` (stop, length or abort) and free its blocks."""

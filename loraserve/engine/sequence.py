@@ -132,6 +132,20 @@ class Sequence:
         return self.detokenizer.output_text if self.detokenizer is not None else ""
 
 
+@dataclass(slots=True)
+class DraftRound:
+    """One sequence's speculation in one step (engine/speculator.py makes it): the proposed tokens the
+    step verifies after the sequence's own token, and, for a sampled (not greedy) sequence, the
+    Exponential(1) noise each of its len(tokens) + 1 rows samples with, drawn before the draft so that
+    a draft model proposes with the very draws the target then samples with. A seeded sequence's
+    draws come from its generator, whose state after each draw is kept: the step winds it back to
+    just after the draws of the tokens it emitted, so speculation never changes what it samples."""
+
+    tokens: list[int]
+    noise: torch.Tensor | None = None  # [len(tokens) + 1, vocab] float32
+    states: list[torch.Tensor] | None = None  # seeded: the generator's state after each row's draw
+
+
 @dataclass(frozen=True, slots=True)
 class Hypothesis:
     """A finished beam: its generated tokens (the stop token included), summed logprob and score."""

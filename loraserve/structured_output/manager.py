@@ -6,7 +6,9 @@ this step to one worker thread, which advances each grammar over the tokens the 
 fills its bitmask row; the forward pass runs meanwhile. `apply(job, logits, seqs)` (before the
 sampler) waits for it and masks the constrained rows in one operation; the other rows are untouched
 and a step without grammars does nothing at all. A sequence whose grammar allows nothing more (a dead
-end) samples its stop token and ends with finish_reason "stop", its reason logged.
+end) samples its stop token and ends with finish_reason "stop", its reason logged. A sequence with
+proposed tokens (speculative decoding) has a row at each of them, masked as if the tokens before it
+had been sampled (`GrammarState.fill_ahead`); rows are keyed by (sequence, row offset).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class ScheduledItem(Protocol):
     @property
     def num_new_tokens(self) -> int: ...
 
+    @property
+    def draft_tokens(self) -> list[int]: ...
+
 
 @dataclass(slots=True)
 class FilledMasks:
@@ -61,11 +66,13 @@ class FilledMasks:
 
 @dataclass(slots=True)
 class MaskJob:
-    """One step's masks, row j for sequence `seq_ids[j]`."""
+    """One step's masks, row j for row `offsets[j]` (0 but for proposed tokens' rows) of `seq_ids[j]`."""
 
     seq_ids: list[int]
     future: Future[FilledMasks]
     dead_ends: dict[int, str] = field(default_factory=dict)  # seq_id -> why it stops (after apply)
+    offsets: list[int] = field(default_factory=list)  # empty: every row's offset is 0
+    dead_offsets: dict[int, int] = field(default_factory=dict)  # seq_id -> its first dead end's row offset
 
 
 class StructuredOutputs:
@@ -157,38 +164,55 @@ class StructuredOutputs:
 
     def start_step(self, scheduled: Sequence[ScheduledItem]) -> MaskJob | None:
         """Start filling the masks of the constrained sequences that sample this step; None if none."""
-        seqs = [
-            item.seq
+        items = [
+            item
             for item in scheduled
             if item.seq.grammar is not None
             and item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
         ]
-        if not seqs:
+        if not items:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraserve-grammar")
-        return MaskJob([seq.seq_id for seq in seqs], self._pool.submit(_fill, seqs, self.vocab_size))
+        seqs = [item.seq for item in items]
+        proposed = [list(getattr(item, "draft_tokens", ())) for item in items]
+        if not any(proposed):
+            return MaskJob([seq.seq_id for seq in seqs], self._pool.submit(_fill, seqs, self.vocab_size))
+        seq_ids = [seq.seq_id for seq, draft in zip(seqs, proposed) for _ in range(len(draft) + 1)]
+        offsets = [i for draft in proposed for i in range(len(draft) + 1)]
+        return MaskJob(seq_ids, self._pool.submit(_fill, seqs, self.vocab_size, proposed), offsets=offsets)
 
     @torch.inference_mode()  # the runner's logits are inference tensors
-    def apply(self, job: MaskJob | None, logits: torch.Tensor, sample_seqs: Sequence[ConstrainedSeq]) -> None:
-        """Wait for the masks and apply them to the rows of `logits` (one per `sample_seqs`); a dead
-        end's row allows only its stop token and the sequence is recorded in `job.dead_ends`."""
+    def apply(
+        self,
+        job: MaskJob | None,
+        logits: torch.Tensor,
+        sample_seqs: Sequence[ConstrainedSeq],
+        offsets: Sequence[int] | None = None,
+    ) -> None:
+        """Wait for the masks and apply them to the rows of `logits` (one per `sample_seqs`, at row
+        `offsets[i]` of its sequence: None, all 0); a dead end's row allows only its stop token and
+        the sequence is recorded in `job.dead_ends` (and its row offset in `job.dead_offsets`)."""
         if job is None:
             return
         filled = job.future.result()
-        where = {seq_id: j for j, seq_id in enumerate(job.seq_ids)}
+        where = {key: j for j, key in enumerate(zip(job.seq_ids, job.offsets or [0] * len(job.seq_ids)))}
         rows: list[int] = []
         sources: list[int] = []
         dead_rows: list[int] = []
         for i, seq in enumerate(sample_seqs):
-            j = where.get(seq.seq_id)
+            offset = offsets[i] if offsets else 0
+            j = where.get((seq.seq_id, offset))
             if j is None:
                 continue
             reason = filled.reasons[j]
             if reason is not None:
-                job.dead_ends[seq.seq_id] = reason
+                if offset < job.dead_offsets.get(seq.seq_id, offset + 1):  # its first dead end
+                    job.dead_ends[seq.seq_id] = reason
+                    job.dead_offsets[seq.seq_id] = offset
                 dead_rows.append(i)
-                logger.info("Structured output of sequence %d stops: %s", seq.seq_id, reason)
+                if offset == 0:  # (a proposal's row is a dead end only if the step gets there)
+                    logger.info("Structured output of sequence %d stops: %s", seq.seq_id, reason)
                 continue
             rows.append(i)
             sources.append(j)
@@ -218,21 +242,27 @@ class StructuredOutputs:
             self._pool = None
 
 
-def _fill(seqs: list[ConstrainedSeq], vocab_size: int) -> FilledMasks:
-    """Worker thread: advance each grammar to its sequence's tokens, fill its bitmask row, and unpack
-    the rows into the tokens each may not take."""
+def _fill(
+    seqs: list[ConstrainedSeq], vocab_size: int, proposed: list[list[int]] | None = None
+) -> FilledMasks:
+    """Worker thread: advance each grammar to its sequence's tokens, fill its bitmask row (and one row
+    after each of its `proposed` tokens), and unpack the rows into the tokens each may not take."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(seqs), vocab_size)
+    drafts = proposed or [[] for _ in seqs]
+    bitmask = xgr.allocate_token_bitmask(sum(len(draft) + 1 for draft in drafts), vocab_size)
     reasons: list[str | None] = []
-    for row, seq in enumerate(seqs):
+    for seq, draft in zip(seqs, drafts, strict=True):
         state = seq.grammar
         assert state is not None
+        row = len(reasons)
         try:
             state.advance(seq.output_token_ids)
             reasons.append(None if state.fill(bitmask, row) else state.dead_end)
+            if draft:
+                reasons.extend(state.fill_ahead(bitmask, row + 1, draft))
         except Exception as exc:  # this grammar's fault ends this sequence only, never the batch
-            reasons.append(f"the grammar failed: {type(exc).__name__}: {exc}")
+            reasons[row:] = [f"the grammar failed: {type(exc).__name__}: {exc}"] * (len(draft) + 1)
     disallowed = disallowed_tokens(bitmask, vocab_size)
     for row, blocked in enumerate(disallowed.all(dim=1).tolist()):
         if blocked and reasons[row] is None:

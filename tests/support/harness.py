@@ -121,3 +121,21 @@ class RunningServer:
                     data = line[len("data: ") :]
                     events.append(data if data == "[DONE]" else json.loads(data))
         return events
+
+    def begin_shutdown(self) -> None:
+        """What SIGTERM does to uvicorn: ask the serve loop to exit."""
+        assert self.server is not None
+        self.call(lambda: setattr(self.server, "should_exit", True))
+
+
+def stream_events_into(url: str, body: dict, sink: list[Any]) -> None:
+    """Stream `body` to /v1/completions, appending the status code and then each event (parsed JSON,
+    or "[DONE]") to `sink` as it arrives, so a test in another thread sees how far the stream got."""
+    import httpx
+
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        sink.append(response.status_code)
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                sink.append(data if data == "[DONE]" else json.loads(data))

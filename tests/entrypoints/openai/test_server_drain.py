@@ -12,27 +12,12 @@ from typing import Any
 import httpx
 import pytest
 from support.fake_engine import FakeEngine, hold_generation, release_generation
-from support.harness import RunningServer, wait_for
+from support.harness import RunningServer, stream_events_into, wait_for
 from support.raw_http import raw_exchange, request_head
 
 from loraserve.entrypoints.openai.server.api_server import ServerOptions
 
 STREAM = {"model": "base", "prompt": "abc", "max_tokens": 5, "stream": True}
-
-
-def _stream_events(url: str, sink: list[Any]) -> None:
-    with httpx.stream("POST", url + "/v1/completions", json=STREAM, timeout=60) as response:
-        sink.append(response.status_code)
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: ") :]
-                sink.append(data if data == "[DONE]" else json.loads(data))
-
-
-def _begin_shutdown(server: RunningServer) -> None:
-    """What SIGTERM does to uvicorn: ask the serve loop to exit."""
-    assert server.server is not None
-    server.call(lambda: setattr(server.server, "should_exit", True))
 
 
 def _during_the_drain(url: str, port: int) -> dict[str, Any]:
@@ -58,10 +43,10 @@ def test_the_drain_answers_new_connections_until_running_requests_finish(tokeniz
     with server:
         hold_generation(server, num_free_tokens=1)
         events: list[Any] = []
-        client = threading.Thread(target=_stream_events, args=(server.url, events))
+        client = threading.Thread(target=stream_events_into, args=(server.url, STREAM, events))
         client.start()
         wait_for(lambda: len(server.engine.running) == 1, what="the stream to start")
-        _begin_shutdown(server)
+        server.begin_shutdown()
         wait_for(lambda: server.app.state.lifecycle.is_draining, what="the drain to begin")
         seen = _during_the_drain(server.url, server.port)
         assert server.thread.is_alive() and server.engine.running  # the stream still holds the drain open
@@ -90,7 +75,7 @@ def test_a_drain_with_nothing_running_ends_at_once(tokenizer) -> None:
     )
     with server:
         assert server.http.get("/health").status_code == 200  # an idle keep-alive connection stays open
-        _begin_shutdown(server)
+        server.begin_shutdown()
         server.thread.join(60)
         assert not server.thread.is_alive()
     assert server.app.state.lifecycle.active_requests == 0

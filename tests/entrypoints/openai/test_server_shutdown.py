@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 from support.fake_engine import FakeEngine, hold_generation, release_generation
-from support.harness import RunningServer, wait_for
+from support.harness import RunningServer, stream_events_into, wait_for
 from support.serve_process import ServeProcess
 
 from loraserve.entrypoints.openai.server.api_server import ServerOptions
@@ -17,30 +17,17 @@ from loraserve.entrypoints.openai.server.api_server import ServerOptions
 STREAM = {"model": "base", "prompt": "abc", "max_tokens": 5, "stream": True}
 
 
-def _stream_events(url: str, sink: list[Any]) -> None:
-    with httpx.stream("POST", url + "/v1/completions", json=STREAM, timeout=60) as response:
-        sink.append(response.status_code)
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: ") :]
-                sink.append(data if data == "[DONE]" else json.loads(data))
-
-
-def _begin_shutdown(server: RunningServer) -> None:
-    """What SIGTERM does to uvicorn: ask the serve loop to exit."""
-    assert server.server is not None
-    server.call(lambda: setattr(server.server, "should_exit", True))
-
-
 def test_running_requests_finish_within_the_timeout(tokenizer) -> None:
-    server = RunningServer(FakeEngine(tokenizer), ServerOptions(served_model_names=["base"], shutdown_timeout_s=60))
+    server = RunningServer(
+        FakeEngine(tokenizer), ServerOptions(served_model_names=["base"], shutdown_timeout_s=60)
+    )
     with server:
         hold_generation(server, num_free_tokens=1)
         events: list[Any] = []
-        client = threading.Thread(target=_stream_events, args=(server.url, events))
+        client = threading.Thread(target=stream_events_into, args=(server.url, STREAM, events))
         client.start()
         wait_for(lambda: len(server.engine.running) == 1, what="the stream to start")
-        _begin_shutdown(server)
+        server.begin_shutdown()
         wait_for(lambda: server.app.state.lifecycle.is_draining, what="the drain to begin")
         release_generation(server)
         client.join(60)
@@ -52,7 +39,9 @@ def test_running_requests_finish_within_the_timeout(tokenizer) -> None:
 
 
 def test_requests_past_the_timeout_end_with_503(tokenizer) -> None:
-    server = RunningServer(FakeEngine(tokenizer), ServerOptions(served_model_names=["base"], shutdown_timeout_s=0.2))
+    server = RunningServer(
+        FakeEngine(tokenizer), ServerOptions(served_model_names=["base"], shutdown_timeout_s=0.2)
+    )
     with server:
         hold_generation(server, num_free_tokens=1)
         events: list[Any] = []
@@ -63,11 +52,14 @@ def test_requests_past_the_timeout_end_with_503(tokenizer) -> None:
             response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
             plain.update(status=response.status_code, body=response.json())
 
-        clients = [threading.Thread(target=_stream_events, args=(server.url, events)), threading.Thread(target=complete)]
+        clients = [
+            threading.Thread(target=stream_events_into, args=(server.url, STREAM, events)),
+            threading.Thread(target=complete),
+        ]
         for thread in clients:
             thread.start()
         wait_for(lambda: len(server.engine.running) == 2, what="both requests to start")
-        _begin_shutdown(server)  # the gate is never released: only the timeout ends them
+        server.begin_shutdown()  # the gate is never released: only the timeout ends them
         for thread in clients:
             thread.join(60)
         server.thread.join(60)
@@ -81,7 +73,9 @@ def test_a_draining_server_refuses_new_work(server: RunningServer) -> None:
     server.call(lambda: setattr(lifecycle, "is_draining", True))
     try:
         health = server.http.get("/health")
-        completion = server.http.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2})
+        completion = server.http.post(
+            "/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2}
+        )
         assert server.http.get("/metrics").status_code == 200  # still observable while it drains
     finally:
         server.call(lambda: setattr(lifecycle, "is_draining", False))
@@ -92,8 +86,19 @@ def test_a_draining_server_refuses_new_work(server: RunningServer) -> None:
 def test_sigterm_mid_stream_exits_cleanly(tiny_model: Any) -> None:
     """A real process: SIGTERM while a long stream runs. The stream ends with [DONE] (finished, or a
     503 error event if it outlived the timeout), the process exits 0, and nothing logs a traceback."""
-    flags = [tiny_model("llama"), "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-             "--served-model-name", "base", "--shutdown-timeout", "0.5"]
+    flags = [
+        tiny_model("llama"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--served-model-name",
+        "base",
+        "--shutdown-timeout",
+        "0.5",
+    ]
     with ServeProcess(flags) as server:
         events: list[Any] = []
         body = {"model": "base", "prompt": "abc", "max_tokens": 250, "ignore_eos": True, "stream": True}

@@ -56,7 +56,14 @@ def test_harmless_flags_print_one_notice(
         ),
         (["--gpu-memory-utilization=1.5"], "--gpu-memory-utilization 1.5 cannot be honoured"),
         (["--quantization", "awq"], "--quantization 'awq' is not served; loraserve quantizes"),
-        (["--speculative-config", "{}"], "--speculative-config {} is not supported"),
+        (
+            ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+            "--speculative-config is not valid: speculative method 'eagle' needs trained heads",
+        ),
+        (
+            ["--speculative-model", "draft"],
+            "--speculative-model draft is not supported: vLLM < 0.11's spelling: use --speculative-config",
+        ),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
         (
             ["--enable-auto-tool-choice", "--tool-call-parser", "hermez"],

@@ -219,7 +219,7 @@ VLLM_0_11_FLAGS: dict[str, str] = {
     "--cudagraph-capture-sizes": N,
     "--cuda-graph-sizes": N,
     "--max-cudagraph-capture-size": N,
-    "--speculative-config": R,
+    "--speculative-config": W,
     "--kv-transfer-config": R,
     "--kv-events-config": R,
     "--compilation-config": N,

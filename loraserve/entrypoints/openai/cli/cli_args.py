@@ -34,6 +34,7 @@ _GROUPS = (
     "LoRA",
     "model loading, tokenizer and sampling defaults",
     "structured outputs",
+    "speculative decoding",
     "HTTP front end",
     "limits and shutdown",
     "Responses API",

@@ -229,7 +229,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     notice("--max-num-partial-prefills", "every prefill that fits the token budget runs in the step"),
     notice("--max-long-partial-prefills", "every prefill that fits the token budget runs in the step"),
     notice("--long-prefill-token-threshold", "every prefill that fits the token budget runs in the step"),
-    notice("--num-lookahead-slots", "there is no speculative decoding to reserve slots for"),
+    notice("--num-lookahead-slots", "speculative decoding reserves the KV slots of its proposals by itself"),
     notice("--disable-chunked-mm-input", _NO_MULTIMODAL, "bool"),
     refused("--scheduler-cls", "the scheduler cannot be replaced"),
     notice("--disable-hybrid-kv-cache-manager", "there is one KV-cache manager", "bool"),
@@ -237,7 +237,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     # ---- CompilationConfig and VllmConfig ----------------------------------------------------------
     notice("--cudagraph-capture-sizes --cuda-graph-sizes", _NO_CUDA_GRAPHS, "values"),
     notice("--max-cudagraph-capture-size", _NO_CUDA_GRAPHS),
-    refused("--speculative-config", "speculative decoding is not supported"),
     refused("--kv-transfer-config", "KV transfer between instances is not supported"),
     refused("--kv-events-config", "KV-cache events are not published"),
     notice("--compilation-config -O", "loraserve does not compile the model (it runs eagerly)"),
@@ -255,7 +254,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         "--tokenizer-pool-size", "vLLM < 0.11: requests are tokenized in the server process", harmless=_ZERO
     ),
     refused(
-        "--speculative-model --num-speculative-tokens", "vLLM < 0.11: speculative decoding is not supported"
+        "--speculative-model --num-speculative-tokens",
+        'vLLM < 0.11\'s spelling: use --speculative-config \'{"model": DRAFT, "num_speculative_tokens": K}\'',
     ),
     refused("--long-lora-scaling-factors", "vLLM < 0.11: long-context LoRA is not supported"),
 )

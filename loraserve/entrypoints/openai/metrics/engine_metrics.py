@@ -8,7 +8,7 @@ The generic export: numbers become gauges (counters for the monotonic keys in `_
 with Prometheus' `_total` suffix), `{adapter: count}` maps become gauges labelled `lora_name` ("" is
 the base model). Lists (new observations) are not families: `metrics.py` adds them to histograms named
 by `metric_name`. The LoRA residency and request-info metrics are `lora_metrics.py`'s; the iteration
-tokens and the cache config are vLLM's only (`vllm_metrics.py`).
+tokens, the cache config and speculative decoding's counters are vLLM's only (`vllm_metrics.py`).
 """
 
 from __future__ import annotations

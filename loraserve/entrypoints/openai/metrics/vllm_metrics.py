@@ -6,9 +6,10 @@ first served name) and `engine` ("0"; behind `--replicas` the replica id, one en
 finish reason, the latency histograms: TTFT, inter-token, end to end, queue, prefill, decode,
 inference; prompt / generation length and n / max_tokens histograms); `vllm_engine_families` turns one
 engine's `stats()` into vLLM's gauges and counters (running / waiting requests, KV-cache usage, prefix
-cache queries and hits in tokens, preemptions), the `iteration_tokens_total` histogram (tokens per
-engine step, the engine's cumulative bucket counts) and the `cache_config_info` info gauge (vLLM's
-labels: the cache config's fields and `engine`, no `model_name`).
+cache queries and hits in tokens, preemptions, speculative decoding's: `spec_metrics.py`), the
+`iteration_tokens_total` histogram (tokens per engine step, the engine's cumulative bucket counts) and
+the `cache_config_info` info gauge (vLLM's labels: the cache config's fields and `engine`, no
+`model_name`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from loraserve.entrypoints.openai.metrics.spec_metrics import SPEC_KEY, spec_decode_families
+
 VLLM = "vllm:"
 LABELS = ["model_name", "engine"]
 ENGINE = "0"  # vLLM's engine index of a single-engine server
 # Engine stats keys that only vLLM's families export (structured values, not generic gauges).
-ENGINE_OWN_KEYS = ("iteration_tokens", "cache_config_info")
+ENGINE_OWN_KEYS = ("iteration_tokens", "cache_config_info", SPEC_KEY)
 # vLLM's buckets (v0.11 vllm/v1/metrics/loggers.py), so dashboards' quantiles match.
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
          20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -161,6 +164,7 @@ def vllm_engine_families(stats: Mapping[str, Any], model_name: str, engine: str 
             counter = CounterMetricFamily(VLLM + name, doc, labels=LABELS)
             counter.add_metric(values, float(stats[key]))
             yield counter
+    yield from spec_decode_families(stats, LABELS, values)
     yield from _iteration_tokens(stats.get("iteration_tokens"), values)
     yield from _cache_config_info(stats.get("cache_config_info"), engine)
 
