@@ -14,6 +14,8 @@ measured in the same run (`benchmarks.bandwidth`), for loraserve's engine step a
 alone (`benchmarks.attention`'s step over the model's layers, caches of that context); goal <= 1.5x.
 Usage: python -m benchmarks.long_context [--contexts 128,1024,2048] [--batch 16] [--steps 8] [--dtype auto]
        python -m benchmarks.long_context --contexts 128,1900 --no-transformers --threads 1  (the bound row)
+       python -m benchmarks.long_context --contexts 128,1900 --kv-cache-dtypes auto,bfloat16,int8,fp8
+         (the bound for each --kv-cache-dtype: its extra KV bytes, int8's block scales included)
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from benchmarks.attention import make_step
 from benchmarks.bandwidth import probe_buffer, read_bandwidth_gbs, read_once_gbs
 from benchmarks.common import build_model, cpu_class, limit_threads, random_prompts, save_results
 from loraserve import LLM, SamplingParams
+from loraserve.batch.kv_cache_spec import KVCacheSpec
+from loraserve.cache_config import kv_cache_torch_dtype
 from loraserve.config import resolve_device, resolve_dtype
 
 SMOLLM_MAX_POSITIONS = 2048
@@ -83,7 +87,7 @@ def loraserve_step_ms(llm: LLM, ctx: int, batch: int, steps: int, tag: str, seed
     return 1000 * statistics.median(times)
 
 
-def make_llm(path: str, dtype: str, contexts: list[int], batch: int) -> LLM:
+def make_llm(path: str, dtype: str, contexts: list[int], batch: int, kv_cache_dtype: str = "auto") -> LLM:
     """An engine whose KV cache holds `batch` sequences of the longest context, cached prompt
     blocks plus a few blocks each for the decoded tokens."""
     block_size = 16
@@ -95,6 +99,7 @@ def make_llm(path: str, dtype: str, contexts: list[int], batch: int) -> LLM:
         block_size=block_size,
         num_kv_blocks=batch * blocks_per_seq,
         max_model_len=max(contexts),
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -146,6 +151,7 @@ def run_long_context(
     batch: int = 16,
     steps: int = 8,
     with_transformers: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> dict[int, dict[str, float]]:
     """{ctx: {"loraserve_ms": .., "transformers_ms": ..}}: median decode step of `batch` sequences."""
     from transformers import AutoModelForCausalLM
@@ -153,7 +159,7 @@ def run_long_context(
     contexts = sorted(contexts)
     results: dict[int, dict[str, float]] = {ctx: {} for ctx in contexts}
     dtype_name = str(dtype).replace("torch.", "")
-    llm = make_llm(path, dtype_name, contexts, batch)
+    llm = make_llm(path, dtype_name, contexts, batch, kv_cache_dtype)
     # Warm-up at the shortest context, same batch: the first steps of a shape build its kernels
     # (oneDNN primitives, C kernels) and settle the allocator; both systems get one.
     loraserve_step_ms(llm, contexts[0], batch, 2, "warm-up", seed=1)
@@ -184,20 +190,26 @@ def model_shape(path: str) -> dict[str, int]:
     }
 
 
-def kv_bytes_per_token(shape: dict[str, int], dtype: torch.dtype) -> int:
-    """Bytes of one token's K and V rows over every layer: what one more token of context reads."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * elem
+def kv_bytes_per_token(shape: dict[str, int], dtype: torch.dtype, block_size: int = 16) -> float:
+    """Bytes of one token's K and V rows over every layer in the cache's element dtype (int8's block
+    scales shared out over a block's tokens): what one more token of context reads."""
+    spec = KVCacheSpec(shape["layers"], shape["kv_heads"], shape["head_dim"])
+    return spec.block_bytes(block_size, dtype) / block_size
 
 
 def attention_step_ms(
-    shape: dict[str, int], dtype: torch.dtype, contexts: list[int], batch: int, reps: int
+    shape: dict[str, int],
+    dtype: torch.dtype,
+    contexts: list[int],
+    batch: int,
+    reps: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[dict[int, float], float]:
     """({ctx: ms}, GB/s): the decode step's attention alone (KV write + kernel, every layer) and the
     read bandwidth, each the best of `reps`; the contexts and the bandwidth probe take turns, so that
     all of them see the same machine load (on shared cores it swings by several times in a minute)."""
     args = argparse.Namespace(block_size=16, **shape)
-    steps = {ctx: make_step(args, batch, 1, ctx, dtype) for ctx in contexts}
+    steps = {ctx: make_step(args, batch, 1, ctx, dtype, kv_dtype) for ctx in contexts}
     probe = probe_buffer()
     best, gbs = dict.fromkeys(contexts, float("inf")), 0.0
     with torch.inference_mode():
@@ -217,20 +229,18 @@ def kv_bound(ms_short: float, ms_long: float, extra_bytes: int, gbs: float) -> d
     return {"extra_ms": ms_long - ms_short, "bound_ms": bound_ms, "ratio": (ms_long - ms_short) / bound_ms}
 
 
-def print_kv_bound(
-    rows: dict[str, dict[str, float]], short: int, long: int, extra_bytes: int, batch: int
-) -> None:
+def print_kv_bound(rows: dict[str, dict[str, float]], short: int, long: int, batch: int) -> None:
     print(
-        f"\nKV-read bound: {batch} seqs, {long} vs {short} tokens of context: {extra_bytes / 1e6:.0f} MB more KV,"
+        f"\nKV-read bound: {batch} seqs, {long} vs {short} tokens of context: the extra KV of each format"
         " read once at the read bandwidth measured beside each row"
     )
     print(
-        f"{'':>16}{f'ms@{short}':>10}{f'ms@{long}':>11}{'extra ms':>10}{'GB/s':>7}{'bound ms':>10}{'ratio':>8}"
+        f"{'':>28}{f'ms@{short}':>10}{f'ms@{long}':>11}{'extra ms':>10}{'GB/s':>7}{'bound ms':>10}{'ratio':>8}"
         "  (goal <= 1.5x)"
     )
     for name, row in rows.items():
         print(
-            f"{name:>16}{row['short_ms']:>10.1f}{row['long_ms']:>11.1f}{row['extra_ms']:>10.1f}"
+            f"{name:>28}{row['short_ms']:>10.1f}{row['long_ms']:>11.1f}{row['extra_ms']:>10.1f}"
             f"{row['read_gbs']:>7.1f}{row['bound_ms']:>10.1f}{row['ratio']:>7.2f}x"
         )
 
@@ -255,6 +265,9 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="compute threads (1 on cores shared with other jobs)"
     )
+    parser.add_argument(
+        "--kv-cache-dtypes", default="auto", help="KV cache formats to time, e.g. auto,bfloat16,int8,fp8"
+    )
     parser.add_argument("--no-transformers", action="store_true", help="loraserve and the KV-read bound only")
     parser.add_argument("--attention-only", action="store_true", help="the attention row of the bound only")
     args = parser.parse_args()
@@ -269,30 +282,41 @@ def main() -> None:
     path = model_for(contexts)
     shape = model_shape(path)
     short, long = contexts[0], contexts[-1]
-    results: dict[int, dict[str, float]] = {}
+    kv_names = args.kv_cache_dtypes.split(",")
+    by_kv: dict[str, dict[int, dict[str, float]]] = {}
     gbs = []
     if not args.attention_only:
         gbs.append(read_bandwidth_gbs())
-        results = run_long_context(path, dtype, contexts, args.batch, args.steps, not args.no_transformers)
+        for i, kv in enumerate(kv_names):  # transformers once: its cache is the model dtype's
+            with_transformers = not args.no_transformers and i == 0
+            by_kv[kv] = run_long_context(path, dtype, contexts, args.batch, args.steps, with_transformers, kv)
         gbs.append(read_bandwidth_gbs())  # before and after: the faster bounds the steps harder
-    attention, attention_gbs = attention_step_ms(shape, dtype, [short, long], args.batch, args.steps)
-    extra_bytes = args.batch * (long - short) * kv_bytes_per_token(shape, dtype)
-    rows = [("attention only", attention[short], attention[long], attention_gbs)]
-    if results:
-        rows.insert(
-            0, ("engine step", results[short]["loraserve_ms"], results[long]["loraserve_ms"], max(gbs))
-        )
     bound_rows = {}
-    for name, short_ms, long_ms, row_gbs in rows:
-        bound_rows[name] = {
-            "short_ms": short_ms,
-            "long_ms": long_ms,
-            "read_gbs": row_gbs,
-            **kv_bound(short_ms, long_ms, extra_bytes, row_gbs),
-        }
+    for kv in kv_names:
+        kv_dtype = kv_cache_torch_dtype(kv, dtype)
+        attention, attention_gbs = attention_step_ms(
+            shape, dtype, [short, long], args.batch, args.steps, kv_dtype
+        )
+        extra_bytes = int(args.batch * (long - short) * kv_bytes_per_token(shape, kv_dtype))
+        rows = [(f"attention only, {kv} KV", attention[short], attention[long], attention_gbs)]
+        if kv in by_kv:
+            steps = by_kv[kv]
+            rows.insert(
+                0,
+                (
+                    f"engine step, {kv} KV",
+                    steps[short]["loraserve_ms"],
+                    steps[long]["loraserve_ms"],
+                    max(gbs),
+                ),
+            )
+        for name, short_ms, long_ms, row_gbs in rows:
+            bound_rows[name] = {"short_ms": short_ms, "long_ms": long_ms, "read_gbs": row_gbs,
+                                "extra_kv_mb": extra_bytes / 1e6, **kv_bound(short_ms, long_ms, extra_bytes, row_gbs)}  # fmt: skip
+    results = by_kv.get(kv_names[0], {})
     if results and not args.no_transformers:
         print_long_context(results)
-    print_kv_bound(bound_rows, short, long, extra_bytes, args.batch)
+    print_kv_bound(bound_rows, short, long, args.batch)
     save_results(
         "long_context",
         {
@@ -300,6 +324,9 @@ def main() -> None:
             "dtype": dtype_name,
             "args": vars(args),
             "steps_ms": {str(ctx): row for ctx, row in results.items()},
+            "steps_ms_by_kv_cache_dtype": {
+                kv: {str(c): r for c, r in rows.items()} for kv, rows in by_kv.items()
+            },
             "kv_bound": bound_rows,
         },
     )

@@ -58,6 +58,14 @@ def _long_context(data: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {context} | {row['loraserve_ms']:.1f} | {row.get('transformers_ms', float('nan')):.1f} |"
         )
+    lines += [
+        "",
+        "| KV-read bound | ms short | ms long | extra ms | bound ms (GB/s) | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in data.get("kv_bound", {}).items():
+        lines.append(f"| {name} | {row['short_ms']:.1f} | {row['long_ms']:.1f} | {row['extra_ms']:.1f} | "
+                     f"{row['bound_ms']:.1f} ({row['read_gbs']:.1f}) | {row['ratio']:.2f}x |")  # fmt: skip
     return lines
 
 

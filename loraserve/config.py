@@ -1,8 +1,9 @@
 """Engine configuration: frozen dataclasses built once from user arguments, read everywhere else.
 
 The fields users set are declared here once, with `loraserve.options.option` (default, help, flag,
-check); EngineArgs and the `serve` flags take them from these fields. Torch is imported only where a
-dtype or device is resolved, so that flag parsing never waits for it.
+check); EngineArgs and the `serve` flags take them from these fields. `CacheConfig` is declared in
+`cache_config.py` (with what the KV-cache dtypes mean) and is importable from here. Torch is imported
+only where a dtype or device is resolved, so that flag parsing never waits for it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loraserve import envs
+from loraserve.cache_config import CACHE_GROUP, CacheConfig
 from loraserve.multimodal_config import MultiModalConfig
 from loraserve.option_types import non_negative_seconds, positive_int, queue_share
 from loraserve.options import at_least, check_options, option
@@ -171,35 +173,6 @@ class ModelConfig:
         return int(config.vocab_size)
 
 
-_CACHE = "scheduler and cache"
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Paged KV cache: block size and the memory budget that sets the number of blocks."""
-
-    block_size: int = option(
-        16, type=positive_int, group=_CACHE, help="Tokens per KV-cache block (default: %(default)s)."
-    )
-    kv_cache_memory_bytes: int | None = option(
-        None,
-        flag=("--kv-cache-memory", "--kv-cache-memory-bytes"),
-        metavar="KV_CACHE_MEMORY",
-        type=positive_int,
-        group=_CACHE,
-        help="Bytes for the KV cache, e.g. 512MiB or 4GiB (default: VLLM_CPU_KVCACHE_SPACE GiB if set, else "
-        "a quarter of the memory available once the model is loaded, at most what max_num_seqs "
-        "sequences of max_model_len tokens need; pages are committed as blocks are first written).",
-    )
-    num_blocks: int | None = None  # overrides the memory budget when set (EngineArgs.num_kv_blocks)
-    enable_prefix_caching: bool = option(
-        True,
-        action="bool",
-        group=_CACHE,
-        help="Reuse KV blocks of shared prompt prefixes (keyed by adapter too).",
-    )
-
-
 _LIMITS = "limits and shutdown"
 
 
@@ -216,18 +189,18 @@ class SchedulerConfig:
     """Continuous-batching limits for one engine step."""
 
     max_num_seqs: int = option(
-        128, type=positive_int, group=_CACHE, help="Most sequences in one batch (default: %(default)s)."
+        128, type=positive_int, group=CACHE_GROUP, help="Most sequences in one batch (default: %(default)s)."
     )
     max_num_batched_tokens: int = option(
         2048,
         type=positive_int,
-        group=_CACHE,
+        group=CACHE_GROUP,
         help="Most tokens processed in one engine step, prefill chunks included (default: %(default)s).",
     )
     max_num_seqs_share: float = option(
         0.5,
         type=queue_share,
-        group=_CACHE,
+        group=CACHE_GROUP,
         help="loraserve only: the fraction of --max-num-seqs one request's sequences (n, best_of, beams, "
         "prompts) may hold while others wait for a slot; 1.0 is vLLM's behaviour (default: 0.5).",
         check=_a_queue_share,
@@ -236,7 +209,7 @@ class SchedulerConfig:
     scheduling_policy: str = option(
         "fcfs",
         choices=("fcfs", "priority"),
-        group=_CACHE,
+        group=CACHE_GROUP,
         help="fcfs: arrival order, requests taking turns; priority: lower `priority` first (then arrival), "
         "the same turns within a level (default: fcfs).",
     )

@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
         "options",
         "option_types",
         "config",
+        "cache_config",
         "multimodal_config",
         "structured_output",
         "sampling_params",

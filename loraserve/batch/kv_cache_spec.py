@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.batch.kv_cache import has_block_scales
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
@@ -22,6 +24,8 @@ class KVCacheSpec:
     rope_switch_length: int | None = None
 
     def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block of `block_size` tokens over every layer's K and V."""
+        """Bytes of one block of `block_size` tokens over every layer's K and V, in the cache's element
+        dtype, with the float32 scale per (block, KV head) of K and V each where it keeps them (int8)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+        scales = 4 if has_block_scales(dtype) else 0
+        return 2 * self.num_layers * self.num_kv_heads * (block_size * self.head_dim * elem + scales)

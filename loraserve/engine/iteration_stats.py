@@ -42,10 +42,10 @@ class IterationTokens:
 def cache_config_info(cache: CacheConfig, num_blocks: int, kv_bytes: int) -> dict[str, str]:
     """vLLM's CacheConfig fields that mean something here, as strings (vLLM's `metrics_info()`):
     the KV blocks, on whatever device, are vLLM's `num_gpu_blocks`; no blocks are swapped to the CPU
-    (`num_cpu_blocks` None, as vLLM v1 leaves it); the KV cache takes the model's dtype ("auto")."""
+    (`num_cpu_blocks` None, as vLLM v1 leaves it); `cache_dtype` is `--kv-cache-dtype` as given."""
     return {
         "block_size": str(cache.block_size),
-        "cache_dtype": "auto",
+        "cache_dtype": cache.kv_cache_dtype,
         "enable_prefix_caching": str(cache.enable_prefix_caching),
         "kv_cache_memory_bytes": str(kv_bytes),
         "num_gpu_blocks": str(num_blocks),

@@ -29,7 +29,7 @@ from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.engine_stats import engine_stats
 from loraserve.engine.image_prompt import image_processor, prepare_image_prompt
 from loraserve.engine.iteration_stats import IterationTokens, cache_config_info
-from loraserve.engine.kv_budget import PreemptionWarning, kv_budget
+from loraserve.engine.kv_budget import PreemptionWarning, kv_budget, kv_cache_dtype
 from loraserve.engine.lora_adapters import EngineAdapters
 from loraserve.engine.model_runner import ModelRunner
 from loraserve.engine.output_processor import OutputProcessor
@@ -62,6 +62,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.model: Any = get_model(config.model, config.device)
         self.lora: LoRAManager | None = _lora_manager(self.model, config)
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
         self.architecture = str(getattr(self.model, "architecture_name", type(self.model).__name__))
         self.mm_processor = image_processor(self.model, self.architecture, config)
         self.images_received = 0  # images of the requests added (metrics)
@@ -89,6 +90,7 @@ class LLMEngine:
             config.lora.max_loras if config.lora else None,
             self.lora,
             self.eos_ids.eos_token_id,
+            self.kv_dtype,
             config.multimodal.mm_embedding_cache_bytes,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids.eos_token_id, config.model.max_model_len)
@@ -135,7 +137,7 @@ class LLMEngine:
         budget = kv_budget(
             self.config.cache,
             spec,
-            self.model_config.dtype,
+            self.kv_dtype,
             self.config.device,
             self.model_config.max_model_len,
             self.config.scheduler.max_num_seqs,

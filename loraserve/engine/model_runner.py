@@ -21,14 +21,15 @@ import torch
 
 from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.engine.beam_group import beam_candidates
 from loraserve.engine.image_inputs import step_inputs
+from loraserve.engine.kv_budget import allocate_kv_caches
 from loraserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from loraserve.engine.sequence import BeamCandidates, DraftRound, Request, Sequence
 from loraserve.engine.step_types import ScheduledSeq, verification_rows
-from loraserve.native import huge_pages
 
 if TYPE_CHECKING:
     from loraserve.lora.manager import LoRAManager
@@ -96,8 +97,10 @@ class ModelRunner:
         max_loras: int | None = None,
         lora: LoRAManager | None = None,
         eos_token_id: int | None = None,
+        kv_dtype: torch.dtype | None = None,
         image_cache_bytes: int = 256 << 20,
     ) -> None:
+        """`dtype` is the model's; `kv_dtype` the KV cache's elements (None: the model's)."""
         self.model = model
         self.max_loras = max_loras
         self.lora = lora
@@ -111,9 +114,9 @@ class ModelRunner:
         # unchanged batch reuse it (it is immutable, and its index tensors are only read).
         self._lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None
         self._rows_lora_mapping: tuple[_MappingKey, LoRABatchMapping] | None = None  # of the logits rows
-        shape = (num_blocks * block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        caches = huge_pages.zeros([(shape, dtype)] * (2 * self.spec.num_layers), device, huge=False)
-        self.kv_caches = list(zip(caches[0::2], caches[1::2], strict=True))
+        self.kv_caches: list[KVCache] = allocate_kv_caches(
+            self.spec, num_blocks, block_size, kv_dtype or dtype, device
+        )
 
     def run(
         self,
@@ -160,12 +163,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """KV block `src` -> `dst` in every layer, in order (a later copy may read an earlier one's block)."""
-        size = self.block_size
+        """KV block `src` -> `dst` (rows and scales) in every layer, in order (a later copy may read an
+        earlier one's block)."""
         for src, dst in copies:
-            for k_cache, v_cache in self.kv_caches:
-                k_cache[dst * size : (dst + 1) * size] = k_cache[src * size : (src + 1) * size]
-                v_cache[dst * size : (dst + 1) * size] = v_cache[src * size : (src + 1) * size]
+            for cache in self.kv_caches:
+                cache.copy_block(src, dst, self.block_size)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], lora_slots: dict[int, int] | None) -> StepResult:

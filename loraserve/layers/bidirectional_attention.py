@@ -8,7 +8,7 @@ and this pass replaces the few image rows: a prefill step with images pays one s
 per image, every other step nothing. Semantics, as transformers' blockwise overlay: query at position p
 of a span over [key_start, key_end) attends to key k when k <= p or key_start <= k < key_end, and,
 with a window, only to k > p - window. Plain torch (gather + SDPA): it is the oracle's math, on a
-handful of rows.
+handful of rows; the keys and values are read in the cache's format (`kv_cache_formats.read_rows`).
 """
 
 from __future__ import annotations
@@ -17,31 +17,31 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.batch.attention_metadata import AttentionMetadata, BidirectionalSpan
+from loraserve.batch.kv_cache import KVCache
+from loraserve.layers.kv_cache_formats import read_rows
 from loraserve.layers.paged_attention_torch import softcapped_attention
 
 
 def attend_spans(
     out: torch.Tensor,
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
     meta: AttentionMetadata,
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
 ) -> None:
     """Recompute `out`'s rows of every span in `meta.bidirectional`, in place. out, q [T, H, D];
-    caches [num_blocks * block_size, KVH, D]."""
+    the cache's rows [num_blocks * block_size, KVH, D] in any of its formats."""
     for span in meta.bidirectional:
         out[span.row_start : span.row_end] = _span_attention(
-            q[span.row_start : span.row_end], k_cache, v_cache, meta, span, scale, softcap, window
+            q[span.row_start : span.row_end], kv, meta, span, scale, softcap, window
         )
 
 
 def _span_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
     meta: AttentionMetadata,
     span: BidirectionalSpan,
     scale: float,
@@ -49,13 +49,14 @@ def _span_attention(
     window: int | None,
 ) -> torch.Tensor:
     num_rows, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = kv.k.shape[1]
     positions = torch.arange(span.first_pos, span.first_pos + num_rows, device=q.device)
     keys = torch.arange(max(span.first_pos + num_rows, span.key_end), device=q.device)
     table = meta.block_tables[span.seq].to(torch.long)
     slots = table[keys // meta.block_size] * meta.block_size + keys % meta.block_size
-    k = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, KVH, L, D]
-    v = v_cache.index_select(0, slots).transpose(0, 1)[None]
+    size, scales = meta.block_size, kv.scales
+    k = read_rows(kv.k, slots, size, scales.k_blocks, scales.k, q.dtype).transpose(0, 1)[None]  # [1, KVH, L, D]
+    v = read_rows(kv.v, slots, size, scales.v_blocks, scales.v, q.dtype).transpose(0, 1)[None]
     allowed = (keys[None] <= positions[:, None]) | (
         (keys[None] >= span.key_start) & (keys[None] < span.key_end)
     )

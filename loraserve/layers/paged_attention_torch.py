@@ -2,8 +2,9 @@
 
 The twin of the C and Triton kernels and their test oracle, and the path for what they do not serve
 (fp16, devices without a kernel, long prefill chunks on CPU where SDPA's matmuls win). It copies every
-sequence's whole context into a padded [B, max_ctx] view and masks a [B, 1, max_q, max_ctx] score
-matrix: causal, length-limited and, per window, sliding. Attention logit softcapping (Gemma-2) has no
+sequence's whole context into a padded [B, max_ctx] view (a quantized cache's rows dequantized in
+float32 on the way, `kv_cache_formats.read_rows`) and masks a [B, 1, max_q, max_ctx] score matrix:
+causal, length-limited and, per window, sliding. Attention logit softcapping (Gemma-2) has no
 SDPA kernel, so a call with a cap computes its scores explicitly.
 """
 
@@ -13,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.batch.gather_index import GatherIndex, build_gather_index
+from loraserve.batch.kv_cache import KVScales
+from loraserve.layers.kv_cache_formats import read_rows, read_scales
 
 
 def paged_attention(
@@ -27,6 +30,7 @@ def paged_attention(
     softcap: float | None = None,
     window: int | None = None,
     index: GatherIndex | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Attention of a flat batch of new tokens over their sequences' paged context.
 
@@ -35,10 +39,12 @@ def paged_attention(
     p = context_lens[b] - q_len + i and attends to keys 0..p (only k > p - window with a window), key k
     at slot block_tables[b][k // block_size] * block_size + k % block_size. Query head h uses KV head
     h // (H // KVH). Scores are q.k * scale, then softcap * tanh(s / softcap) with a cap (softmax in
-    float32 then). `index`, when given, is this step's prebuilt `build_gather_index`.
+    float32 then). `index`, when given, is this step's prebuilt `build_gather_index`. The caches hold
+    q's dtype or any format of `batch/kv_cache.py`, read through `scales` (int8 needs its block scales).
 
     Shape: q [T, H, D] -> [T, H, D] in q's dtype; k_cache, v_cache [num_blocks * block_size, KVH, D];
     block_tables [B, max_blocks]; context_lens [B]; query_starts [B + 1]."""
+    scales = read_scales(k_cache.dtype, scales)
     if index is None:
         starts = query_starts.tolist()
         query_lens = [end - start for start, end in zip(starts, starts[1:])]
@@ -53,8 +59,10 @@ def paged_attention(
     q_pad = rows.view(b, max_q, num_heads, head_dim).transpose(1, 2)
     # index_select on the flat slot list is ~3.5x faster than advanced indexing on CPU.
     slots = index.context_slots.view(-1)
-    k_ctx = k_cache.index_select(0, slots).view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
-    v_ctx = v_cache.index_select(0, slots).view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+    k_rows = read_rows(k_cache, slots, block_size, scales.k_blocks, scales.k, q.dtype)
+    v_rows = read_rows(v_cache, slots, block_size, scales.v_blocks, scales.v, q.dtype)
+    k_ctx = k_rows.view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+    v_ctx = v_rows.view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
     mask = index.mask(window)
     if softcap is not None:
         out = softcapped_attention(q_pad, k_ctx, v_ctx, mask, scale, softcap)

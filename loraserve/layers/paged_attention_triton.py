@@ -5,7 +5,10 @@ group's query heads (GQA: each K/V tile is loaded once for all of them), and it 
 queries see in tiles of BLOCK_N, loading each key's row from the cache slot its block table names, with
 an online softmax in float32. Decode, chunked prefill and mixed batches are the same kernel; a
 sliding window narrows the keys walked. float32 inputs use IEEE products (no TF32) so results match
-the twin. This module imports `triton`; `attention.py` only loads it when Triton is installed.
+the twin. A quantized cache (`batch/kv_cache.py`) is read as bytes and decoded per tile: fp8 e5m2 as
+the top byte of a float16, e4m3 rebuilt as float16 bits (its value / 2^8), int8 times its block's
+scale; then times the tensor's scale, in q's dtype. This module imports `triton`; `attention.py` only
+loads it when Triton is installed.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.batch.kv_cache import KVScales
+from loraserve.layers.kv_cache_formats import read_scales
+
 _BLOCK_N = 32
+# KV_FORMAT: how the kernel decodes the cache's elements.
+_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
 
 @triton.jit
@@ -30,12 +38,28 @@ def _tanh(x):
 
 
 @triton.jit
+def _decode(raw, KV_FORMAT: tl.constexpr):
+    """Stored elements as float32 before their scales: fp8 bytes (uint8) decoded through float16 bits, int8 widened."""
+    if KV_FORMAT == 3:
+        return raw.to(tl.float32)
+    w = raw.to(tl.int16)
+    if KV_FORMAT == 2:  # e5m2: the top byte of a float16
+        return (w << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    mag = ((w << 7) & 0x3F80).to(tl.int16)  # e4m3: float16 bits of value / 2^8, sign from bit 7; 0x7f is NaN
+    bits = (mag | ((w << 8) & -32768)).to(tl.int16)
+    x = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where(mag == 0x3F80, float("nan"), x)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, context_lens_ptr, query_starts_ptr,
+    k_scales_ptr, v_scales_ptr, k_scale, v_scale, num_kv_heads,
     scale, softcap, window, block_size, head_dim,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -72,8 +96,21 @@ def _paged_attention_kernel(
         slot = block.to(tl.int64) * block_size + kpos % block_size
         kv_offsets = slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if KV_FORMAT == 0:  # a float cache, in q's dtype or converted to it (bf16 under float32)
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        else:
+            k = _decode(tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0), KV_FORMAT)
+            v = _decode(tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0), KV_FORMAT)
+            if KV_FORMAT == 3:  # int8: each key's block scale for this KV head
+                at = block.to(tl.int64) * num_kv_heads + kv_head
+                k = k * tl.load(k_scales_ptr + at, mask=k_ok, other=0.0)[:, None]
+                v = v * tl.load(v_scales_ptr + at, mask=k_ok, other=0.0)[:, None]
+            else:
+                k = k * k_scale
+                v = v * v_scale
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -107,6 +144,7 @@ def paged_attention(
     softcap: float | None = None,
     window: int | None = None,
     max_query_len: int | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Attention of a flat batch of new tokens over their sequences' paged context, K/V read in place.
 
@@ -115,8 +153,15 @@ def paged_attention(
     `max_query_len` (the longest query_starts step) sizes the grid; None reads it from query_starts.
 
     Shape: q [T, H, D] (unit stride along D) -> [T, H, D] contiguous, q's dtype; k_cache, v_cache
-    [num_blocks * block_size, KVH, D] with unit stride along D and equal strides; block_tables
-    [B, max_blocks], context_lens [B], query_starts [B + 1] (int32)."""
+    [num_blocks * block_size, KVH, D] with unit stride along D and equal strides, in q's dtype or a
+    format of `batch/kv_cache.py` read through `scales`; block_tables [B, max_blocks], context_lens [B],
+    query_starts [B + 1] (int32)."""
+    scales = read_scales(k_cache.dtype, scales)
+    kv_format = _FORMATS.get(k_cache.dtype, 0)
+    k_blocks = scales.k_blocks if scales.k_blocks is not None else q  # (a pointer the kernel never reads)
+    v_blocks = scales.v_blocks if scales.v_blocks is not None else q
+    if kv_format in (1, 2):  # fp8 as its bytes: decoded in the kernel
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1 or q.stride(2) != 1:
@@ -134,11 +179,13 @@ def paged_attention(
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, context_lens, query_starts,
+        k_blocks, v_blocks, float(scales.k), float(scales.v), num_kv_heads,
         float(scale), float(softcap or 1.0), int(window or 0), block_size, head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=_BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), USE_SOFTCAP=softcap is not None,
         USE_WINDOW=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FORMAT=kv_format,
     )  # fmt: skip
     return out

@@ -26,6 +26,7 @@ from torch import nn
 
 from loraserve import envs
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.layers.attention import PagedAttention
@@ -152,7 +153,7 @@ class GemmaAttention(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         return packed_qkv_attention(self, positions, x, kv_cache, batch)
@@ -194,7 +195,7 @@ class GemmaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """x [T, hidden] -> x after this layer; the residual adds round to the dtype, as HF's do. Gemma-2/3
@@ -235,7 +236,7 @@ class GemmaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) * self.embed_scale
@@ -259,7 +260,7 @@ class GemmaModel(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder layers as one C call (`gemma_stack`), or None: the loop above then runs them."""
@@ -293,7 +294,7 @@ class GemmaForCausalLM(NativeCausalLM):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, batch)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
 from loraserve.layers.linear import Linear
@@ -58,7 +59,7 @@ class GPT2Block(nn.Module):
             raise ValueError(f"activation_function {act!r} is not supported natively.")
         self.act = _ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.attn.c_attn(self.ln_1(x), batch).chunk(3, dim=-1)
         attn = self.attn_op(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, batch.attn)
         x = x + self.attn.c_proj(attn, batch)
@@ -88,7 +89,7 @@ class GPT2LMHeadModel(NativeCausalLM):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> torch.Tensor:
         t = self.transformer

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AttentionInterface
 
 from loraserve.batch.attention_metadata import AttentionMetadata
+from loraserve.batch.kv_cache import KVCache
 from loraserve.layers.attention import PagedAttention
 
 ATTN_IMPLEMENTATION = "loraserve_paged"
@@ -33,7 +34,7 @@ _UNSUPPORTED_KWARGS = ("s_aux", "sinks")
 class StepContext:
     """What the attention function needs for one forward: caches, step indices, per-layer kernels."""
 
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: list[KVCache]
     attn: AttentionMetadata
     kernels: dict[int, PagedAttention]
     sliding_window: int | None
@@ -139,7 +140,8 @@ def paged_attention_forward(
         raise ValueError(f"{type(module).__name__} has no integer layer_idx to select its KV cache.")
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    k_cache, v_cache = step.kv_caches[layer_idx]
+    kv_cache = step.kv_caches[layer_idx]
+    k_cache = kv_cache.k
     if tuple(k_cache.shape[1:]) != (num_kv_heads, head_dim) or value.shape[-1] != head_dim:
         raise ValueError(
             f"layer {layer_idx}: attention has {num_kv_heads} kv heads of dims k={head_dim} v={value.shape[-1]} "
@@ -153,7 +155,7 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
     k = key[0].transpose(0, 1).reshape(num_tokens, num_kv_heads * head_dim)
     v = value[0].transpose(0, 1).reshape(num_tokens, num_kv_heads * head_dim)
-    out = kernel(q, k, v, (k_cache, v_cache), step.attn)
+    out = kernel(q, k, v, kv_cache, step.attn)
     step.num_calls += 1
     step.num_sliding_calls += int(window is not None)
     return out.view(1, num_tokens, num_heads, head_dim), None

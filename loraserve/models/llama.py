@@ -16,6 +16,7 @@ from torch import nn
 
 from loraserve import envs
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
 from loraserve.layers.fused_cpu import silu_and_mul
@@ -93,7 +94,7 @@ class LlamaArgs:
 
 
 def packed_qkv_attention(
-    layer: Any, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    layer: Any, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
     batch: ForwardBatch,
 ) -> torch.Tensor:
     """One attention layer over a packed qkv projection: rope on q and k (after per-head q/k norms where
@@ -137,7 +138,7 @@ class LlamaAttention(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         return packed_qkv_attention(self, positions, x, kv_cache, batch)
@@ -173,7 +174,7 @@ class LlamaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block with the residual stream carried beside the hidden state: each residual add is
@@ -221,7 +222,7 @@ class LlamaModel(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache, batch)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
-    def _run_stack(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def _run_stack(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                    batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder layers as one C call (`llama_stack`), or None: the loop above then runs them."""
         if not envs.cpu_decoder_stack():
@@ -247,7 +248,7 @@ class LlamaForCausalLM(NativeCausalLM):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, batch)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from loraserve.batch.attention_metadata import AttentionMetadata
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.layers import fused_cpu, gemm_cpu, paged_attention_cpu
 from loraserve.layers.quant import kernel as quant_kernel
@@ -46,7 +47,7 @@ from loraserve.native.build import function_address, load_library
 from loraserve.native.kernel_slot import KernelSlot
 
 # decoder_stack.c's field counts, the model fields read back here, and its error ops.
-MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 20, 17, 21
+MODEL_FIELDS, LAYER_FIELDS, STEP_FIELDS = 20, 18, 21
 M_HIDDEN, M_Q, M_KV, M_INTER, M_HEAD_DIM, M_POSITIONS = 8, 9, 10, 11, 14, 18
 OP_GEMM, OP_ROPE, OP_ATTENTION, OP_LORA = 1, 2, 3, 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -165,21 +166,22 @@ class DecoderStack:
         model_args = (ctypes.c_int64 * MODEL_FIELDS)(*kernels, *sizes, *tables, 0)  # M_EXT: none
         return cls(layers, model_args, kernels[5] != 0, norm0.eps, attn0.attn.scale, dtype)
 
-    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[ctypes.c_int64] | None:
+    def _bind_caches(self, kv_caches: list[KVCache]) -> ctypes.Array[ctypes.c_int64] | None:
         """Every layer's fixed fields with these caches, bound again whenever a cache tensor moved; None
         when the layers' caches differ in layout (the loop then serves the step)."""
-        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        key = tuple(id(cache.scales) for cache in kv_caches) + tuple(
+            t.data_ptr() for cache in kv_caches for t in (cache.k, cache.v))
         if self._layer_args is not None and key == self._caches_key:
             return self._layer_args
         # One layout for every layer (the stack binds one set of sizes): the first layer's, which
-        # `_attention_serves` asked the attention kernel about.
-        first = kv_caches[0][0]
-        layout = (first.shape, first.stride(), first.dtype, first.device)
-        if any((c.shape, c.stride(), c.dtype, c.device) != layout for pair in kv_caches for c in pair):
+        # `_attention_serves` asked the attention kernel about (each layer's own scales: `_caches_serve`).
+        layout = _cache_layout(kv_caches[0])
+        if any(_cache_layout(cache) != layout for cache in kv_caches):
             return None
         values: list[int] = []
-        for layer, gemm, (k_cache, v_cache) in zip(self.layers, self._gemm, kv_caches):
-            values += self._fields(layer, gemm, k_cache, v_cache)
+        for layer, gemm, cache in zip(self.layers, self._gemm, kv_caches):  # the cache's format last (L_KV_FORMAT)
+            format = paged_attention_cpu.kernel_format(cache.dtype, cache.scales)
+            values += self._fields(layer, gemm, cache.k, cache.v) + [ctypes.addressof(format)]
         self._layer_args = (ctypes.c_int64 * (LAYER_FIELDS * len(self.layers)))(*values)
         self._caches_key = key
         return self._layer_args
@@ -190,7 +192,7 @@ class DecoderStack:
         """One layer's fixed fields (a subclass binds other norm weights)."""
         return _layer_fields(layer, gemm, k_cache, v_cache)
 
-    def run(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def run(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
             batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder layers over the embeddings `residual` [T, hidden] (which becomes the residual
         stream, updated in place): returns (last layer's output, residual), as the Python loop does; None
@@ -212,7 +214,7 @@ class DecoderStack:
         layer_args = self._bind_caches(kv_caches)
         if layer_args is None:
             return None
-        k_cache = kv_caches[0][0]
+        k_cache = kv_caches[0].k
         return self._call(residual, positions, layer_args, meta, lora_layers, batch.lora, k_cache, buffers)
 
     def _buffers(self, num_tokens: int) -> list[torch.Tensor]:
@@ -222,7 +224,7 @@ class DecoderStack:
         return [torch.empty(num_tokens, width, dtype=self.dtype)
                 for width in (hidden, hidden, q + 2 * kv, q, 2 * inter, inter)]
 
-    def _attention_serves(self, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def _attention_serves(self, qkv: torch.Tensor, kv_cache: KVCache,
                           meta: AttentionMetadata) -> bool:
         """Whether the attention kernel takes the first layer's call, asked as the loop's `PagedAttention`
         asks it (q, k, v: views of the packed qkv rows); the kernel's switch is read every step, as the
@@ -230,11 +232,11 @@ class DecoderStack:
         attn0 = self.layers[0].self_attn
         q, k, v = qkv.split(attn0.split_sizes, dim=-1)
         q_heads = q.view(qkv.shape[0], attn0.num_heads, attn0.head_dim)
-        k_cache, v_cache = kv_cache
-        if not paged_attention_cpu.serves(q_heads, k_cache, v_cache, (k, v, meta.slot_mapping)):
+        k_cache, v_cache, scales = kv_cache.k, kv_cache.v, kv_cache.scales
+        if not paged_attention_cpu.serves(q_heads, k_cache, v_cache, (k, v, meta.slot_mapping), scales):
             return False
         index = (meta.block_tables, meta.context_lens, meta.query_starts)
-        paged_attention_cpu.check_inputs(q_heads, k_cache, v_cache, index, meta.block_size)
+        paged_attention_cpu.check_inputs(q_heads, k_cache, v_cache, index, meta.block_size, scales)
         return True
 
     def _call(self, residual: torch.Tensor, positions: torch.Tensor, layer_args: ctypes.Array[ctypes.c_int64],
@@ -298,6 +300,12 @@ def _layer_serves(layer: Any, first: Any, rotary: Any, dtype: torch.dtype) -> bo
                     for lin in _linears(layer))
             and all(fused_cpu.norm_weight_serves(n.weight, dtype, attn.qkv_proj.in_features)
                     and n.eps == first.input_layernorm.eps for n in norms))
+
+
+def _cache_layout(cache: KVCache) -> list[tuple[Any, ...] | None]:
+    """What the attention kernel's checks of a cache depend on: its K, V (and block scales') layouts."""
+    tensors = (cache.k, cache.v, cache.scales.k_blocks, cache.scales.v_blocks)
+    return [(t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors]
 
 
 def _tables_serve(rotary: Any, head_dim: int) -> bool:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.layers.attention import PagedAttention
 from loraserve.layers.linear import Linear
 from loraserve.layers.norm import RMSNorm
@@ -44,7 +45,7 @@ class OlmoeAttention(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x, batch).split(self.split_sizes, dim=-1)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.rotary_longrope import LongRoPERotaryEmbedding
 from loraserve.models.llama import LlamaArgs, LlamaForCausalLM, LlamaModel
@@ -31,7 +32,7 @@ class Phi3Model(LlamaModel):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> torch.Tensor:
         rows = self.rotary.rope_positions(positions, batch)  # rope table rows: short or long set

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch, StepBinding
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.layers.attention import PagedAttention
 from loraserve.models.hf_attention import (
@@ -162,7 +163,7 @@ class TransformersForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """input_ids/positions [T] (many sequences, flat) -> hidden [T, H]."""

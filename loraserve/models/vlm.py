@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from loraserve.batch.forward_batch import ForwardBatch, StepBinding, UniformSlot
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.kv_cache_spec import KVCacheSpec
 from loraserve.models.base import NativeCausalLM
 from loraserve.models.hf_linears import convert_linears
@@ -123,7 +124,7 @@ class VisionLanguageModel(NativeCausalLM):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         batch: ForwardBatch,
     ) -> torch.Tensor:
         return self.language_model(input_ids, positions, kv_caches, batch)

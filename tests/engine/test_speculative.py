@@ -221,9 +221,9 @@ def same_cached_kv(base: LLM, spec: LLM) -> int:
     common = [h for h in ours if h in theirs]
     for h in common:
         a, b = ours[h] * size, theirs[h] * size
-        for (k1, v1), (k2, v2) in zip(spec.engine.runner.kv_caches, base.engine.runner.kv_caches):
-            assert torch.equal(k1[a : a + size], k2[b : b + size]) and torch.equal(
-                v1[a : a + size], v2[b : b + size]
+        for c1, c2 in zip(spec.engine.runner.kv_caches, base.engine.runner.kv_caches):
+            assert torch.equal(c1.k[a : a + size], c2.k[b : b + size]) and torch.equal(
+                c1.v[a : a + size], c2.v[b : b + size]
             )
     return len(common)
 

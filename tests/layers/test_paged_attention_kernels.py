@@ -193,13 +193,16 @@ def test_kernel_does_not_serve_what_it_cannot_read() -> None:
     q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
     assert paged_attention_cpu.serves(q, k, v)
     assert not paged_attention_cpu.serves(q.half(), k.half(), v.half())
-    assert not paged_attention_cpu.serves(q.bfloat16(), k, v)
+    assert paged_attention_cpu.serves(q.bfloat16(), k, v)  # the cache's format is its own (kv_cache.py)
+    assert not paged_attention_cpu.serves(q, k.half(), v.half())
+    assert not paged_attention_cpu.serves(q, k, v.bfloat16())
     assert not paged_attention_cpu.serves(q.transpose(0, 1).contiguous().transpose(0, 1), k, v)
     rows, slots = torch.zeros(q.shape[0], k.shape[1] * k.shape[2]), torch.zeros(q.shape[0], dtype=torch.long)
     assert paged_attention_cpu.serves(q, k, v, (rows, rows, slots))  # write_and_attend's new rows
     assert not paged_attention_cpu.serves(q, k, v, (rows, rows, slots.int()))
     assert not paged_attention_cpu.serves(q, k, v, (rows[:, 1:], rows, slots))
     assert not paged_attention_cpu.serves(q, k, v, (rows.t().contiguous().t(), rows, slots))
+    assert not paged_attention_cpu.serves(q, k, v, (rows.bfloat16(), rows, slots))  # new rows in q's dtype
 
 
 # The other CPU classes' code paths, built here: AVX2 (8 lanes) and portable C (x86-64 has no AVX).

@@ -15,6 +15,7 @@ import torch
 
 from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.batch.lora_mapping import LoRABatchMapping
 from loraserve.config import LoRAConfig
 from loraserve.errors import LoRAAdapterError
@@ -82,11 +83,8 @@ def _run_native(
         n = math.ceil(len(seq) / block_size)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    caches = [
-        (torch.zeros(next_block * block_size, spec.num_kv_heads, spec.head_dim),) * 2
-        for _ in range(spec.num_layers)
-    ]
-    caches = [(k.clone(), v.clone()) for k, v in caches]
+    shape = (next_block * block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [KVCache(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
     lens = [len(s) for s in seqs]
     attn = build_attention_metadata(lens, lens, tables, block_size, torch.device("cpu"), spec.sliding_window)
     slots = [slot for slot, n in zip(seq_slots, lens, strict=True) for _ in range(n)]

@@ -16,6 +16,7 @@ from support.mini_llama import MINI_LLAMA
 
 from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.model_loader.config import create_model_config, load_hf_config
 from loraserve.model_loader.loader import get_model
 from loraserve.model_loader.weights import iterate_weights
@@ -202,7 +203,7 @@ def test_mistral_format_through_get_model(tmp_path: Path, model_impl: str) -> No
     assert model.is_native == (model_impl == "auto")
     spec = model.kv_cache_spec()
     shape = (16, spec.num_kv_heads, spec.head_dim)
-    kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
+    kv_caches = [KVCache(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
     input_ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))
     meta = build_attention_metadata([9], [9], [[2, 0, 3]], 4, torch.device("cpu"))
     with torch.inference_mode():

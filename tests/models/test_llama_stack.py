@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from loraserve import LLM, SamplingParams
 from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.demo.random_model import save_peft_adapter
 from loraserve.layers import fused_cpu, gemm_cpu, paged_attention_cpu
 from loraserve.layers.linear import pack_cpu_linears
@@ -179,10 +180,10 @@ def _model(tiny_model: Any, arch: str, dtype: torch.dtype, qk_norm: bool = False
     return model
 
 
-def _caches(model: LlamaModel, dtype: torch.dtype, num_blocks: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _caches(model: LlamaModel, dtype: torch.dtype, num_blocks: int = 4) -> list[KVCache]:
     attn = model.layers[0].self_attn
     shape = (num_blocks * 16, attn.num_kv_heads, attn.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
+    return [KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -235,7 +236,7 @@ def test_stack_raises_what_the_loop_raises(tiny_model: Any, case: str, monkeypat
     assert errors[0] == errors[1]
 
 
-def _step(model: LlamaModel, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def _step(model: LlamaModel, caches: list[KVCache]) -> torch.Tensor:
     meta = build_attention_metadata([3, 2], [3, 2], [[0], [1]], 16, "cpu")
     with torch.inference_mode():
         return model(torch.tensor([5, 9, 11, 3, 8]), torch.tensor([0, 1, 2, 0, 1]), caches,
@@ -264,12 +265,12 @@ def test_stack_leaves_caches_it_cannot_take_to_the_loop(tiny_model: Any, case: s
     model = _model(tiny_model, "llama", torch.float32)
     attn = model.layers[0].self_attn
 
-    def caches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def caches() -> list[KVCache]:
         if case == "KV heads of another model":
-            return [(torch.zeros(64, 1, attn.head_dim), torch.zeros(64, 1, attn.head_dim)) for _ in model.layers]
+            return [KVCache(torch.zeros(64, 1, attn.head_dim), torch.zeros(64, 1, attn.head_dim)) for _ in model.layers]
         if case == "caches that are views":
             both = [torch.zeros(64, 2, attn.num_kv_heads, attn.head_dim) for _ in model.layers]
-            return [(kv[:, 0], kv[:, 1]) for kv in both]
+            return [KVCache(kv[:, 0], kv[:, 1]) for kv in both]
         return _caches(model, torch.float32) * 2
 
     loop, stacked = _both_paths(model, caches, monkeypatch)
@@ -304,13 +305,13 @@ def test_stack_follows_replaced_tensors_and_modules(tiny_model: Any, change: str
     _step(model, caches)
     layer = model.layers[1]
     if change == "a cache tensor":
-        caches[1] = (torch.zeros_like(caches[1][0]), torch.zeros_like(caches[1][1]))
+        caches[1] = KVCache(torch.zeros_like(caches[1].k), torch.zeros_like(caches[1].v))
     elif change == "a norm weight":
         layer.post_attention_layernorm.weight = torch.nn.Parameter(torch.full_like(layer.input_layernorm.weight, 0.5),
                                                                    requires_grad=False)
     else:
         layer.mlp.down_proj = _model(tiny_model, "llama", torch.float32).layers[0].mlp.down_proj
-    written, rows = caches[1][0], [0, 1, 2, 16, 17]  # the step's slots: blocks 0 and 1
+    written, rows = caches[1].k, [0, 1, 2, 16, 17]  # the step's slots: blocks 0 and 1
     stacked = _step(model, caches)
     stacked_rows = written[rows].clone()
     written.zero_()
@@ -360,3 +361,31 @@ def test_stack_equals_python_loop_on_quantized_linears(tmp_path: Any, dtype: tor
     assert True in stack_runs and False in stack_runs  # decode steps ran, the long prefill did not
     assert stacked == loop
     assert all(math.isfinite(lp) for tokens, steps, _ in stacked for step in steps for lp in step.values())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8", "int8"])
+def test_stack_equals_python_loop_over_a_quantized_kv_cache(tmp_path: Any, kv_cache_dtype: str,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            stack_runs: list[bool | None]) -> None:
+    """The stack hands each layer's cache format (its scales) to the attention kernel, which writes and
+    reads the cache as the loop's layers do: bitwise equal, over a float32 model of quantized linears
+    (which the stack serves on every CPU class)."""
+    from support.gguf_files import write_tiny_llama_gguf
+
+    from loraserve.layers.quant import kernel as quant_kernel
+
+    if quant_kernel.kernel_library() is None or not fused_cpu.kernel_available() \
+            or not paged_attention_cpu.kernel_available():
+        pytest.skip("the quantized, fused or attention kernel is not built here")
+    monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.delenv("LORASERVE_GGUF_DEQUANTIZE", raising=False)
+    path = write_tiny_llama_gguf(str(tmp_path / "q.gguf"), raw_types=QUANT_TYPES, hidden=256, ffn=512)
+    llm = LLM(path, dtype="float32", max_num_seqs=8, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    assert llm.engine.runner.kv_caches[0].k.element_size() < 4
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 260, (n,), generator=g).tolist() for n in (2, 5, 17, 30)]
+    loop = _outputs(llm, prompts, monkeypatch, stack=False)
+    assert stack_runs == []
+    stacked = _outputs(llm, prompts, monkeypatch, stack=True)
+    assert True in stack_runs  # the decode steps (a long prefill is the loop's)
+    assert stacked == loop

@@ -17,6 +17,7 @@ import transformers
 
 from loraserve.batch.attention_metadata import build_attention_metadata
 from loraserve.batch.forward_batch import ForwardBatch
+from loraserve.batch.kv_cache import KVCache
 from loraserve.model_loader.config import create_model_config
 from loraserve.model_loader.loader import get_model
 from loraserve.models.transformers_fallback import TransformersForCausalLM, kv_cache_spec_from_config
@@ -117,7 +118,7 @@ def test_prefill_and_decode_match_hf_forward(
     spec = model.kv_cache_spec()
     num_slots = 12 * BLOCK_SIZE
     kv_caches = [
-        (
+        KVCache(
             torch.zeros(num_slots, spec.num_kv_heads, spec.head_dim),
             torch.zeros(num_slots, spec.num_kv_heads, spec.head_dim),
         )
@@ -175,7 +176,7 @@ def test_lora_mapping_without_wrapped_layers_runs_the_base_model_and_config_is_n
     assert getattr(config, "_attn_implementation", None) != "loraserve_paged"
     spec = model.kv_cache_spec()
     shape = (8, spec.num_kv_heads, spec.head_dim)
-    kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
+    kv_caches = [KVCache(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
     meta = build_attention_metadata([2], [2], [[0]], BLOCK_SIZE, torch.device("cpu"))
     ids, positions = torch.tensor([3, 4]), torch.tensor([0, 1])
     with torch.inference_mode():

@@ -28,7 +28,7 @@ typedef int (*rope_fn)(void *, int64_t, const int64_t *, const float *, const fl
 typedef int (*attn_fn)(const void *, int64_t, const void *, const void *, void *, const int32_t *, int64_t,
                        const int32_t *, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                        int64_t, float, float, int64_t, int, int, const void *, int64_t, const void *, int64_t,
-                       const int64_t *);
+                       const int64_t *, const void *);
 typedef int (*lora_fn)(const int64_t *, const int64_t *, const void *, int64_t, void *, int64_t, int);
 typedef int64_t (*ranges_fn)(const int64_t *, const int64_t *, int64_t *, int64_t, int);
 #define MAX_SIDE_RUNS 64 /* of lora_weight_ranges: two per slice and adapter of a step */
@@ -45,10 +45,11 @@ enum {
 };
 /* Per layer: norm weights, each linear's kernel arguments and bias (0: none), caches, then each
  * linear's kernel (a gemm_fn: gemm_linear_prefetch for a dense packed weight, quant_gemm for a
- * block-quantized one; M_GEMM is the dense one, kept for the caller's checks). */
+ * block-quantized one; M_GEMM is the dense one, kept for the caller's checks), then the caches'
+ * format (paged_attention.c's KVFormat: element code and scales). */
 enum {
     L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS, L_O, L_O_BIAS, L_GU, L_GU_BIAS, L_DOWN, L_DOWN_BIAS,
-    L_K_CACHE, L_V_CACHE, L_SLIDING, L_QKV_FN, L_O_FN, L_GU_FN, L_DOWN_FN, L_FIELDS
+    L_K_CACHE, L_V_CACHE, L_SLIDING, L_QKV_FN, L_O_FN, L_GU_FN, L_DOWN_FN, L_KV_FORMAT, L_FIELDS
 };
 /* The step's half. Buffers: r [T, hidden] holds the embeddings and is the residual stream; x, h
  * [T, hidden]; qkv [T, q + 2 kv]; a [T, q]; g [T, 2 inter]; s [T, inter]. */
@@ -96,7 +97,7 @@ static int attention(const int64_t *m, const int64_t *s, const int64_t *l, char 
         PTR(const int32_t *, s[S_QUERY_STARTS]), s[S_SEQS], s[S_TOKENS], s[S_NUM_BLOCKS], m[M_HEADS],
         m[M_KV_HEADS], m[M_HEAD_DIM], s[S_BLOCK_SIZE], scale, softcap, l[L_SLIDING] ? s[S_WINDOW] : 0,
         (int)m[M_DTYPE], (int)s[S_THREADS], qkv + q * elem, ld, qkv + (q + kv) * elem, ld,
-        PTR(const int64_t *, s[S_SLOTS]));
+        PTR(const int64_t *, s[S_SLOTS]), PTR(const void *, l[L_KV_FORMAT]));
 }
 
 /* Gemma's part, M_EXT: the (1 + w) norm kernel (offset_rms_norm), whether the layers have Gemma-2's

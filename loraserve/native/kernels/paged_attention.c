@@ -33,17 +33,26 @@
  * The vector width W is simd.h's, the build's: 16 (AVX-512; bf16 pair dot products with AVX512-BF16),
  * 8 (AVX2 + FMA) or 1 (portable C); -march=native makes that the runtime dispatch.
  *
+ * The cache may hold other elements than the activations (batch/kv_cache.py: bf16 under float32, or
+ * fp8 / int8 read through scales): 8-bit tiles of keys are decoded once per tile for all the rows that
+ * score them, 8-bit V rows as the value sums load them, and each key's scale multiplies its scores and,
+ * after the softmax, its probabilities (per key: int8's scale is its block's), so no element is
+ * rescaled. The bf16 pair-dot paths serve bf16 q over a bf16 cache only; everything else takes the
+ * float32 paths.
+ *
  * One translation unit in parts by op family (copied beside this file by native/build.py, which
  * builds every `paged_attention_*.h` into the digest): _dots.h (vector helpers, q.k of a tile),
- * _items.h (arguments, work items, scratch, prefetch plan), _scores.h (a block's scores), _values.h
- * (online softmax, value sums, a block of one or several KV heads), _lanes.h (prefill rows in lanes),
- * _plan.h (metadata checks, items and key partitions); this file: the walk over an item's blocks, the
- * output, the partition merge, the KV write and the entry point.
+ * _formats.h (the cache's element formats: decoding, fp8 encoding), _items.h (arguments, work items,
+ * scratch, prefetch plan), _scores.h (a block's scores), _values.h (online softmax, value sums, a block
+ * of one or several KV heads), _lanes.h (prefill rows in lanes), _write.h (the step's new rows into the
+ * cache, quantized as its format says), _plan.h (metadata checks, items and key partitions); this file:
+ * the walk over an item's blocks, the output, the partition merge and the entry point.
  */
 #include <stdlib.h>
 
 #include "simd.h"
 #include "paged_attention_dots.h"
+#include "paged_attention_formats.h"
 #include "paged_attention_items.h"
 #include "paged_attention_scores.h"
 #include "paged_attention_values.h"
@@ -100,7 +109,7 @@ static inline Ahead plan_ahead(const Args *a, const Item *it, const Item *next, 
 static void attend(const Args *a, const Item *it, const Item *next, Scratch *s) {
     int64_t begin, end, buf[2][KEY_BLOCK];
     item_keys(a, it, &begin, &end);
-    const int64_t len = block_len(begin, end), esize = a->is_bf16 ? 2 : 4;
+    const int64_t len = block_len(begin, end), esize = kv_esize(a->kv);
     int64_t *cur = buf[0], *next_offsets = buf[1];
     if (begin < end) block_offsets(a, it, begin, min64(len, end - begin), cur);
     for (int64_t k0 = begin; k0 < end; k0 += len) {
@@ -179,41 +188,48 @@ static void merge_parts(const Args *a, const Item *items, int64_t num_parts, con
     }
 }
 
-/* Cache row slot_mapping[t] of each KV cache = new row t (all KV heads). */
-static void write_kv(const Args *a, int64_t num_tokens, const void *k_new, int64_t k_stride, const void *v_new,
-                     int64_t v_stride, const int64_t *slot_mapping) {
-    const int64_t esize = a->is_bf16 ? 2 : 4, row = a->num_kv_heads * a->head_dim;
-    for (int64_t t = 0; t < num_tokens; ++t) {
-        const int64_t slot = slot_mapping[t] * row * esize;
-        memcpy((char *)a->k_cache + slot, (const char *)k_new + t * k_stride * esize, (size_t)(row * esize));
-        memcpy((char *)a->v_cache + slot, (const char *)v_new + t * v_stride * esize, (size_t)(row * esize));
-    }
-}
-
+#include "paged_attention_write.h"
 #include "paged_attention_plan.h"
+
+/* The cache's format, as paged_attention_cpu.KVFormat lays it out (NULL: the activations' dtype). */
+typedef struct {
+    int64_t kind;               /* a KV_ code */
+    float *k_scales, *v_scales; /* int8: [num_blocks, KVH] float32 each; else NULL */
+    float k_scale, v_scale;     /* fp8: per tensor */
+} KVFormat;
 
 /* Returns 0 on success, 1 when scratch memory cannot be allocated, 2 for metadata that points outside
  * the buffers (block ids >= num_blocks, lengths that do not add up): the output is then incomplete.
  * q: [T, H, D] rows q_stride elements apart; k_cache, v_cache: [num_blocks * block_size, KVH, D];
  * out: [T, H, D] contiguous; block_tables [B, max_blocks], context_lens [B], query_starts [B + 1]
- * int32; q, caches and out share the dtype (float32, or bf16 when is_bf16). With slot_mapping (int64
- * [T]) the step's new K/V rows (k_new, v_new: [T, KVH * D], rows k_stride / v_stride elements apart)
- * are first written to their cache slots, as the layer's index_copy_ would: one call instead of three
- * per layer and step. Slots past the cache are refused (2) before anything is written. */
+ * int32; q, out and new rows share the dtype (float32, or bf16 when is_bf16), the caches hold `format`'s
+ * elements (NULL: that dtype too). With slot_mapping (int64 [T]) the step's new K/V rows (k_new, v_new:
+ * [T, KVH * D], rows k_stride / v_stride elements apart) are first written to their cache slots (as
+ * the layer's index_copy_ would, converted to the cache's format: paged_attention_write.h): one call
+ * instead of three per layer and step. Slots past the cache are refused (2) before anything is written. */
 int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out,
                     const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
                     const int32_t *query_starts, int64_t num_seqs, int64_t num_tokens, int64_t num_blocks,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                     float scale, float softcap, int64_t window, int is_bf16, int num_threads,
                     const void *k_new, int64_t k_stride, const void *v_new, int64_t v_stride,
-                    const int64_t *slot_mapping) {
+                    const int64_t *slot_mapping, const KVFormat *format) {
+    const int kv = format != NULL ? (int)format->kind : (is_bf16 ? KV_BF16 : KV_F32);
+#ifdef NATIVE_BF16_DOT
+    const int bf16_dot = is_bf16 && kv == KV_BF16;
+#else
+    const int bf16_dot = 0;
+#endif
     const Args a = {q, k_cache, v_cache, out, block_tables, context_lens, query_starts, q_stride, max_blocks,
-                    num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, is_bf16};
+                    num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, is_bf16, kv, bf16_dot,
+                    format != NULL ? format->k_scales : NULL, format != NULL ? format->v_scales : NULL,
+                    format != NULL ? format->k_scale : 1.0f, format != NULL ? format->v_scale : 1.0f};
+    if (kv < KV_F32 || kv > KV_INT8 || (kv == KV_INT8 && (a.k_scales == NULL || a.v_scales == NULL))) return 2;
     if (check_metadata(&a, num_seqs, num_tokens, num_blocks)) return 2;
     if (slot_mapping != NULL) {
         for (int64_t t = 0; t < num_tokens; ++t)
             if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return 2;
-        write_kv(&a, num_tokens, k_new, k_stride, v_new, v_stride, slot_mapping);
+        if (write_kv(&a, num_tokens, k_new, k_stride, v_new, v_stride, slot_mapping)) return 1;
     }
     const int64_t d = head_dim;
     int64_t max_heads, part_len;
@@ -243,10 +259,13 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * q_stride_bf16(d)));
         s.row_range = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows_cap));
         int quads_ok = 1;
+        if (kv >= KV_E4M3) /* the item's heads' per-key scales: rows_cap >= its heads */
+            quads_ok = (s.ks = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * KEY_BLOCK))) != NULL;
+        if (s.ks != NULL) s.vs = s.ks + rows_cap * KEY_BLOCK;
 #ifdef NATIVE_BF16_DOT
         /* qk_bf16_quads' rows: a small GQA group's. Each row's quads take 8 * d bytes; beyond d = 128 an
          * item's quads crowd its accumulators out of L1 (slower at d = 256 than without them). */
-        if (is_bf16 && num_heads / num_kv_heads <= 4 && d <= 128)
+        if (quads_ok && bf16_dot && num_heads / num_kv_heads <= 4 && d <= 128)
             quads_ok = (s.qt = aligned_alloc(64, (size_t)(rows_cap * quad_stride(d)) * sizeof(__m512i))) != NULL;
         if (lanes && quads_ok) /* attend_lanes' working set (prefill chunks) */
             quads_ok = (s.lanes = aligned_alloc(64, (size_t)lanes_floats(d) * sizeof(float))) != NULL;
@@ -287,6 +306,7 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         free(s.row_range);
         free(s.qt);
         free(s.lanes);
+        free(s.ks);
     }
     free(items);
     free(partials);

@@ -2,17 +2,23 @@
  * of the next block (Ahead), key ranges and the walk over an item's rows, and the queries' load.
  *
  * Part of paged_attention.c's one translation unit (see its header): included there once, in order
- * (dots, items, scores, values, lanes, then plan), so each part may use what the earlier ones define. */
+ * (dots, formats, items, scores, values, lanes, write, then plan), so each part may use what the earlier ones define. */
 #ifndef PAGED_ATTENTION_ITEMS_H
 #define PAGED_ATTENTION_ITEMS_H
 
+/* is_bf16: q, out and the new K/V rows are bf16 (else float32); kv: the cache's element format (a KV_
+ * code: float32 or bf16, or 8-bit values read through scales: fp8's per tensor, k_scale / v_scale, and
+ * int8's per (block, KV head), k_scales / v_scales [num_blocks, KVH]); bf16_dot: q and cache both bf16
+ * on a CPU with bf16 pair dot products, the paths that read bf16 keys and values as they lie. */
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
     const int32_t *block_tables, *context_lens, *query_starts;
     int64_t q_stride, max_blocks, num_heads, num_kv_heads, head_dim, block_size, window;
     float scale, softcap;
-    int is_bf16;
+    int is_bf16, kv, bf16_dot;
+    float *k_scales, *v_scales; /* int8: written as rows arrive, read per key; else NULL */
+    float k_scale, v_scale;     /* fp8: x = stored * scale (1.0 by default) */
 } Args;
 
 /* Rows [0, num_kv * num_queries * group) of one item: query qi of the chunk with head g of the item's
@@ -59,6 +65,8 @@ typedef struct {
     void *qt;                            /* quad_queries of each row, quad_stride(d) vectors apart */
     int64_t *row_range;                  /* [2 * rows_cap]: each row's key range in the current block */
     float *lanes;                        /* attend_lanes' state and block buffers (Lanes), or NULL */
+    float *ks, *vs; /* 8-bit caches: [item heads][KEY_BLOCK] each key's K and V scale times its decode
+                       factor, for the current block (block_scales), or NULL */
 } Scratch;
 
 /* Vectors of quad_queries per row. */
@@ -116,6 +124,7 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
     const int64_t d = a->head_dim, qs = q_stride_bf16(d), rows = item_rows(a, it);
     /* Only items that score row by row read the quads (see score_block); larger ones transpose keys. */
     const int quads = s->qt != NULL && it->num_queries * (a->num_heads / a->num_kv_heads) < TRANSPOSE_ROWS;
+    (void)quads;
     RowAt at = first_row(a, it);
     for (int64_t r = 0; r < rows; ++r, next_row(it, &at)) {
         const int64_t offset = at.token * a->q_stride + at.head * d;
@@ -125,9 +134,9 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
             if (qs > d) s->q_bf16[r * qs + d] = 0;
 #ifdef NATIVE_BF16_DOT
             if (quads) quad_queries(src, d, (__m512i *)s->qt + r * quad_stride(d));
-#else /* else the bf16 copy is all the scores read */
-            for (int64_t i = 0; i < d; i += W) vstore(s->q + r * d + i, vload_bf16(src + i, d - i), d - i);
 #endif
+            if (!a->bf16_dot) /* with bf16 pair dot products over a bf16 cache the bf16 copy is all the scores read */
+                for (int64_t i = 0; i < d; i += W) vstore(s->q + r * d + i, vload_bf16(src + i, d - i), d - i);
         } else {
             memcpy(s->q + r * d, (const float *)a->q + offset, (size_t)d * sizeof(float));
         }

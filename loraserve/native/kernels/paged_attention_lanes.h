@@ -2,7 +2,7 @@
  * softmax and value sums across rows, for chunks of several queries of one KV head.
  *
  * Part of paged_attention.c's one translation unit (see its header): included there once, in order
- * (dots, items, scores, values, lanes, then plan), so each part may use what the earlier ones define. */
+ * (dots, formats, items, scores, values, lanes, write, then plan), so each part may use what the earlier ones define. */
 #ifndef PAGED_ATTENTION_LANES_H
 #define PAGED_ATTENTION_LANES_H
 
@@ -41,7 +41,7 @@ static inline Lanes lanes_view(float *buf, int64_t d) {
  * whose rows fit the lanes and fill at least half of one vector. Decode never does. */
 static inline int lanes_item(const Args *a, const Item *it) {
     const int64_t rows = item_rows(a, it);
-    return a->is_bf16 && it->num_kv == 1 && it->num_queries > 1 && rows >= W / 2 && rows <= LANE_ROWS &&
+    return a->bf16_dot && it->num_kv == 1 && it->num_queries > 1 && rows >= W / 2 && rows <= LANE_ROWS &&
            a->head_dim <= 2 * LANE_KEY_STRIDE;
 }
 

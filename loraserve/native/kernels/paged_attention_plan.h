@@ -2,7 +2,7 @@
  * contexts that give the threads too few items.
  *
  * Part of paged_attention.c's one translation unit (see its header): included there once, in order
- * (dots, items, scores, values, lanes, then plan), so each part may use what the earlier ones define. */
+ * (dots, formats, items, scores, values, lanes, write, then plan), so each part may use what the earlier ones define. */
 #ifndef PAGED_ATTENTION_PLAN_H
 #define PAGED_ATTENTION_PLAN_H
 
@@ -32,7 +32,7 @@ static int check_metadata(const Args *a, int64_t num_seqs, int64_t num_tokens, i
  * MAX_ROWS queries (a group of 1) always qualifies for attend_lanes, so attend_block never sees one. */
 static inline int64_t chunk_rows(const Args *a) {
 #ifdef NATIVE_BF16_DOT
-    if (a->is_bf16 && a->head_dim <= 2 * LANE_KEY_STRIDE) return LANE_ROWS;
+    if (a->bf16_dot && a->head_dim <= 2 * LANE_KEY_STRIDE) return LANE_ROWS;
 #endif
     (void)a;
     return MAX_ROWS;

@@ -2,7 +2,7 @@
  * many rows), scaled, softcapped and masked to the keys the row sees.
  *
  * Part of paged_attention.c's one translation unit (see its header): included there once, in order
- * (dots, items, scores, values, lanes, then plan), so each part may use what the earlier ones define. */
+ * (dots, formats, items, scores, values, lanes, write, then plan), so each part may use what the earlier ones define. */
 #ifndef PAGED_ATTENTION_SCORES_H
 #define PAGED_ATTENTION_SCORES_H
 
@@ -11,15 +11,17 @@
 static inline vf row_scores(const Args *a, const Scratch *s, int64_t r, const uint16_t *const *k_bf16,
                             const float *const *k_rows) {
 #ifdef NATIVE_BF16_DOT
-    if (a->is_bf16) return qk_bf16(s->q_bf16 + r * q_stride_bf16(a->head_dim), k_bf16, a->head_dim);
+    if (a->bf16_dot) return qk_bf16(s->q_bf16 + r * q_stride_bf16(a->head_dim), k_bf16, a->head_dim);
 #else
     (void)k_bf16;
 #endif
     return qk_f32(s->q + r * a->head_dim, k_rows, a->head_dim);
 }
 
-/* Row scores x against the tile's keys: scale, softcap, -inf outside the lanes [lo, hi) the row sees. */
-static inline void store_scores(const Args *a, vf x, int64_t lo, int64_t hi, float *p) {
+/* Row scores x against the tile's keys: times each key's scale (ks: 8-bit caches, else NULL), then
+ * scale, softcap, -inf outside the lanes [lo, hi) the row sees. */
+static inline void store_scores(const Args *a, vf x, int64_t lo, int64_t hi, float *p, const float *ks) {
+    if (ks != NULL) x = vmul(x, vload(ks, W));
     x = vmul(x, vset1(a->scale));
     if (a->softcap > 0.0f) x = vmul(vset1(a->softcap), vtanh(vmul(x, vset1(1.0f / a->softcap))));
     vstore(p, vselect(vrange(lo, hi), x, vset1(-INFINITY)), W);
@@ -53,7 +55,8 @@ static void score_tiles_transposed(const Args *a, const Item *it, Scratch *s, in
             const int64_t qi = (r0 + r) / group;
             for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t base = t0 + t * W;
-                store_scores(a, x[2 * r + t], lo[qi] - base, min64(hi[qi], nk) - base, s->p + (r0 + r) * KEY_BLOCK + base);
+                store_scores(a, x[2 * r + t], lo[qi] - base, min64(hi[qi], nk) - base, s->p + (r0 + r) * KEY_BLOCK + base,
+                             NULL);
             }
         }
     }
@@ -71,15 +74,18 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
         if (ahead != NULL) prefetch_ahead(ahead, SCORE_PREFETCH);
         const float *k_rows[W] = {0};
         const uint16_t *k_bf16[W] = {0};
+        const uint8_t *k8[W] = {0};
         for (int j = 0; j < W; ++j) {
             const int64_t off = offsets[t0 + j < nk ? t0 + j : t0]; /* past the last key: a real, finite row */
-            if (a->is_bf16) k_bf16[j] = (const uint16_t *)a->k_cache + off;
-            else k_rows[j] = (const float *)a->k_cache + off;
+            if (a->kv == KV_F32) k_rows[j] = (const float *)a->k_cache + off;
+            else if (a->kv == KV_BF16) k_bf16[j] = (const uint16_t *)a->k_cache + off;
+            else k8[j] = (const uint8_t *)a->k_cache + off;
         }
+        const float *ks = s->ks != NULL ? s->ks + t0 : NULL;
         int visible = 0;
         for (int64_t qi = 0; qi < it->num_queries; ++qi) visible |= lo[qi] < min64(hi[qi], t0 + W) && hi[qi] > t0;
 #ifdef NATIVE_BF16_DOT
-        if (visible && a->is_bf16 && it->num_queries * group >= TRANSPOSE_ROWS) {
+        if (visible && a->bf16_dot && it->num_queries * group >= TRANSPOSE_ROWS) {
             const uint16_t *k_next[W]; /* the next tile too, when there is one: scored in the same pass */
             const int pair = t0 + W < t_end;
             for (int j = 0; pair && j < W; ++j)
@@ -99,12 +105,13 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
                 for (int64_t g = 0; g < group; ++g) vstore(p + g * KEY_BLOCK, vset1(-INFINITY), W);
                 continue;
             }
-#ifndef NATIVE_BF16_DOT
-            if (a->is_bf16 && !converted) rows_to_f32(s->k_tile, k_bf16, k_rows, d); /* once per tile for all rows */
-#endif
+            if (!converted && a->kv != KV_F32 && !a->bf16_dot) { /* once per tile for all rows */
+                if (a->kv == KV_BF16) rows_to_f32(s->k_tile, k_bf16, k_rows, d);
+                else rows8_to_f32(s->k_tile, k8, k_rows, d, a->kv);
+            }
             converted = 1;
 #ifdef NATIVE_BF16_DOT
-            if (a->is_bf16 && s->qt != NULL) { /* a group of at most 4 rows (see paged_attention) */
+            if (a->bf16_dot && s->qt != NULL) { /* a group of at most 4 rows (see paged_attention) */
                 const __m512i *qt = (const __m512i *)s->qt + qi * group * quad_stride(d);
                 vf x[4];
                 switch (group) {
@@ -114,13 +121,13 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
                 default: qk_bf16_quads(qt, quad_stride(d), 1, k_bf16, d, x);
                 }
                 for (int64_t g = 0; g < group; ++g)
-                    store_scores(a, x[g], lo[qi] - t0, min64(hi[qi], nk) - t0, p + g * KEY_BLOCK);
+                    store_scores(a, x[g], lo[qi] - t0, min64(hi[qi], nk) - t0, p + g * KEY_BLOCK, NULL);
                 continue;
             }
 #endif
             for (int64_t g = 0; g < group; ++g)
                 store_scores(a, row_scores(a, s, qi * group + g, k_bf16, k_rows), lo[qi] - t0, min64(hi[qi], nk) - t0,
-                             p + g * KEY_BLOCK);
+                             p + g * KEY_BLOCK, ks);
         }
         (void)converted, (void)visible, (void)d;
     }

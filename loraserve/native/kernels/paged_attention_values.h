@@ -3,17 +3,18 @@
  * several KV heads.
  *
  * Part of paged_attention.c's one translation unit (see its header): included there once, in order
- * (dots, items, scores, values, lanes, then plan), so each part may use what the earlier ones define. */
+ * (dots, formats, items, scores, values, lanes, write, then plan), so each part may use what the earlier ones define. */
 #ifndef PAGED_ATTENTION_VALUES_H
 #define PAGED_ATTENTION_VALUES_H
 
 /* Rows r < nr of acc (d floats apart) += sum over keys j0 <= j < j1 of p[r * KEY_BLOCK + j] * v[j]:
  * 2W columns at a time, held in registers across all the keys, so each V row is loaded (and widened,
- * even and odd bf16 elements apart with one instruction each) once per nr rows. Callers pass constants
- * for nr and is_bf16 so the unused accumulators and the other dtype's loads vanish. */
+ * even and odd bf16 elements apart with one instruction each; 8-bit elements decoded) once per nr
+ * rows. Callers pass constants for nr and the cache format kv so the unused accumulators and the other
+ * formats' loads vanish; an 8-bit row's scale is already in p. */
 __attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d, const float *p, int nr,
                                                           const void *v_cache, const int64_t *offsets,
-                                                          int64_t j0, int64_t j1, int is_bf16) {
+                                                          int64_t j0, int64_t j1, int kv) {
     for (int64_t i = 0; i < d; i += PV_COLS) {
         const int64_t n = d - i;
         vf sum[4][PV_COLS / W];
@@ -25,12 +26,14 @@ __attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d,
             vf x[PV_COLS / W];
 #pragma GCC unroll 16
             for (int c = 0; c < PV_COLS / W; c += 2) {
-                if (is_bf16) {
+                if (kv == KV_BF16) {
                     vload_pair_bf16((const uint16_t *)v_cache + offsets[j] + i + c * W, n - c * W, &x[c], &x[c + 1]);
-                } else {
+                } else if (kv == KV_F32) {
                     const float *v = (const float *)v_cache + offsets[j] + i + c * W;
                     x[c] = vload(v, n - c * W);
                     x[c + 1] = vload(v + W, n - (c + 1) * W);
+                } else {
+                    vload_kv8_pair((const uint8_t *)v_cache + offsets[j] + i + c * W, n - c * W, kv, &x[c], &x[c + 1]);
                 }
             }
 #pragma GCC unroll 16
@@ -44,7 +47,7 @@ __attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d,
         for (int r = 0; r < nr; ++r)
 #pragma GCC unroll 16
             for (int c = 0; c < PV_COLS / W; c += 2) {
-                if (is_bf16) vinterleave(&sum[r][c], &sum[r][c + 1]);
+                if (kv == KV_BF16) vinterleave(&sum[r][c], &sum[r][c + 1]);
                 float *row = acc + r * d + i + c * W;
                 vstore(row, vadd(vload(row, n - c * W), sum[r][c]), n - c * W);
                 vstore(row + W, vadd(vload(row + W, n - (c + 1) * W), sum[r][c + 1]), n - (c + 1) * W);
@@ -134,13 +137,21 @@ static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, co
         float *ar = acc + r * d;
         const float *pr = p + r * KEY_BLOCK;
 #ifdef NATIVE_BF16_DOT
-#define PV_BF16(NR) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, (const uint16_t *)a->v_cache, offsets, nk, j0, j1)
+#define PV_BF16(NR) \
+        if (a->bf16_dot) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, (const uint16_t *)a->v_cache, offsets, nk, j0, j1); \
+        else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_BF16)
 #else
-#define PV_BF16(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 1)
+#define PV_BF16(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_BF16)
 #endif
+#define PV_KIND(NR, KV) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV)
 #define PV_CASE(NR) \
-        if (a->is_bf16) PV_BF16(NR); \
-        else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, 0); \
+        switch (a->kv) { \
+        case KV_BF16: PV_BF16(NR); break; \
+        case KV_E4M3: PV_KIND(NR, KV_E4M3); break; \
+        case KV_E5M2: PV_KIND(NR, KV_E5M2); break; \
+        case KV_INT8: PV_KIND(NR, KV_INT8); break; \
+        default: PV_KIND(NR, KV_F32); \
+        } \
         break;
         switch (nr) {
         case 4: PV_CASE(4)
@@ -149,6 +160,7 @@ static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, co
         default: PV_CASE(1)
         }
 #undef PV_CASE
+#undef PV_KIND
 #undef PV_BF16
     }
 }
@@ -181,13 +193,21 @@ static void softmax_block(float *p, int64_t n, float *m, float *l, float *acc, i
     *m = m_new;
 }
 
+/* p rows (n lanes each, KEY_BLOCK apart) times each key's V scale: an 8-bit V row's scale goes into its
+ * probability (after the softmax, whose sum it must not change), once per row and key. */
+static void scale_probabilities(float *p, int64_t rows, int64_t n, const float *vs) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n; j += W) vstore(p + r * KEY_BLOCK + j, vmul(vload(p + r * KEY_BLOCK + j, W), vload(vs + j, W)), W);
+}
+
 /* The views of KV head h of the item (rows rows each): its K/V (`offsets` point at the item's first
  * head) and its rows of the scratch. */
 static inline void head_views(const Args *a, const Scratch *s, int64_t h, int64_t rows, Args *ah, Scratch *sh) {
-    const int64_t d = a->head_dim, esize = a->is_bf16 ? 2 : 4;
+    const int64_t d = a->head_dim, esize = kv_esize(a->kv);
     *ah = *a, *sh = *s;
     ah->k_cache = (const char *)a->k_cache + h * d * esize, ah->v_cache = (const char *)a->v_cache + h * d * esize;
     sh->q += h * rows * d, sh->q_bf16 += h * rows * q_stride_bf16(d), sh->acc += h * rows * d;
+    if (s->ks != NULL) sh->ks += h * KEY_BLOCK, sh->vs += h * KEY_BLOCK;
     sh->m += h * rows, sh->l += h * rows, sh->p += h * rows * KEY_BLOCK, sh->pb += h * rows * (KEY_BLOCK / 2);
 #ifdef NATIVE_BF16_DOT
     if (s->qt != NULL) sh->qt = (__m512i *)s->qt + h * rows * quad_stride(d);
@@ -203,8 +223,9 @@ static void attend_block_head(const Args *a, Scratch *s, const Item *it, int64_t
     const int64_t units = ahead->n * ahead->heads; /* the next item may be one of several heads */
     score_block(a, it, s, nk, offsets, lo, hi, 0, nk, ahead);
     for (int64_t r = 0; r < rows; ++r) softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
+    if (s->vs != NULL) scale_probabilities(s->p, rows, n, s->vs);
 #ifdef NATIVE_BF16_DOT
-    if (a->is_bf16) pair_probabilities(s->p, rows, n, s->pb);
+    if (a->bf16_dot) pair_probabilities(s->p, rows, n, s->pb);
 #endif
     for (int64_t j = 0; j < nk; j += PV_KEYS) {
         prefetch_ahead(ahead, (units - ahead->done + slices - 1) / slices);
@@ -231,8 +252,9 @@ static void attend_block_heads(const Args *a, Scratch *s, const Item *it, int64_
     }
     for (int64_t r = 0; r < heads * rows; ++r)
         softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
+    for (int64_t h = 0; h < heads && s->vs != NULL; ++h) scale_probabilities(sh[h].p, rows, n, sh[h].vs);
 #ifdef NATIVE_BF16_DOT
-    if (a->is_bf16) pair_probabilities(s->p, heads * rows, n, s->pb);
+    if (a->bf16_dot) pair_probabilities(s->p, heads * rows, n, s->pb);
 #endif
     const int64_t slices = (nk + PV_KEYS - 1) / PV_KEYS;
     for (int64_t j = 0, i = 0; j < nk; j += PV_KEYS, ++i) {
@@ -243,6 +265,25 @@ static void attend_block_heads(const Args *a, Scratch *s, const Item *it, int64_
         }
     }
     prefetch_ahead(ahead, ahead->n * ahead->heads);
+}
+
+/* s->ks, s->vs for the item's heads and the keys [k0, k0 + nk) (8-bit caches): each key's scale (its
+ * block's, int8; the tensor's, fp8) times the format's decode factor, 0 past nk to the tile's end. */
+static void block_scales(const Args *a, const Item *it, int64_t k0, int64_t nk, Scratch *s) {
+    const float fk = kv_decode_factor(a->kv) * a->k_scale, fv = kv_decode_factor(a->kv) * a->v_scale;
+    const int64_t bs = a->block_size, n = (nk + W - 1) / W * W;
+    const int32_t *table = a->block_tables + it->seq * a->max_blocks;
+    for (int64_t h = 0; h < it->num_kv; ++h) {
+        float *ks = s->ks + h * KEY_BLOCK, *vs = s->vs + h * KEY_BLOCK;
+        for (int64_t j = 0, block = k0 / bs, at = k0 % bs; j < nk; ++block, at = 0) { /* a run of keys per cache block */
+            const int64_t run = min64(bs - at, nk - j), at_scale = (int64_t)table[block] * a->num_kv_heads + it->kv_head + h;
+            const float k = a->k_scales != NULL ? a->k_scales[at_scale] * fk : fk;
+            const float v = a->v_scales != NULL ? a->v_scales[at_scale] * fv : fv;
+            for (int64_t i = 0; i < run; ++i) ks[j + i] = k, vs[j + i] = v;
+            j += run;
+        }
+        for (int64_t j = nk; j < n; ++j) ks[j] = vs[j] = 0.0f;
+    }
 }
 
 /* The item's rows against the block of keys [k0, k0 + nk) at `offsets`. */
@@ -257,6 +298,7 @@ static void attend_block(const Args *a, const Item *it, Scratch *s, int64_t k0, 
         lo[qi] = max64(lo[qi], k0) - k0, hi[qi] = min64(hi[qi], k0 + nk) - k0;
         for (int64_t g = 0; g < group; ++g) row_lo[qi * group + g] = lo[qi], row_hi[qi * group + g] = hi[qi];
     }
+    if (s->ks != NULL) block_scales(a, it, k0, nk, s);
     if (it->num_kv == 1) attend_block_head(a, s, it, rows, nk, offsets, lo, hi, row_lo, row_hi, ahead);
     else attend_block_heads(a, s, it, rows, nk, offsets, lo, hi, row_lo, row_hi, ahead);
 }

@@ -74,7 +74,7 @@ def test_harmless_flags_print_one_notice(
             "--tool-parser-plugin 'no/such/plugin.py' failed to load",
         ),
         (["--tool-server", "localhost:1"], "--tool-server localhost:1 is not supported: tool servers"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 cannot be honoured"),
+        (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype 'fp8_inc' is not served (Intel Gaudi's fp8"),
         (["--tokenizer-mode", "mistral"], "invalid choice: 'mistral'"),
         (["--load-format", "tensorizer"], "invalid choice: 'tensorizer'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -124,6 +124,8 @@ def test_working_flags_reach_engine_args_and_frontend(capsys: pytest.CaptureFixt
             "64",
             "--kv-cache-memory-bytes",
             "2GiB",
+            "--kv-cache-dtype",
+            "fp8_e5m2",
             "--model-impl",
             "vllm",
             "--api-key",
@@ -173,6 +175,7 @@ def test_working_flags_reach_engine_args_and_frontend(capsys: pytest.CaptureFixt
     )
     assert engine._hf_overrides() == {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2}}
     assert (engine.num_kv_blocks, engine.kv_cache_memory_bytes, engine.model_impl) == (64, 2 << 30, "vllm")
+    assert engine.kv_cache_dtype == "fp8_e5m2"
     assert args.api_key == ["k1", "k2"]
     front = FrontendOptions.from_cli_args(args)
     assert front.allowed_origins == ("https://a.example",) and front.allow_credentials

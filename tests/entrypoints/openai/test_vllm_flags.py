@@ -165,7 +165,7 @@ VLLM_0_11_FLAGS: dict[str, str] = {
     "--gpu-memory-utilization": N,
     "--kv-cache-memory-bytes": W,
     "--swap-space": N,
-    "--kv-cache-dtype": N,
+    "--kv-cache-dtype": W,
     "--num-gpu-blocks-override": W,
     "--enable-prefix-caching": W,
     "--prefix-caching-hash-algo": N,

@@ -191,12 +191,15 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         "preempted sequences are recomputed, never swapped to CPU memory",
         harmless=_number(lambda v: v >= 0),
     ),
-    notice("--kv-cache-dtype", "the KV cache is kept in the model dtype", harmless=_among("auto")),
     notice(
         "--prefix-caching-hash-algo", "prefix-cache blocks are keyed by sha256 of their tokens and adapter"
     ),
     notice("--cpu-offload-gb", "weights stay on the serving device", harmless=_ZERO),
-    notice("--calculate-kv-scales", "there are no fp8 KV scales (the cache is in the model dtype)", "bool"),
+    notice(
+        "--calculate-kv-scales",
+        "fp8 KV scales stay 1.0, vLLM's default without calibration (int8 keeps a scale per block)",
+        "bool",
+    ),
     notice("--kv-sharing-fast-prefill", "there is no cross-layer KV sharing", "bool"),
     notice("--mamba-cache-dtype", "Mamba models are not supported"),
     notice("--mamba-ssm-cache-dtype", "Mamba models are not supported"),
