@@ -16,6 +16,7 @@ says where time goes.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import time
@@ -116,6 +117,7 @@ def timed_tower(model: Any, seconds: list[float]) -> None:
     """Adds each `get_image_features` call's time of `model` (a transformers base model) to `seconds`."""
     inner = model.get_image_features
 
+    @functools.wraps(inner)  # generate() reads the encoder's parameters off its signature
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
