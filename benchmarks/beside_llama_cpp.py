@@ -65,9 +65,18 @@ def _path(name: str) -> str:
     return build_llama_gguf(kind, size)
 
 
-def _kv_bytes(name: str) -> int:
+def _kv_bytes(name: str, elem_bytes: int = 2) -> int:
+    """Bytes of the KV room both servers get: SLOTS x SLOT_TOKENS tokens (llama.cpp's cache is f16)."""
     layers, kv_heads, head_dim, _ = SHAPES[name]
-    return SLOTS * SLOT_TOKENS * layers * kv_heads * head_dim * 2 * 2  # K and V, 16-bit
+    return SLOTS * SLOT_TOKENS * layers * kv_heads * head_dim * 2 * elem_bytes  # K and V
+
+
+def _our_kv_bytes(name: str) -> int:
+    """The same room in tokens for loraserve, in its KV dtype (the serving dtype: float32 on an AVX2
+    machine holds half the tokens of llama.cpp's f16 in the same bytes, and would preempt)."""
+    from loraserve.config import resolve_device, resolve_dtype
+
+    return _kv_bytes(name, resolve_dtype("auto", resolve_device("cpu")).itemsize)
 
 
 def _ours(path: str, name: str, adapters: bool, dequantize: bool = False) -> tuple[Any, float]:
@@ -79,7 +88,7 @@ def _ours(path: str, name: str, adapters: bool, dequantize: bool = False) -> tup
     gc.collect()
     before = rss_mb(os.getpid())
     lora = dict(enable_lora=True, max_loras=16, max_lora_rank=16) if adapters else {}
-    llm = LLM(path, max_model_len=SLOT_TOKENS, kv_cache_memory_bytes=_kv_bytes(name), **lora)
+    llm = LLM(path, max_model_len=SLOT_TOKENS, kv_cache_memory_bytes=_our_kv_bytes(name), **lora)
     os.environ.pop("LORASERVE_GGUF_DEQUANTIZE", None)
     return llm, rss_mb(os.getpid()) - before
 
@@ -131,7 +140,7 @@ def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) ->
             single.close()
     if not {"concurrent", "adapters"} & set(wanted):
         size_mb = os.path.getsize(path) / 2**20
-        rss = {"loraserve": our_rss, "file_mb": size_mb, "kv_mb": _kv_bytes(name) / 2**20}
+        rss = {"loraserve": our_rss, "file_mb": size_mb, "kv_mb": _our_kv_bytes(name) / 2**20}
         del llm
         gc.collect()
         return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows, "rss_mb": rss}
@@ -154,7 +163,7 @@ def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) ->
     finally:
         server.close()
     size_mb = os.path.getsize(path) / 2**20
-    rss = {"loraserve": our_rss, "llama.cpp": their_rss, "file_mb": size_mb, "kv_mb": _kv_bytes(name) / 2**20}
+    rss = {"loraserve": our_rss, "llama.cpp": their_rss, "file_mb": size_mb, "kv_mb": _our_kv_bytes(name) / 2**20}
     del llm
     gc.collect()
     return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows, "rss_mb": rss}
