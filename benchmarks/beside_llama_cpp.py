@@ -3,7 +3,7 @@ Q4_1, a Llama-3.2-1B-shaped Q4_K_M and Q8_0 and a Llama-3.1-8B-shaped Q4_K_M (`g
 file only with `--files ...,q4_k_m_8b`: 4.9 GB, one-sequence row). Rows: one sequence's tok/s (16 +
 64 tokens), 32 concurrent requests (64 + 64), 16 concurrent on 16 different adapters (SmolLM2 only:
 PEFT folders for loraserve, the same adapters through llama.cpp's `convert_lora_to_gguf.py` for its
-per-request `lora` field) and RSS after load; then decode tok/s against batch size on SmolLM2 for the
+per-request `lora` field); then decode tok/s against batch size on SmolLM2 for the
 plot, loraserve quantized and dequantized (bf16) beside llama.cpp.
 
 Both run with the same thread count (`--threads`, default 1: two cores shared with other jobs make
@@ -37,7 +37,7 @@ from benchmarks.common import (
     save_results,
 )
 from benchmarks.gguf_llama import build_llama_gguf
-from benchmarks.llama_cpp import LlamaServer, gguf_adapters, rss_mb, server_binary
+from benchmarks.llama_cpp import LlamaServer, gguf_adapters, server_binary
 
 # (layers, KV heads, head dim, vocabulary) of each file's model
 SHAPES = {
@@ -53,7 +53,7 @@ SLOTS = 32
 SWEEP = (1, 4, 16, 32)
 
 
-def _path(name: str) -> str:
+def gguf_path(name: str) -> str:
     if name == "smollm2":
         from loraserve.demo.smollm import find_smollm2_gguf
 
@@ -65,32 +65,31 @@ def _path(name: str) -> str:
     return build_llama_gguf(kind, size)
 
 
-def _kv_bytes(name: str, elem_bytes: int = 2) -> int:
+def kv_room_bytes(name: str, elem_bytes: int = 2) -> int:
     """Bytes of the KV room both servers get: SLOTS x SLOT_TOKENS tokens (llama.cpp's cache is f16)."""
     layers, kv_heads, head_dim, _ = SHAPES[name]
     return SLOTS * SLOT_TOKENS * layers * kv_heads * head_dim * 2 * elem_bytes  # K and V
 
 
-def _our_kv_bytes(name: str) -> int:
+def our_kv_room_bytes(name: str) -> int:
     """The same room in tokens for loraserve, in its KV dtype (the serving dtype: float32 on an AVX2
     machine holds half the tokens of llama.cpp's f16 in the same bytes, and would preempt)."""
     from loraserve.config import resolve_device, resolve_dtype
 
-    return _kv_bytes(name, resolve_dtype("auto", resolve_device("cpu")).itemsize)
+    return kv_room_bytes(name, resolve_dtype("auto", resolve_device("cpu")).itemsize)
 
 
-def _ours(path: str, name: str, adapters: bool, dequantize: bool = False) -> tuple[Any, float]:
+def _ours(path: str, name: str, adapters: bool, dequantize: bool = False) -> Any:
     from loraserve import LLM
 
     os.environ.pop("LORASERVE_GGUF_DEQUANTIZE", None)
     if dequantize:
         os.environ["LORASERVE_GGUF_DEQUANTIZE"] = "1"
     gc.collect()
-    before = rss_mb(os.getpid())
     lora = dict(enable_lora=True, max_loras=16, max_lora_rank=16) if adapters else {}
-    llm = LLM(path, max_model_len=SLOT_TOKENS, kv_cache_memory_bytes=_our_kv_bytes(name), **lora)
+    llm = LLM(path, max_model_len=SLOT_TOKENS, kv_cache_memory_bytes=our_kv_room_bytes(name), **lora)
     os.environ.pop("LORASERVE_GGUF_DEQUANTIZE", None)
-    return llm, rss_mb(os.getpid()) - before
+    return llm
 
 
 def _our_run(llm: Any, gen_len: int, loras: list[Any] | None = None) -> Callable[[list[list[int]]], None]:
@@ -115,13 +114,13 @@ def _their_run(
 
 
 def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) -> dict[str, Any]:
-    """Every row of one file: {row: {"loraserve": tok/s, "llama.cpp": tok/s}}, and both RSS."""
+    """Every row of one file: {row: {"loraserve": tok/s, "llama.cpp": tok/s}} (RSS: benchmarks.rss_after_load)."""
     from loraserve import LoRARequest
 
-    path = _path(name)
+    path = gguf_path(name)
     vocab = SHAPES[name][3]
     gen_len = args.gen_len if name == "smollm2" or args.gen_len_1b is None else args.gen_len_1b
-    llm, our_rss = _ours(path, name, adapters is not None)
+    llm = _ours(path, name, adapters is not None)
     wanted = args.rows.split(",") if name == "smollm2" else args.rows_1b.split(",")
     if name == "q4_k_m_8b":
         wanted = ["one"]
@@ -139,14 +138,11 @@ def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) ->
         finally:
             single.close()
     if not {"concurrent", "adapters"} & set(wanted):
-        size_mb = os.path.getsize(path) / 2**20
-        rss = {"loraserve": our_rss, "file_mb": size_mb, "kv_mb": _our_kv_bytes(name) / 2**20}
         del llm
         gc.collect()
-        return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows, "rss_mb": rss}
+        return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows}
     server = LlamaServer(path, args.threads, SLOTS, SLOT_TOKENS, adapters[1] if adapters else None)
     try:
-        their_rss = server.rss_mb()
         jobs: list[tuple[str, list[list[int]], list[Any] | None, list[int | None] | None]] = []
         if "concurrent" in wanted:
             jobs.append(("32 concurrent", random_prompts(32, 64, vocab, seed=1), None, None))
@@ -162,18 +158,16 @@ def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) ->
             rows[label] = {system: len(prompts) * gen_len / s for system, (s, _) in timings.items()}
     finally:
         server.close()
-    size_mb = os.path.getsize(path) / 2**20
-    rss = {"loraserve": our_rss, "llama.cpp": their_rss, "file_mb": size_mb, "kv_mb": _our_kv_bytes(name) / 2**20}
     del llm
     gc.collect()
-    return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows, "rss_mb": rss}
+    return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows}
 
 
 def _sweep(args: Any) -> dict[str, dict[int, float]]:
     """Decode tok/s (16-token prompts, gen_len tokens) against batch size on SmolLM2."""
-    path = _path("smollm2")
-    quantized, _ = _ours(path, "smollm2", False)
-    dense, _ = _ours(path, "smollm2", False, dequantize=True)
+    path = gguf_path("smollm2")
+    quantized = _ours(path, "smollm2", False)
+    dense = _ours(path, "smollm2", False, dequantize=True)
     server = LlamaServer(path, args.threads, SLOTS, SLOT_TOKENS)
     out: dict[str, dict[int, float]] = {}
     try:
@@ -206,20 +200,23 @@ def _print(results: dict[str, Any]) -> None:
     for entry in results["files"].values():
         for label, row in entry["rows"].items():
             ratio = row["loraserve"] / row["llama.cpp"]
-            bound = f"   bound {row['bound']:.1f} tok/s: step {row['bound'] / row['loraserve']:.2f}x" if "bound" in row else ""
-            print(f"{entry['file']:<36}{label:<20}{row['loraserve']:>11.1f}{row['llama.cpp']:>11.1f}"
-                  f"{ratio:>7.2f}x{'>= ' + str(TARGETS[label]):>8}{bound}")
-        rss = entry["rss_mb"]
-        limit = (rss["file_mb"] + rss["kv_mb"]) * 1.10
-        theirs = f"{rss['llama.cpp']:>11.0f}" if "llama.cpp" in rss else f"{'':>11}"
-        print(f"{entry['file']:<36}{'RSS after load MB':<20}{rss['loraserve']:>11.0f}{theirs}"
-              f"   (file {rss['file_mb']:.0f} + KV {rss['kv_mb']:.0f}, +10%: {limit:.0f})")
+            bound = (
+                f"   bound {row['bound']:.1f} tok/s: step {row['bound'] / row['loraserve']:.2f}x"
+                if "bound" in row
+                else ""
+            )
+            print(
+                f"{entry['file']:<36}{label:<20}{row['loraserve']:>11.1f}{row['llama.cpp']:>11.1f}"
+                f"{ratio:>7.2f}x{'>= ' + str(TARGETS[label]):>8}{bound}"
+            )
     for system, points in results.get("decode_sweep", {}).items():
         print(f"decode tok/s by batch, {system}: " + ", ".join(f"{b}: {t:.1f}" for b, t in points.items()))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -231,13 +228,19 @@ def main() -> None:
     parser.add_argument("--sweep", default=",".join(map(str, SWEEP)), help="batch sizes of the sweep")
     args = parser.parse_args()
     if server_binary() is None:
-        raise SystemExit("no llama-server (LLAMA_SERVER, PATH or LLAMA_CPP_DIR/build/bin): nothing to compare")
+        raise SystemExit(
+            "no llama-server (LLAMA_SERVER, PATH or LLAMA_CPP_DIR/build/bin): nothing to compare"
+        )
     limit_threads(args.threads)
     _warm_up()
     args.bandwidth_gbs = read_bandwidth_gbs()
     measure.record_bandwidth(f"{args.threads} threads", args.bandwidth_gbs)
-    results: dict[str, Any] = {"cpu": cpu_class(), "threads": args.threads, "files": {},
-                               "read_bandwidth_gbs": args.bandwidth_gbs}
+    results: dict[str, Any] = {
+        "cpu": cpu_class(),
+        "threads": args.threads,
+        "files": {},
+        "read_bandwidth_gbs": args.bandwidth_gbs,
+    }
     for name in args.files.split(","):
         adapters = None
         if name == "smollm2" and "adapters" in args.rows:

@@ -43,12 +43,17 @@ def _beside_llama_cpp(data: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {entry['file']} | {label} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {bound} |"
             )
-        rss = entry["rss_mb"]
-        theirs = f"{rss['llama.cpp']:.0f}" if "llama.cpp" in rss else ""
-        lines.append(
-            f"| {entry['file']} | RSS after load, MB (file {rss['file_mb']:.0f} + KV {rss['kv_mb']:.0f}) "
-            f"| {rss['loraserve']:.0f} | {theirs} | | |"
-        )
+    return lines
+
+
+def _rss_after_load(data: dict[str, Any]) -> list[str]:
+    lines = ["| file | limit: (file + KV) x 1.1, MB | loraserve after load / first request | "
+             "llama.cpp after load / first request |", "|---|---|---|---|"]  # fmt: skip
+    for e in data["files"].values():
+        ours, theirs = e["loraserve"], e.get("llama.cpp")
+        them = f"{theirs['load_mb']:.0f} / {theirs['first_request_mb']:.0f}" if theirs else ""
+        lines.append(f"| {e['file']} | ({e['file_mb']:.0f} + {e['kv_mb']:.0f}) x 1.1 = {e['limit_mb']:.0f} | "
+                     f"{ours['load_mb']:.0f} / {ours['first_request_mb']:.0f} | {them} |")  # fmt: skip
     return lines
 
 
@@ -107,6 +112,7 @@ def _flat(data: dict[str, Any]) -> list[str]:
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "beside_llama_cpp": _beside_llama_cpp,
     "long_context": _long_context,
+    "rss_after_load": _rss_after_load,
     "speculative": _speculative,
 }
 

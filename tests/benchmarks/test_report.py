@@ -41,7 +41,6 @@ def test_a_result_renders_under_its_file_with_its_conditions(tmp_path) -> None:
             "f": {
                 "file": "x.gguf",
                 "rows": {"one sequence": {"loraserve": 30.0, "llama.cpp": 24.0, "bound": 36.0}},
-                "rss_mb": {"loraserve": 900.0, "file_mb": 800.0, "kv_mb": 64.0},
             }
         },
         "conditions": cond,
