@@ -57,6 +57,12 @@ def _rss_after_load(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ratio(row: dict[str, Any]) -> str:
+    """A bound ratio, or why there is none: a short-context step slower than the long one measured
+    something other than the KV read (the run's first steps of a new engine), so it bounds nothing."""
+    return f"{row['ratio']:.2f}x" if row["extra_ms"] > 0 else "none: the short step was the slower"
+
+
 def _long_context(data: dict[str, Any]) -> list[str]:
     lines = ["| context | loraserve ms/step | transformers ms/step |", "|---|---|---|"]
     for context, row in data["steps_ms"].items():
@@ -70,7 +76,7 @@ def _long_context(data: dict[str, Any]) -> list[str]:
     ]
     for name, row in data.get("kv_bound", {}).items():
         lines.append(f"| {name} | {row['short_ms']:.1f} | {row['long_ms']:.1f} | {row['extra_ms']:.1f} | "
-                     f"{row['bound_ms']:.1f} ({row['read_gbs']:.1f}) | {row['ratio']:.2f}x |")  # fmt: skip
+                     f"{row['bound_ms']:.1f} ({row['read_gbs']:.1f}) | {_ratio(row)} |")  # fmt: skip
     return lines
 
 
