@@ -27,21 +27,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks.common import bench_root, cpu_class, limit_threads, save_results
+from benchmarks.common import SMOLLM_SHAPE, bench_root, cpu_class, limit_threads, save_results
 from loraserve.demo.random_model import build_tokenizer, save_peft_adapter
 
 NUM_REQUESTS, NUM_ADAPTERS, RUNS = 16, 4, 3
-TEXT_SHAPE = dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+# The language model: SmolLM-135M's shape (benchmarks.common), untied as LLaVA's text configs are.
+TEXT_SHAPE = {**SMOLLM_SHAPE, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 VISION_SHAPE = dict(
     hidden_size=384,
     intermediate_size=1536,
