@@ -26,15 +26,21 @@ NATIVE = [
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
     "GemmaForCausalLM",
+    "Idefics3ForConditionalGeneration",
     "LlamaForCausalLM",
+    "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "SmolVLMForConditionalGeneration",
 ]
 
 
