@@ -2,11 +2,11 @@
 
 It is loaded as the target is (`create_model_config` + `get_model`: a GGUF file keeps its quantized
 blocks, an HF folder takes the config's `quantization`), and runs through a `ModelRunner` of its own
-with a paged KV cache of its own (as many blocks as the target's, committed lazily) and a
-`BlockManager` without prefix caching. Each speculating sequence has a mirror `Sequence` here: the
-target's tokens, then the proposals of the step; its KV stays valid up to the first token the target
-did not keep, which `_sync` finds, so the next round computes only what changed (the whole prompt
-the first time, up to max_num_batched_tokens a step).
+with a paged KV cache of its own (as many blocks as the target's, in the target's `--kv-cache-dtype`,
+committed lazily) and a `BlockManager` without prefix caching. Each speculating sequence has a
+mirror `Sequence` here: the target's tokens, then the proposals of the step; its KV stays valid up to
+the first token the target did not keep, which `_sync` finds, so the next round computes only what
+changed (the whole prompt the first time, up to max_num_batched_tokens a step).
 
 `propose` runs one forward pass per proposal depth over every sequence still proposing, and samples
 each row as the target will (its sampling params, its history with the proposals so far, the row's
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from loraserve.cache_config import kv_cache_torch_dtype
 from loraserve.config import EngineConfig
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.model_runner import ModelRunner
@@ -77,6 +78,7 @@ class DraftModel:
         self.runner = ModelRunner(
             self.model, num_blocks, self.block_size, target.dtype, config.device,
             config.lora.max_loras if self.lora is not None and config.lora else None, self.lora, eos_token_id,
+            kv_cache_torch_dtype(config.cache.kv_cache_dtype, target.dtype),  # the target's KV format
         )  # fmt: skip
         self.chunk = config.scheduler.max_num_batched_tokens  # a mirror's catch-up per step at most
         self.eos_token_id = eos_token_id

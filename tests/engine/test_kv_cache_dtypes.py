@@ -1,5 +1,5 @@
 """The engine with a quantized KV cache (`kv_cache_dtype`): close to the full-precision run, the same
-alone and in a batch, with prefix-cache hits and with preemption.
+alone and in a batch, with prefix-cache hits, with preemption and with speculative decoding.
 
 "Close" is stated per format as a bound on the chosen tokens' logprobs (a float32 tiny Llama, greedy):
 the tokens are the float32 run's until, at most, a step where that run's top two logprobs are within
@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from support.speculative import both_ways, repetitive
+from support.speculative import run as run_checked
 
 from loraserve import LLM, SamplingParams
 from loraserve.outputs import RequestOutput
@@ -123,3 +125,48 @@ def test_preempted_sequences_recompute_into_an_int8_cache(
     outs = _run(tight, _prompts())
     assert tight.engine.scheduler.num_preemptions > 0
     _assert_close(float32_run, outs, LOGPROB_BOUND["int8"])
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "draft_policy": "always"}  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_cache_dtype", list(LOGPROB_BOUND))
+def test_speculation_over_each_kv_format(llama_path: str, kv_cache_dtype: str) -> None:
+    """Verified proposals over a quantized cache. bf16 and fp8 store each value alone, so a round's rows
+    are the decode steps' bits: outputs equal those without speculation, logprobs too. An int8 block's
+    scale follows every row written to it, rejected proposals' rows too, so int8 with speculation is
+    not the bits of int8 without it; it stays within int8's bound of the float32 cache."""
+    prompts = repetitive(6)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    options: dict[str, Any] = dict(dtype="float32", max_model_len=256, kv_cache_dtype=kv_cache_dtype)
+    speculating = LLM(llama_path, **options, speculative_config=NGRAM)
+    got, counts = run_checked(speculating, prompts, params)
+    both_ways(counts)
+    if kv_cache_dtype == "int8":
+        float32, _ = run_checked(LLM(llama_path, dtype="float32", max_model_len=256), prompts, params)
+        _assert_close(float32, got, LOGPROB_BOUND["int8"])
+        return
+    expected, _ = run_checked(LLM(llama_path, **options), prompts, params)
+    for g, e in zip(got, expected, strict=True):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert g.outputs[0].logprobs == e.outputs[0].logprobs
+
+
+def test_a_draft_model_keeps_the_targets_kv_format(llama_path: str) -> None:
+    """The draft model's own cache takes --kv-cache-dtype too (as many blocks as the target's, so an
+    8-bit target cache never comes with a float32 draft cache 4x its size); outputs stay the bits of
+    the fp8 run without speculation. (The target drafts for itself: its greedy proposals are accepted.)"""
+    prompts = repetitive(4, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    options: dict[str, Any] = dict(dtype="float32", max_model_len=256, kv_cache_dtype="fp8")
+    draft = {"model": llama_path, "num_speculative_tokens": 3, "draft_policy": "always"}
+    speculating = LLM(llama_path, **options, speculative_config=draft)
+    runner = speculating.engine.speculator.draft.runner
+    assert all(cache.dtype == torch.float8_e4m3fn for cache in runner.kv_caches)
+    assert runner.kv_caches[0].k.shape[0] == speculating.engine.kv_budget.num_blocks * 16
+    got, counts = run_checked(speculating, prompts, params)
+    assert counts["num_accepted_tokens"] > 0
+    expected, _ = run_checked(LLM(llama_path, **options), prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
+    assert [g.outputs[0].logprobs for g in got] == [e.outputs[0].logprobs for e in expected]
