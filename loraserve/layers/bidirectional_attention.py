@@ -55,7 +55,8 @@ def _span_attention(
     table = meta.block_tables[span.seq].to(torch.long)
     slots = table[keys // meta.block_size] * meta.block_size + keys % meta.block_size
     size, scales = meta.block_size, kv.scales
-    k = read_rows(kv.k, slots, size, scales.k_blocks, scales.k, q.dtype).transpose(0, 1)[None]  # [1, KVH, L, D]
+    # [1, KVH, L, D] each, as values of q's dtype
+    k = read_rows(kv.k, slots, size, scales.k_blocks, scales.k, q.dtype).transpose(0, 1)[None]
     v = read_rows(kv.v, slots, size, scales.v_blocks, scales.v, q.dtype).transpose(0, 1)[None]
     allowed = (keys[None] <= positions[:, None]) | (
         (keys[None] >= span.key_start) & (keys[None] < span.key_end)
