@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from PIL import Image, ImageFile
+from support.slow_http import trickle
 from support.tiny_vlm import forged_png
 
 from loraserve.multimodal.media import (
@@ -144,16 +145,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/ok.png":
             self._send(png())
         elif self.path == "/slow.png":  # trickles: each byte within any read timeout, the whole never
-            self.send_response(200)
-            self.send_header("Content-Length", "100000")
-            self.end_headers()
-            for _ in range(100):
-                try:
-                    self.wfile.write(b"\0")
-                    self.wfile.flush()
-                except OSError:
-                    return
-                time.sleep(0.1)
+            trickle(self, 100)
         elif self.path == "/big.png":
             self._send(b"\0" * (2 << 20))
         elif self.path == "/away":

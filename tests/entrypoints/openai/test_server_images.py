@@ -20,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 from support.harness import RunningServer
+from support.slow_http import trickle
 from support.tiny_vlm import forged_png, random_image, save_tiny_vlm
 from support.vlm_oracle import generate, peft_vlm, processor_of, save_vlm_adapters
 
@@ -42,16 +43,7 @@ class _Trickle(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-        self.send_response(200)
-        self.send_header("Content-Length", "100000")
-        self.end_headers()
-        for _ in range(300):
-            try:
-                self.wfile.write(b"\0")
-                self.wfile.flush()
-            except OSError:
-                return
-            time.sleep(0.1)
+        trickle(self, 300)
 
 
 @pytest.fixture(scope="module")
