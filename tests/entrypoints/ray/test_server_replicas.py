@@ -34,6 +34,9 @@ from support.serve_process import ServeProcess
 
 HAS_RAY = find_spec("ray") is not None and find_spec("ray.serve") is not None
 needs_ray = pytest.mark.skipif(not HAS_RAY, reason="needs the ray extra (ray[serve])")
+# The module's first test also pays for its cluster: a Ray instance, two replicas and both adapter stores,
+# which beside a busy neighbour take minutes (the server's wait follows its progress: serve_process.py).
+pytestmark = pytest.mark.timeout(1200)
 NUM_ADAPTERS = 12
 MAX_MODEL_LEN = 256  # room for a long stream: the kill lands while it runs
 PROMPTS = ["The quick brown fox", "SELECT name FROM", "Bonjour, comment", "numbers 0 1 2"]
@@ -99,7 +102,7 @@ def cluster(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 for i in range(NUM_ADAPTERS):
                     upload_adapter(s3, bucket, f"loras/{adapter_name(i, 's3')}", str(store / adapter_name(i)))
                 env |= {"LORASERVE_LORA_RESOLVER_S3_BUCKET": bucket, "LORASERVE_LORA_RESOLVER_S3_ENDPOINT_URL": s3.endpoint_url}
-                with ServeProcess([model_dir, *SERVE_FLAGS], env=env, startup_timeout_s=240) as server:
+                with ServeProcess([model_dir, *SERVE_FLAGS], env=env, startup_timeout_s=180) as server:
                     yield {"server": server, "model_dir": model_dir, "store": store}
                     status, output = server.stop()
                     assert status == 0, output[-3000:]
