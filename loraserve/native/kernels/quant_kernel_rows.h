@@ -31,6 +31,17 @@ static inline __attribute__((always_inline)) __m256i pair_dot(int type, const ui
     }
     const __m256i low4 = _mm256_set1_epi8(15), v = _mm256_loadu_si256((const __m256i *)q);
     const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (!two) { /* one level: the nibbles' byte products summed before widening (one widening, not two) */
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(qx->xq + at * 32));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(qx->xq + (at + 1) * 32));
+#if QK_PATH == 2
+        return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#else
+        /* |each int16 lane| <= 2 * 2 * 15 * 128 = 7680: the sum of two byte-pair products cannot saturate */
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
+                                 _mm256_set1_epi16(1));
+#endif
+    }
     return _mm256_add_epi32(dotq(lo, qx->xq, qx->xq2, at, 0, two), dotq(hi, qx->xq, qx->xq2, at + 1, 0, two));
 }
 

@@ -19,7 +19,7 @@ from support.quant_blocks import random_quant_tensor
 
 from loraserve.layers.quant import kernel as qk
 from loraserve.layers.quant.formats import QUANT_TYPES, QuantTensor, reference_linear
-from loraserve.native.build import cpu_flags
+from loraserve.native.build import cpu_flags, load_library
 
 # name: (flags after -march=native, CPU flags it needs, the path it must report)
 BUILDS: dict[str, tuple[tuple[str, ...], set[str], str]] = {
@@ -213,3 +213,14 @@ def test_integer_path_over_several_row_blocks(build: str, name: str, monkeypatch
     tensor = random_quant_tensor(QUANT_TYPES[name], 37, k, seed=9)
     x = torch.randn(150, k, generator=torch.Generator().manual_seed(9))
     _check(qk.linear(x, qk.prepare(tensor)), x, tensor, None)
+
+
+@pytest.mark.parametrize("arch", ["skylake-avx512", "icelake-server"])
+def test_avx512_builds_compile(arch: str) -> None:
+    """The AVX-512 paths (icelake-server: with VNNI's vpdpbusd) build here; this machine runs them only if
+    it has the instructions (the `build` fixture then takes them)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 -march values")
+    if qk.kernel_library() is None:
+        pytest.skip("no C compiler")
+    assert load_library("quant_kernel.c", arch=arch, extra_flags=("-ffp-contract=off",)) is not None
