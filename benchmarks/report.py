@@ -96,6 +96,10 @@ def _speculative(data: dict[str, Any]) -> list[str]:
         )
         lines.append(f"| {label} | {row['off']:.1f} | {row['ngram']:.1f} | {row['ngram'] / row['off']:.2f}x | "
                      f"{'>= ' + str(target) + 'x' if target else ''} | {their} |")  # fmt: skip
+    steps = data.get("step_ms_by_rows")
+    if steps:  # the engine's measured step cost by token rows, speculation on (what its plan weighs)
+        lines += ["", "Step ms by token rows (speculation on): "
+                  + ", ".join(f"{rows}: {ms}" for rows, ms in sorted(steps.items(), key=lambda kv: int(kv[0])))]  # fmt: skip
     return lines
 
 

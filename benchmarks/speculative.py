@@ -11,9 +11,10 @@ Rows, greedy, each prompt through its chat template to its end (eos) or --max-to
   trained adapters: one compute slot each), their questions the adapters' jobs.
 One sequence: decode tok/s (tokens after the first over the time after the first; llama.cpp's
 `predicted_per_second`). 16 adapters: output tokens over wall time, prefill included. Every system
-runs once untimed, then `--repeats` rounds time each in turn and each keeps its best. Outputs with
-speculation are checked equal to those without. Targets (speculation on over off): >= 2x copying,
->= 0.97x chat, >= 1.0x 16 adapters. Prints the CPU class, threads and load average before and after.
+runs once untimed, then `--repeats` rounds (more for a short answer: about 128 tokens in all) time each
+in turn and each keeps its best. Outputs with speculation are checked equal to those without. Targets
+(speculation on over off): >= 2x copying, >= 0.97x chat, >= 1.0x 16 adapters. Prints the CPU class,
+threads and load average before and after; saves results/speculative_{threads}t.json.
 
     python -m benchmarks.speculative [--threads 1] [--repeats 2] [--k 8] [--no-llama-cpp]
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from typing import Any
@@ -170,10 +172,14 @@ class Theirs:
         self.server.close()
 
 
-def _best(rounds: int, runs: dict[str, Any]) -> dict[str, float]:
-    """Each run once untimed, then `rounds` rounds of each in turn; the best rate of each."""
+def _best(rounds: int, runs: dict[str, Any], tokens: Any = None) -> dict[str, float]:
+    """Each run once untimed, then `rounds` rounds of each in turn; the best rate of each. `tokens()`,
+    read after the untimed runs: the output's length, which scales the rounds up to about 128 tokens
+    a round set (a 16-token answer's decode takes 0.2 s, where one scheduler hiccup moves it 10%)."""
     for run in runs.values():
         run()
+    if tokens is not None:
+        rounds *= min(8, math.ceil(128 / max(1, tokens())))
     best: dict[str, float] = {}
     for _ in range(rounds):
         for name, run in runs.items():
@@ -237,9 +243,17 @@ def main() -> None:
     finally:
         for server in theirs.values():
             server.close()
+    # what a step of each row count cost the engine with speculation on (its adaptive plan's table)
+    costs = on.llm.engine.speculator.costs if on.llm.engine.speculator is not None else None
+    results["step_ms_by_rows"] = (
+        {} if costs is None else {rows: round(s * 1e3, 2) for rows, s in costs.table().items()}
+    )
     results["load_after"] = load_average()
     _print(results)
-    save_results("speculative", results)
+    if set(args.rows.split(",")) >= {*PROMPTS, "16"}:
+        save_results(f"speculative_{args.threads}t", results)
+    else:  # a subset would replace the saved run's other rows
+        print("not saved: --rows ran a subset of the rows")
 
 
 def _llama_servers(path: str, demo: Any, names: list[str], args: Any, low: int) -> dict[str, Theirs]:
@@ -300,7 +314,7 @@ def _one_sequence(workload: str, texts: list[str], tokenizer: Any, off: Ours, on
         for name, server in theirs.items():
             if "x16" not in name:
                 runs[name] = lambda s=server: s.one(prompt, args.max_tokens, their_lora)[0]  # noqa: B023
-        best = _best(args.repeats, runs)
+        best = _best(args.repeats, runs, lambda: len(outputs["off"]))  # noqa: B023
         if outputs["off"] != outputs["on"]:
             raise SystemExit(
                 f"{workload} prompt {i}: the output with speculation differs from the one without"
@@ -353,6 +367,7 @@ def _print(results: dict[str, Any]) -> None:
         )
         print(f"{label:<14}{row['off']:>9.1f}{row['ngram']:>9.1f}{row['ngram'] / row['off']:>7.2f}x"
               f"{'>= ' + str(TARGETS[label]):>9}{their}")  # fmt: skip
+    print(f"step ms by token rows (speculation on): {results['step_ms_by_rows']}")
     print(f"load average after: {results['load_after']}")
 
 

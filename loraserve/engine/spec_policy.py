@@ -105,6 +105,10 @@ class StepCosts:
                 del self._samples[old]
             self._known = sorted(self._samples)
 
+    def table(self) -> dict[int, float]:
+        """The measured seconds per decode step by row count (the medians `estimate` reads)."""
+        return {rows: self._measured(rows) for rows in self._known}
+
     def _measured(self, rows: int) -> float:
         return statistics.median(seconds for _, seconds in self._samples[rows])
 

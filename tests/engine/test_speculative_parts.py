@@ -135,6 +135,9 @@ def test_estimates_follow_what_they_observe() -> None:
     costs = StepCosts()
     costs.observe(1, 0.010)
     costs.observe(5, 0.020)
+    costs.observe(5, 0.030)
+    assert costs.table() == {1: 0.010, 5: pytest.approx(0.025)}  # the medians of what each row count took
+    costs.observe(5, 0.020)
     assert costs.estimate(3) == pytest.approx(0.015)  # between measured row counts: interpolated
     assert costs.estimate(9) == pytest.approx(
         0.020 * (0.65 + 0.35 * 9) / (0.65 + 0.35 * 5)
