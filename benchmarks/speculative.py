@@ -26,6 +26,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -172,7 +173,7 @@ class Theirs:
         self.server.close()
 
 
-def _best(rounds: int, runs: dict[str, Any], tokens: Any = None) -> dict[str, float]:
+def _best(rounds: int, runs: dict[str, Any], tokens: Callable[[], int] | None = None) -> dict[str, float]:
     """Each run once untimed, then `rounds` rounds of each in turn; the best rate of each. `tokens()`,
     read after the untimed runs: the output's length, which scales the rounds up to about 128 tokens
     a round set (a 16-token answer's decode takes 0.2 s, where one scheduler hiccup moves it 10%)."""

@@ -62,8 +62,9 @@ class ServeProcess:
             except httpx.TransportError:
                 pass
             now = time.monotonic()
-            if self._logged() > logged:
-                logged, last_progress = self._logged(), now
+            size = self._logged()
+            if size > logged:
+                logged, last_progress = size, now
             if now - last_progress > self.startup_timeout_s or now - start > self.max_startup_s:
                 self.stop()
                 raise AssertionError(f"the server did not come up in {now - start:.0f} s (silent for "
