@@ -10,8 +10,8 @@ for every step the C call does not serve (`run` returns None):
 - models with per-head q/k norms (Qwen3), another activation than SiLU, softcapping, or a linear
   that the C linear kernel does not serve (e.g. fp32 and bf16 on AVX2-only CPUs: oneDNN runs those);
   a block-quantized linear (GGUF kept quantized) runs through quant_kernel.c's `quant_gemm`, each
-  linear binding its own kernel, and steps of more tokens than the integer path's `DECODE_ROWS`
-  (torch's tile path) stay the loop's;
+  linear binding its own kernel, and steps of more tokens than the integer path takes
+  (`quant_kernel.integer_rows`: past that, torch's tile path) stay the loop's;
 - LoRA steps that the LoRA kernel does not serve (a bias term, long prefill segments, another dtype);
 - LORASERVE_CPU_DECODER_STACK=0, a fused or attention kernel switched off, or no C compiler.
 Which kernel serves a call is never decided here: each op family's own predicate says it, the one
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import sys
 from typing import Any
 
 import torch
@@ -145,7 +146,11 @@ class DecoderStack:
         # their addresses stay valid.
         self._gemm = [[_gemm_binding(linear, dtype) for linear in group] for group in self.linears]
         # Quantized linears serve only the integer path's rows (more rows: torch's tile path, the loop's).
-        self.quantized = any(linear.quant_parts is not None for group in self.linears for linear in group)
+        self.max_rows = min(
+            (quant_kernel.integer_rows(part, dtype) for group in self.linears for linear in group
+             for part in linear.quant_parts or () if part is not None),
+            default=sys.maxsize,
+        )
 
     @classmethod
     def build(cls, layers: list[Any], rotary: Any) -> DecoderStack | None:
@@ -198,7 +203,7 @@ class DecoderStack:
         stream, updated in place): returns (last layer's output, residual), as the Python loop does; None
         when this step needs the Python path."""
         meta, num_tokens = batch.attn, residual.shape[0]
-        if self.quantized and num_tokens > quant_kernel.DECODE_ROWS:
+        if num_tokens > self.max_rows:
             return None
         if residual.dtype != self.dtype or not residual.is_cpu or not residual.is_contiguous() or num_tokens == 0 \
                 or positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (num_tokens,):

@@ -4,9 +4,9 @@ and adapters on the quantized base against PEFT on transformers' dequantized mod
 
 The tiny file mixes every kept format (Q8_0, Q4_0, Q4_1 written by gguf.quants; Q4_K, Q5_K, Q6_K as
 random blocks) in its packed layers (qkv, gate_up) and its LM head, with rows of 256 and 512 weights.
-float32 serving quantizes the decode step's activations to two int8 levels (within amax/32512 of each
-value), so it must match to 1e-4 in logprobs; bf16 quantizes them to int8 (as llama.cpp does), compared
-by greedy tokens."""
+float32 serving at two activation levels (within amax/32512 of each value) must match to 1e-4 in
+logprobs; at one (the default) and in bf16 the activations are int8 (as llama.cpp's), compared by
+logprobs teacher-forced on our tokens."""
 
 from __future__ import annotations
 
@@ -61,9 +61,7 @@ def tiny(tmp_path: Any) -> str:
     )
 
 
-def _greedy(llm: LLM, num_tokens: int, lora: Any = None) -> list[Any]:
-    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
-    return [o.outputs[0] for o in llm.generate(PROMPTS, params, lora_request=lora, use_tqdm=False)]
+_GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 
 
 def _dequantized_llm(monkeypatch: pytest.MonkeyPatch, path: str, **kwargs: Any) -> LLM:
@@ -76,13 +74,16 @@ def _quantized_linears(llm: LLM) -> list[Linear]:
     return [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.quant_parts is not None]
 
 
-@pytest.mark.parametrize("levels, tolerance", [(1, 0.1), (2, 5e-4)], ids=["one level", "two levels"])
+@pytest.mark.parametrize("levels, tolerance", [(1, 0.2), (2, 5e-4)], ids=["one level", "two levels"])
 def test_quantized_float32_equals_dequantized(
     tiny: str, cache_root: str, monkeypatch: pytest.MonkeyPatch, levels: int, tolerance: float
 ) -> None:
-    """Greedy tokens equal the dequantized model's; logprobs within what the activations' int8 levels
-    leave (one level, llama.cpp's precision, is the default: measured up to 0.05 on this random model;
-    two keep float32's: 2e-4). A wrong scale, min or nibble moves logprobs by whole units."""
+    """Logprobs within what the activations' int8 levels leave, teacher-forced on our greedy tokens,
+    each of which the dequantized model ranks within the same distance of its best. One level
+    (llama.cpp's precision, the default) quantizes every step's activations, the prompts' too: measured
+    up to 0.14 on this random model (near-ties: the greedy path may turn). Two keep float32's (2e-4),
+    where the prompts run torch's tile path: the greedy tokens are the dequantized model's. A wrong scale,
+    min or nibble moves logprobs by whole units."""
     monkeypatch.setenv("LORASERVE_CPU_QUANT_ACT_LEVELS", str(levels))
     llm = LLM(tiny, dtype="float32")
     assert all(
@@ -103,10 +104,20 @@ def test_quantized_float32_equals_dequantized(
     assert isinstance(embedding, QuantEmbedding) and embedding.qtype.name == "Q8_0R"
     reference = _dequantized_llm(monkeypatch, tiny, dtype="float32")
     assert not _quantized_linears(reference)
-    for ours, want in zip(_greedy(llm, 10), _greedy(reference, 10), strict=True):
-        assert list(ours.token_ids) == list(want.token_ids)
-        for token, a, b in zip(ours.token_ids, ours.logprobs, want.logprobs, strict=True):
-            assert abs(a[token].logprob - b[token].logprob) < tolerance
+    ours = llm.generate(PROMPTS, _GREEDY, use_tqdm=False)
+    if levels == 2:
+        want = reference.generate(PROMPTS, _GREEDY, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in ours] == [list(o.outputs[0].token_ids) for o in want]
+    scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    for output in ours:
+        prompt, out = list(output.prompt_token_ids), output.outputs[0]
+        scored = reference.generate([{"prompt_token_ids": prompt + list(out.token_ids)}], scoring, use_tqdm=False)
+        entries = scored[0].prompt_logprobs
+        assert entries is not None
+        for i, (token, ours_entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            entry = entries[len(prompt) + i]
+            assert max(v.logprob for v in entry.values()) - entry[token].logprob <= tolerance
+            assert abs(entry[token].logprob - ours_entry[token].logprob) <= tolerance
 
 
 def test_cache_entries_and_the_dequantize_switch(
@@ -207,9 +218,10 @@ def test_adapters_on_the_quantized_base_in_bf16_err_as_bf16_does(
     tiny: str, cache_root: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16, the same mixed batch: against PEFT in float32, the quantized base (int8 activations on
-    the decode step) errs about as the dequantized bf16 model does, whose error is bf16's own (this
-    tiny model's near-ties: mean 0.014, worst 0.12 with an adapter; measured on the quantized base:
-    mean 0.018, worst 0.15). A LoRA term or a weight gone wrong moves logprobs by tenths."""
+    every step, the prompts' too) errs a little more than the dequantized bf16 model does, whose error
+    is bf16's own (this tiny model's near-ties: mean 0.013, worst 0.12 with an adapter; measured on the
+    quantized base: mean 0.023, worst 0.21). A LoRA term or a weight gone wrong moves logprobs by
+    tenths on average."""
     peft_model, tokenizer, paths = _adapters(tiny, tmp_path)
     llm = LLM(tiny, dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=4)
     assert _quantized_linears(llm)
@@ -218,5 +230,5 @@ def test_adapters_on_the_quantized_base_in_bf16_err_as_bf16_does(
         monkeypatch, tiny, dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=4
     )
     dense = _peft_errors(peft_model, tokenizer, *_mixed_batch(reference, paths))
-    assert ours.mean().item() <= dense.mean().item() + 0.01
-    assert ours.max().item() <= dense.max().item() + 0.05
+    assert ours.mean().item() <= dense.mean().item() + 0.025
+    assert ours.max().item() <= dense.max().item() + 0.2

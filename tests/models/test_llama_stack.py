@@ -331,13 +331,14 @@ QUANT_TYPES = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_stack_equals_python_loop_on_quantized_linears(tmp_path: Any, dtype: torch.dtype,
+@pytest.mark.parametrize(("dtype", "levels"), [(dtype, 1) for dtype in DTYPES] + [(torch.float32, 2)], ids=str)
+def test_stack_equals_python_loop_on_quantized_linears(tmp_path: Any, dtype: torch.dtype, levels: int,
                                                        monkeypatch: pytest.MonkeyPatch,
                                                        stack_runs: list[bool | None]) -> None:
     """A GGUF whose linears stay block-quantized: the stack runs them through quant_gemm, bitwise equal
-    to the loop's quantized linears, on the steps of at most DECODE_ROWS tokens; longer steps (the
-    prompts' prefill: torch's tile path) it leaves to the loop."""
+    to the loop's quantized linears, on the steps the integer path takes: all of them at one activation
+    level (the panels serve prefill), at most DECODE_ROWS tokens at two (a longer prefill is torch's
+    tile path, which the stack leaves to the loop)."""
     from support.gguf_files import write_tiny_llama_gguf
 
     from loraserve.layers.quant import kernel as quant_kernel
@@ -347,6 +348,7 @@ def test_stack_equals_python_loop_on_quantized_linears(tmp_path: Any, dtype: tor
         pytest.skip("the quantized, fused or attention kernel is not built here")
     monkeypatch.setenv("LORASERVE_CACHE_ROOT", str(tmp_path / "cache"))
     monkeypatch.delenv("LORASERVE_GGUF_DEQUANTIZE", raising=False)
+    monkeypatch.setenv("LORASERVE_CPU_QUANT_ACT_LEVELS", str(levels))
     path = write_tiny_llama_gguf(str(tmp_path / "q.gguf"), raw_types=QUANT_TYPES, hidden=256, ffn=512)
     llm = LLM(path, dtype=str(dtype).removeprefix("torch."), max_num_seqs=8, enable_prefix_caching=False)
     model = llm.engine.model.model
@@ -358,7 +360,10 @@ def test_stack_equals_python_loop_on_quantized_linears(tmp_path: Any, dtype: tor
     loop = _outputs(llm, prompts, monkeypatch, stack=False)
     assert stack_runs == []
     stacked = _outputs(llm, prompts, monkeypatch, stack=True)
-    assert True in stack_runs and False in stack_runs  # decode steps ran, the long prefill did not
+    if levels == 1 and quant_kernel.kernel_path() != "portable":
+        assert stack_runs and all(stack_runs)  # every step, the long prefill too
+    else:
+        assert True in stack_runs and False in stack_runs  # decode steps ran, the long prefill did not
     assert stacked == loop
     assert all(math.isfinite(lp) for tokens, steps, _ in stacked for step in steps for lp in step.values())
 

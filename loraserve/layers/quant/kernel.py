@@ -1,18 +1,20 @@
 """The CPU linear over a block-quantized weight (quant_kernel.c): y = x W^T + b with W kept in its GGUF
 format in memory.
 
-Two paths, by row count: up to `DECODE_ROWS` rows (decode), the kernel's `quant_linear`, which streams
-the weight's bytes once: bf16 activations are quantized per 32 values to int8 for integer dot products
-(as llama.cpp does), float32 ones to two int8 levels, the second quantizing what the first leaves
-(amax/32512 per value: that dtype stays the precise one, at integer speed); more rows (prefill, big
-batches), tiles of W dequantized into a cache-sized buffer in x's dtype and multiplied by torch (oneDNN),
-so the product stays compute-bound. Without a C compiler both paths are the twin: torch's dequantize then
-F.linear.
+The kernel's integer path quantizes the activations per 32 values (per 256 for the K-quants) to int8 for
+integer dot products, as llama.cpp does; float32 ones may take two int8 levels, the second quantizing
+what the first leaves (amax/32512 per value, LORASERVE_CPU_QUANT_ACT_LEVELS=2). It serves every row
+count at one level on a vector build: few rows stream the weight's bytes once (decode), more rows
+(prefill, big batches) unpack each chunk of weight rows once into 8-row panels that all of x's rows
+pass (quant_kernel_panel.h). At two levels or on the portable build it serves up to `DECODE_ROWS` rows;
+more take tiles of W dequantized into a cache-sized buffer in x's dtype and multiplied by torch
+(oneDNN). Without a C compiler both paths are the twin: torch's dequantize then F.linear.
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +26,12 @@ from loraserve.layers.quant.formats import QuantTensor, repack_rows
 from loraserve.native.build import function_address, load_library
 from loraserve.native.kernel_slot import KernelSlot
 
-# At most this many rows take the integer path. Measured after the super-block and row-layout loops
-# (AVX2 EPYC, family 25 model 1, 1 thread, float32 x; tile-path time over integer-path time) at 8 / 24 /
-# 32 / 48 rows: Q4_1 1536x576 2.24 / 1.24 / 1.10 / 1.00; Q8_0 8192x2048 2.82 / 1.65 / 1.40 / 1.28; Q4_K
-# 8192x2048 3.23 / 1.71 / 1.18 / 0.87-1.47; Q6_K 2048x8192 4.02 / 2.05 / 1.92 / 1.63. Past 32 rows a
-# format or two break even: the integer path's cost grows with the rows (each row's dot products, the
-# weights unpacked again per 4 rows), the tile path's hardly (its dequantizing does not), so a 32-sequence
-# decode step stays integer and prefill takes the tiles.
+# At most this many rows take the integer path at two activation levels or on the portable build (one
+# level on a vector build: every row count). Measured before the panel path (AVX2 EPYC, family 25 model
+# 1, 1 thread, float32 x; tile-path time over integer-path time) at 8 / 24 / 32 / 48 rows: Q4_1 1536x576
+# 2.24 / 1.24 / 1.10 / 1.00; Q8_0 8192x2048 2.82 / 1.65 / 1.40 / 1.28; Q4_K 8192x2048 3.23 / 1.71 /
+# 1.18 / 0.87-1.47; Q6_K 2048x8192 4.02 / 2.05 / 1.92 / 1.63. The panel path at 128 rows, same machine,
+# 2 threads, Llama-3.2-1B's shapes: Q4_K 107 GMAC/s, Q6_K 70, Q8_0 64 against the tile path's 40-41.
 DECODE_ROWS = 32
 TILE_BYTES = 1 << 20  # a dequantized tile of the prefill path: about L2's size
 PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
@@ -102,10 +103,17 @@ class QuantWeight:
         return self.args
 
 
+def integer_rows(weight: QuantWeight, dtype: torch.dtype) -> int:
+    """The most rows of `dtype` x the integer path takes for `weight` (more take the tile path)."""
+    lib = kernel_library()
+    panels = lib is not None and int(lib.quant_kernel_path()) > 0 and not weight.x_flags(dtype) & 2
+    return sys.maxsize if panels else DECODE_ROWS
+
+
 def stack_serves(parts: list[QuantWeight | None] | None, dtype: torch.dtype, in_features: int) -> bool:
     """Whether the decoder stack's C linear (`quant_gemm`) runs a layer of these slices in `dtype`:
     the kernel is built, every slice is there and takes `in_features`. It serves steps of at most
-    `DECODE_ROWS` rows (more take the tile path, which is torch's: the stack leaves those steps)."""
+    `integer_rows` rows (more take the tile path, which is torch's: the stack leaves those steps)."""
     return (
         parts is not None
         and dtype in _DTYPES
@@ -161,7 +169,7 @@ def linear(
     lib = _kernel.get()
     if lib is None:
         y.copy_(F.linear(rows, weight.tensor.dequantize(x.dtype), bias))
-    elif rows.shape[0] <= DECODE_ROWS:
+    elif rows.shape[0] <= integer_rows(weight, x.dtype):
         status = lib.quant_linear(
             weight.call_args(),
             rows.data_ptr(),

@@ -39,6 +39,11 @@
 #define PREFETCH_ROWS 4 /* weight rows ahead of the one being read (past the end: a harmless hint) */
 #define N_CHUNK 16  /* weight rows per work item (a few KB: stays in L1 while the row groups pass) */
 #define M_BLOCK 64  /* rows of x per work item: their quants (64 x k bytes) stay in L2 while the chunks pass */
+#define PANEL_M_BLOCK 256 /* the panel path's rows of x per work item: a chunk is packed once per block (x's
+                           * rows pass the packed chunk 4 at a time, so they need not stay in cache) */
+#ifndef PANEL_MIN_ROWS /* rows of x from which a product takes the panel path (quant_kernel_panel.h); tests */
+#define PANEL_MIN_ROWS 12 /* build with -DPANEL_MIN_ROWS=1 to run it on every row count */
+#endif
 
 /* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
  * gives them their row layout, 6-8, at load); 3-5 the K-quants */
@@ -96,6 +101,7 @@ static inline float hsum8(__m256 v) {
 
 #include "quant_kernel_ksuper.h"
 #include "quant_kernel_rows.h"
+#include "quant_kernel_panel.h"
 
 /* out[i] = the row's dot product with rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` and `two` are
  * constants after inlining, so each format gets its own loop. */
@@ -160,6 +166,41 @@ static int weight_ok(const int64_t *w) {
     return type >= 3 && type <= 8 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
 }
 
+/* y[r_lo .. r_hi, n0 .. n1] = acc ([r_hi - r_lo][N_CHUNK]) + bias, rounded to y's dtype. */
+static void store_chunk(const float *acc, int x_bf16, const void *bias, void *y, int64_t ldy, int64_t n0, int64_t n1,
+                        int64_t r_lo, int64_t r_hi) {
+    for (int64_t r = r_lo; r < r_hi; r++)
+        for (int64_t j = n0; j < n1; j++) {
+            float v = acc[(r - r_lo) * N_CHUNK + (j - n0)];
+            if (bias != NULL) v += x_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+            if (x_bf16) ((uint16_t *)y)[r * ldy + j] = f32_to_bf16(v);
+            else ((float *)y)[r * ldy + j] = v;
+        }
+}
+
+#if QK_PATH > 0
+/* run_chunk's panel path: the chunk's rows packed into `panels` (the thread's scratch), x from px32 (the
+ * 32-block formats) or px256 (the K-quants). */
+static void run_panel_chunk(const int64_t *w, int64_t c, const px_t *px32, const px_t *px256, int x_bf16,
+                            const void *bias, void *y, int64_t ldy, int64_t r_lo, int64_t r_hi, uint8_t *panels,
+                            float *acc) {
+    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
+    const int64_t n = w[1], k = w[2];
+    const int type = (int)w[3];
+    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
+    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
+    switch (type) {
+    case 3: panel_chunk(3, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
+    case 4: panel_chunk(4, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
+    case 5: panel_chunk(5, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
+    case 6: panel_chunk(6, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
+    case 7: panel_chunk(7, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
+    default: panel_chunk(8, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
+    }
+    store_chunk(acc, x_bf16, bias, y, ldy, n0, n1, r_lo, r_hi);
+}
+#endif
+
 /* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias for x's rows [r_lo, r_hi), x from qx (acc:
  * [M_BLOCK][N_CHUNK] scratch). */
 static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, const void *bias, void *y, int64_t ldy,
@@ -177,54 +218,87 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
     case 7: chunk_rows(7, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
     default: chunk_rows(8, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
     }
-    for (int64_t r = r_lo; r < r_hi; r++)
-        for (int64_t j = n0; j < n1; j++) {
-            float v = acc[(r - r_lo) * N_CHUNK + (j - n0)];
-            if (bias != NULL) v += x_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
-            if (x_bf16) ((uint16_t *)y)[r * ldy + j] = f32_to_bf16(v);
-            else ((float *)y)[r * ldy + j] = v;
-        }
+    store_chunk(acc, x_bf16, bias, y, ldy, n0, n1, r_lo, r_hi);
 }
+
+#if QK_PATH > 0
+/* The panel path's activations (px32 and / or px256, as the parts need) in the calling thread's scratch,
+ * and the bytes a thread's panels take (the widest part's two panels). 0, or 2 without memory. */
+static int quantize_panels(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_bf16, int64_t m,
+                           px_t *px32, px_t *px256, int64_t *panel_bytes) {
+    const int64_t k = w[2];
+    int need32 = 0, need256 = 0;
+    *panel_bytes = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        const int type = (int)w[4 * p + 3];
+        if (type <= 5) need256 = 1;
+        else need32 = 1;
+        const int64_t bytes = N_CHUNK / PANEL * (k / 32) * panel_block_bytes(type);
+        *panel_bytes = bytes > *panel_bytes ? bytes : *panel_bytes;
+    }
+    char *buf = thread_scratch(0, (size_t)(need32 + need256) * panel_x_bytes(m, k));
+    if (buf == NULL) return 2;
+    if (need32) quantize_panel_x(x, ldx, x_bf16, m, k, 32, buf, px32), buf += panel_x_bytes(m, k);
+    if (need256) quantize_panel_x(x, ldx, x_bf16, m, k, 256, buf, px256);
+    return 0;
+}
+#endif
 
 /* y[:, col_p : col_p + n_p] = x W_p^T + bias_p for the `parts` weights w[4p .. 4p + 3] side by side
  * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel
- * region over every part's chunks (a packed layer's slices are one fork, not one each). Returns 0, or
- * 2 without memory. */
+ * region over every part's chunks (a packed layer's slices are one fork, not one each). From
+ * PANEL_MIN_ROWS rows (one int8 level) the chunks take the panel path. Returns 0, or 2 without memory. */
 static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_flags, const void *bias,
                         void *y, int64_t ldy, int64_t m, int num_threads) {
     const int64_t k = w[2];
     const int x_bf16 = x_flags & X_BF16, two = !x_bf16 && (x_flags & X_TWO_LEVELS);
+    const int panel = QK_PATH > 0 && !two && m >= PANEL_MIN_ROWS;
     int need32 = 0, need256 = 0;
-    int64_t num_chunks = 0;
+    int64_t num_chunks = 0, panel_bytes = 0;
     for (int64_t p = 0; p < parts; p++) {
         if (w[4 * p + 3] <= 5) need256 = 1;
         else need32 = 1;
         num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
     }
     qx_t qx;
+#if QK_PATH > 0
+    px_t px32, px256;
+    if (panel ? quantize_panels(w, parts, x, ldx, x_bf16, m, &px32, &px256, &panel_bytes)
+              : quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx))
+        return 2;
+#else
     if (quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx) != 0) return 2;
+#endif
     const int64_t elem = x_bf16 ? 2 : 4;
     int failed = 0;
     /* Work items: (block of M_BLOCK x rows, chunk of N_CHUNK weight rows), the chunks of one block in a
      * row, so a block's quants stay in L2 while the weights stream past (a decode step is one block).
      * guided: a thread slowed by a neighbour's process takes fewer items, at few claims per call. */
-    const int64_t num_items = (m + M_BLOCK - 1) / M_BLOCK * num_chunks;
+    const int64_t m_block = panel ? PANEL_M_BLOCK : M_BLOCK, num_items = (m + m_block - 1) / m_block * num_chunks;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *acc = malloc(sizeof(float) * (size_t)(M_BLOCK * N_CHUNK));
-        if (acc == NULL) {
+        float *acc = malloc(sizeof(float) * (size_t)(m_block * N_CHUNK));
+        uint8_t *panels = panel ? thread_scratch(1, (size_t)panel_bytes) : NULL;
+        if (acc == NULL || (panel && panels == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < num_items; item++) {
-            if (acc == NULL) continue;
-            const int64_t c = item % num_chunks, r_lo = item / num_chunks * M_BLOCK;
-            const int64_t r_hi = r_lo + M_BLOCK < m ? r_lo + M_BLOCK : m;
+            if (acc == NULL || (panel && panels == NULL)) continue;
+            const int64_t c = item % num_chunks, r_lo = item / num_chunks * m_block;
+            const int64_t r_hi = r_lo + m_block < m ? r_lo + m_block : m;
             int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
             while (c >= first + (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK)
                 first += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK, col += w[4 * p + 1], p++;
             const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
+#if QK_PATH > 0
+            if (panel) {
+                run_panel_chunk(w + 4 * p, c - first, &px32, &px256, x_bf16, b, (char *)y + col * elem, ldy, r_lo,
+                                r_hi, panels, acc);
+                continue;
+            }
+#endif
             run_chunk(w + 4 * p, c - first, &qx, x_bf16, b, (char *)y + col * elem, ldy, r_lo, r_hi, acc);
         }
         free(acc);

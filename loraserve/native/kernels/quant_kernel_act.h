@@ -96,17 +96,18 @@ static void quantize_row256(const void *x, int64_t ldx, int x_bf16, int64_t r, i
                              dk + sb, bs + sb * 16, bs2 == NULL ? NULL : bs2 + sb * 16);
 }
 
-/* The calling thread's scratch for quantized activations, kept between calls (a decode step makes a few
- * hundred products: a malloc and free each, and fresh pages for larger ones, cost more than quantizing). */
-static void *act_scratch(size_t bytes) {
-    static __thread void *buf = NULL;
-    static __thread size_t size = 0;
-    if (bytes > size) {
-        free(buf);
-        buf = malloc(bytes);
-        size = buf == NULL ? 0 : bytes;
+/* The calling thread's scratch number `slot` (0: quantized activations, 1: the panels of a chunk), kept
+ * between calls (a decode step makes a few hundred products: a malloc and free each, and fresh pages for
+ * larger ones, cost more than quantizing). */
+static void *thread_scratch(int slot, size_t bytes) {
+    static __thread void *buf[2] = {NULL, NULL};
+    static __thread size_t size[2] = {0, 0};
+    if (bytes > size[slot]) {
+        free(buf[slot]);
+        buf[slot] = malloc(bytes);
+        size[slot] = buf[slot] == NULL ? 0 : bytes;
     }
-    return buf;
+    return buf[slot];
 }
 
 /* Quantize x [m, k] for the granularities asked for into the thread's scratch; 0, or 2 without memory. */
@@ -117,7 +118,7 @@ static int quantize_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t
     const size_t bytes32 = need32 ? (size_t)((levels * m * k + 2 * m * nb * (int64_t)sizeof(float) + 63) / 64 * 64) : 0;
     const size_t bytes256 =
         need256 ? (size_t)(levels * m * k + m * (k / 256) * (int64_t)sizeof(float) + levels * m * (k / 16) * 2) : 0;
-    char *buf = act_scratch(bytes32 + bytes256 + 64);
+    char *buf = thread_scratch(0, bytes32 + bytes256 + 64);
     if (buf == NULL) return 2;
     memset(qx, 0, sizeof(*qx));
     qx->nb = nb;

@@ -1,6 +1,7 @@
 """The quantized linear kernel (quant_kernel.c) against the float64 dequantize-then-matmul reference, for
-every format on every build this machine can run (AVX512-VNNI, AVX2, portable C) and both paths (the
-integer decode path up to DECODE_ROWS rows, the dequantized-tile path above), and its torch twin.
+every format on every build this machine can run (AVX512-VNNI, AVX2, portable C) and every path (the
+integer path's row streaming and its panels, the latter forced to every row count by the "avx2_panels"
+build; the dequantized-tile path past `integer_rows`), and its torch twin.
 
 Tolerances come from what each path rounds: the decode path quantizes activations to int8 per 32
 values for Q8_0 / Q4_0 / Q4_1 and per 256 for the K-quants (error at most amax/254 per value, so a group
@@ -25,6 +26,7 @@ from loraserve.native.build import cpu_flags, load_library
 BUILDS: dict[str, tuple[tuple[str, ...], set[str], str]] = {
     "avx512_vnni": ((), {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512_vnni"),
     "avx2": (("-mno-avx512f", "-mno-avxvnni"), {"avx2", "fma"}, "avx2"),
+    "avx2_panels": (("-mno-avx512f", "-mno-avxvnni", "-DPANEL_MIN_ROWS=1"), {"avx2", "fma"}, "avx2"),
     "portable": (("-mno-avx",), set(), "portable"),
 }
 # (rows, out): one row, 4-row groups with tails (3, 5, 17, 33), the last integer-path row count and the
@@ -86,7 +88,7 @@ def _check(
 ) -> None:
     ref, magnitude, act = _bounds(x, tensor, bias, levels)
     bound = 2e-6 * magnitude  # float32 sums
-    if x.shape[0] <= qk.DECODE_ROWS:
+    if x.shape[0] <= qk.integer_rows(qk.prepare(tensor, levels), x.dtype):
         bound = bound + act
     elif x.dtype == torch.bfloat16:
         bound = bound + 2.0**-9 * magnitude  # weights rounded to bf16 in the tile
@@ -206,13 +208,42 @@ def test_bad_inputs_are_refused() -> None:
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
 def test_integer_path_over_several_row_blocks(build: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More rows than the kernel's 64-row blocks (as a caller past DECODE_ROWS may send): every block's
-    rows, the last one short, against the reference."""
+    """More rows than the kernel's row blocks (64 rows; 256 on the panel path) and than DECODE_ROWS at
+    two levels: every block's rows, the last one short, against the reference."""
     monkeypatch.setattr(qk, "DECODE_ROWS", 10**6)
     k = _in_features(name)[-1]
     tensor = random_quant_tensor(QUANT_TYPES[name], 37, k, seed=9)
-    x = torch.randn(150, k, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(9))
     _check(qk.linear(x, qk.prepare(tensor)), x, tensor, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(QUANT_TYPES))
+def test_panel_path_matches_row_streaming(name: str, dtype: torch.dtype) -> None:
+    """The panels read x quantized as the row streaming reads it, so the two differ only in float32
+    summation order: a scale, offset, min or quant packed into the wrong lane or block shows at once.
+    Row counts around the 4-row passes and across a 16-row chunk's 8-row panels with a short one."""
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("the AVX2 builds")
+    panels = qk.build_kernel(("-mno-avx512f", "-mno-avxvnni", "-DPANEL_MIN_ROWS=1"))
+    rows = qk.build_kernel(("-mno-avx512f", "-mno-avxvnni", "-DPANEL_MIN_ROWS=1000000"))
+    if panels is None or rows is None:
+        pytest.skip("no C compiler")
+    own = qk.kernel_library()
+    g = torch.Generator().manual_seed(13)
+    try:
+        for k in _in_features(name):
+            weight = qk.prepare(random_quant_tensor(QUANT_TYPES[name], 21, k, seed=k))
+            x = torch.randn(7, k, generator=g).to(dtype)
+            bias = torch.randn(21, generator=g).to(dtype)
+            qk.use_library(panels)
+            got = qk.linear(x, weight, bias).double()
+            qk.use_library(rows)
+            want = qk.linear(x, weight, bias).double()
+            scale = 2e-6 if dtype == torch.float32 else 2.0**-8
+            assert bool(((got - want).abs() <= scale * (want.abs() + want.abs().amax())).all()), name
+    finally:
+        qk.use_library(own)
 
 
 @pytest.mark.parametrize("arch", ["skylake-avx512", "icelake-server"])
