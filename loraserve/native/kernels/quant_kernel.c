@@ -222,10 +222,10 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
 }
 
 #if QK_PATH > 0
-/* The panel path's activations (px32 and / or px256, as the parts need) in the calling thread's scratch,
- * and the bytes a thread's panels take (the widest part's two panels). 0, or 2 without memory. */
-static int quantize_panels(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_bf16, int64_t m,
-                           px_t *px32, px_t *px256, int64_t *panel_bytes) {
+/* The panel path's activations laid out (px32 and / or px256, as the parts need) in the calling thread's
+ * scratch, to be quantized in the parallel region, and the bytes a thread's panels take (the widest
+ * part's). 0, or 2 without memory. */
+static int panel_layout(const int64_t *w, int64_t parts, int64_t m, px_t *px32, px_t *px256, int64_t *panel_bytes) {
     const int64_t k = w[2];
     int need32 = 0, need256 = 0;
     *panel_bytes = 0;
@@ -236,10 +236,11 @@ static int quantize_panels(const int64_t *w, int64_t parts, const void *x, int64
         const int64_t bytes = N_CHUNK / PANEL * (k / 32) * panel_block_bytes(type);
         *panel_bytes = bytes > *panel_bytes ? bytes : *panel_bytes;
     }
-    char *buf = thread_scratch(0, (size_t)(need32 + need256) * panel_x_bytes(m, k));
+    char *buf = thread_scratch(0, 2 * panel_x_bytes(m, k));
     if (buf == NULL) return 2;
-    if (need32) quantize_panel_x(x, ldx, x_bf16, m, k, 32, buf, px32), buf += panel_x_bytes(m, k);
-    if (need256) quantize_panel_x(x, ldx, x_bf16, m, k, 256, buf, px256);
+    memset(px32, 0, sizeof(*px32)), memset(px256, 0, sizeof(*px256));
+    if (need32) panel_x_layout(m, k, buf, px32);
+    if (need256) panel_x_layout(m, k, buf + panel_x_bytes(m, k), px256);
     return 0;
 }
 #endif
@@ -263,7 +264,7 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
     qx_t qx;
 #if QK_PATH > 0
     px_t px32, px256;
-    if (panel ? quantize_panels(w, parts, x, ldx, x_bf16, m, &px32, &px256, &panel_bytes)
+    if (panel ? panel_layout(w, parts, m, &px32, &px256, &panel_bytes)
               : quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx))
         return 2;
 #else
@@ -283,6 +284,15 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
 #pragma omp atomic write
             failed = 1;
         }
+#if QK_PATH > 0
+        if (panel) { /* x's rows quantized by every thread (the loop's barrier: all done before the items) */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) {
+                if (px32.xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 32, &px32);
+                if (px256.xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 256, &px256);
+            }
+        }
+#endif
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < num_items; item++) {
             if (acc == NULL || (panel && panels == NULL)) continue;

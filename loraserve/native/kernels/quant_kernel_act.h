@@ -27,10 +27,51 @@ typedef struct {
     const int16_t *bs, *bs2;  /* [m][k / 16]: sums of kq (kq2) per 16 values */
 } qx_t;
 
+#if QK_PATH > 0
+/* 8 values of x (float32 or bf16) from x[at] as float32. */
+static inline __attribute__((always_inline)) __m256 load8_x(const void *x, int64_t at, int x_bf16) {
+    if (!x_bf16) return _mm256_loadu_ps((const float *)x + at);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* quantize_group at one level, 16 values a step: the same q, d and sums (v * inv rounds to nearest even
+ * in vcvtps2dq as nearbyintf does in the default rounding mode; a NaN is skipped by the amax as there). */
+static inline int32_t quantize_group_vec(const void *x, int64_t at, int x_bf16, int64_t len, int8_t *q, float *d_out,
+                                         int16_t *sum16) {
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < len; i += 8)
+        amax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), load8_x(x, at + i, x_bf16)), amax);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = a / 127.0f, inv = d > 0.0f ? 127.0f / a : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    int32_t total = 0;
+    for (int64_t s = 0; s < len; s += 16) {
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, at + s, x_bf16), vinv));
+        const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, at + s + 8, x_bf16), vinv));
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xd8); /* 16 int16 in order */
+        _mm_storeu_si128((__m128i *)(q + s), _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(i0, i1)),
+                                  _mm256_extracti128_si256(_mm256_add_epi32(i0, i1), 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+        if (sum16 != NULL) sum16[s / 16] = (int16_t)sum;
+        total += sum;
+    }
+    *d_out = d;
+    return total;
+}
+#endif
+
 /* One 32- or 256-value group of x (float32 or bf16) as int8: q (and q2 with `two`), its d, the sums of
  * q over its 16-value pieces (sum16, NULL: not kept) and the group's whole sum of 256 q + q2 (or q). */
 static inline int32_t quantize_group(const void *x, int64_t at, int x_bf16, int64_t len, int8_t *q, int8_t *q2,
                                      float *d_out, int16_t *sum16, int16_t *sum16_2) {
+#if QK_PATH > 0
+    if (q2 == NULL) return quantize_group_vec(x, at, x_bf16, len, q, d_out, sum16);
+#endif
     float v[256], amax = 0.0f;
     for (int64_t i = 0; i < len; i++) {
         v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + i]) : ((const float *)x)[at + i];

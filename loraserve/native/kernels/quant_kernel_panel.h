@@ -4,7 +4,8 @@
  *
  * Semantics: out[m][j] = sum over 32-blocks b (halves h for Q6_K, whose scales are per 16) of
  *   dx[m][b] * (s[j][b][h] * (u[j][b][h] . xq[m][b][h]) + a[j][b][h] * sum(xq[m][b][h]))
- * with u = q + off unsigned (off 8 for Q4_0, 32 for Q6_K, else 0; Q8_0 stays signed), a = add - off s,
+ * with u = q + off unsigned (off 8 for Q4_0, else 0; Q8_0 and Q6_K stay signed, |q| <= 32 for Q6_K, and
+ * multiply as |q| times x with q's sign), a = add - off s (0 for Q8_0, Q6_K: their term is skipped),
  * and x quantized as the rows path quantizes it (per 32 for Q8_0 / Q4_0 / Q4_1, per 256 for the
  * K-quants: the same xq and d, in weight order), so the two paths differ only in float32 summation order.
  * Shape: a panel is, per 32-block, 256 bytes (step t of 8: weights 4t .. 4t + 3 of each of the 8 rows,
@@ -12,7 +13,8 @@
  * Why this shape (llama.cpp's repack.cpp gemm, done per call): the rows path reloads x's bytes for every
  * weight row and folds each row's partial sums across lanes; here one broadcast of 4 x bytes feeds 8
  * weight rows, the lanes are the rows (no folding), and the byte products add up in int16 as far as they
- * cannot saturate (2 * umax * 127 per step: 8 steps for 4-bit quants, 4 for 5-bit, 2 for 6-bit) before
+ * cannot saturate (2 * max|q| * 127 per step: 8 steps for 4-bit quants, 4 for 5-bit and Q6_K's signed ones,
+ * 1 for Q8_0) before
  * one vpmaddwd widens them. Unpacking once per chunk costs about one x row's products, so few rows keep
  * the rows path. */
 #ifndef LORASERVE_QUANT_KERNEL_PANEL_H
@@ -20,13 +22,17 @@
 
 #if QK_PATH > 0
 #define PANEL 8           /* weight rows per panel: one int32 lane each */
-#define PANEL_MR 4        /* x rows per pass over a panel (their accumulators stay in registers) */
+#ifndef PANEL_MR
+#define PANEL_MR 4 /* x rows per pass over a panel (their accumulators stay in registers; at most 6) */
+#endif
 
 static inline int panel_split(int type) { return type == 5; }
 static inline int64_t panel_block_bytes(int type) { return 256 + (panel_split(type) ? 128 : 64); }
-static inline int panel_offset(int type) { return type == 7 ? 8 : (type == 5 ? 32 : 0); }
-/* Steps whose int16 byte-pair sums may add before widening: 2 * umax * 127 * steps <= 32767. */
-static inline int panel_steps16(int type) { return type == 6 ? 1 : (type == 5 ? 2 : (type == 4 ? 4 : 8)); }
+static inline int panel_offset(int type) { return type == 7 ? 8 : 0; }
+/* Whether the panel keeps the quants signed (Q8_0, Q6_K: products as |w| times x with w's sign). */
+static inline int panel_signed(int type) { return type == 6 || type == 5; }
+/* Steps whose int16 byte-pair sums may add before widening: 2 * max|w| * 127 * steps <= 32767. */
+static inline int panel_steps16(int type) { return type == 6 ? 1 : (type == 5 || type == 4 ? 4 : 8); }
 
 /* x rows quantized in weight order for the panels: per 32-block its d, d * sum(q), d * the sums of its
  * two 16-value halves. */
@@ -41,25 +47,28 @@ static inline size_t panel_x_bytes(int64_t m, int64_t k) {
     return (size_t)(m * k + 4 * m * (k / 32) * (int64_t)sizeof(float) + 64);
 }
 
-/* x [m, k] quantized into buf per `group` values (32, or 256 for the K-quants): the rows path's values. */
-static void quantize_panel_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t k, int group, char *buf,
-                             px_t *px) {
+/* px's arrays for m rows of k values laid out in buf (quantize_panel_row fills them). */
+static void panel_x_layout(int64_t m, int64_t k, char *buf, px_t *px) {
     const int64_t nb = k / 32;
     float *dx = (float *)buf, *xs = dx + m * nb, *xs16 = xs + m * nb;
-    int8_t *xq = (int8_t *)(xs16 + 2 * m * nb);
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < k / group; g++) {
-            int16_t sum16[16];
-            float d;
-            const int64_t at = r * k + g * group;
-            (void)quantize_group(x, r * ldx + g * group, x_bf16, group, xq + at, NULL, &d, sum16, NULL);
-            for (int64_t b = 0; b < group / 32; b++) {
-                const int64_t i = r * nb + g * (group / 32) + b;
-                dx[i] = d, xs[i] = d * (float)(sum16[2 * b] + sum16[2 * b + 1]);
-                xs16[2 * i] = d * (float)sum16[2 * b], xs16[2 * i + 1] = d * (float)sum16[2 * b + 1];
-            }
+    px->nb = nb, px->k = k, px->dx = dx, px->xs = xs, px->xs16 = xs16, px->xq = (const int8_t *)(xs16 + 2 * m * nb);
+}
+
+/* Row r of x quantized into px per `group` values (32, or 256 for the K-quants): the rows path's values. */
+static void quantize_panel_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int group, const px_t *px) {
+    const int64_t nb = px->nb, k = px->k;
+    float *dx = (float *)px->dx, *xs = (float *)px->xs, *xs16 = (float *)px->xs16;
+    for (int64_t g = 0; g < k / group; g++) {
+        int16_t sum16[16];
+        float d;
+        (void)quantize_group(x, r * ldx + g * group, x_bf16, group, (int8_t *)px->xq + r * k + g * group, NULL, &d,
+                             sum16, NULL);
+        for (int64_t b = 0; b < group / 32; b++) {
+            const int64_t i = r * nb + g * (group / 32) + b;
+            dx[i] = d, xs[i] = d * (float)(sum16[2 * b] + sum16[2 * b + 1]);
+            xs16[2 * i] = d * (float)sum16[2 * b], xs16[2 * i + 1] = d * (float)sum16[2 * b + 1];
         }
-    px->nb = nb, px->k = k, px->xq = xq, px->dx = dx, px->xs = xs, px->xs16 = xs16;
+    }
 }
 
 /* v[r] (8 int32 lanes each) transposed: v[t] lane r becomes v[r] lane t. */
@@ -163,13 +172,13 @@ static inline __attribute__((always_inline)) void panel_steps(int type, const ui
         for (int i = 0; i < PANEL_MR; i++) s16[i] = _mm256_setzero_si256();
         for (int u = t; u < t + steps16; u++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(pq + 32 * u));
-            const __m256i wa = type == 6 ? _mm256_abs_epi8(w) : w;
+            const __m256i wa = panel_signed(type) ? _mm256_abs_epi8(w) : w;
             for (int i = 0; i < PANEL_MR; i++) {
                 if (i >= mr) break;
                 int32_t word;
                 memcpy(&word, xb[i] + 4 * u, 4);
                 __m256i x = _mm256_set1_epi32(word);
-                if (type == 6) x = _mm256_sign_epi8(x, w); /* Q8_0: |w| times x with w's sign */
+                if (panel_signed(type)) x = _mm256_sign_epi8(x, w);
 #if QK_PATH == 2
                 s32[i] = _mm256_dpbusd_epi32(s32[i], wa, x);
 #else
@@ -213,7 +222,7 @@ static inline __attribute__((always_inline)) void panel_dot(int type, const uint
                 const int64_t at = (r0 + i) * nb + b;
                 const float xsum = halves == 2 ? px->xs16[2 * at + h] : px->xs[at];
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(s, _mm256_set1_ps(px->dx[at])), acc[i]);
-                acc[i] = _mm256_fmadd_ps(a, _mm256_set1_ps(xsum), acc[i]);
+                if (!panel_signed(type)) acc[i] = _mm256_fmadd_ps(a, _mm256_set1_ps(xsum), acc[i]);
             }
         }
     }
@@ -236,12 +245,13 @@ static inline __attribute__((always_inline)) void panel_chunk(int type, const ui
     for (int p = 0; p < count; p++) pack_panel(type, w, row_bytes, n, n0 + p * PANEL, px->k, panels + p * bytes);
     for (int64_t r0 = r_lo; r0 < r_hi; r0 += PANEL_MR) {
         float *a = acc + (r0 - r_lo) * N_CHUNK;
-        switch (r_hi - r0 < PANEL_MR ? (int)(r_hi - r0) : PANEL_MR) {
-        case 1: panel_pass(type, panels, bytes, count, px, r0, 1, a); break;
-        case 2: panel_pass(type, panels, bytes, count, px, r0, 2, a); break;
-        case 3: panel_pass(type, panels, bytes, count, px, r0, 3, a); break;
-        default: panel_pass(type, panels, bytes, count, px, r0, PANEL_MR, a); break;
-        }
+        const int mr = r_hi - r0 < PANEL_MR ? (int)(r_hi - r0) : PANEL_MR;
+        if (mr == PANEL_MR) panel_pass(type, panels, bytes, count, px, r0, PANEL_MR, a);
+        else if (mr == 1) panel_pass(type, panels, bytes, count, px, r0, 1, a);
+        else if (mr == 2) panel_pass(type, panels, bytes, count, px, r0, 2, a);
+        else if (mr == 3) panel_pass(type, panels, bytes, count, px, r0, 3, a);
+        else if (mr == 4) panel_pass(type, panels, bytes, count, px, r0, 4, a);
+        else panel_pass(type, panels, bytes, count, px, r0, 5, a); /* PANEL_MR <= 6 */
     }
 }
 #endif
