@@ -4,7 +4,7 @@
  * W is [n, k] in one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (type codes 0-5), row after row, each row
  * k / block_size blocks, in the file's own layout (RSS stays the file's size).
  *
- * quant_linear (decode: up to DECODE_ROWS rows of x) streams every weight byte once against x quantized
+ * quant_linear below PANEL_MIN_ROWS rows of x (decode) streams every weight byte once against x quantized
  * to int8 once per product (quant_kernel_act.h): per 32 values for Q8_0 / Q4_0 / Q4_1, whose weights
  * have a float scale per 32 (each block's integer dot product, vpmaddubsw + vpmaddwd on AVX2 or vpdpbusd
  * with AVX512-VNNI, is scaled once: sum_blocks dx * (s * idot + add * sum(xq))), and per 256 for the
@@ -12,13 +12,15 @@
  * each super-block, one float multiply per 256 weights). Signed weights go into the unsigned-by-signed
  * byte products as |q| with x's signs flipped where q < 0. float32 x takes one int8 level by default,
  * llama.cpp's precision (amax / 254 per value), or two (amax / 32512; the X_TWO_LEVELS flag).
- * quant_dequantize (prefill: more rows): rows [n0, n1) of W as float32 or bf16, for a tile product.
+ * From PANEL_MIN_ROWS rows at one level (prefill, big batches) it unpacks each chunk of weight rows once
+ * into 8-row panels that every row of x passes (quant_kernel_panel.h), the same x quantized the same way.
+ * quant_dequantize (prefill at two levels): rows [n0, n1) of W as float32 or bf16, for a tile product.
  * Parallel over chunks of N_CHUNK output rows with OpenMP (torch's libgomp: the library is loaded after
  * torch), claimed guided, so a thread slowed by another process takes fewer.
  * Semantics of quant_linear: float32 sums, one rounding to x's dtype at the end, bias added before it.
  * Parts: quant_kernel_blocks.h (the formats' decoding), quant_kernel_act.h (x's quantization and its
- * scratch), quant_kernel_ksuper.h (the K-quants' super-block loop), quant_kernel_dequantize.h (the
- * prefill path's dequantize).
+ * scratch), quant_kernel_ksuper.h (the K-quants' super-block loop), quant_kernel_rows.h (the row
+ * layouts' loop), quant_kernel_panel.h (the many-rows path), quant_kernel_dequantize.h (the tiles).
  */
 #ifdef _OPENMP
 #include <omp.h>
@@ -101,7 +103,6 @@ static inline float hsum8(__m256 v) {
 
 #include "quant_kernel_ksuper.h"
 #include "quant_kernel_rows.h"
-#include "quant_kernel_panel.h"
 
 /* out[i] = the row's dot product with rows r0 .. r0 + mr - 1 of x (mr <= MR). `type` and `two` are
  * constants after inlining, so each format gets its own loop. */
@@ -178,28 +179,7 @@ static void store_chunk(const float *acc, int x_bf16, const void *bias, void *y,
         }
 }
 
-#if QK_PATH > 0
-/* run_chunk's panel path: the chunk's rows packed into `panels` (the thread's scratch), x from px32 (the
- * 32-block formats) or px256 (the K-quants). */
-static void run_panel_chunk(const int64_t *w, int64_t c, const px_t *px32, const px_t *px256, int x_bf16,
-                            const void *bias, void *y, int64_t ldy, int64_t r_lo, int64_t r_hi, uint8_t *panels,
-                            float *acc) {
-    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
-    const int64_t n = w[1], k = w[2];
-    const int type = (int)w[3];
-    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
-    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
-    switch (type) {
-    case 3: panel_chunk(3, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
-    case 4: panel_chunk(4, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
-    case 5: panel_chunk(5, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
-    case 6: panel_chunk(6, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
-    case 7: panel_chunk(7, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
-    default: panel_chunk(8, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
-    }
-    store_chunk(acc, x_bf16, bias, y, ldy, n0, n1, r_lo, r_hi);
-}
-#endif
+#include "quant_kernel_panel.h"
 
 /* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias for x's rows [r_lo, r_hi), x from qx (acc:
  * [M_BLOCK][N_CHUNK] scratch). */
@@ -220,30 +200,6 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
     }
     store_chunk(acc, x_bf16, bias, y, ldy, n0, n1, r_lo, r_hi);
 }
-
-#if QK_PATH > 0
-/* The panel path's activations laid out (px32 and / or px256, as the parts need) in the calling thread's
- * scratch, to be quantized in the parallel region, and the bytes a thread's panels take (the widest
- * part's). 0, or 2 without memory. */
-static int panel_layout(const int64_t *w, int64_t parts, int64_t m, px_t *px32, px_t *px256, int64_t *panel_bytes) {
-    const int64_t k = w[2];
-    int need32 = 0, need256 = 0;
-    *panel_bytes = 0;
-    for (int64_t p = 0; p < parts; p++) {
-        const int type = (int)w[4 * p + 3];
-        if (type <= 5) need256 = 1;
-        else need32 = 1;
-        const int64_t bytes = N_CHUNK / PANEL * (k / 32) * panel_block_bytes(type);
-        *panel_bytes = bytes > *panel_bytes ? bytes : *panel_bytes;
-    }
-    char *buf = thread_scratch(0, 2 * panel_x_bytes(m, k));
-    if (buf == NULL) return 2;
-    memset(px32, 0, sizeof(*px32)), memset(px256, 0, sizeof(*px256));
-    if (need32) panel_x_layout(m, k, buf, px32);
-    if (need256) panel_x_layout(m, k, buf + panel_x_bytes(m, k), px256);
-    return 0;
-}
-#endif
 
 /* y[:, col_p : col_p + n_p] = x W_p^T + bias_p for the `parts` weights w[4p .. 4p + 3] side by side
  * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel

@@ -13,10 +13,10 @@
  * Why this shape (llama.cpp's repack.cpp gemm, done per call): the rows path reloads x's bytes for every
  * weight row and folds each row's partial sums across lanes; here one broadcast of 4 x bytes feeds 8
  * weight rows, the lanes are the rows (no folding), and the byte products add up in int16 as far as they
- * cannot saturate (2 * max|q| * 127 per step: 8 steps for 4-bit quants, 4 for 5-bit and Q6_K's signed ones,
- * 1 for Q8_0) before
- * one vpmaddwd widens them. Unpacking once per chunk costs about one x row's products, so few rows keep
- * the rows path. */
+ * cannot saturate (2 * max|q| * 127 per step: 8 steps for 4-bit quants, 4 for 5-bit and Q6_K's signed
+ * ones, 1 for Q8_0) before one vpmaddwd widens them. Unpacking once per chunk costs about one x row's
+ * products, so few rows keep the rows path. Also here: run_panel_chunk and panel_layout, quant_kernel.c's
+ * entry points into this path (included after its store_chunk). */
 #ifndef LORASERVE_QUANT_KERNEL_PANEL_H
 #define LORASERVE_QUANT_KERNEL_PANEL_H
 
@@ -254,6 +254,50 @@ static inline __attribute__((always_inline)) void panel_chunk(int type, const ui
         else panel_pass(type, panels, bytes, count, px, r0, 5, a); /* PANEL_MR <= 6 */
     }
 }
+
+/* run_chunk's panel path: the chunk's rows packed into `panels` (the thread's scratch), x from px32 (the
+ * 32-block formats) or px256 (the K-quants). */
+static void run_panel_chunk(const int64_t *w, int64_t c, const px_t *px32, const px_t *px256, int x_bf16,
+                            const void *bias, void *y, int64_t ldy, int64_t r_lo, int64_t r_hi, uint8_t *panels,
+                            float *acc) {
+    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
+    const int64_t n = w[1], k = w[2];
+    const int type = (int)w[3];
+    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
+    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
+    switch (type) {
+    case 3: panel_chunk(3, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
+    case 4: panel_chunk(4, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
+    case 5: panel_chunk(5, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
+    case 6: panel_chunk(6, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
+    case 7: panel_chunk(7, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
+    default: panel_chunk(8, wp, row_bytes, n, n0, n1, px32, r_lo, r_hi, panels, acc); break;
+    }
+    store_chunk(acc, x_bf16, bias, y, ldy, n0, n1, r_lo, r_hi);
+}
+
+/* The panel path's activations laid out (px32 and / or px256, as the parts need) in the calling thread's
+ * scratch, to be quantized in the parallel region, and the bytes a thread's panels take (the widest
+ * part's). 0, or 2 without memory. */
+static int panel_layout(const int64_t *w, int64_t parts, int64_t m, px_t *px32, px_t *px256, int64_t *panel_bytes) {
+    const int64_t k = w[2];
+    int need32 = 0, need256 = 0;
+    *panel_bytes = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        const int type = (int)w[4 * p + 3];
+        if (type <= 5) need256 = 1;
+        else need32 = 1;
+        const int64_t bytes = N_CHUNK / PANEL * (k / 32) * panel_block_bytes(type);
+        *panel_bytes = bytes > *panel_bytes ? bytes : *panel_bytes;
+    }
+    char *buf = thread_scratch(0, 2 * panel_x_bytes(m, k));
+    if (buf == NULL) return 2;
+    memset(px32, 0, sizeof(*px32)), memset(px256, 0, sizeof(*px256));
+    if (need32) panel_x_layout(m, k, buf, px32);
+    if (need256) panel_x_layout(m, k, buf + panel_x_bytes(m, k), px256);
+    return 0;
+}
+
 #endif
 
 #endif
