@@ -43,8 +43,16 @@
 #define M_BLOCK 64  /* rows of x per work item: their quants (64 x k bytes) stay in L2 while the chunks pass */
 #define PANEL_M_BLOCK 256 /* the panel path's rows of x per work item: a chunk is packed once per block (x's
                            * rows pass the packed chunk 4 at a time, so they need not stay in cache) */
-#ifndef PANEL_MIN_ROWS /* rows of x from which a product takes the panel path (quant_kernel_panel.h); tests */
-#define PANEL_MIN_ROWS 12 /* build with -DPANEL_MIN_ROWS=1 to run it on every row count */
+/* Rows of x from which a product takes the panel path (quant_kernel_panel.h; tests build with
+ * -DPANEL_MIN_ROWS=1 to run it on every row count). It is faster from about 10 rows (Zen 3, AVX2: Q4_K
+ * 1B shapes at 2 threads, 12 rows 95 against 84 G multiply-adds a second, 16 rows 108 against 85), but
+ * its float32 sums run in another order than the row streaming's, so a request's logits depend on the
+ * path its step took; speculative decoding verifies k + 1 rows per sequence where the same request
+ * without it decodes one, and its greedy output must stay the same. 33 keeps the switch where the tile
+ * path took over before (batches of up to 32 sequences decode on one path), until both paths sum in one
+ * order. */
+#ifndef PANEL_MIN_ROWS
+#define PANEL_MIN_ROWS 33
 #endif
 
 /* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
