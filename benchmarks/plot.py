@@ -112,13 +112,15 @@ def load_saved_results(results_dir: str = RESULTS_DIR) -> dict[str, Any]:
             results.setdefault("cpu", saved.get("cpu", "CPU"))
             results.setdefault("dtype", saved.get("dtype", ""))
             results.setdefault("threads", saved.get("args", {}).get("threads"))
-    path = os.path.join(results_dir, "beside_llama_cpp.json")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
+    # the run with the sweep: beside_llama_cpp saves per thread count (beside_llama_cpp_{threads}t.json)
+    names = sorted(f for f in os.listdir(results_dir) if f.startswith("beside_llama_cpp") and f.endswith(".json"))
+    for name in names:
+        with open(os.path.join(results_dir, name), encoding="utf-8") as f:
             beside = json.load(f)
         if beside.get("decode_sweep"):
             results["decode_sweep"] = beside["decode_sweep"]
             results["decode_sweep_threads"] = beside.get("threads")
+            break
     return results
 
 
