@@ -187,17 +187,31 @@ static void store_chunk(const float *acc, int x_bf16, const void *bias, void *y,
         }
 }
 
+/* Chunk c of weight w = {address, n, k, type}: its rows [n0, n1) and what reading them needs. */
+typedef struct {
+    const uint8_t *wp;
+    int64_t n, k, row_bytes, n0, n1;
+    int type;
+} chunk_t;
+
+static inline chunk_t chunk_of(const int64_t *w, int64_t c) {
+    chunk_t ch;
+    ch.wp = (const uint8_t *)(intptr_t)w[0], ch.n = w[1], ch.k = w[2], ch.type = (int)w[3];
+    ch.row_bytes = ch.k / BLOCK_SIZE[ch.type] * TYPE_SIZE[ch.type];
+    ch.n0 = c * N_CHUNK, ch.n1 = ch.n0 + N_CHUNK < ch.n ? ch.n0 + N_CHUNK : ch.n;
+    return ch;
+}
+
 #include "quant_kernel_panel.h"
 
 /* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias for x's rows [r_lo, r_hi), x from qx (acc:
  * [M_BLOCK][N_CHUNK] scratch). */
 static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, const void *bias, void *y, int64_t ldy,
                       int64_t r_lo, int64_t r_hi, float *acc) {
-    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
-    const int64_t n = w[1], k = w[2];
-    const int type = (int)w[3];
-    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
-    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
+    const chunk_t ch = chunk_of(w, c);
+    const uint8_t *wp = ch.wp;
+    const int64_t k = ch.k, row_bytes = ch.row_bytes, n0 = ch.n0, n1 = ch.n1;
+    const int type = ch.type;
     switch (type) {
     case 3: chunk_rows(3, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;
     case 4: chunk_rows(4, wp, row_bytes, n0, n1, k, qx, r_lo, r_hi, acc); break;

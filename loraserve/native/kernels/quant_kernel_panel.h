@@ -260,11 +260,10 @@ static inline __attribute__((always_inline)) void panel_chunk(int type, const ui
 static void run_panel_chunk(const int64_t *w, int64_t c, const px_t *px32, const px_t *px256, int x_bf16,
                             const void *bias, void *y, int64_t ldy, int64_t r_lo, int64_t r_hi, uint8_t *panels,
                             float *acc) {
-    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
-    const int64_t n = w[1], k = w[2];
-    const int type = (int)w[3];
-    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
-    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < n ? n0 + N_CHUNK : n;
+    const chunk_t ch = chunk_of(w, c);
+    const uint8_t *wp = ch.wp;
+    const int64_t n = ch.n, row_bytes = ch.row_bytes, n0 = ch.n0, n1 = ch.n1;
+    const int type = ch.type;
     switch (type) {
     case 3: panel_chunk(3, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
     case 4: panel_chunk(4, wp, row_bytes, n, n0, n1, px256, r_lo, r_hi, panels, acc); break;
