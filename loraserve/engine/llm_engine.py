@@ -227,7 +227,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
             aborted.append(self.outputs.build_output(request))
-        self.adapters.finish_removals()
+        self.adapters.settle()
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -249,7 +249,7 @@ class LLMEngine:
             masks = self.structured.start_step(batch.scheduled)  # grammar masks, filled while the model runs
         except Exception as exc:  # no constrained row may sample unmasked: the step fails, the engine goes on
             ended = self.step_failures.step_failed(batch.scheduled, exc)
-            self.adapters.finish_removals()
+            self.adapters.settle()
             return ended
         self.iteration_tokens.observe(sum(item.num_query_tokens for item in batch.scheduled))
         run = self.runner.run(
@@ -284,7 +284,7 @@ class LLMEngine:
             self.step_failures.succeeded()
         finally:
             self.structured.wait(masks)
-        self.adapters.finish_removals()
+        self.adapters.settle()
         return outputs
 
     def check_consistency(self) -> str | None:

@@ -38,8 +38,15 @@ class EngineAdapters:
     def in_use(self) -> set[int]:
         return {r.lora_request.lora_id for r in self._requests.values() if r.lora_request is not None}
 
-    def finish_removals(self) -> None:
-        if self.lora is not None and self.lora.has_pending_removals:
+    def settle(self) -> None:
+        """After a step or an abort: requests ended, so the host cache learns the queue's adapters as
+        they are now (until the next step, the prefetch thread evicts by that list, and one that still
+        named a finished request's adapter would protect it over one a new request needs), and a
+        removal whose requests all ended finishes."""
+        if self.lora is None:
+            return
+        self.lora.refresh_demand()
+        if self.lora.has_pending_removals:
             self.lora.finish_removals(self.in_use())
 
     def for_request(self, lora_request: LoRARequest) -> tuple[LoRARequest, CacheSalt]:

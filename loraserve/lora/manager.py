@@ -99,8 +99,9 @@ class LoRAManager:
         them last. A bound method is held weakly: the engine's scheduler holds this manager."""
         self._demand = weakref.WeakMethod(source) if isinstance(source, types.MethodType) else lambda: source
 
-    def _refresh_needed(self) -> None:
-        """Hand the host cache the queue's adapters as they are now (engine thread)."""
+    def refresh_demand(self) -> None:
+        """Hand the host cache the queue's adapters as they are now (engine thread: at each step, before
+        each first load, and after requests end)."""
         source = self._demand() if self._demand is not None else None
         if source is not None:
             needed = tuple(source())
@@ -129,7 +130,7 @@ class LoRAManager:
                 self._note_queued(lora_request.lora_id, explicit)
         if digest is not None:
             return digest
-        self._refresh_needed()
+        self.refresh_demand()
         digest = self.load(lora_request, also_keep=also_keep).pending_digest
         with self._lock:
             self._registry.add(lora_request, digest)
@@ -277,7 +278,7 @@ class LoRAManager:
         weights fails that adapter's requests only. Returns (id -> slot for the adapters ready,
         id -> error for the others). The adapters stay protected from eviction until `end_step`.
         """
-        self._refresh_needed()
+        self.refresh_demand()
         with self._lock:
             self._sets.in_use = frozenset(lora_ids)
         self._prefetch_waiting(lora_ids)
