@@ -213,6 +213,16 @@ def cpu_quant_act_levels() -> int:
     return int(value)
 
 
+def cpu_quant_layout() -> str:
+    """LORASERVE_CPU_QUANT_LAYOUT: how Q8_0 / Q4_0 / Q4_1 weights sit in memory at one activation level:
+    `panels` (the default: 8 rows interleaved, one kernel path for every row count) or `rows` (each row's
+    blocks together, streamed row by row up to 32 rows of x)."""
+    value = (get_env("CPU_QUANT_LAYOUT", "panels") or "panels").strip()
+    if value not in ("panels", "rows"):
+        raise ValueError(f"LORASERVE_CPU_QUANT_LAYOUT must be panels or rows, got {value!r}")
+    return value
+
+
 def cpu_kernel_arch() -> str:
     """The `-march=` the C kernels are built with (default `native`: this CPU's own instructions)."""
     return (get_env("CPU_KERNEL_ARCH", "native") or "native").strip()

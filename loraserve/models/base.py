@@ -126,11 +126,13 @@ class NativeCausalLM(nn.Module):
                 f"shape mismatch for {module_name}.weight: model {tuple(embedding.weight.shape)}, "
                 f"checkpoint {tensor.shape}"
             )
+        if self.tie_word_embeddings and self.lm_head.weight is embedding.weight:
+            self.lm_head.load_quant_shard(tensor, None)
+            head = self.lm_head.quant_parts[0] if self.lm_head.quant_parts is not None else None
+            tensor = tensor if head is None else head.tensor  # the kernel's layout, held once for both
         quantized = QuantEmbedding(tensor, embedding.weight.dtype)
         parent_name, _, child = module_name.rpartition(".")
         setattr(self.get_submodule(parent_name) if parent_name else self, child, quantized)
-        if self.tie_word_embeddings and self.lm_head.weight is embedding.weight:
-            self.lm_head.load_quant_shard(quantized.tensor, None)
 
     def _check_all_loaded(self, loaded: set[str]) -> None:
         missing = []

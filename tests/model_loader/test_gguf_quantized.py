@@ -92,16 +92,18 @@ def test_quantized_float32_equals_dequantized(
     quantized = _quantized_linears(llm)
     assert len(quantized) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
     assert all(m.weight.numel() == 0 for m in quantized)  # no dense copy is kept
-    # the file's formats; the per-32 ones held in their row layout (formats.repack_rows)
-    types = {
-        part.tensor.qtype.rows_of or part.tensor.qtype.name
-        for m in quantized
-        for part in m.quant_parts or []
-        if part
-    }
-    assert types == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
+    # the file's formats; the per-32 ones held in panels of 8 rows at one level (formats.repack_panels),
+    # in their row layout at two (formats.repack_rows)
+    parts = [part.tensor for m in quantized for part in m.quant_parts or [] if part]
+    assert {t.qtype.source for t in parts} == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
+    layout = "P" if levels == 1 else "R"
+    assert {t.qtype.name for t in parts if t.qtype.block_size == 32} == {f"Q8_0{layout}", f"Q4_0{layout}", f"Q4_1{layout}"}
     embedding = llm.engine.model.model.embed_tokens  # gathered from its Q8_0 blocks, no dense table
-    assert isinstance(embedding, QuantEmbedding) and embedding.qtype.name == "Q8_0R"
+    assert isinstance(embedding, QuantEmbedding) and embedding.qtype.source == "Q8_0"
+    model = llm.engine.model
+    if model.tie_word_embeddings:  # the head's layout (rows here: 267 rows make no panels), held once
+        head = model.lm_head.quant_parts[0]
+        assert head is not None and embedding.blocks.data_ptr() == head.tensor.blocks.data_ptr()
     reference = _dequantized_llm(monkeypatch, tiny, dtype="float32")
     assert not _quantized_linears(reference)
     ours = llm.generate(PROMPTS, _GREEDY, use_tqdm=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraserve.layers.quant.formats import QuantTensor, dequantize
+from loraserve.layers.quant.formats import QUANT_TYPES, QuantTensor, dequantize, panel_rows
 
 
 class QuantEmbedding(nn.Module):
@@ -32,8 +32,12 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        rows = self.blocks.index_select(0, flat)
-        values = dequantize(rows, self.qtype, (flat.numel(), self.embedding_dim)).to(self.dtype)
+        shape = (flat.numel(), self.embedding_dim)
+        if self.qtype.panels_of is not None:  # a tied LM head's panels: each row spread over its panel
+            rows = panel_rows(self.blocks, self.qtype, (self.num_embeddings, self.embedding_dim), flat)
+            values = dequantize(rows, QUANT_TYPES[self.qtype.source], shape).to(self.dtype)
+        else:
+            values = dequantize(self.blocks.index_select(0, flat), self.qtype, shape).to(self.dtype)
         return values.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

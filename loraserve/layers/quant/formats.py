@@ -20,7 +20,8 @@ import torch
 class QuantType:
     """One block format: `ggml_type` is GGML's enum value (GGUF's tensor type), `code` the kernels'.
     A row-layout type (`rows_of` names its GGUF format) holds the same bytes per row, reordered for the
-    decode kernel (see `repack_rows`); it exists only in memory."""
+    decode kernel (see `repack_rows`); a panel type (`panels_of`) the same bytes per 8 rows, interleaved
+    (see `repack_panels`). Both exist only in memory."""
 
     name: str
     ggml_type: int
@@ -28,6 +29,12 @@ class QuantType:
     type_size: int
     code: int
     rows_of: str | None = None
+    panels_of: str | None = None
+
+    @property
+    def source(self) -> str:
+        """The GGUF format whose bytes this layout holds."""
+        return self.rows_of or self.panels_of or self.name
 
 
 QUANT_TYPES: dict[str, QuantType] = {
@@ -51,12 +58,23 @@ ROW_TYPES: dict[str, QuantType] = {
     )
     if t.rows_of is not None
 }
+# The in-memory panel layouts of the per-32 formats (`repack_panels`), by the file format they hold.
+PANEL_TYPES: dict[str, QuantType] = {
+    t.panels_of: t
+    for t in (
+        QuantType("Q8_0P", 8, 32, 34, 9, panels_of="Q8_0"),
+        QuantType("Q4_0P", 2, 32, 18, 10, panels_of="Q4_0"),
+        QuantType("Q4_1P", 3, 32, 20, 11, panels_of="Q4_1"),
+    )
+    if t.panels_of is not None
+}
 
 
 @dataclass(frozen=True, slots=True)
 class QuantTensor:
     """A quantized [out, in] weight as the checkpoint stores it: `blocks` uint8 [out, in / block_size *
-    type_size] (rows may be permuted or sliced as whole rows: blocks never cross a row)."""
+    type_size] (rows may be permuted or sliced as whole rows: blocks never cross a row); a panel layout's
+    are [out / 8, 8 * row bytes] (sliced by whole panels only)."""
 
     blocks: torch.Tensor
     qtype: QuantType
@@ -68,7 +86,10 @@ class QuantTensor:
             raise ValueError(
                 f"{self.qtype.name} needs rows of a multiple of {self.qtype.block_size}, got {inp}"
             )
-        want = (out, inp // self.qtype.block_size * self.qtype.type_size)
+        row_bytes = inp // self.qtype.block_size * self.qtype.type_size
+        want = (out, row_bytes) if self.qtype.panels_of is None else (out // 8, 8 * row_bytes)
+        if self.qtype.panels_of is not None and out % 8:
+            raise ValueError(f"{self.qtype.name} holds panels of 8 rows, got {out} rows")
         if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != want:
             raise ValueError(
                 f"{self.qtype.name} [{out}, {inp}] needs uint8 blocks {want}, "
@@ -142,6 +163,8 @@ def dequantize(blocks: torch.Tensor, qtype: QuantType, shape: tuple[int, int]) -
     out, inp = shape
     if qtype.rows_of is not None:
         blocks, qtype = unpack_rows(blocks, qtype, inp), QUANT_TYPES[qtype.rows_of]
+    elif qtype.panels_of is not None:
+        blocks, qtype = panel_rows(blocks, qtype, shape), QUANT_TYPES[qtype.panels_of]
     flat = blocks.reshape(-1, qtype.type_size)
     return _dequantize_blocks(flat, qtype.name).reshape(out, inp)
 
@@ -152,6 +175,60 @@ def _row_fields(qtype: QuantType) -> tuple[int, int]:
     return fields, qtype.type_size - fields
 
 
+def file_blocks(tensor: QuantTensor) -> QuantTensor:
+    """`tensor` in its GGUF format's own block layout (a row or panel layout undone)."""
+    qtype = tensor.qtype
+    if qtype.rows_of is not None:
+        return QuantTensor(unpack_rows(tensor.blocks, qtype, tensor.shape[1]), QUANT_TYPES[qtype.source], tensor.shape)
+    if qtype.panels_of is not None:
+        return QuantTensor(panel_rows(tensor.blocks, qtype, tensor.shape), QUANT_TYPES[qtype.source], tensor.shape)
+    return tensor
+
+
+def repack_panels(tensor: QuantTensor) -> QuantTensor:
+    """Q8_0 / Q4_0 / Q4_1 (in any layout) in panels of 8 rows, the same bytes per 8 rows (any other
+    tensor, or one whose rows are not a multiple of 8, as it is). Per panel, per 32-block: the 8 rows'
+    quants interleaved 4 bytes at a time (step t: bytes 4t .. 4t + 3 of row 0, then of row 1, ...: Q8_0's
+    32 quant bytes make 8 steps, Q4_x's 16 nibble bytes 4, each byte's low nibble weight j and high
+    nibble j + 16 as in the file), then the 8 float16 scales, then Q4_1's 8 mins
+    (native/kernels/quant_kernel_packed.h reads them)."""
+    panel_type = PANEL_TYPES.get(tensor.qtype.source)
+    out, inp = tensor.shape
+    if panel_type is None or tensor.qtype == panel_type or out % 8:
+        return tensor
+    source = QUANT_TYPES[tensor.qtype.source]
+    fields, qbytes = _row_fields(source)
+    nb = inp // 32
+    b = file_blocks(tensor).blocks.reshape(out // 8, 8, nb, source.type_size).transpose(1, 2)
+    steps = b[..., fields:].reshape(out // 8, nb, 8, qbytes // 4, 4).transpose(2, 3)
+    parts = [steps.reshape(out // 8, nb, 8 * qbytes)]
+    parts += [b[..., f : f + 2].reshape(out // 8, nb, 16) for f in range(0, fields, 2)]
+    packed = torch.cat(parts, dim=2).reshape(out // 8, nb * 8 * source.type_size)
+    return QuantTensor(packed.contiguous(), panel_type, tensor.shape)
+
+
+def panel_rows(
+    blocks: torch.Tensor, qtype: QuantType, shape: tuple[int, int], rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows `rows` (all when None) of a panel layout's blocks in their GGUF format's blocks [rows,
+    row_bytes] (`repack_panels` undone; an embedding gathers its tokens' rows so)."""
+    source = QUANT_TYPES[qtype.source]
+    fields, qbytes = _row_fields(source)
+    out, inp = shape
+    nb = inp // 32
+    if rows is None:
+        rows = torch.arange(out)
+    b = blocks.reshape(out // 8, nb, 8 * source.type_size)
+    panel, lane = rows // 8, rows % 8
+    steps = b[..., : 8 * qbytes].reshape(out // 8, nb, qbytes // 4, 8, 4)[panel, :, :, lane]
+    parts = [
+        b[..., 8 * qbytes + 8 * f : 8 * qbytes + 8 * (f + 2)].reshape(out // 8, nb, 8, 2)[panel, :, lane]
+        for f in range(0, fields, 2)
+    ]
+    parts.append(steps.reshape(rows.numel(), nb, qbytes))
+    return torch.cat(parts, dim=2).reshape(rows.numel(), nb * source.type_size)
+
+
 def repack_rows(tensor: QuantTensor) -> QuantTensor:
     """Q8_0 / Q4_0 / Q4_1 in their row layout (any other tensor as it is), the same bytes per row:
     the row's float16 scales (nb of them), then Q4_1's mins, then the quants, so the decode kernel reads
@@ -160,9 +237,10 @@ def repack_rows(tensor: QuantTensor) -> QuantTensor:
     weights 0-15 of b and of b + 1, its high ones 16-31); Q8_0, b's bytes 0-15, b + 1's 0-15, b's 16-31,
     b + 1's 16-31 (the same order). An odd row's last block keeps its own order. The activations are
     permuted to match (the kernel's quantize_x)."""
-    row_type = ROW_TYPES.get(tensor.qtype.name)
-    if row_type is None:
+    row_type = ROW_TYPES.get(tensor.qtype.source)
+    if row_type is None or tensor.qtype == row_type:
         return tensor
+    tensor = file_blocks(tensor)
     out, inp = tensor.shape
     nb = inp // 32
     fields, qbytes = _row_fields(tensor.qtype)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from loraserve import envs
-from loraserve.layers.quant.formats import QuantTensor, repack_rows
+from loraserve.layers.quant.formats import QuantTensor, repack_panels, repack_rows
 from loraserve.native.build import function_address, load_library
 from loraserve.native.kernel_slot import KernelSlot
 
@@ -105,6 +105,8 @@ class QuantWeight:
 
 def integer_rows(weight: QuantWeight, dtype: torch.dtype) -> int:
     """The most rows of `dtype` x the integer path takes for `weight` (more take the tile path)."""
+    if weight.tensor.qtype.panels_of is not None:  # packed in panels: one path for every row count
+        return sys.maxsize
     lib = kernel_library()
     panels = lib is not None and int(lib.quant_kernel_path()) > 0 and not weight.x_flags(dtype) & 2
     return sys.maxsize if panels else DECODE_ROWS
@@ -135,15 +137,20 @@ def stack_binding(parts: list[QuantWeight | None], dtype: torch.dtype) -> tuple[
     return function_address(kernel_library().quant_gemm), (ctypes.c_int64 * len(fields))(*fields)
 
 
-def prepare(tensor: QuantTensor, act_levels: int | None = None) -> QuantWeight:
-    """The kernel's weight for `tensor` (its blocks made contiguous, on CPU; Q8_0 / Q4_0 / Q4_1 in their
-    row layout, `formats.repack_rows`); `act_levels` None takes LORASERVE_CPU_QUANT_ACT_LEVELS
-    (default 1)."""
-    tensor = repack_rows(tensor)  # the loaders repack already (an embedding shares the head's bytes)
-    blocks = tensor.blocks.contiguous().cpu()
+def prepare(tensor: QuantTensor, act_levels: int | None = None, layout: str | None = None) -> QuantWeight:
+    """The kernel's weight for `tensor` (its blocks contiguous, on CPU). Q8_0 / Q4_0 / Q4_1 at one
+    activation level take panels of 8 rows (`formats.repack_panels`: one kernel path for every row
+    count, so a row's result does not depend on its batch), else their row layout
+    (`formats.repack_rows`); `act_levels` None takes LORASERVE_CPU_QUANT_ACT_LEVELS (default 1), `layout`
+    None LORASERVE_CPU_QUANT_LAYOUT (default panels)."""
     levels = envs.cpu_quant_act_levels() if act_levels is None else act_levels
     if levels not in (1, 2):
         raise ValueError(f"activation levels are 1 or 2, got {levels}")
+    layout = envs.cpu_quant_layout() if layout is None else layout
+    tensor = repack_panels(tensor) if levels == 1 and layout == "panels" else repack_rows(tensor)
+    if tensor.qtype.panels_of is None:
+        tensor = repack_rows(tensor)  # rows not a multiple of 8
+    blocks = tensor.blocks.contiguous().cpu()
     return QuantWeight(QuantTensor(blocks, tensor.qtype, tensor.shape), levels)
 
 
@@ -209,7 +216,7 @@ def dequantize_rows(weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     """The whole dense weight in `dtype` (float32 or bf16) through the kernel where it is built."""
     lib = kernel_library()
     n, k = weight.tensor.shape
-    if lib is None or dtype not in _DTYPES:
+    if lib is None or dtype not in _DTYPES or weight.tensor.qtype.panels_of is not None:
         return weight.tensor.dequantize(dtype)
     dense = torch.empty(n, k, dtype=dtype)
     if lib.quant_dequantize(

@@ -56,9 +56,10 @@
 #endif
 
 /* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
- * gives them their row layout, 6-8, at load); 3-5 the K-quants */
-static const int BLOCK_SIZE[9] = {32, 32, 32, 256, 256, 256, 32, 32, 32};
-static const int TYPE_SIZE[9] = {34, 18, 20, 144, 176, 210, 34, 18, 20};
+ * gives them their row layout, 6-8, at load, or formats.repack_panels their panels, 9-11); 3-5 the
+ * K-quants */
+static const int BLOCK_SIZE[12] = {32, 32, 32, 256, 256, 256, 32, 32, 32, 32, 32, 32};
+static const int TYPE_SIZE[12] = {34, 18, 20, 144, 176, 210, 34, 18, 20, 34, 18, 20};
 
 /* Which integer dot product this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
 int quant_kernel_path(void) { return QK_PATH; }
@@ -172,7 +173,8 @@ static inline __attribute__((always_inline)) void chunk_rows(int type, const uin
 /* Whether w = {address, n, k, type} is a weight this kernel multiplies. */
 static int weight_ok(const int64_t *w) {
     const int type = (int)w[3];
-    return type >= 3 && type <= 8 && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
+    const int rows_ok = type >= 9 ? w[1] % 8 == 0 : 1; /* panels of 8 rows */
+    return type >= 3 && type <= 11 && rows_ok && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
 }
 
 /* y[r_lo .. r_hi, n0 .. n1] = acc ([r_hi - r_lo][N_CHUNK]) + bias, rounded to y's dtype. */
@@ -203,6 +205,7 @@ static inline chunk_t chunk_of(const int64_t *w, int64_t c) {
 }
 
 #include "quant_kernel_panel.h"
+#include "quant_kernel_packed.h"
 
 /* Chunk c (N_CHUNK weight rows) of w's y = x W^T + bias for x's rows [r_lo, r_hi), x from qx (acc:
  * [M_BLOCK][N_CHUNK] scratch). */
@@ -225,28 +228,33 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
 
 /* y[:, col_p : col_p + n_p] = x W_p^T + bias_p for the `parts` weights w[4p .. 4p + 3] side by side
  * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel
- * region over every part's chunks (a packed layer's slices are one fork, not one each). From
- * PANEL_MIN_ROWS rows (one int8 level) the chunks take the panel path. Returns 0, or 2 without memory. */
+ * region over every part's chunks (a packed layer's slices are one fork, not one each). Packed parts
+ * (types 9-11) take their panels at every row count (one activation level only); the others stream
+ * their rows, or from PANEL_MIN_ROWS rows (one level) take per-call panels. Returns 0, 1 for packed
+ * parts at two levels, or 2 without memory. */
 static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_flags, const void *bias,
                         void *y, int64_t ldy, int64_t m, int num_threads) {
     const int64_t k = w[2];
     const int x_bf16 = x_flags & X_BF16, two = !x_bf16 && (x_flags & X_TWO_LEVELS);
     const int panel = QK_PATH > 0 && !two && m >= PANEL_MIN_ROWS;
-    int need32 = 0, need256 = 0;
-    int64_t num_chunks = 0, panel_bytes = 0;
+    int need32 = 0, need256 = 0, packed = 0, streamed = 0;
+    int64_t num_chunks = 0;
     for (int64_t p = 0; p < parts; p++) {
-        if (w[4 * p + 3] <= 5) need256 = 1;
-        else need32 = 1;
+        const int type = (int)w[4 * p + 3];
+        if (is_packed_type(type)) packed = 1;
+        else if (type <= 5) need256 = streamed = 1;
+        else need32 = streamed = 1;
         num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
     }
+    if (packed && two) return 1;
     qx_t qx;
-#if QK_PATH > 0
     px_t px32, px256;
-    if (panel ? panel_layout(w, parts, m, &px32, &px256, &panel_bytes)
-              : quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx))
-        return 2;
-#else
-    if (quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx) != 0) return 2;
+    memset(&qx, 0, sizeof(qx));
+    if (px_layout(m, k, packed || (panel && need32), panel && need256, &px32, &px256)) return 2;
+    if (streamed && !panel && quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx)) return 2;
+    int64_t panel_bytes = 0;
+#if QK_PATH > 0
+    if (panel && streamed) panel_bytes = panel_bytes_of(w, parts);
 #endif
     const int64_t elem = x_bf16 ? 2 : 4;
     int failed = 0;
@@ -257,37 +265,39 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
 #pragma omp parallel num_threads(num_threads)
     {
         float *acc = malloc(sizeof(float) * (size_t)(m_block * N_CHUNK));
-        uint8_t *panels = panel ? thread_scratch(1, (size_t)panel_bytes) : NULL;
-        if (acc == NULL || (panel && panels == NULL)) {
+        uint8_t *panels = panel_bytes > 0 ? thread_scratch(1, (size_t)panel_bytes) : NULL;
+        if (acc == NULL || (panel_bytes > 0 && panels == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
-#if QK_PATH > 0
-        if (panel) { /* x's rows quantized by every thread (the loop's barrier: all done before the items) */
+        if (px32.xq != NULL || px256.xq != NULL) { /* by every thread (the loop's barrier: all done first) */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) {
                 if (px32.xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 32, &px32);
                 if (px256.xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 256, &px256);
             }
         }
-#endif
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < num_items; item++) {
-            if (acc == NULL || (panel && panels == NULL)) continue;
+            if (acc == NULL || (panel_bytes > 0 && panels == NULL)) continue;
             const int64_t c = item % num_chunks, r_lo = item / num_chunks * m_block;
             const int64_t r_hi = r_lo + m_block < m ? r_lo + m_block : m;
             int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
             while (c >= first + (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK)
                 first += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK, col += w[4 * p + 1], p++;
             const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
+            void *yp = (char *)y + col * elem;
+            if (is_packed_type((int)w[4 * p + 3])) {
+                run_packed_chunk(w + 4 * p, c - first, &px32, x_bf16, b, yp, ldy, r_lo, r_hi, acc);
+                continue;
+            }
 #if QK_PATH > 0
             if (panel) {
-                run_panel_chunk(w + 4 * p, c - first, &px32, &px256, x_bf16, b, (char *)y + col * elem, ldy, r_lo,
-                                r_hi, panels, acc);
+                run_panel_chunk(w + 4 * p, c - first, &px32, &px256, x_bf16, b, yp, ldy, r_lo, r_hi, panels, acc);
                 continue;
             }
 #endif
-            run_chunk(w + 4 * p, c - first, &qx, x_bf16, b, (char *)y + col * elem, ldy, r_lo, r_hi, acc);
+            run_chunk(w + 4 * p, c - first, &qx, x_bf16, b, yp, ldy, r_lo, r_hi, acc);
         }
         free(acc);
     }

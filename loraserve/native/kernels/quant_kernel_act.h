@@ -137,12 +137,13 @@ static void quantize_row256(const void *x, int64_t ldx, int x_bf16, int64_t r, i
                              dk + sb, bs + sb * 16, bs2 == NULL ? NULL : bs2 + sb * 16);
 }
 
-/* The calling thread's scratch number `slot` (0: quantized activations, 1: the panels of a chunk), kept
+/* The calling thread's scratch number `slot` (0: quantized activations for the row streaming, 1: the
+ * panels of a chunk, 2: activations in weight order for the panels), kept
  * between calls (a decode step makes a few hundred products: a malloc and free each, and fresh pages for
  * larger ones, cost more than quantizing). */
 static void *thread_scratch(int slot, size_t bytes) {
-    static __thread void *buf[2] = {NULL, NULL};
-    static __thread size_t size[2] = {0, 0};
+    static __thread void *buf[3] = {NULL, NULL, NULL};
+    static __thread size_t size[3] = {0, 0, 0};
     if (bytes > size[slot]) {
         free(buf[slot]);
         buf[slot] = malloc(bytes);
@@ -180,6 +181,54 @@ static int quantize_x(const void *x, int64_t ldx, int x_bf16, int64_t m, int64_t
                             bs + r * (k / 16), two ? bs2 + r * (k / 16) : NULL);
         qx->kq = kq, qx->kq2 = kq2, qx->dk = dk, qx->bs = bs, qx->bs2 = bs2;
     }
+    return 0;
+}
+
+/* x rows quantized in weight order for the panels: per 32-block its d, d * sum(q), d * the sums of its
+ * two 16-value halves. */
+typedef struct {
+    int64_t nb, k;
+    const int8_t *xq; /* [m][k] */
+    const float *dx, *xs, *xs16; /* [m][nb], [m][nb], [m][nb][2] */
+} px_t;
+
+/* Bytes of px's arrays for m rows of k values. */
+static inline size_t panel_x_bytes(int64_t m, int64_t k) {
+    return (size_t)(m * k + 4 * m * (k / 32) * (int64_t)sizeof(float) + 64);
+}
+
+/* px's arrays for m rows of k values laid out in buf (quantize_panel_row fills them). */
+static void panel_x_layout(int64_t m, int64_t k, char *buf, px_t *px) {
+    const int64_t nb = k / 32;
+    float *dx = (float *)buf, *xs = dx + m * nb, *xs16 = xs + m * nb;
+    px->nb = nb, px->k = k, px->dx = dx, px->xs = xs, px->xs16 = xs16, px->xq = (const int8_t *)(xs16 + 2 * m * nb);
+}
+
+/* Row r of x quantized into px per `group` values (32, or 256 for the K-quants): the rows path's values. */
+static void quantize_panel_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int group, const px_t *px) {
+    const int64_t nb = px->nb, k = px->k;
+    float *dx = (float *)px->dx, *xs = (float *)px->xs, *xs16 = (float *)px->xs16;
+    for (int64_t g = 0; g < k / group; g++) {
+        int16_t sum16[16];
+        float d;
+        (void)quantize_group(x, r * ldx + g * group, x_bf16, group, (int8_t *)px->xq + r * k + g * group, NULL, &d,
+                             sum16, NULL);
+        for (int64_t b = 0; b < group / 32; b++) {
+            const int64_t i = r * nb + g * (group / 32) + b;
+            dx[i] = d, xs[i] = d * (float)(sum16[2 * b] + sum16[2 * b + 1]);
+            xs16[2 * i] = d * (float)sum16[2 * b], xs16[2 * i + 1] = d * (float)sum16[2 * b + 1];
+        }
+    }
+}
+
+/* px32 and / or px256 (as asked; the other zeroed) for m rows of k values laid out in the calling thread's
+ * scratch, to be quantized in the parallel region (quantize_panel_row); 0, or 2 without memory. */
+static int px_layout(int64_t m, int64_t k, int need32, int need256, px_t *px32, px_t *px256) {
+    char *buf = thread_scratch(2, 2 * panel_x_bytes(m, k));
+    if (buf == NULL) return 2;
+    memset(px32, 0, sizeof(*px32)), memset(px256, 0, sizeof(*px256));
+    if (need32) panel_x_layout(m, k, buf, px32);
+    if (need256) panel_x_layout(m, k, buf + panel_x_bytes(m, k), px256);
     return 0;
 }
 

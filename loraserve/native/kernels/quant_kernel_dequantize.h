@@ -54,12 +54,12 @@ static inline __attribute__((always_inline)) void dequantize_block(int type, con
 #endif
 
 /* Rows [n0, n1) of w = {address, n, k, type} as float32 (out_bf16 = 0) or bf16, [n1 - n0, k] dense at
- * out. Returns 0, or 1 as quant_linear does. */
+ * out. Returns 0, or 1 as quant_linear does (and for packed types, which formats.py unpacks). */
 int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int out_bf16, int num_threads) {
     const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
     const int64_t k = w[2];
     const int type = (int)w[3];
-    if (!weight_ok(w) || n0 < 0 || n1 > w[1]) return 1;
+    if (!weight_ok(w) || is_packed_type(type) || n0 < 0 || n1 > w[1]) return 1; /* panels: formats.py */
     const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type], nb = k / 32;
     const int is_signed = is_signed_type(type);
 #pragma omp parallel for schedule(static) num_threads(num_threads)

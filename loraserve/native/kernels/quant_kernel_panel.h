@@ -34,43 +34,6 @@ static inline int panel_signed(int type) { return type == 6 || type == 5; }
 /* Steps whose int16 byte-pair sums may add before widening: 2 * max|w| * 127 * steps <= 32767. */
 static inline int panel_steps16(int type) { return type == 6 ? 1 : (type == 5 || type == 4 ? 4 : 8); }
 
-/* x rows quantized in weight order for the panels: per 32-block its d, d * sum(q), d * the sums of its
- * two 16-value halves. */
-typedef struct {
-    int64_t nb, k;
-    const int8_t *xq; /* [m][k] */
-    const float *dx, *xs, *xs16; /* [m][nb], [m][nb], [m][nb][2] */
-} px_t;
-
-/* Bytes of px's arrays for m rows of k values. */
-static inline size_t panel_x_bytes(int64_t m, int64_t k) {
-    return (size_t)(m * k + 4 * m * (k / 32) * (int64_t)sizeof(float) + 64);
-}
-
-/* px's arrays for m rows of k values laid out in buf (quantize_panel_row fills them). */
-static void panel_x_layout(int64_t m, int64_t k, char *buf, px_t *px) {
-    const int64_t nb = k / 32;
-    float *dx = (float *)buf, *xs = dx + m * nb, *xs16 = xs + m * nb;
-    px->nb = nb, px->k = k, px->dx = dx, px->xs = xs, px->xs16 = xs16, px->xq = (const int8_t *)(xs16 + 2 * m * nb);
-}
-
-/* Row r of x quantized into px per `group` values (32, or 256 for the K-quants): the rows path's values. */
-static void quantize_panel_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int group, const px_t *px) {
-    const int64_t nb = px->nb, k = px->k;
-    float *dx = (float *)px->dx, *xs = (float *)px->xs, *xs16 = (float *)px->xs16;
-    for (int64_t g = 0; g < k / group; g++) {
-        int16_t sum16[16];
-        float d;
-        (void)quantize_group(x, r * ldx + g * group, x_bf16, group, (int8_t *)px->xq + r * k + g * group, NULL, &d,
-                             sum16, NULL);
-        for (int64_t b = 0; b < group / 32; b++) {
-            const int64_t i = r * nb + g * (group / 32) + b;
-            dx[i] = d, xs[i] = d * (float)(sum16[2 * b] + sum16[2 * b + 1]);
-            xs16[2 * i] = d * (float)sum16[2 * b], xs16[2 * i + 1] = d * (float)sum16[2 * b + 1];
-        }
-    }
-}
-
 /* v[r] (8 int32 lanes each) transposed: v[t] lane r becomes v[r] lane t. */
 static inline __attribute__((always_inline)) void transpose8_epi32(__m256i *v) {
     __m256i t[8], s[8];
@@ -275,26 +238,14 @@ static void run_panel_chunk(const int64_t *w, int64_t c, const px_t *px32, const
     store_chunk(acc, x_bf16, bias, y, ldy, n0, n1, r_lo, r_hi);
 }
 
-/* The panel path's activations laid out (px32 and / or px256, as the parts need) in the calling thread's
- * scratch, to be quantized in the parallel region, and the bytes a thread's panels take (the widest
- * part's). 0, or 2 without memory. */
-static int panel_layout(const int64_t *w, int64_t parts, int64_t m, px_t *px32, px_t *px256, int64_t *panel_bytes) {
-    const int64_t k = w[2];
-    int need32 = 0, need256 = 0;
-    *panel_bytes = 0;
+/* The bytes a thread's panels take for these parts (the widest part's). */
+static int64_t panel_bytes_of(const int64_t *w, int64_t parts) {
+    int64_t most = 0;
     for (int64_t p = 0; p < parts; p++) {
-        const int type = (int)w[4 * p + 3];
-        if (type <= 5) need256 = 1;
-        else need32 = 1;
-        const int64_t bytes = N_CHUNK / PANEL * (k / 32) * panel_block_bytes(type);
-        *panel_bytes = bytes > *panel_bytes ? bytes : *panel_bytes;
+        const int64_t bytes = N_CHUNK / PANEL * (w[2] / 32) * panel_block_bytes((int)w[4 * p + 3]);
+        most = bytes > most ? bytes : most;
     }
-    char *buf = thread_scratch(0, 2 * panel_x_bytes(m, k));
-    if (buf == NULL) return 2;
-    memset(px32, 0, sizeof(*px32)), memset(px256, 0, sizeof(*px256));
-    if (need32) panel_x_layout(m, k, buf, px32);
-    if (need256) panel_x_layout(m, k, buf + panel_x_bytes(m, k), px256);
-    return 0;
+    return most;
 }
 
 #endif

@@ -19,7 +19,7 @@ import torch
 from support.quant_blocks import random_quant_tensor
 
 from loraserve.layers.quant import kernel as qk
-from loraserve.layers.quant.formats import QUANT_TYPES, QuantTensor, reference_linear
+from loraserve.layers.quant.formats import PANEL_TYPES, QUANT_TYPES, QuantTensor, reference_linear
 from loraserve.native.build import cpu_flags, load_library
 
 # name: (flags after -march=native, CPU flags it needs, the path it must report)
@@ -30,18 +30,20 @@ BUILDS: dict[str, tuple[tuple[str, ...], set[str], str]] = {
     "portable": (("-mno-avx",), set(), "portable"),
 }
 # (rows, out): one row, 4-row groups with tails (3, 5, 17, 33), the last integer-path row count and the
-# first tile-path one, 64 rows; outputs across the kernel's 16-row chunks with tails
+# first tile-path one, 64 rows; outputs across the kernel's 16-row chunks with tails, multiples of 8
+# (Q8_0 / Q4_0 / Q4_1 at one level take panels of 8 rows) and not (their row layout)
 ROWS_OUT = [
     (1, 1),
-    (3, 37),
+    (3, 40),
     (5, 16),
     (16, 33),
-    (17, 50),
+    (17, 56),
     (qk.DECODE_ROWS, 19),
-    (qk.DECODE_ROWS + 1, 21),
+    (qk.DECODE_ROWS + 1, 24),
     (33, 18),
-    (64, 7),
+    (64, 8),
 ]
+LAYOUT_OUT = pytest.mark.parametrize("out", [24, 29], ids=["panels", "rows"])  # rows: not a multiple of 8
 
 
 def _in_features(name: str) -> list[int]:
@@ -126,8 +128,9 @@ def test_every_format_on_every_build_matches_reference(
             _check(y, x, tensor, bias, levels)
 
 
+@LAYOUT_OUT
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
-def test_decode_path_is_exact_for_activations_int8_represents(build: str, name: str) -> None:
+def test_decode_path_is_exact_for_activations_int8_represents(build: str, name: str, out: int) -> None:
     """bf16 activations that are int8 times a power of two, amax 127 in every block, quantize without
     error: what is left is float32 summation and the result's rounding, so a wrong scale, min or nibble
     shows at once; float32 x on the same path is exact to float32 sums."""
@@ -137,7 +140,7 @@ def test_decode_path_is_exact_for_activations_int8_represents(build: str, name: 
     q = torch.randint(-127, 128, (3, k), generator=g).float()
     q.view(3, k // 32, 32)[:, :, 0] = 127.0
     x = (q * 2.0**-5).bfloat16()
-    tensor = random_quant_tensor(qtype, 29, k, seed=2)
+    tensor = random_quant_tensor(qtype, out, k, seed=2)
     weight = qk.prepare(tensor)
     ref, magnitude, _ = _bounds(x, tensor, None)
     y = qk.linear(x, weight)
@@ -167,9 +170,10 @@ def test_float32_decode_path_is_exact_for_activations_two_int8_levels_represent(
     assert bool(((y.double() - ref).abs() <= 2e-6 * magnitude + 1e-30).all())
 
 
+@LAYOUT_OUT
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
-def test_kernel_dequantize_matches_the_twin(build: str, name: str) -> None:
-    tensor = random_quant_tensor(QUANT_TYPES[name], 21, 512, seed=4)
+def test_kernel_dequantize_matches_the_twin(build: str, name: str, out: int) -> None:
+    tensor = random_quant_tensor(QUANT_TYPES[name], out, 512, seed=4)
     weight = qk.prepare(tensor)
     want = tensor.dequantize()
     got = qk.dequantize_rows(weight, torch.float32)
@@ -215,6 +219,21 @@ def test_integer_path_over_several_row_blocks(build: str, name: str, monkeypatch
     tensor = random_quant_tensor(QUANT_TYPES[name], 37, k, seed=9)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(9))
     _check(qk.linear(x, qk.prepare(tensor)), x, tensor, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(PANEL_TYPES))
+def test_panels_give_a_row_the_same_values_in_any_batch(build: str, name: str, dtype: torch.dtype) -> None:
+    """Q8_0 / Q4_0 / Q4_1 at one level sit in panels of 8 rows and take one path at every row count, so
+    a row's output is the same bits alone, in a speculative verification's few rows and in a prefill's
+    many (greedy speculation's identity relies on it; the row layout's paths switch at PANEL_MIN_ROWS)."""
+    k = _in_features(name)[-1]
+    weight = qk.prepare(random_quant_tensor(QUANT_TYPES[name], 40, k, seed=21))
+    assert weight.tensor.qtype == PANEL_TYPES[name]
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(21)).to(dtype)
+    whole = qk.linear(x, weight)
+    for lo, hi in ((0, 1), (69, 70), (3, 12), (5, 70)):
+        assert torch.equal(qk.linear(x[lo:hi], weight), whole[lo:hi]), (lo, hi)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

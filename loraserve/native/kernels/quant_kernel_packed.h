@@ -1,0 +1,158 @@
+/* Q8_0 / Q4_0 / Q4_1 packed at load in panels of 8 rows (types 9-11; formats.repack_panels lays them
+ * out), read by quant_kernel.c for every row count of x: one path, so a row's result does not depend on
+ * how many rows share the call (a speculative verification's rows get the values one decode row gets).
+ *
+ * Shape: rows [8p, 8p + 8) of W [n, k] (n a multiple of 8) are panel p: k / 32 blocks of 8 * TYPE_SIZE
+ * bytes, the file's bytes reordered (RSS stays the file's size):
+ *   Q8_0: 8 steps of 32 bytes (step t: quants 4t .. 4t + 3 of rows 0-7, row-major), then 8 float16 scales;
+ *   Q4_0 / Q4_1: 4 steps of 32 bytes (step t: nibble bytes 4t .. 4t + 3 of rows 0-7: low nibbles weights
+ *   4t .. 4t + 3, high ones 16 + 4t .. 16 + 4t + 3), then 8 float16 scales (Q4_1: then 8 mins).
+ * Semantics: out[m][j] = sum over blocks b in order of  i * (s * dx) + a * xs  (i = u . xq, the exact
+ * int32 dot of the block's unsigned nibbles u (Q4; Q8_0 its signed quants) with x's int8 quants; dx, xs
+ * = dx * sum(xq) x's per-32 scale and sum (quantize_panel_row); s the row's scale, a Q4_1's min or
+ * Q4_0's -8 s; Q8_0 has no a term), float32, one FMA each, the same operations for any m.
+ * Why this shape (llama.cpp's repack.cpp block_q4_0x8, done once at load): one broadcast of 4 x bytes
+ * feeds 8 weight rows, the lanes are the rows (nothing folds across lanes), the byte products add up in
+ * int16 over the block (2 * 15 * 127 * 8 < 32767; Q8_0's signed ones widen every step), and nothing is
+ * unpacked per call but nibbles (and, shift), so one decode row streams the bytes at the read bound and
+ * many rows run the panels' compute rate (quant_kernel_panel.h unpacks file-layout chunks per call). */
+#ifndef LORASERVE_QUANT_KERNEL_PACKED_H
+#define LORASERVE_QUANT_KERNEL_PACKED_H
+
+#define PACKED_FIRST 9 /* type codes 9-11: Q8_0, Q4_0, Q4_1 in panels */
+#define PACKED_MR 4     /* x rows per pass over a panel (run_packed_chunk's cases) */
+static inline int is_packed_type(int type) { return type >= PACKED_FIRST; }
+static inline int64_t packed_block_bytes(int type) { return 8 * (int64_t)TYPE_SIZE[type]; }
+static inline int packed_qbytes(int type) { return type == 9 ? 256 : 128; }
+
+#if QK_PATH > 0
+/* The int32 block dots, lane j = panel row j, of a panel block pq against mr rows of x (xb: each row's
+ * 32 quants of the block). */
+static inline __attribute__((always_inline)) void packed_steps(int type, const uint8_t *pq, const int8_t *const *xb,
+                                                               int mr, __m256i *s32) {
+    if (type == 9) { /* signed: |w| times x with w's sign, widened every step */
+        for (int t = 0; t < 8; t++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(pq + 32 * t)), wa = _mm256_abs_epi8(w);
+            for (int i = 0; i < mr; i++) {
+                int32_t word;
+                memcpy(&word, xb[i] + 4 * t, 4);
+                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word), w);
+#if QK_PATH == 2
+                s32[i] = _mm256_dpbusd_epi32(s32[i], wa, x);
+#else
+                s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), _mm256_set1_epi16(1)));
+#endif
+            }
+        }
+        return;
+    }
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256i s16[PACKED_MR];
+    for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; t++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(pq + 32 * t));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int i = 0; i < mr; i++) {
+            int32_t wl, wh;
+            memcpy(&wl, xb[i] + 4 * t, 4), memcpy(&wh, xb[i] + 16 + 4 * t, 4);
+            const __m256i xl = _mm256_set1_epi32(wl), xh = _mm256_set1_epi32(wh);
+#if QK_PATH == 2
+            s32[i] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s32[i], lo, xl), hi, xh);
+#else
+            s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+            __asm__("" : "+x"(s16[i])); /* each row's sum in a register (see panel_steps) */
+#endif
+        }
+    }
+#if QK_PATH != 2
+    for (int i = 0; i < mr; i++) s32[i] = _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1));
+#endif
+}
+
+/* out[i * ld + j] = panel row j . x row r0 + i for i < mr (<= PACKED_MR), as the header's semantics;
+ * `stream`: the panel comes from memory (the first x rows over it), so read ahead. */
+static inline __attribute__((always_inline)) void packed_dot(int type, const uint8_t *panel, const px_t *px, int64_t r0,
+                                                             int mr, int stream, float *out, int64_t ld) {
+    const int64_t nb = px->nb, bb = packed_block_bytes(type);
+    const int qb = packed_qbytes(type);
+    __m256 acc[PACKED_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pq = panel + b * bb;
+        if (stream)
+            for (int64_t at = 0; at < bb; at += 64) __builtin_prefetch(pq + 4 * bb + at, 0, 0);
+        const int8_t *xb[PACKED_MR];
+        __m256i s32[PACKED_MR];
+        for (int i = 0; i < mr; i++) xb[i] = px->xq + (r0 + i) * px->k + b * 32, s32[i] = _mm256_setzero_si256();
+        packed_steps(type, pq, xb, mr, s32);
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + qb)));
+        const __m256 a = type == 11 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + qb + 16)))
+                                    : _mm256_mul_ps(_mm256_set1_ps(-8.0f), s);
+        for (int i = 0; i < mr; i++) {
+            const int64_t at = (r0 + i) * nb + b;
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(s, _mm256_set1_ps(px->dx[at])), acc[i]);
+            if (type != 9) acc[i] = _mm256_fmadd_ps(a, _mm256_set1_ps(px->xs[at]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ld, acc[i]);
+}
+#else
+/* The portable twin of packed_dot (same terms and order; separate multiply and add). */
+static void packed_dot(int type, const uint8_t *panel, const px_t *px, int64_t r0, int mr, int stream, float *out,
+                       int64_t ld) {
+    (void)stream;
+    const int64_t nb = px->nb, bb = packed_block_bytes(type);
+    const int qb = packed_qbytes(type);
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < 8; j++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *pq = panel + b * bb;
+                const int8_t *xb = px->xq + (r0 + i) * px->k + b * 32;
+                int32_t dot = 0;
+                for (int v = 0; v < 32; v++) {
+                    const int q = v % 4, byte_t = type == 9 ? v / 4 : (v % 16) / 4;
+                    const uint8_t byte = pq[32 * byte_t + 4 * j + q];
+                    const int w = type == 9 ? (int8_t)byte : (v < 16 ? byte & 15 : byte >> 4);
+                    dot += w * xb[v];
+                }
+                const float s = f16_to_f32(pq + qb + 2 * j);
+                const float a = type == 11 ? f16_to_f32(pq + qb + 16 + 2 * j) : -8.0f * s;
+                const int64_t at = (r0 + i) * nb + b;
+                acc += (float)dot * (s * px->dx[at]);
+                if (type != 9) acc += a * px->xs[at];
+            }
+            out[i * ld + j] = acc;
+        }
+}
+#endif
+
+/* Chunk c (N_CHUNK rows: two panels) of packed weight w against x rows [r_lo, r_hi) into y (acc:
+ * [r_hi - r_lo][N_CHUNK] scratch). */
+static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_bf16, const void *bias, void *y,
+                             int64_t ldy, int64_t r_lo, int64_t r_hi, float *acc) {
+    const chunk_t ch = chunk_of(w, c);
+    const int64_t bytes = 8 * ch.row_bytes;
+    const int count = (int)((ch.n1 - ch.n0) / 8);
+    const uint8_t *panels = ch.wp + ch.n0 / 8 * bytes;
+    for (int64_t r0 = r_lo; r0 < r_hi; r0 += PACKED_MR) {
+        const int mr = r_hi - r0 < PACKED_MR ? (int)(r_hi - r0) : PACKED_MR, stream = r0 == r_lo;
+        float *a = acc + (r0 - r_lo) * N_CHUNK;
+        for (int p = 0; p < count; p++) {
+            const uint8_t *panel = panels + p * bytes;
+            float *o = a + p * 8;
+            switch (ch.type * 8 + mr) { /* type and mr constants: each loop its own registers */
+#define PACKED_CASE(T, M) \
+    case T * 8 + M: packed_dot(T, panel, px, r0, M, stream, o, N_CHUNK); break;
+#define PACKED_TYPE(T) PACKED_CASE(T, 1) PACKED_CASE(T, 2) PACKED_CASE(T, 3) PACKED_CASE(T, 4)
+                PACKED_TYPE(9) PACKED_TYPE(10) PACKED_TYPE(11)
+#undef PACKED_TYPE
+#undef PACKED_CASE
+            default: break;
+            }
+        }
+    }
+    store_chunk(acc, x_bf16, bias, y, ldy, ch.n0, ch.n1, r_lo, r_hi);
+}
+
+#endif
