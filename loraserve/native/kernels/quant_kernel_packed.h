@@ -21,6 +21,9 @@
 
 #define PACKED_FIRST 9 /* type codes 9-11: Q8_0, Q4_0, Q4_1 in panels */
 #define PACKED_MR 4     /* x rows per pass over a panel (run_packed_chunk's cases) */
+#ifndef PACKED_AHEAD
+#define PACKED_AHEAD 16 /* blocks read ahead while streaming (4 left one thread at ~60% of its read bandwidth) */
+#endif
 static inline int is_packed_type(int type) { return type >= PACKED_FIRST; }
 static inline int64_t packed_block_bytes(int type) { return 8 * (int64_t)TYPE_SIZE[type]; }
 static inline int packed_qbytes(int type) { return type == 9 ? 256 : 128; }
@@ -79,8 +82,8 @@ static inline __attribute__((always_inline)) void packed_dot(int type, const uin
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pq = panel + b * bb;
-        if (stream)
-            for (int64_t at = 0; at < bb; at += 64) __builtin_prefetch(pq + 4 * bb + at, 0, 0);
+        if (stream && PACKED_AHEAD > 0)
+            for (int64_t at = 0; at < bb; at += 64) __builtin_prefetch(pq + PACKED_AHEAD * bb + at, 0, 0);
         const int8_t *xb[PACKED_MR];
         __m256i s32[PACKED_MR];
         for (int i = 0; i < mr; i++) xb[i] = px->xq + (r0 + i) * px->k + b * 32, s32[i] = _mm256_setzero_si256();
