@@ -1,8 +1,9 @@
 /* Linear layers over GGUF block-quantized weights, y = x W^T + b, loaded through ctypes by
  * layers/quant/kernel.py (the formats' layouts and their torch twin: layers/quant/formats.py).
  *
- * W is [n, k] in one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (type codes 0-5), row after row, each row
- * k / block_size blocks, in the file's own layout (RSS stays the file's size).
+ * W is [n, k] in one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (type codes 0-5), the file's bytes (RSS
+ * stays the file's size): the K-quants row after row in the file's layout, Q8_0 / Q4_0 / Q4_1 in their
+ * row layout (6-8) or in panels of 8 rows (9-11: quant_kernel_packed.h, one path for every row count).
  *
  * quant_linear below PANEL_MIN_ROWS rows of x (decode) streams every weight byte once against x quantized
  * to int8 once per product (quant_kernel_act.h): per 32 values for Q8_0 / Q4_0 / Q4_1, whose weights
@@ -20,7 +21,8 @@
  * Semantics of quant_linear: float32 sums, one rounding to x's dtype at the end, bias added before it.
  * Parts: quant_kernel_blocks.h (the formats' decoding), quant_kernel_act.h (x's quantization and its
  * scratch), quant_kernel_ksuper.h (the K-quants' super-block loop), quant_kernel_rows.h (the row
- * layouts' loop), quant_kernel_panel.h (the many-rows path), quant_kernel_dequantize.h (the tiles).
+ * layouts' loop), quant_kernel_panel.h (the many-rows path), quant_kernel_packed.h (the panel layouts),
+ * quant_kernel_dequantize.h (the tiles).
  */
 #ifdef _OPENMP
 #include <omp.h>
