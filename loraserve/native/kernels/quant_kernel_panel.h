@@ -214,7 +214,9 @@ static inline __attribute__((always_inline)) void panel_chunk(int type, const ui
         else if (mr == 2) panel_pass(type, panels, bytes, count, px, r0, 2, a);
         else if (mr == 3) panel_pass(type, panels, bytes, count, px, r0, 3, a);
         else if (mr == 4) panel_pass(type, panels, bytes, count, px, r0, 4, a);
+#if PANEL_MR > 5
         else panel_pass(type, panels, bytes, count, px, r0, 5, a); /* PANEL_MR <= 6 */
+#endif
     }
 }
 
