@@ -65,6 +65,7 @@ PANEL_TYPES: dict[str, QuantType] = {
         QuantType("Q8_0P", 8, 32, 34, 9, panels_of="Q8_0"),
         QuantType("Q4_0P", 2, 32, 18, 10, panels_of="Q4_0"),
         QuantType("Q4_1P", 3, 32, 20, 11, panels_of="Q4_1"),
+        QuantType("Q4_KP", 12, 256, 148, 12, panels_of="Q4_K"),  # 148: the 12 scale bytes spread to 16
     )
     if t.panels_of is not None
 }
@@ -197,6 +198,8 @@ def repack_panels(tensor: QuantTensor) -> QuantTensor:
     if panel_type is None or tensor.qtype == panel_type or out % 8:
         return tensor
     source = QUANT_TYPES[tensor.qtype.source]
+    if source.name == "Q4_K":
+        return QuantTensor(_pack_q4_k(file_blocks(tensor).blocks, out, inp), panel_type, tensor.shape)
     fields, qbytes = _row_fields(source)
     nb = inp // 32
     b = file_blocks(tensor).blocks.reshape(out // 8, 8, nb, source.type_size).transpose(1, 2)
@@ -213,11 +216,13 @@ def panel_rows(
     """Rows `rows` (all when None) of a panel layout's blocks in their GGUF format's blocks [rows,
     row_bytes] (`repack_panels` undone; an embedding gathers its tokens' rows so)."""
     source = QUANT_TYPES[qtype.source]
-    fields, qbytes = _row_fields(source)
     out, inp = shape
-    nb = inp // 32
     if rows is None:
         rows = torch.arange(out)
+    if source.name == "Q4_K":
+        return _unpack_q4_k(blocks, out, inp, rows)
+    fields, qbytes = _row_fields(source)
+    nb = inp // 32
     b = blocks.reshape(out // 8, nb, 8 * source.type_size)
     panel, lane = rows // 8, rows % 8
     steps = b[..., : 8 * qbytes].reshape(out // 8, nb, qbytes // 4, 8, 4)[panel, :, :, lane]
@@ -227,6 +232,36 @@ def panel_rows(
     ]
     parts.append(steps.reshape(rows.numel(), nb, qbytes))
     return torch.cat(parts, dim=2).reshape(rows.numel(), nb * source.type_size)
+
+
+def _pack_q4_k(blocks: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """Q4_K blocks [out, row_bytes] as panels (quant_kernel_packed.h): per super-block of 8 rows, the
+    rows' nibble bytes 4 at a time per sub-block pair, then scales and mins as bytes [sub-block][row],
+    then the rows' d, then their dmin."""
+    panels, nsb = out // 8, inp // 256
+    b = blocks.reshape(panels, 8, nsb, 144).transpose(1, 2)  # [panel, super-block, row, byte]
+    quants = b[..., 16:].reshape(panels, nsb, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)
+    sc, mn = k_scales(b[..., 4:16].reshape(-1, 12))  # [panel * nsb * 8 rows, 8 sub-blocks]
+    sc, mn = (v.reshape(panels, nsb, 8, 8).transpose(2, 3).to(torch.uint8) for v in (sc, mn))
+    parts = [quants.reshape(panels, nsb, 1024), sc.reshape(panels, nsb, 64), mn.reshape(panels, nsb, 64)]
+    parts += [b[..., f : f + 2].reshape(panels, nsb, 16) for f in (0, 2)]
+    return torch.cat(parts, dim=2).reshape(panels, nsb * 1184).contiguous()
+
+
+def _unpack_q4_k(blocks: torch.Tensor, out: int, inp: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of Q4_K panels as the file's blocks [rows, row_bytes] (`_pack_q4_k` undone)."""
+    nsb = inp // 256
+    b = blocks.reshape(out // 8, nsb, 1184)
+    panel, lane = rows // 8, rows % 8
+    quants = b[..., :1024].reshape(out // 8, nsb, 4, 8, 8, 4)[panel, :, :, :, lane]  # [rows, nsb, 4, 8, 4]
+    sc = b[..., 1024:1088].reshape(out // 8, nsb, 8, 8)[panel, :, :, lane].int()  # [rows, nsb, 8]
+    mn = b[..., 1088:1152].reshape(out // 8, nsb, 8, 8)[panel, :, :, lane].int()
+    low = torch.cat([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)], -1)
+    scales = torch.cat([low, (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1).to(torch.uint8)
+    d = b[..., 1152:1168].reshape(out // 8, nsb, 8, 2)[panel, :, lane]
+    dmin = b[..., 1168:1184].reshape(out // 8, nsb, 8, 2)[panel, :, lane]
+    parts = [d, dmin, scales, quants.reshape(rows.numel(), nsb, 128)]
+    return torch.cat(parts, dim=2).reshape(rows.numel(), nsb * 144)
 
 
 def repack_rows(tensor: QuantTensor) -> QuantTensor:

@@ -60,8 +60,8 @@
 /* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
  * gives them their row layout, 6-8, at load, or formats.repack_panels their panels, 9-11); 3-5 the
  * K-quants */
-static const int BLOCK_SIZE[12] = {32, 32, 32, 256, 256, 256, 32, 32, 32, 32, 32, 32};
-static const int TYPE_SIZE[12] = {34, 18, 20, 144, 176, 210, 34, 18, 20, 34, 18, 20};
+static const int BLOCK_SIZE[13] = {32, 32, 32, 256, 256, 256, 32, 32, 32, 32, 32, 32, 256};
+static const int TYPE_SIZE[13] = {34, 18, 20, 144, 176, 210, 34, 18, 20, 34, 18, 20, 148}; /* 12: Q4_K panels */
 
 /* Which integer dot product this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
 int quant_kernel_path(void) { return QK_PATH; }
@@ -176,7 +176,7 @@ static inline __attribute__((always_inline)) void chunk_rows(int type, const uin
 static int weight_ok(const int64_t *w) {
     const int type = (int)w[3];
     const int rows_ok = type >= 9 ? w[1] % 8 == 0 : 1; /* panels of 8 rows */
-    return type >= 3 && type <= 11 && rows_ok && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
+    return type >= 3 && type <= 12 && rows_ok && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
 }
 
 /* y[r_lo .. r_hi, n0 .. n1] = acc ([r_hi - r_lo][N_CHUNK]) + bias, rounded to y's dtype. */
@@ -239,20 +239,21 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
     const int64_t k = w[2];
     const int x_bf16 = x_flags & X_BF16, two = !x_bf16 && (x_flags & X_TWO_LEVELS);
     const int panel = QK_PATH > 0 && !two && m >= PANEL_MIN_ROWS;
-    int need32 = 0, need256 = 0, packed = 0, streamed = 0;
+    int need32 = 0, need256 = 0, packed = 0, packed256 = 0, streamed = 0;
     int64_t num_chunks = 0;
     for (int64_t p = 0; p < parts; p++) {
         const int type = (int)w[4 * p + 3];
-        if (is_packed_type(type)) packed = 1;
+        if (type == 12) packed256 = 1;
+        else if (is_packed_type(type)) packed = 1;
         else if (type <= 5) need256 = streamed = 1;
         else need32 = streamed = 1;
         num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
     }
-    if (packed && two) return 1;
+    if ((packed || packed256) && two) return 1;
     qx_t qx;
     px_t px32, px256;
     memset(&qx, 0, sizeof(qx));
-    if (px_layout(m, k, packed || (panel && need32), panel && need256, &px32, &px256)) return 2;
+    if (px_layout(m, k, packed || (panel && need32), packed256 || (panel && need256), &px32, &px256)) return 2;
     if (streamed && !panel && quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx)) return 2;
     int64_t panel_bytes = 0;
 #if QK_PATH > 0
@@ -290,7 +291,8 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
             const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
             void *yp = (char *)y + col * elem;
             if (is_packed_type((int)w[4 * p + 3])) {
-                run_packed_chunk(w + 4 * p, c - first, &px32, x_bf16, b, yp, ldy, r_lo, r_hi, acc);
+                const px_t *pxp = w[4 * p + 3] == 12 ? &px256 : &px32;
+                run_packed_chunk(w + 4 * p, c - first, pxp, x_bf16, b, yp, ldy, r_lo, r_hi, acc);
                 continue;
             }
 #if QK_PATH > 0

@@ -77,18 +77,23 @@ def test_quant_tensor_checks_its_shape_and_reference_is_float64() -> None:
 
 @pytest.mark.parametrize("name", sorted(PANEL_TYPES))
 def test_row_and_panel_layouts_hold_the_file_bytes(name: str) -> None:
-    """Each layout is a permutation of the file's bytes (the same size), undone exactly from either
-    other layout; panels hold 8 rows each, so a row count that is not a multiple of 8 keeps its layout."""
-    tensor = random_quant_tensor(QUANT_TYPES[name], 24, 576, seed=1)
+    """Each layout is a permutation of the file's bytes (the same size; Q4_K's panels spread its 12
+    packed scale bytes to 16), undone exactly from either other layout; panels hold 8 rows each, so a
+    row count that is not a multiple of 8 keeps its layout."""
+    qtype = QUANT_TYPES[name]
+    tensor = random_quant_tensor(qtype, 24, 512 if qtype.block_size == 256 else 576, seed=1)
     rows, panels = repack_rows(tensor), repack_panels(tensor)
-    assert panels.qtype == PANEL_TYPES[name] and tuple(panels.blocks.shape) == (3, 8 * tensor.blocks.shape[1])
-    assert sorted(panels.blocks.flatten().tolist()) == sorted(tensor.blocks.flatten().tolist())
+    nblocks = tensor.blocks.shape[1] // qtype.type_size
+    assert panels.qtype == PANEL_TYPES[name]
+    assert tuple(panels.blocks.shape) == (3, 8 * nblocks * PANEL_TYPES[name].type_size)
+    if qtype.block_size == 32:
+        assert sorted(panels.blocks.flatten().tolist()) == sorted(tensor.blocks.flatten().tolist())
     for layout in (rows, panels, repack_panels(rows), repack_rows(panels)):
         assert torch.equal(file_blocks(layout).blocks, tensor.blocks)
         assert torch.equal(layout.dequantize(), tensor.dequantize())
     picked = torch.tensor([23, 0, 9, 9])
     assert torch.equal(panel_rows(panels.blocks, panels.qtype, panels.shape, picked), tensor.blocks[picked])
-    odd = random_quant_tensor(QUANT_TYPES[name], 12, 64, seed=2)
+    odd = random_quant_tensor(qtype, 12, qtype.block_size * 2, seed=2)
     assert repack_panels(odd) is odd
     with pytest.raises(ValueError, match="panels of 8 rows"):
         QuantTensor(torch.zeros(1, 8 * 34, dtype=torch.uint8), PANEL_TYPES["Q8_0"], (12, 32))
