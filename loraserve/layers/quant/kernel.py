@@ -3,8 +3,8 @@ format in memory.
 
 The kernel's integer path quantizes the activations per 32 values (per 256 for the K-quants) to int8 for
 integer dot products, as llama.cpp does; float32 ones may take two int8 levels, the second quantizing
-what the first leaves (amax/32512 per value, LORASERVE_CPU_QUANT_ACT_LEVELS=2). Q8_0 / Q4_0 / Q4_1 at
-one level are packed at load in panels of 8 rows and take one path for every row count
+what the first leaves (amax/32512 per value, LORASERVE_CPU_QUANT_ACT_LEVELS=2). Q8_0 / Q4_0 / Q4_1 / Q4_K
+at one level are packed at load in panels of 8 rows and take one path for every row count
 (quant_kernel_packed.h). The others serve every row count at one level on a vector build: few rows
 stream the weight's bytes once (decode), more rows (prefill, big batches) unpack each chunk of weight
 rows once into 8-row panels that all of x's rows pass (quant_kernel_panel.h). At two levels or on the

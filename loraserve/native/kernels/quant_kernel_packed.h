@@ -1,4 +1,4 @@
-/* Q8_0 / Q4_0 / Q4_1 packed at load in panels of 8 rows (types 9-11; formats.repack_panels lays them
+/* Q8_0 / Q4_0 / Q4_1 (and Q4_K, packed_kdot) packed at load in panels of 8 rows (types 9-12; formats.repack_panels lays them
  * out), read by quant_kernel.c for every row count of x: one path, so a row's result does not depend on
  * how many rows share the call (a speculative verification's rows get the values one decode row gets).
  *
