@@ -48,27 +48,24 @@ QUANT_TYPES: dict[str, QuantType] = {
         QuantType("Q6_K", 14, 256, 210, 5),
     )
 }
-# The in-memory row layouts of the per-32 formats (`repack_rows`), by the file format they hold.
-ROW_TYPES: dict[str, QuantType] = {
-    t.rows_of: t
-    for t in (
-        QuantType("Q8_0R", 8, 32, 34, 6, rows_of="Q8_0"),
-        QuantType("Q4_0R", 2, 32, 18, 7, rows_of="Q4_0"),
-        QuantType("Q4_1R", 3, 32, 20, 8, rows_of="Q4_1"),
-    )
-    if t.rows_of is not None
-}
-# The in-memory panel layouts of the per-32 formats (`repack_panels`), by the file format they hold.
-PANEL_TYPES: dict[str, QuantType] = {
-    t.panels_of: t
-    for t in (
-        QuantType("Q8_0P", 8, 32, 34, 9, panels_of="Q8_0"),
-        QuantType("Q4_0P", 2, 32, 18, 10, panels_of="Q4_0"),
-        QuantType("Q4_1P", 3, 32, 20, 11, panels_of="Q4_1"),
-        QuantType("Q4_KP", 12, 256, 148, 12, panels_of="Q4_K"),  # 148: the 12 scale bytes spread to 16
-    )
-    if t.panels_of is not None
-}
+def _by_source(*layouts: QuantType) -> dict[str, QuantType]:
+    """In-memory layouts by the GGUF format whose bytes they hold."""
+    return {t.source: t for t in layouts}
+
+
+# The row layouts of the per-32 formats (`repack_rows`).
+ROW_TYPES = _by_source(
+    QuantType("Q8_0R", 8, 32, 34, 6, rows_of="Q8_0"),
+    QuantType("Q4_0R", 2, 32, 18, 7, rows_of="Q4_0"),
+    QuantType("Q4_1R", 3, 32, 20, 8, rows_of="Q4_1"),
+)
+# The panel layouts (`repack_panels`); Q4_K's 148 bytes a row: its 12 scale bytes spread to 16.
+PANEL_TYPES = _by_source(
+    QuantType("Q8_0P", 8, 32, 34, 9, panels_of="Q8_0"),
+    QuantType("Q4_0P", 2, 32, 18, 10, panels_of="Q4_0"),
+    QuantType("Q4_1P", 3, 32, 20, 11, panels_of="Q4_1"),
+    QuantType("Q4_KP", 12, 256, 148, 12, panels_of="Q4_K"),
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,9 +149,12 @@ def prepare(tensor: QuantTensor, act_levels: int | None = None, layout: str | No
     if levels not in (1, 2):
         raise ValueError(f"activation levels are 1 or 2, got {levels}")
     layout = envs.cpu_quant_layout() if layout is None else layout
-    tensor = repack_panels(tensor) if levels == 1 and layout == "panels" else repack_rows(tensor)
-    if tensor.qtype.panels_of is None:
-        tensor = repack_rows(tensor)  # rows not a multiple of 8
+    if layout not in ("panels", "rows"):
+        raise ValueError(f"quantized weight layouts are panels or rows, got {layout!r}")
+    if levels == 1 and layout == "panels":
+        tensor = repack_panels(tensor)
+    if tensor.qtype.panels_of is None:  # two levels, rows asked for, or rows not a multiple of 8
+        tensor = repack_rows(tensor)
     blocks = tensor.blocks.contiguous().cpu()
     return QuantWeight(QuantTensor(blocks, tensor.qtype, tensor.shape), levels)
 

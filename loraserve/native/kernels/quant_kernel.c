@@ -3,7 +3,8 @@
  *
  * W is [n, k] in one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (type codes 0-5), the file's bytes (RSS
  * stays the file's size): the K-quants row after row in the file's layout, Q8_0 / Q4_0 / Q4_1 in their
- * row layout (6-8) or in panels of 8 rows (9-11: quant_kernel_packed.h, one path for every row count).
+ * row layout (6-8) or in panels of 8 rows (9-11; Q4_K's 12: quant_kernel_packed.h, one path for every
+ * row count).
  *
  * quant_linear below PANEL_MIN_ROWS rows of x (decode) streams every weight byte once against x quantized
  * to int8 once per product (quant_kernel_act.h): per 32 values for Q8_0 / Q4_0 / Q4_1, whose weights
@@ -59,7 +60,7 @@
 
 /* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
  * gives them their row layout, 6-8, at load, or formats.repack_panels their panels, 9-11); 3-5 the
- * K-quants */
+ * K-quants (Q4_K's panels: 12) */
 static const int BLOCK_SIZE[13] = {32, 32, 32, 256, 256, 256, 32, 32, 32, 32, 32, 32, 256};
 static const int TYPE_SIZE[13] = {34, 18, 20, 144, 176, 210, 34, 18, 20, 34, 18, 20, 148}; /* 12: Q4_K panels */
 
@@ -231,7 +232,7 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
 /* y[:, col_p : col_p + n_p] = x W_p^T + bias_p for the `parts` weights w[4p .. 4p + 3] side by side
  * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel
  * region over every part's chunks (a packed layer's slices are one fork, not one each). Packed parts
- * (types 9-11) take their panels at every row count (one activation level only); the others stream
+ * (types 9-12) take their panels at every row count (one activation level only); the others stream
  * their rows, or from PANEL_MIN_ROWS rows (one level) take per-call panels. Returns 0, 1 for packed
  * parts at two levels, or 2 without memory. */
 static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_flags, const void *bias,
@@ -239,21 +240,21 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
     const int64_t k = w[2];
     const int x_bf16 = x_flags & X_BF16, two = !x_bf16 && (x_flags & X_TWO_LEVELS);
     const int panel = QK_PATH > 0 && !two && m >= PANEL_MIN_ROWS;
-    int need32 = 0, need256 = 0, packed = 0, packed256 = 0, streamed = 0;
+    int need32 = 0, need256 = 0, packed32 = 0, packed256 = 0, streamed = 0;
     int64_t num_chunks = 0;
     for (int64_t p = 0; p < parts; p++) {
         const int type = (int)w[4 * p + 3];
         if (type == 12) packed256 = 1;
-        else if (is_packed_type(type)) packed = 1;
+        else if (is_packed_type(type)) packed32 = 1;
         else if (type <= 5) need256 = streamed = 1;
         else need32 = streamed = 1;
         num_chunks += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK;
     }
-    if ((packed || packed256) && two) return 1;
+    if ((packed32 || packed256) && two) return 1;
     qx_t qx;
     px_t px32, px256;
     memset(&qx, 0, sizeof(qx));
-    if (px_layout(m, k, packed || (panel && need32), packed256 || (panel && need256), &px32, &px256)) return 2;
+    if (px_layout(m, k, packed32 || (panel && need32), packed256 || (panel && need256), &px32, &px256)) return 2;
     if (streamed && !panel && quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx)) return 2;
     int64_t panel_bytes = 0;
 #if QK_PATH > 0

@@ -208,6 +208,8 @@ def test_bad_inputs_are_refused() -> None:
         qk.linear(torch.randn(2, 32), weight)
     with pytest.raises(TypeError, match="float16"):
         qk.linear(torch.randn(2, 64).half(), weight)
+    with pytest.raises(ValueError, match="panels or rows"):
+        qk.prepare(random_quant_tensor(QUANT_TYPES["Q8_0"], 8, 64, seed=0), layout="tiles")
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
