@@ -214,7 +214,7 @@ def cpu_quant_act_levels() -> int:
 
 
 def cpu_quant_layout() -> str:
-    """LORASERVE_CPU_QUANT_LAYOUT: how Q8_0 / Q4_0 / Q4_1 / Q4_K weights sit in memory at one activation level:
+    """LORASERVE_CPU_QUANT_LAYOUT: how GGUF-quantized weights sit in memory at one activation level:
     `panels` (the default: 8 rows interleaved, one kernel path for every row count) or `rows` (each row's
     blocks together, streamed row by row up to 32 rows of x)."""
     value = (get_env("CPU_QUANT_LAYOUT", "panels") or "panels").strip()

@@ -92,12 +92,16 @@ def test_quantized_float32_equals_dequantized(
     quantized = _quantized_linears(llm)
     assert len(quantized) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
     assert all(m.weight.numel() == 0 for m in quantized)  # no dense copy is kept
-    # the file's formats; the per-32 ones held in panels of 8 rows at one level (formats.repack_panels),
-    # in their row layout at two (formats.repack_rows)
+    # the file's formats; held in panels of 8 rows at one level (formats.repack_panels), the per-32 ones
+    # in their row layout at two (formats.repack_rows), the K-quants in the file's (so are rows not a
+    # multiple of 8)
     parts = [part.tensor for m in quantized for part in m.quant_parts or [] if part]
     assert {t.qtype.source for t in parts} == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
     layout = "P" if levels == 1 else "R"
     assert {t.qtype.name for t in parts if t.qtype.block_size == 32} == {f"Q8_0{layout}", f"Q4_0{layout}", f"Q4_1{layout}"}
+    k_parts = [t for t in parts if t.qtype.block_size == 256]  # panels need a multiple of 8 rows
+    assert all(t.qtype.name == t.qtype.source + ("P" if levels == 1 and t.shape[0] % 8 == 0 else "") for t in k_parts)
+    assert levels == 2 or {t.qtype.name for t in k_parts} >= {"Q4_KP", "Q5_KP", "Q6_KP"}
     embedding = llm.engine.model.model.embed_tokens  # gathered from its Q8_0 blocks, no dense table
     assert isinstance(embedding, QuantEmbedding) and embedding.qtype.source == "Q8_0"
     model = llm.engine.model

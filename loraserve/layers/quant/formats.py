@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.layers.quant.kpanels import K_PANEL_FORMATS, k_scales, pack_k, unpack_k
+
 
 @dataclass(frozen=True, slots=True)
 class QuantType:
@@ -59,12 +61,15 @@ ROW_TYPES = _by_source(
     QuantType("Q4_0R", 2, 32, 18, 7, rows_of="Q4_0"),
     QuantType("Q4_1R", 3, 32, 20, 8, rows_of="Q4_1"),
 )
-# The panel layouts (`repack_panels`); Q4_K's 148 bytes a row: its 12 scale bytes spread to 16.
+# The panel layouts (`repack_panels`); Q4_K's and Q5_K's rows take 4 bytes more a super-block than the
+# file's: their 12 packed scale bytes spread to 16 (kpanels.py).
 PANEL_TYPES = _by_source(
     QuantType("Q8_0P", 8, 32, 34, 9, panels_of="Q8_0"),
     QuantType("Q4_0P", 2, 32, 18, 10, panels_of="Q4_0"),
     QuantType("Q4_1P", 3, 32, 20, 11, panels_of="Q4_1"),
     QuantType("Q4_KP", 12, 256, 148, 12, panels_of="Q4_K"),
+    QuantType("Q5_KP", 13, 256, 180, 13, panels_of="Q5_K"),
+    QuantType("Q6_KP", 14, 256, 210, 14, panels_of="Q6_K"),
 )
 
 
@@ -112,15 +117,6 @@ def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
     its high nibbles (the K-quants' order)."""
     q = qs.reshape(qs.shape[0], groups, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
     return (q & 15).reshape(qs.shape[0], 2 * groups, 32)
-
-
-def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 12 scale bytes -> (8 six-bit scales, 8 six-bit mins) per block, as int."""
-    s = scales.reshape(-1, 3, 4).int()
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]
-    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
-    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
-    return sc, mn
 
 
 def _dequantize_blocks(b: torch.Tensor, name: str) -> torch.Tensor:
@@ -184,8 +180,9 @@ def file_blocks(tensor: QuantTensor) -> QuantTensor:
 
 
 def repack_panels(tensor: QuantTensor) -> QuantTensor:
-    """Q8_0 / Q4_0 / Q4_1 (in any layout) in panels of 8 rows, the same bytes per 8 rows (any other
-    tensor, or one whose rows are not a multiple of 8, as it is). Per panel, per 32-block: the 8 rows'
+    """Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K (in any layout) in panels of 8 rows, the same bytes per 8
+    rows (any other tensor, or one whose rows are not a multiple of 8, as it is; the K-quants' layout is
+    kpanels.py's). Per panel, per 32-block: the 8 rows'
     quants interleaved 4 bytes at a time (step t: bytes 4t .. 4t + 3 of row 0, then of row 1, ...: Q8_0's
     32 quant bytes make 8 steps, Q4_x's 16 nibble bytes 4, each byte's low nibble weight j and high
     nibble j + 16 as in the file), then the 8 float16 scales, then Q4_1's 8 mins
@@ -195,8 +192,8 @@ def repack_panels(tensor: QuantTensor) -> QuantTensor:
     if panel_type is None or tensor.qtype == panel_type or out % 8:
         return tensor
     source = QUANT_TYPES[tensor.qtype.source]
-    if source.name == "Q4_K":
-        return QuantTensor(_pack_q4_k(file_blocks(tensor).blocks, out, inp), panel_type, tensor.shape)
+    if source.name in K_PANEL_FORMATS:
+        return QuantTensor(pack_k(file_blocks(tensor).blocks, source.name, out, inp), panel_type, tensor.shape)
     fields, qbytes = _row_fields(source)
     nb = inp // 32
     b = file_blocks(tensor).blocks.reshape(out // 8, 8, nb, source.type_size).transpose(1, 2)
@@ -216,8 +213,8 @@ def panel_rows(
     out, inp = shape
     if rows is None:
         rows = torch.arange(out)
-    if source.name == "Q4_K":
-        return _unpack_q4_k(blocks, out, inp, rows)
+    if source.name in K_PANEL_FORMATS:
+        return unpack_k(blocks, source.name, out, inp, rows)
     fields, qbytes = _row_fields(source)
     nb = inp // 32
     b = blocks.reshape(out // 8, nb, 8 * source.type_size)
@@ -229,36 +226,6 @@ def panel_rows(
     ]
     parts.append(steps.reshape(rows.numel(), nb, qbytes))
     return torch.cat(parts, dim=2).reshape(rows.numel(), nb * source.type_size)
-
-
-def _pack_q4_k(blocks: torch.Tensor, out: int, inp: int) -> torch.Tensor:
-    """Q4_K blocks [out, row_bytes] as panels (quant_kernel_packed.h): per super-block of 8 rows, the
-    rows' nibble bytes 4 at a time per sub-block pair, then scales and mins as bytes [sub-block][row],
-    then the rows' d, then their dmin."""
-    panels, nsb = out // 8, inp // 256
-    b = blocks.reshape(panels, 8, nsb, 144).transpose(1, 2)  # [panel, super-block, row, byte]
-    quants = b[..., 16:].reshape(panels, nsb, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)
-    sc, mn = k_scales(b[..., 4:16].reshape(-1, 12))  # [panel * nsb * 8 rows, 8 sub-blocks]
-    sc, mn = (v.reshape(panels, nsb, 8, 8).transpose(2, 3).to(torch.uint8) for v in (sc, mn))
-    parts = [quants.reshape(panels, nsb, 1024), sc.reshape(panels, nsb, 64), mn.reshape(panels, nsb, 64)]
-    parts += [b[..., f : f + 2].reshape(panels, nsb, 16) for f in (0, 2)]
-    return torch.cat(parts, dim=2).reshape(panels, nsb * 1184).contiguous()
-
-
-def _unpack_q4_k(blocks: torch.Tensor, out: int, inp: int, rows: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` of Q4_K panels as the file's blocks [rows, row_bytes] (`_pack_q4_k` undone)."""
-    nsb = inp // 256
-    b = blocks.reshape(out // 8, nsb, 1184)
-    panel, lane = rows // 8, rows % 8
-    quants = b[..., :1024].reshape(out // 8, nsb, 4, 8, 8, 4)[panel, :, :, :, lane]  # [rows, nsb, 4, 8, 4]
-    sc = b[..., 1024:1088].reshape(out // 8, nsb, 8, 8)[panel, :, :, lane].int()  # [rows, nsb, 8]
-    mn = b[..., 1088:1152].reshape(out // 8, nsb, 8, 8)[panel, :, :, lane].int()
-    low = torch.cat([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)], -1)
-    scales = torch.cat([low, (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1).to(torch.uint8)
-    d = b[..., 1152:1168].reshape(out // 8, nsb, 8, 2)[panel, :, lane]
-    dmin = b[..., 1168:1184].reshape(out // 8, nsb, 8, 2)[panel, :, lane]
-    parts = [d, dmin, scales, quants.reshape(rows.numel(), nsb, 128)]
-    return torch.cat(parts, dim=2).reshape(rows.numel(), nsb * 144)
 
 
 def repack_rows(tensor: QuantTensor) -> QuantTensor:

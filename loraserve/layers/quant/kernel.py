@@ -3,12 +3,12 @@ format in memory.
 
 The kernel's integer path quantizes the activations per 32 values (per 256 for the K-quants) to int8 for
 integer dot products, as llama.cpp does; float32 ones may take two int8 levels, the second quantizing
-what the first leaves (amax/32512 per value, LORASERVE_CPU_QUANT_ACT_LEVELS=2). Q8_0 / Q4_0 / Q4_1 / Q4_K
-at one level are packed at load in panels of 8 rows and take one path for every row count
-(quant_kernel_packed.h). The others serve every row count at one level on a vector build: few rows
-stream the weight's bytes once (decode), more rows (prefill, big batches) unpack each chunk of weight
-rows once into 8-row panels that all of x's rows pass (quant_kernel_panel.h). At two levels or on the
-portable build they serve up to `DECODE_ROWS` rows;
+what the first leaves (amax/32512 per value, LORASERVE_CPU_QUANT_ACT_LEVELS=2). Every format
+at one level is packed at load in panels of 8 rows and takes one path for every row count
+(quant_kernel_packed.h, quant_kernel_kpacked.h). In the row layout (two levels, rows not a multiple of
+8, LORASERVE_CPU_QUANT_LAYOUT=rows) few rows stream the weight's bytes once (decode), more rows at one
+level on a vector build unpack each chunk of weight rows once into 8-row panels that all of x's rows pass
+(quant_kernel_panel.h). At two levels or on the portable build they serve up to `DECODE_ROWS` rows;
 more take tiles of W dequantized into a cache-sized buffer in x's dtype and multiplied by torch
 (oneDNN). Without a C compiler both paths are the twin: torch's dequantize then F.linear.
 """

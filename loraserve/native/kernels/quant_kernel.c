@@ -2,9 +2,10 @@
  * layers/quant/kernel.py (the formats' layouts and their torch twin: layers/quant/formats.py).
  *
  * W is [n, k] in one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (type codes 0-5), the file's bytes (RSS
- * stays the file's size): the K-quants row after row in the file's layout, Q8_0 / Q4_0 / Q4_1 in their
- * row layout (6-8) or in panels of 8 rows (9-11; Q4_K's 12: quant_kernel_packed.h, one path for every
- * row count).
+ * stays the file's size) in panels of 8 rows at one activation level (Q8_0 / Q4_0 / Q4_1: 9-11,
+ * quant_kernel_packed.h; Q4_K / Q5_K / Q6_K: 12-14, quant_kernel_kpacked.h; one path for every row count),
+ * else (two levels, rows not a multiple of 8, LORASERVE_CPU_QUANT_LAYOUT=rows) the K-quants row after row
+ * in the file's layout and Q8_0 / Q4_0 / Q4_1 in their row layout (6-8), as follows.
  *
  * quant_linear below PANEL_MIN_ROWS rows of x (decode) streams every weight byte once against x quantized
  * to int8 once per product (quant_kernel_act.h): per 32 values for Q8_0 / Q4_0 / Q4_1, whose weights
@@ -60,9 +61,9 @@
 
 /* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
  * gives them their row layout, 6-8, at load, or formats.repack_panels their panels, 9-11); 3-5 the
- * K-quants (Q4_K's panels: 12) */
-static const int BLOCK_SIZE[13] = {32, 32, 32, 256, 256, 256, 32, 32, 32, 32, 32, 32, 256};
-static const int TYPE_SIZE[13] = {34, 18, 20, 144, 176, 210, 34, 18, 20, 34, 18, 20, 148}; /* 12: Q4_K panels */
+ * K-quants (their panels: 12-14, Q4_K's and Q5_K's rows 4 bytes longer a super-block) */
+static const int BLOCK_SIZE[15] = {32, 32, 32, 256, 256, 256, 32, 32, 32, 32, 32, 32, 256, 256, 256};
+static const int TYPE_SIZE[15] = {34, 18, 20, 144, 176, 210, 34, 18, 20, 34, 18, 20, 148, 180, 210};
 
 /* Which integer dot product this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
 int quant_kernel_path(void) { return QK_PATH; }
@@ -177,7 +178,7 @@ static inline __attribute__((always_inline)) void chunk_rows(int type, const uin
 static int weight_ok(const int64_t *w) {
     const int type = (int)w[3];
     const int rows_ok = type >= 9 ? w[1] % 8 == 0 : 1; /* panels of 8 rows */
-    return type >= 3 && type <= 12 && rows_ok && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
+    return type >= 3 && type <= 14 && rows_ok && w[1] >= 0 && w[2] > 0 && w[2] % BLOCK_SIZE[type] == 0;
 }
 
 /* y[r_lo .. r_hi, n0 .. n1] = acc ([r_hi - r_lo][N_CHUNK]) + bias, rounded to y's dtype. */
@@ -232,7 +233,7 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
 /* y[:, col_p : col_p + n_p] = x W_p^T + bias_p for the `parts` weights w[4p .. 4p + 3] side by side
  * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel
  * region over every part's chunks (a packed layer's slices are one fork, not one each). Packed parts
- * (types 9-12) take their panels at every row count (one activation level only); the others stream
+ * (types 9-14) take their panels at every row count (one activation level only); the others stream
  * their rows, or from PANEL_MIN_ROWS rows (one level) take per-call panels. Returns 0, 1 for packed
  * parts at two levels, or 2 without memory. */
 static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_flags, const void *bias,
@@ -244,7 +245,7 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
     int64_t num_chunks = 0;
     for (int64_t p = 0; p < parts; p++) {
         const int type = (int)w[4 * p + 3];
-        if (type == 12) packed256 = 1;
+        if (type >= 12) packed256 = 1;
         else if (is_packed_type(type)) packed32 = 1;
         else if (type <= 5) need256 = streamed = 1;
         else need32 = streamed = 1;
@@ -292,7 +293,7 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
             const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
             void *yp = (char *)y + col * elem;
             if (is_packed_type((int)w[4 * p + 3])) {
-                const px_t *pxp = w[4 * p + 3] == 12 ? &px256 : &px32;
+                const px_t *pxp = w[4 * p + 3] >= 12 ? &px256 : &px32;
                 run_packed_chunk(w + 4 * p, c - first, pxp, x_bf16, b, yp, ldy, r_lo, r_hi, acc);
                 continue;
             }

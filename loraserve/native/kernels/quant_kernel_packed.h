@@ -1,5 +1,5 @@
-/* Q8_0 / Q4_0 / Q4_1 (and Q4_K, packed_kdot) packed at load in panels of 8 rows (types 9-12; formats.repack_panels lays them
- * out), read by quant_kernel.c for every row count of x: one path, so a row's result does not depend on
+/* Q8_0 / Q4_0 / Q4_1 packed at load in panels of 8 rows (types 9-11; formats.repack_panels lays them out;
+ * the K-quants' panels, types 12-14, are quant_kernel_kpacked.h's), read by quant_kernel.c for every row count of x: one path, so a row's result does not depend on
  * how many rows share the call (a speculative verification's rows get the values one decode row gets).
  *
  * Shape: rows [8p, 8p + 8) of W [n, k] (n a multiple of 8) are panel p: k / 32 blocks of 8 * TYPE_SIZE
@@ -19,18 +19,13 @@
 #ifndef LORASERVE_QUANT_KERNEL_PACKED_H
 #define LORASERVE_QUANT_KERNEL_PACKED_H
 
-#define PACKED_FIRST 9 /* type codes 9-11: Q8_0, Q4_0, Q4_1 in panels; 12: Q4_K */
+#define PACKED_FIRST 9 /* type codes 9-11: Q8_0, Q4_0, Q4_1 in panels; 12-14: Q4_K, Q5_K, Q6_K */
 #define PACKED_MR 4     /* x rows per pass over a panel (run_packed_chunk's cases) */
 #ifndef PACKED_AHEAD
 #define PACKED_AHEAD 16 /* blocks read ahead while streaming (4 left one thread at ~60% of its read bandwidth) */
 #endif
 static inline int is_packed_type(int type) { return type >= PACKED_FIRST; }
 static inline int64_t packed_block_bytes(int type) { return 8 * (int64_t)TYPE_SIZE[type]; }
-/* Q4_K's panel, per super-block: 4 sub-block pairs of 8 steps (step t of pair j: nibble bytes 32j + 4t ..
- * + 3 of rows 0-7: low nibbles sub-block 2j, high 2j + 1), then the six-bit scales and mins as bytes
- * [sub-block][row], then the rows' float16 d, then their dmin: 1184 bytes (148 a row, the file's 144
- * with its 12 packed scale bytes spread to 16). */
-enum { PK_SC = 1024, PK_MN = 1088, PK_D = 1152, PK_DMIN = 1168 };
 static inline int packed_qbytes(int type) { return type == 9 ? 256 : 128; }
 
 #if QK_PATH > 0
@@ -55,8 +50,10 @@ static inline __attribute__((always_inline)) void packed_steps(int type, const u
         return;
     }
     const __m256i low4 = _mm256_set1_epi8(15);
+#if QK_PATH != 2
     __m256i s16[PACKED_MR];
     for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
+#endif
     for (int t = 0; t < 4; t++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(pq + 32 * t));
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -104,57 +101,6 @@ static inline __attribute__((always_inline)) void packed_dot(int type, const uin
     }
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ld, acc[i]);
 }
-/* Q4_K: out[i * ld + j] = panel row j . x row r0 + i over the super-blocks, x per 256 (px: its d per
- * 32-block, the same for a super-block's 8, and xi its integer sums): per super-block
- * d dx sum_s sc_s (q_s . xq_s) - dmin dx sum_s mn_s sum(xq_s), both sums exact in int32 (each
- * sub-block's int16 byte-pair sums widened by vpmaddwd against its scale; at most 8 x 63 x 30480 <
- * 2^31), then two FMAs. */
-static inline __attribute__((always_inline)) void packed_kdot(const uint8_t *panel, const px_t *px, int64_t r0, int mr,
-                                                              int stream, float *out, int64_t ld) {
-    const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[12];
-    const __m256i low4 = _mm256_set1_epi8(15);
-    __m256 acc[PACKED_MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *pq = panel + sb * bb;
-        if (stream && PACKED_AHEAD > 0)
-            for (int64_t at = 0; at < bb; at += 64) __builtin_prefetch(pq + 2 * bb + at, 0, 0);
-        __m256i isum[PACKED_MR], imin[PACKED_MR];
-        for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm256_setzero_si256();
-        for (int sub = 0; sub < 8; sub++) {
-            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pq + PK_SC + 8 * sub)));
-            const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* the row's scale in both halves */
-            __m256i s16[PACKED_MR];
-            for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
-            for (int t = 0; t < 8; t++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(pq + 256 * (sub / 2) + 32 * t));
-                const __m256i w = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
-                for (int i = 0; i < mr; i++) {
-                    int32_t word;
-                    memcpy(&word, px->xq + (r0 + i) * px->k + sb * 256 + 32 * sub + 4 * t, 4);
-                    s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(word)));
-                    __asm__("" : "+x"(s16[i]));
-                }
-            }
-            for (int i = 0; i < mr; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s16[i], sc2));
-        }
-        for (int sub = 0; sub < 8; sub++) {
-            const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pq + PK_MN + 8 * sub)));
-            for (int i = 0; i < mr; i++) {
-                const int16_t xsum = px->xi[(r0 + i) * px->nb + sb * 8 + sub];
-                imin[i] = _mm256_add_epi32(imin[i], _mm256_madd_epi16(mn, _mm256_set1_epi32((uint16_t)xsum)));
-            }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + PK_D)));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + PK_DMIN)));
-        for (int i = 0; i < mr; i++) {
-            const __m256 dx = _mm256_set1_ps(px->dx[(r0 + i) * px->nb + sb * 8]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, dx), acc[i]);
-            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[i]), _mm256_mul_ps(dmin, dx), acc[i]);
-        }
-    }
-    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ld, acc[i]);
-}
 #else
 /* The portable twin of packed_dot (same terms and order; separate multiply and add). */
 static void packed_dot(int type, const uint8_t *panel, const px_t *px, int64_t r0, int mr, int stream, float *out,
@@ -184,34 +130,9 @@ static void packed_dot(int type, const uint8_t *panel, const px_t *px, int64_t r
             out[i * ld + j] = acc;
         }
 }
-/* The portable twin of packed_kdot (same integer sums, then the same two terms unfused). */
-static void packed_kdot(const uint8_t *panel, const px_t *px, int64_t r0, int mr, int stream, float *out, int64_t ld) {
-    (void)stream;
-    const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[12];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 8; j++) {
-            float acc = 0.0f;
-            for (int64_t sb = 0; sb < nsb; sb++) {
-                const uint8_t *pq = panel + sb * bb;
-                const int8_t *xb = px->xq + (r0 + i) * px->k + sb * 256;
-                int32_t isum = 0, imin = 0;
-                for (int sub = 0; sub < 8; sub++) {
-                    int32_t dot = 0;
-                    for (int v = 0; v < 32; v++) {
-                        const uint8_t byte = pq[256 * (sub / 2) + 32 * (v / 4) + 4 * j + v % 4];
-                        dot += (sub % 2 ? byte >> 4 : byte & 15) * xb[32 * sub + v];
-                    }
-                    isum += pq[PK_SC + 8 * sub + j] * dot;
-                    imin += pq[PK_MN + 8 * sub + j] * px->xi[(r0 + i) * px->nb + sb * 8 + sub];
-                }
-                const float dx = px->dx[(r0 + i) * px->nb + sb * 8];
-                acc += (float)isum * (f16_to_f32(pq + PK_D + 2 * j) * dx);
-                acc -= (float)imin * (f16_to_f32(pq + PK_DMIN + 2 * j) * dx);
-            }
-            out[i * ld + j] = acc;
-        }
-}
 #endif
+
+#include "quant_kernel_kpacked.h"
 
 /* Chunk c (N_CHUNK rows: two panels) of packed weight w against x rows [r_lo, r_hi) into y (acc:
  * [r_hi - r_lo][N_CHUNK] scratch). */
@@ -232,10 +153,12 @@ static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_
     case T * 8 + M: packed_dot(T, panel, px, r0, M, stream, o, N_CHUNK); break;
 #define PACKED_TYPE(T) PACKED_CASE(T, 1) PACKED_CASE(T, 2) PACKED_CASE(T, 3) PACKED_CASE(T, 4)
                 PACKED_TYPE(9) PACKED_TYPE(10) PACKED_TYPE(11)
-            case 12 * 8 + 1: packed_kdot(panel, px, r0, 1, stream, o, N_CHUNK); break;
-            case 12 * 8 + 2: packed_kdot(panel, px, r0, 2, stream, o, N_CHUNK); break;
-            case 12 * 8 + 3: packed_kdot(panel, px, r0, 3, stream, o, N_CHUNK); break;
-            case 12 * 8 + 4: packed_kdot(panel, px, r0, 4, stream, o, N_CHUNK); break;
+#define KPACKED_CASE(T, M) \
+    case T * 8 + M: packed_kdot(T, panel, px, r0, M, stream, o, N_CHUNK); break;
+#define KPACKED_TYPE(T) KPACKED_CASE(T, 1) KPACKED_CASE(T, 2) KPACKED_CASE(T, 3) KPACKED_CASE(T, 4)
+                KPACKED_TYPE(12) KPACKED_TYPE(13) KPACKED_TYPE(14)
+#undef KPACKED_TYPE
+#undef KPACKED_CASE
 #undef PACKED_TYPE
 #undef PACKED_CASE
             default: break;

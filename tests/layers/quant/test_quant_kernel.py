@@ -31,7 +31,7 @@ BUILDS: dict[str, tuple[tuple[str, ...], set[str], str]] = {
 }
 # (rows, out): one row, 4-row groups with tails (3, 5, 17, 33), the last integer-path row count and the
 # first tile-path one, 64 rows; outputs across the kernel's 16-row chunks with tails, multiples of 8
-# (Q8_0 / Q4_0 / Q4_1 at one level take panels of 8 rows) and not (their row layout)
+# (every format at one level takes panels of 8 rows) and not (the row layouts)
 ROWS_OUT = [
     (1, 1),
     (3, 40),
@@ -226,7 +226,7 @@ def test_integer_path_over_several_row_blocks(build: str, name: str, monkeypatch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", sorted(PANEL_TYPES))
 def test_panels_give_a_row_the_same_values_in_any_batch(build: str, name: str, dtype: torch.dtype) -> None:
-    """Q8_0 / Q4_0 / Q4_1 at one level sit in panels of 8 rows and take one path at every row count, so
+    """Every format at one level sits in panels of 8 rows and takes one path at every row count, so
     a row's output is the same bits alone, in a speculative verification's few rows and in a prefill's
     many (greedy speculation's identity relies on it; the row layout's paths switch at PANEL_MIN_ROWS)."""
     k = _in_features(name)[-1]

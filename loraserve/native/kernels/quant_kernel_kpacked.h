@@ -1,0 +1,168 @@
+/* Q4_K / Q5_K / Q6_K packed at load in panels of 8 rows (types 12-14; layers/quant/kpanels.py lays them
+ * out), read by quant_kernel_packed.h's run_packed_chunk for every row count of x: one path, so a row's
+ * result does not depend on how many rows share the call.
+ *
+ * Shape: per super-block (256 weights) a panel of 8 rows holds steps (32 bytes: bytes 4t .. 4t + 3 of a
+ * field of rows 0-7), then scale bytes [scale][row], then the rows' float16 fields:
+ *   Q4_K (12): 32 steps of nibble bytes (steps 8j .. 8j + 7: bytes 32j .. 32j + 31, low nibbles sub-block
+ *              2j, high 2j + 1), 8 x 8 six-bit scales, 8 x 8 mins, d, dmin: 1184 bytes (148 a row);
+ *   Q5_K (13): the same, with 8 steps of the high-bit bytes after the nibbles (byte i's bit j: weight i of
+ *              sub-block j): 1440 bytes (180 a row);
+ *   Q6_K (14): 32 steps of low-nibble bytes (32-byte piece 2h + r % 2 holds sub-block 4h + r's, the high
+ *              nibbles for r >= 2), 16 steps of two-bit bytes (piece h: sub-block 4h + r's at bit 2r), 16 x 8
+ *              int8 scales (one per 16 weights), d: 1680 bytes (210 a row, as the file).
+ * Semantics: out[i][j] = sum over super-blocks, x per 256 (px: dx its d, xq its quants, xi / xi16 their
+ * integer sums per 32 / 16), of
+ *   Q4_K / Q5_K: d dx sum_s sc_s (q_s . xq_s) - dmin dx sum_s mn_s sum(xq_s)
+ *   Q6_K:        d dx (sum_g sc_g (u_g . xq_g) - 32 sum_g sc_g sum(xq_g))     (u = q + 32, unsigned)
+ * each integer sum exact in int32, then float32 FMAs: the same operations for any number of rows.
+ * Why this shape (llama.cpp's q4_K x q8_K, its repack.cpp's 8-row interleave): one broadcast of 4 x bytes
+ * feeds 8 rows in lanes of their own; the byte-pair sums (vpmaddubsw) add up in int16 until they could
+ * overflow (Q4_K 8 steps: 8 x 2 x 15 x 127 < 2^15; Q5_K 4: 4 x 2 x 31 x 127; Q6_K 2: 2 x 2 x 63 x 127),
+ * then vpmaddwd widens them against each lane's row scale (held in both of its int16 halves); a
+ * super-block's sums stay below 2^31 (Q6_K's: 256 x 63 x 127 x 128 + 32 x 16 x 128 x 2032). */
+#ifndef LORASERVE_QUANT_KERNEL_KPACKED_H
+#define LORASERVE_QUANT_KERNEL_KPACKED_H
+
+#ifndef KPACKED_AHEAD
+#define KPACKED_AHEAD 4 /* super-blocks read ahead while streaming (2 left Q6_K's one row at ~80% of 4's rate, 2 threads, Zen 3) */
+#endif
+enum { K5_QH = 1024, K6_QH = 1024, K6_SC = 1536, K6_D = 1664 };
+/* Q4_K / Q5_K: where a super-block's scales start (the mins, d and dmin follow at +64, +128, +144). */
+static inline int kpanel_sc(int type) { return type == 12 ? 1024 : 1280; }
+/* The unsigned quant of row j's weight v (0-31) of sub-block sub (the portable twin's reading). */
+static inline int kpanel_quant(int type, const uint8_t *pq, int sub, int v, int j) {
+    const int at = 32 * (v / 4) + 4 * j + v % 4;
+    if (type == 14) {
+        const int h = sub / 4, r = sub % 4;
+        const uint8_t ql = pq[256 * (2 * h + r % 2) + at], qh = pq[K6_QH + 256 * h + at];
+        return (r >= 2 ? ql >> 4 : ql & 15) | (((qh >> (2 * r)) & 3) << 4);
+    }
+    const uint8_t b = pq[256 * (sub / 2) + at];
+    const int q = sub % 2 ? b >> 4 : b & 15;
+    return type == 13 ? q | (((pq[K5_QH + at] >> sub) & 1) << 4) : q;
+}
+
+#if QK_PATH > 0
+/* Step t of sub-block sub: its 32 unsigned quants (4 weights of rows 0-7). */
+static inline __attribute__((always_inline)) __m256i kpanel_step(int type, const uint8_t *pq, int sub, int t) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (type == 14) {
+        const int h = sub / 4, r = sub % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(pq + 256 * (2 * h + r % 2) + 32 * t));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(pq + K6_QH + 256 * h + 32 * t));
+        const __m256i lo = _mm256_and_si256(r >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+        /* bits 2r, 2r + 1 to 4, 5 (a 16-bit shift by at most 4 moves no wanted bit across a byte) */
+        const __m256i hi = r < 2 ? _mm256_slli_epi16(qh, 4 - 2 * r) : r == 2 ? qh : _mm256_srli_epi16(qh, 2);
+        return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(pq + 256 * (sub / 2) + 32 * t));
+    const __m256i w = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
+    if (type != 13) return w;
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(pq + K5_QH + 32 * t));
+    const __m256i bit = sub <= 4 ? _mm256_slli_epi16(h, 4 - sub) : _mm256_srli_epi16(h, sub - 4); /* bit sub to 4 */
+    return _mm256_or_si256(w, _mm256_and_si256(bit, _mm256_set1_epi8(16)));
+}
+
+/* The 8 rows' scale for step t of sub-block sub, each in both int16 halves of its lane. */
+static inline __attribute__((always_inline)) __m256i kpanel_scale(int type, const uint8_t *pq, int sub, int t) {
+    const __m256i s = type == 14 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pq + K6_SC + 8 * (2 * sub + t / 4))))
+                                 : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pq + kpanel_sc(type) + 8 * sub)));
+    return type == 14 ? _mm256_blend_epi16(s, _mm256_slli_epi32(s, 16), 0xaa) : _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
+}
+
+/* isum[i] += super-block pq's sum over sub-blocks of scale x (q . xq) for x rows r0 .. r0 + mr - 1. */
+static inline __attribute__((always_inline)) void kpanel_sums(int type, const uint8_t *pq, const px_t *px, int64_t r0,
+                                                              int mr, int64_t sb, __m256i *isum) {
+    const int widen = type == 12 ? 8 : type == 13 ? 4 : 2;
+    for (int sub = 0; sub < 8; sub++)
+        for (int t0 = 0; t0 < 8; t0 += widen) {
+            __m256i s16[PACKED_MR];
+            for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int t = t0; t < t0 + widen; t++) {
+                const __m256i w = kpanel_step(type, pq, sub, t);
+                for (int i = 0; i < mr; i++) {
+                    int32_t word;
+                    memcpy(&word, px->xq + (r0 + i) * px->k + sb * 256 + 32 * sub + 4 * t, 4);
+                    s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(word)));
+                    __asm__("" : "+x"(s16[i])); /* each row's sum in a register (see panel_steps) */
+                }
+            }
+            const __m256i sc = kpanel_scale(type, pq, sub, t0);
+            for (int i = 0; i < mr; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s16[i], sc));
+        }
+}
+
+/* out[i * ld + j] = panel row j . x row r0 + i for i < mr (<= PACKED_MR), as the header's semantics;
+ * `stream`: the panel comes from memory, so read ahead. */
+static inline __attribute__((always_inline)) void packed_kdot(int type, const uint8_t *panel, const px_t *px, int64_t r0,
+                                                              int mr, int stream, float *out, int64_t ld) {
+    const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[type];
+    __m256 acc[PACKED_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *pq = panel + sb * bb;
+        if (stream && KPACKED_AHEAD > 0)
+            for (int64_t at = 0; at < bb; at += 64) __builtin_prefetch(pq + KPACKED_AHEAD * bb + at, 0, 0);
+        __m256i isum[PACKED_MR], imin[PACKED_MR];
+        for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm256_setzero_si256();
+        kpanel_sums(type, pq, px, r0, mr, sb, isum);
+        for (int g = 0; g < (type == 14 ? 16 : 8); g++) { /* Q6_K: 32 sc_g sum_g off isum; else mn_s sum_s */
+            const uint8_t *s = pq + (type == 14 ? K6_SC : kpanel_sc(type) + 64) + 8 * g;
+            const __m128i b = _mm_loadl_epi64((const __m128i *)s);
+            const __m256i v = type == 14 ? _mm256_slli_epi32(_mm256_cvtepi8_epi32(b), 5) : _mm256_cvtepu8_epi32(b);
+            for (int i = 0; i < mr; i++) {
+                const int16_t xsum = type == 14 ? px->xi16[((r0 + i) * px->nb + sb * 8) * 2 + g]
+                                                : px->xi[(r0 + i) * px->nb + sb * 8 + g];
+                const __m256i term = _mm256_madd_epi16(v, _mm256_set1_epi32((uint16_t)xsum));
+                if (type == 14) isum[i] = _mm256_sub_epi32(isum[i], term);
+                else imin[i] = _mm256_add_epi32(imin[i], term);
+            }
+        }
+        const int d_at = type == 14 ? K6_D : kpanel_sc(type) + 128;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + d_at)));
+        const __m256 dmin = type == 14 ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + d_at + 16)));
+        for (int i = 0; i < mr; i++) {
+            const __m256 dx = _mm256_set1_ps(px->dx[(r0 + i) * px->nb + sb * 8]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, dx), acc[i]);
+            if (type != 14) acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[i]), _mm256_mul_ps(dmin, dx), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ld, acc[i]);
+}
+#else
+/* The portable twin of packed_kdot (the same integer sums, then the same terms unfused). */
+static void packed_kdot(int type, const uint8_t *panel, const px_t *px, int64_t r0, int mr, int stream, float *out,
+                        int64_t ld) {
+    (void)stream;
+    const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[type];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < 8; j++) {
+            float acc = 0.0f;
+            for (int64_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *pq = panel + sb * bb;
+                const int8_t *xb = px->xq + (r0 + i) * px->k + sb * 256;
+                const int64_t at = (r0 + i) * px->nb + sb * 8;
+                int32_t isum = 0, imin = 0;
+                for (int g = 0; g < 16; g++) { /* groups of 16 weights */
+                    int32_t dot = 0;
+                    for (int v = 16 * (g % 2); v < 16 * (g % 2) + 16; v++) dot += kpanel_quant(type, pq, g / 2, v, j) * xb[16 * g + v % 16];
+                    if (type == 14) {
+                        const int sc = (int8_t)pq[K6_SC + 8 * g + j];
+                        isum += sc * dot - 32 * sc * px->xi16[2 * at + g];
+                    } else {
+                        isum += pq[kpanel_sc(type) + 8 * (g / 2) + j] * dot;
+                        if (g % 2) imin += pq[kpanel_sc(type) + 64 + 8 * (g / 2) + j] * px->xi[at + g / 2];
+                    }
+                }
+                const int d_at = type == 14 ? K6_D : kpanel_sc(type) + 128;
+                acc += (float)isum * (f16_to_f32(pq + d_at + 2 * j) * px->dx[at]);
+                if (type != 14) acc -= (float)imin * (f16_to_f32(pq + d_at + 16 + 2 * j) * px->dx[at]);
+            }
+            out[i * ld + j] = acc;
+        }
+}
+#endif
+
+#endif
