@@ -94,6 +94,45 @@ static inline __attribute__((always_inline)) void kpanel_sums(int type, const ui
         }
 }
 
+/* kpanel_sums for one x row (xs: its super-block's 256 quants): a step's load feeds every sub-block it
+ * holds (Q4_K / Q5_K: the low and high nibbles, 2 sub-blocks; Q6_K: two low-nibble loads and one two-bit
+ * load, 4), the x row's one decode stream being bound by the instructions per weight byte. The same
+ * integer sum as kpanel_sums (exact: the order of int32 additions does not matter). */
+static inline __attribute__((always_inline)) __m256i kpanel_sums1(int type, const uint8_t *pq, const int8_t *xs) {
+    const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(0x30);
+    const int pieces = type == 14 ? 2 : 4, subs = type == 14 ? 4 : 2, widen = type == 12 ? 8 : type == 13 ? 4 : 2;
+    __m256i isum = _mm256_setzero_si256();
+    for (int p = 0; p < pieces; p++)
+        for (int t0 = 0; t0 < 8; t0 += widen) {
+            __m256i s16[4];
+            for (int u = 0; u < subs; u++) s16[u] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int t = t0; t < t0 + widen; t++) {
+                __m256i w[4];
+                if (type == 14) { /* sub-blocks 4p + r: r = 0, 1 low nibbles of pieces 2p, 2p + 1; 2, 3 high */
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(pq + 512 * p + 32 * t));
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(pq + 512 * p + 256 + 32 * t));
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(pq + K6_QH + 256 * p + 32 * t));
+                    w[0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), two));
+                    w[1] = _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), two));
+                    w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(h, two));
+                    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                                           _mm256_and_si256(_mm256_srli_epi16(h, 2), two));
+                } else { /* sub-blocks 2p (low nibbles), 2p + 1 (high) */
+                    w[0] = kpanel_step(type, pq, 2 * p, t), w[1] = kpanel_step(type, pq, 2 * p + 1, t);
+                }
+                for (int u = 0; u < subs; u++) {
+                    int32_t word;
+                    memcpy(&word, xs + 32 * (subs * p + u) + 4 * t, 4);
+                    s16[u] = _mm256_add_epi16(s16[u], _mm256_maddubs_epi16(w[u], _mm256_set1_epi32(word)));
+                }
+            }
+            for (int u = 0; u < subs; u++)
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16[u], kpanel_scale(type, pq, subs * p + u, t0)));
+        }
+    return isum;
+}
+
 /* out[i * ld + j] = panel row j . x row r0 + i for i < mr (<= PACKED_MR), as the header's semantics;
  * `stream`: the panel comes from memory, so read ahead. */
 static inline __attribute__((always_inline)) void packed_kdot(int type, const uint8_t *panel, const px_t *px, int64_t r0,
@@ -107,7 +146,8 @@ static inline __attribute__((always_inline)) void packed_kdot(int type, const ui
             for (int64_t at = 0; at < bb; at += 64) __builtin_prefetch(pq + KPACKED_AHEAD * bb + at, 0, 0);
         __m256i isum[PACKED_MR], imin[PACKED_MR];
         for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm256_setzero_si256();
-        kpanel_sums(type, pq, px, r0, mr, sb, isum);
+        if (mr == 1) isum[0] = kpanel_sums1(type, pq, px->xq + r0 * px->k + sb * 256);
+        else kpanel_sums(type, pq, px, r0, mr, sb, isum);
         for (int g = 0; g < (type == 14 ? 16 : 8); g++) { /* Q6_K: 32 sc_g sum_g off isum; else mn_s sum_s */
             const uint8_t *s = pq + (type == 14 ? K6_SC : kpanel_sc(type) + 64) + 8 * g;
             const __m128i b = _mm_loadl_epi64((const __m128i *)s);
