@@ -3,8 +3,9 @@ Q4_1, a Llama-3.2-1B-shaped Q4_K_M and Q8_0 and a Llama-3.1-8B-shaped Q4_K_M (`g
 file only with `--files ...,q4_k_m_8b`: 4.9 GB, one-sequence row). Rows: one sequence's tok/s (16 +
 64 tokens), 32 concurrent requests (64 + 64), 16 concurrent on 16 different adapters (SmolLM2 only:
 PEFT folders for loraserve, the same adapters through llama.cpp's `convert_lora_to_gguf.py` for its
-per-request `lora` field); then decode tok/s against batch size on SmolLM2 for the
-plot, loraserve quantized and dequantized (bf16) beside llama.cpp.
+per-request `lora` field), prompt processing (8 prompts of 128 tokens, one token out: prompt tokens
+a second); then decode tok/s against batch size on SmolLM2 for the plot, loraserve quantized and
+dequantized (bf16) beside llama.cpp.
 
 Both run with the same thread count (`--threads`, default 1: two cores shared with other jobs make
 multi-threaded steps wait on descheduled siblings) and the same KV room (llama.cpp's `-c` = slots x
@@ -12,7 +13,10 @@ tokens per slot; loraserve's kv_cache_memory_bytes that many tokens). loraserve 
 (`LLM.generate`), llama.cpp behind HTTP (one /completion request per sequence, all at once); rates are
 generated tokens over wall time, prefill included, best of `--repeats` rounds timed in turn. Each
 one-sequence row is printed beside its weight-read bound: the bytes a decode step reads (every weight
-once; an untied token embedding only a row) over the read bandwidth measured at the start of this run.
+once; an untied token embedding only a row) over the read bandwidth measured at the start of this run;
+each many-row row beside the multiply-adds a second loraserve's linears ran at (every token through the
+decoder layers' linears, the LM head per token out: the file's shapes) over the int8 peak measured in
+the same run (`int8_peak.py`): those rows are bound by the integer multiply pipes, not by memory.
 
     python -m benchmarks.beside_llama_cpp [--threads 1] [--repeats 2] [--files smollm2,q4_k_m,q8_0]
 """
@@ -37,7 +41,9 @@ from benchmarks.common import (
     save_results,
 )
 from benchmarks.gguf_llama import build_llama_gguf
+from benchmarks.int8_peak import int8_peak_gmacs, linear_macs
 from benchmarks.llama_cpp import LlamaServer, gguf_adapters, server_binary
+from benchmarks.report import bound_text
 
 # (layers, KV heads, head dim, vocabulary) of each file's model
 SHAPES = {
@@ -47,7 +53,9 @@ SHAPES = {
     "q4_k_m_8b": (32, 8, 128, 128256),
 }
 UNTIED_EMBEDDING_BYTES = {"q4_k_m_8b": 128256 * 4096 * 144 // 256}  # read a row at a time, not per step
-TARGETS = {"one sequence": 1.1, "32 concurrent": 5.0, "16 adapters mixed": 8.0}
+TARGETS = {"one sequence": 1.1, "32 concurrent": 5.0, "16 adapters mixed": 8.0, "prompt processing": 1.0}
+PEAK_TARGET = 0.6  # prompt processing's share of the int8 peak (int8_peak.py) the issue asks for
+PROMPTS, PROMPT_TOKENS = 8, 128  # the prompt-processing row: 8 prompts of 128 tokens, one token out each
 SLOT_TOKENS = 160  # tokens per sequence slot: 64 + 64 and room
 SLOTS = 32
 SWEEP = (1, 4, 16, 32)
@@ -137,25 +145,38 @@ def _rows(name: str, args: Any, adapters: tuple[list[str], list[str]] | None) ->
             rows["one sequence"]["bound"] = args.bandwidth_gbs * 1e9 / step_bytes
         finally:
             single.close()
-    if not {"concurrent", "adapters"} & set(wanted):
+    if not {"concurrent", "adapters", "prompt"} & set(wanted):
         del llm
         gc.collect()
         return {"file": os.path.basename(path), "gen_len": gen_len, "rows": rows}
     server = LlamaServer(path, args.threads, SLOTS, SLOT_TOKENS, adapters[1] if adapters else None)
+    layer_macs, head_macs = linear_macs(path)
     try:
-        jobs: list[tuple[str, list[list[int]], list[Any] | None, list[int | None] | None]] = []
+        jobs: list[tuple[str, list[list[int]], list[Any] | None, list[int | None] | None, int]] = []
         if "concurrent" in wanted:
-            jobs.append(("32 concurrent", random_prompts(32, 64, vocab, seed=1), None, None))
+            jobs.append(("32 concurrent", random_prompts(32, 64, vocab, seed=1), None, None, gen_len))
         if adapters and "adapters" in wanted:
             ours = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters[0])]
-            jobs.append(("16 adapters mixed", random_prompts(16, 64, vocab, seed=2), ours, list(range(16))))
-        for label, prompts, our_loras, their_loras in jobs:
+            jobs.append(
+                ("16 adapters mixed", random_prompts(16, 64, vocab, seed=2), ours, list(range(16)), gen_len)
+            )
+        if "prompt" in wanted:
+            jobs.append(
+                ("prompt processing", random_prompts(PROMPTS, PROMPT_TOKENS, vocab, seed=3), None, None, 1)
+            )
+        for label, prompts, our_loras, their_loras, out_len in jobs:
             runs: dict[str, Callable[[list[list[int]]], Any]] = {
-                "loraserve": _our_run(llm, gen_len, our_loras),
-                "llama.cpp": _their_run(server, gen_len, their_loras),
+                "loraserve": _our_run(llm, out_len, our_loras),
+                "llama.cpp": _their_run(server, out_len, their_loras),
             }
             timings = interleaved_timed(runs, prompts, repeats=args.repeats)
-            rows[label] = {system: len(prompts) * gen_len / s for system, (s, _) in timings.items()}
+            # tok/s: generated tokens, or the prompts' tokens for prompt processing
+            counted = sum(map(len, prompts)) if out_len == 1 else len(prompts) * out_len
+            rows[label] = {system: counted / s for system, (s, _) in timings.items()}
+            # the linears' multiply-adds over our time: every token through the layers, the head per output
+            fed = sum(len(p) + out_len - 1 for p in prompts)
+            macs = fed * layer_macs + len(prompts) * out_len * head_macs
+            rows[label]["int8_gmacs"] = macs / timings["loraserve"][0] / 1e9
     finally:
         server.close()
     del llm
@@ -195,16 +216,15 @@ def _warm_up() -> None:
 
 
 def _print(results: dict[str, Any]) -> None:
+    peak = results.get("int8_peak_gmacs")
     print(f"\nloraserve beside llama.cpp, {results['cpu']}; {results['threads']} thread(s) each")
+    print(f"int8 multiply-add peak {peak or 0:.0f} G a second (int8_peak.c); prompt processing's target: "
+          f"{PEAK_TARGET:.0%} of it")  # fmt: skip
     print(f"{'file':<36}{'row':<20}{'loraserve':>11}{'llama.cpp':>11}{'ratio':>8}{'target':>8}")
     for entry in results["files"].values():
         for label, row in entry["rows"].items():
             ratio = row["loraserve"] / row["llama.cpp"]
-            bound = (
-                f"   bound {row['bound']:.1f} tok/s: step {row['bound'] / row['loraserve']:.2f}x"
-                if "bound" in row
-                else ""
-            )
+            bound = "   " + bound_text(row, peak) if bound_text(row, peak) else ""
             print(
                 f"{entry['file']:<36}{label:<20}{row['loraserve']:>11.1f}{row['llama.cpp']:>11.1f}"
                 f"{ratio:>7.2f}x{'>= ' + str(TARGETS[label]):>8}{bound}"
@@ -222,8 +242,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--files", default="smollm2,q4_k_m,q8_0")
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--rows", default="one,concurrent,adapters", help="SmolLM2's rows")
-    parser.add_argument("--rows-1b", default="one,concurrent", help="the 1B files' rows (one, concurrent)")
+    parser.add_argument("--rows", default="one,concurrent,adapters,prompt", help="SmolLM2's rows")
+    parser.add_argument("--rows-1b", default="one,concurrent,prompt", help="the 1B files' rows")
     parser.add_argument("--gen-len-1b", type=int, default=None, help="the 1B files' generated tokens")
     parser.add_argument("--sweep", default=",".join(map(str, SWEEP)), help="batch sizes of the sweep")
     args = parser.parse_args()
@@ -240,6 +260,7 @@ def main() -> None:
         "threads": args.threads,
         "files": {},
         "read_bandwidth_gbs": args.bandwidth_gbs,
+        "int8_peak_gmacs": int8_peak_gmacs(args.threads),
     }
     for name in args.files.split(","):
         adapters = None

@@ -31,15 +31,26 @@ def conditions_line(cond: dict[str, Any]) -> str:
     )
 
 
+def bound_text(row: dict[str, Any], peak: float | None) -> str:
+    """A row's machine bound: one sequence's weight-read bound, or the int8 multiply-adds a second the
+    linears ran at as a share of the int8 peak measured in the same run (report.py prints it too)."""
+    if "bound" in row:
+        return f"bound {row['bound']:.1f} tok/s: step {row['bound'] / row['loraserve']:.2f}x"
+    if "int8_gmacs" in row and peak:
+        return f"linears {row['int8_gmacs']:.0f} G MAC/s: {row['int8_gmacs'] / peak:.0%} of the int8 peak"
+    return ""
+
+
 def _beside_llama_cpp(data: dict[str, Any]) -> list[str]:
     lines = [
-        "| file | row | loraserve tok/s | llama.cpp tok/s | ratio | weight-read bound |",
+        "| file | row | loraserve tok/s | llama.cpp tok/s | ratio | machine bound |",
         "|---|---|---|---|---|---|",
     ]
+    peak = data.get("int8_peak_gmacs")
     for entry in data["files"].values():
         for label, row in entry["rows"].items():
             ours, theirs = row["loraserve"], row["llama.cpp"]
-            bound = f"{row['bound']:.1f} tok/s (step {row['bound'] / ours:.2f}x)" if "bound" in row else ""
+            bound = bound_text(row, peak)
             lines.append(
                 f"| {entry['file']} | {label} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {bound} |"
             )

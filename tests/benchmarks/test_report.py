@@ -40,9 +40,13 @@ def test_a_result_renders_under_its_file_with_its_conditions(tmp_path) -> None:
         "files": {
             "f": {
                 "file": "x.gguf",
-                "rows": {"one sequence": {"loraserve": 30.0, "llama.cpp": 24.0, "bound": 36.0}},
+                "rows": {
+                    "one sequence": {"loraserve": 30.0, "llama.cpp": 24.0, "bound": 36.0},
+                    "prompt processing": {"loraserve": 100.0, "llama.cpp": 80.0, "int8_gmacs": 150.0},
+                },
             }
         },
+        "int8_peak_gmacs": 300.0,
         "conditions": cond,
     }
     (tmp_path / "beside_llama_cpp_2t.json").write_text(json.dumps(data))
@@ -50,7 +54,8 @@ def test_a_result_renders_under_its_file_with_its_conditions(tmp_path) -> None:
     text = report.render(str(tmp_path))
     assert "### `beside_llama_cpp_2t.json`" in text and "old.json" not in text
     assert "31.3 GB/s on 2 threads" in text and "load average 0.30 before, 1.90 after" in text
-    assert "| x.gguf | one sequence | 30.0 | 24.0 | 1.25x | 36.0 tok/s (step 1.20x) |" in text
+    assert "| x.gguf | one sequence | 30.0 | 24.0 | 1.25x | bound 36.0 tok/s: step 1.20x |" in text
+    assert "| prompt processing | 100.0 | 80.0 | 1.25x | linears 150 G MAC/s: 50% of the int8 peak |" in text
 
 
 def test_the_speculative_result_renders_its_ratios_and_targets(tmp_path) -> None:
