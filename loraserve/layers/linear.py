@@ -25,6 +25,7 @@ from torch import nn
 from loraserve.batch.forward_batch import ForwardBatch
 from loraserve.layers import gemm_cpu
 from loraserve.layers.quant import kernel as quant_kernel
+from loraserve.layers.quant.embedding import QuantEmbedding
 from loraserve.layers.quant.formats import QuantTensor
 from loraserve.native import huge_pages
 
@@ -166,7 +167,8 @@ def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
     returns how many were packed.
 
     Dense weights whose storage nothing else uses are released. Dtypes neither can pack on this CPU
-    (bf16 without AVX-512) keep the plain `F.linear` path.
+    (bf16 without AVX-512) keep the plain `F.linear` path. Quantized weights keep their layout and move
+    into huge pages too (`_home_quantized`).
     """
     shared = shared or set()
     num_packed = 0
@@ -188,7 +190,35 @@ def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
     for weight, home in zip(kernel_weights, homes, strict=True):
         weight.data = home.copy_(weight.data)
     gemm_cpu.chain_prefetch(kernel_weights)  # modules register in the order they run
+    _home_quantized(model)
     return num_packed
+
+
+def _home_quantized(model: nn.Module) -> None:
+    """Every quantized weight's blocks moved into one mapping on huge pages, as the packed dense weights
+    are: a decode step streams them all, and on 4 KiB pages the prefetchers stop at every page. Blocks
+    two modules share (a tied LM head's, which its `QuantEmbedding` gathers from) move once and stay
+    shared; each old tensor is let go once copied, so loading needs one tensor's room more, not twice."""
+    users: dict[int, list[quant_kernel.QuantWeight | QuantEmbedding]] = {}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            for part in module.quant_parts or []:
+                if part is not None and part.tensor.blocks.device.type == "cpu":
+                    users.setdefault(part.tensor.blocks.data_ptr(), []).append(part)
+    for module in model.modules():
+        if isinstance(module, QuantEmbedding) and module.blocks.data_ptr() in users:
+            users[module.blocks.data_ptr()].append(module)
+    first = [group[0] for group in users.values()]
+    blocks = [user.tensor.blocks for user in first]
+    homes = huge_pages.zeros([(tuple(b.shape), b.dtype) for b in blocks], "cpu")
+    del blocks
+    for group, home in zip(users.values(), homes, strict=True):
+        home.copy_(group[0].tensor.blocks)
+        for user in group:
+            if isinstance(user, QuantEmbedding):
+                user.blocks = home
+            else:
+                user.tensor, user.args = QuantTensor(home, user.tensor.qtype, user.tensor.shape), None
 
 
 def _pack_onednn(module: Linear) -> bool:

@@ -1,5 +1,5 @@
-"""Long-lived CPU buffers in anonymous mappings: on transparent huge pages for the packed weights and
-the LoRA slots, on plain lazily committed pages for the KV cache.
+"""Long-lived CPU buffers in anonymous mappings: on transparent huge pages for the packed weights (dense
+and quantized) and the LoRA slots, on plain lazily committed pages for the KV cache.
 
 A decode step streams every packed weight and the slot rows of every adapter in the batch from
 memory. On 4 KiB pages that is a TLB entry per 4 KiB (about 40k page walks a step for a 135M model

@@ -10,6 +10,7 @@ logprobs teacher-forced on our tokens."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -24,6 +25,7 @@ from loraserve.layers.linear import Linear
 from loraserve.layers.quant.embedding import QuantEmbedding
 from loraserve.model_loader.gguf import gguf_folder
 from loraserve.model_loader.gguf_quantized import QUANT_INDEX
+from loraserve.native import huge_pages
 
 PROMPTS = ["the cat in the hat", "on a mat", "hello there friend"]
 TYPES = {
@@ -108,6 +110,9 @@ def test_quantized_float32_equals_dequantized(
     if model.tie_word_embeddings:  # the head's layout (rows here: 267 rows make no panels), held once
         head = model.lm_head.quant_parts[0]
         assert head is not None and embedding.blocks.data_ptr() == head.tensor.blocks.data_ptr()
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # moved into one mapping on huge pages (layers.linear._home_quantized)
+        starts = sorted(t.blocks.data_ptr() for t in parts)
+        assert starts[0] % huge_pages.HUGE_PAGE == 0 and starts[-1] - starts[0] < sum(t.nbytes + 64 for t in parts)
     reference = _dequantized_llm(monkeypatch, tiny, dtype="float32")
     assert not _quantized_linears(reference)
     ours = llm.generate(PROMPTS, _GREEDY, use_tqdm=False)
