@@ -198,20 +198,18 @@ def _home_quantized(model: nn.Module) -> None:
     """Every quantized weight's blocks moved into one mapping on huge pages, as the packed dense weights
     are: a decode step streams them all, and on 4 KiB pages the prefetchers stop at every page. Blocks
     two modules share (a tied LM head's, which its `QuantEmbedding` gathers from) move once and stay
-    shared; each old tensor is let go once copied, so loading needs one tensor's room more, not twice."""
+    shared; each old tensor is let go once copied, so loading needs one tensor's room more, not twice,
+    and nothing is left holding the checkpoint file's mapping."""
     users: dict[int, list[quant_kernel.QuantWeight | QuantEmbedding]] = {}
     for module in model.modules():
         if isinstance(module, Linear):
             for part in module.quant_parts or []:
                 if part is not None and part.tensor.blocks.device.type == "cpu":
                     users.setdefault(part.tensor.blocks.data_ptr(), []).append(part)
-    for module in model.modules():
-        if isinstance(module, QuantEmbedding) and module.blocks.data_ptr() in users:
-            users[module.blocks.data_ptr()].append(module)
-    first = [group[0] for group in users.values()]
-    blocks = [user.tensor.blocks for user in first]
-    homes = huge_pages.zeros([(tuple(b.shape), b.dtype) for b in blocks], "cpu")
-    del blocks
+    for module in model.modules():  # an untied one too: its blocks are a view of the file's mapping,
+        if isinstance(module, QuantEmbedding):  # which would keep every page the load read resident
+            users.setdefault(module.blocks.data_ptr(), []).append(module)
+    homes = huge_pages.zeros([(tuple(g[0].tensor.blocks.shape), torch.uint8) for g in users.values()], "cpu")
     for group, home in zip(users.values(), homes, strict=True):
         home.copy_(group[0].tensor.blocks)
         for user in group:

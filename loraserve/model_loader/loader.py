@@ -21,6 +21,7 @@ from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.model_loader.quantize_on_load import quantize_linears
 from loraserve.model_loader.weights import iterate_weights
 from loraserve.models.registry import resolve_model_cls
+from loraserve.native import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
     )
     if device.type == "cpu" and envs.cpu_packed_linear():
         _pack_linears(model)
+    if device.type == "cpu":
+        huge_pages.trim_heap()  # the load's freed temporaries out of RSS
     return model
 
 
