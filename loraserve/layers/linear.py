@@ -167,8 +167,7 @@ def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
     returns how many were packed.
 
     Dense weights whose storage nothing else uses are released. Dtypes neither can pack on this CPU
-    (bf16 without AVX-512) keep the plain `F.linear` path. Quantized weights keep their layout and move
-    into huge pages too (`_home_quantized`).
+    (bf16 without AVX-512) keep the plain `F.linear` path.
     """
     shared = shared or set()
     num_packed = 0
@@ -190,11 +189,10 @@ def pack_cpu_linears(model: nn.Module, shared: set[int] | None = None) -> int:
     for weight, home in zip(kernel_weights, homes, strict=True):
         weight.data = home.copy_(weight.data)
     gemm_cpu.chain_prefetch(kernel_weights)  # modules register in the order they run
-    _home_quantized(model)
     return num_packed
 
 
-def _home_quantized(model: nn.Module) -> None:
+def home_quantized(model: nn.Module) -> None:
     """Every quantized weight's blocks moved into one mapping on huge pages, as the packed dense weights
     are: a decode step streams them all, and on 4 KiB pages the prefetchers stop at every page. Blocks
     two modules share (a tied LM head's, which its `QuantEmbedding` gathers from) move once and stay
@@ -204,7 +202,7 @@ def _home_quantized(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             for part in module.quant_parts or []:
-                if part is not None and part.tensor.blocks.device.type == "cpu":
+                if part is not None:
                     users.setdefault(part.tensor.blocks.data_ptr(), []).append(part)
     for module in model.modules():  # an untied one too: its blocks are a view of the file's mapping,
         if isinstance(module, QuantEmbedding):  # which would keep every page the load read resident

@@ -15,7 +15,7 @@ from torch import nn
 
 from loraserve import envs
 from loraserve.config import INT8_QUANTIZATIONS, ModelConfig
-from loraserve.layers.linear import Linear, pack_cpu_linears
+from loraserve.layers.linear import Linear, home_quantized, pack_cpu_linears
 from loraserve.layers.quant.formats import QuantTensor
 from loraserve.layers.rotary import RotaryEmbedding
 from loraserve.model_loader.quantize_on_load import quantize_linears
@@ -90,6 +90,7 @@ def get_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modul
     if device.type == "cpu" and envs.cpu_packed_linear():
         _pack_linears(model)
     if device.type == "cpu":
+        home_quantized(model)
         huge_pages.trim_heap()  # the load's freed temporaries out of RSS
     return model
 

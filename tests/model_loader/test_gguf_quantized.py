@@ -110,7 +110,7 @@ def test_quantized_float32_equals_dequantized(
     if model.tie_word_embeddings:  # the head's layout (rows here: 267 rows make no panels), held once
         head = model.lm_head.quant_parts[0]
         assert head is not None and embedding.blocks.data_ptr() == head.tensor.blocks.data_ptr()
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # moved into one mapping on huge pages (layers.linear._home_quantized)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # moved into one mapping on huge pages (layers.linear.home_quantized)
         starts = sorted(t.blocks.data_ptr() for t in parts)
         assert starts[0] % huge_pages.HUGE_PAGE == 0 and starts[-1] - starts[0] < sum(t.nbytes + 64 for t in parts)
     reference = _dequantized_llm(monkeypatch, tiny, dtype="float32")

@@ -140,10 +140,10 @@ def stack_binding(parts: list[QuantWeight | None], dtype: torch.dtype) -> tuple[
 
 
 def prepare(tensor: QuantTensor, act_levels: int | None = None, layout: str | None = None) -> QuantWeight:
-    """The kernel's weight for `tensor` (its blocks contiguous, on CPU). Q8_0 / Q4_0 / Q4_1 at one
-    activation level take panels of 8 rows (`formats.repack_panels`: one kernel path for every row
-    count, so a row's result does not depend on its batch), else their row layout
-    (`formats.repack_rows`); `act_levels` None takes LORASERVE_CPU_QUANT_ACT_LEVELS (default 1), `layout`
+    """The kernel's weight for `tensor` (its blocks contiguous, on CPU). At one activation level every
+    format takes panels of 8 rows (`formats.repack_panels`: one kernel path for every row count, so a
+    row's result does not depend on its batch), else Q8_0 / Q4_0 / Q4_1 their row layout
+    (`formats.repack_rows`) and the K-quants the file's; `act_levels` None takes LORASERVE_CPU_QUANT_ACT_LEVELS (default 1), `layout`
     None LORASERVE_CPU_QUANT_LAYOUT (default panels)."""
     levels = envs.cpu_quant_act_levels() if act_levels is None else act_levels
     if levels not in (1, 2):

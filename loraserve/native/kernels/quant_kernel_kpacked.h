@@ -142,8 +142,7 @@ static inline __attribute__((always_inline)) void packed_kdot(int type, const ui
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *pq = panel + sb * bb;
-        if (stream && KPACKED_AHEAD > 0)
-            for (int64_t at = 0; at < bb; at += 64) __builtin_prefetch(pq + KPACKED_AHEAD * bb + at, 0, 0);
+        if (stream && KPACKED_AHEAD > 0) prefetch_ahead(pq, bb, KPACKED_AHEAD);
         __m256i isum[PACKED_MR], imin[PACKED_MR];
         for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm256_setzero_si256();
         if (mr == 1) isum[0] = kpanel_sums1(type, pq, px->xq + r0 * px->k + sb * 256);

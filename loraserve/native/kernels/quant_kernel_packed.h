@@ -25,6 +25,10 @@
 #define PACKED_AHEAD 16 /* blocks read ahead while streaming (4 left one thread at ~60% of its read bandwidth) */
 #endif
 static inline int is_packed_type(int type) { return type >= PACKED_FIRST; }
+/* Read ahead the block `ahead` blocks of `bytes` past p (a panel streamed from memory). */
+static inline void prefetch_ahead(const uint8_t *p, int64_t bytes, int ahead) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + ahead * bytes + at, 0, 0);
+}
 static inline int64_t packed_block_bytes(int type) { return 8 * (int64_t)TYPE_SIZE[type]; }
 static inline int packed_qbytes(int type) { return type == 9 ? 256 : 128; }
 
@@ -84,8 +88,7 @@ static inline __attribute__((always_inline)) void packed_dot(int type, const uin
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pq = panel + b * bb;
-        if (stream && PACKED_AHEAD > 0)
-            for (int64_t at = 0; at < bb; at += 64) __builtin_prefetch(pq + PACKED_AHEAD * bb + at, 0, 0);
+        if (stream && PACKED_AHEAD > 0) prefetch_ahead(pq, bb, PACKED_AHEAD);
         const int8_t *xb[PACKED_MR];
         __m256i s32[PACKED_MR];
         for (int i = 0; i < mr; i++) xb[i] = px->xq + (r0 + i) * px->k + b * 32, s32[i] = _mm256_setzero_si256();
