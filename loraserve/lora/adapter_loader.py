@@ -235,11 +235,9 @@ class AdapterLoader:
         with p.lock:
             if lora_id not in p.registry.requests or lora_id in p.registry.pending_removals:
                 return False
-            needed = p.host.needed
-            sooner = needed[: needed.index(lora_id)] if lora_id in needed else needed
             did = lora_id not in p.host
-        if did:
-            self.reload(lora_id, None, sooner)  # None: the step as it is when the read is done
+        if did:  # None and a live view: the step and the queue as they are when the read is done
+            self.reload(lora_id, None, p.host.needed_before(lora_id))
         with p.lock:
             lora_model = p.host.peek(lora_id)
             if lora_model is not None and p.slots.slot_of(lora_id) is None and p.slots.has_free:

@@ -14,7 +14,7 @@ Not thread-safe: the manager holds its lock around every call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from loraserve.errors import LoRAAdapterError
@@ -87,6 +87,11 @@ class HostCache:
         every other adapter is needed or kept."""
         self._needed = lora_ids
 
+    def needed_before(self, lora_id: int) -> NeededBefore:
+        """The adapters the queue needs sooner than `lora_id` (all it needs if it needs not that one),
+        read each time the view is iterated (see `NeededBefore`)."""
+        return NeededBefore(self, lora_id)
+
     def note_needed(self, lora_id: int) -> None:
         """A request for `lora_id` was queued since the last `set_needed`: it is needed, after those
         already named (the next `set_needed`, read from the queue, replaces the order)."""
@@ -134,3 +139,28 @@ class HostCache:
         logger.info("Evicting LoRA adapter '%s' (id %d) from the host cache", lora_model.name, lora_id)
         self.counters.num_host_evictions += 1
         self._just_evicted.append(lora_id)
+
+
+class NeededBefore(Collection[int]):
+    """A live view of `HostCache.needed_before`: what a background read keeps when it caches its
+    result. Computed when the result is put (under the manager's lock), not when the read began: an
+    adapter whose requests finished during a long read is no longer kept, so the read does not evict
+    an adapter the queue still needs to keep one it no longer does."""
+
+    __slots__ = ("_host", "_lora_id")
+
+    def __init__(self, host: HostCache, lora_id: int) -> None:
+        self._host, self._lora_id = host, lora_id
+
+    def _ids(self) -> tuple[int, ...]:
+        needed = self._host.needed
+        return needed[: needed.index(self._lora_id)] if self._lora_id in needed else needed
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids())
+
+    def __len__(self) -> int:
+        return len(self._ids())
+
+    def __contains__(self, lora_id: object) -> bool:
+        return lora_id in self._ids()

@@ -183,6 +183,23 @@ def test_host_cache_is_a_plain_lru_that_reports_evictions() -> None:
     assert host.drain_latencies() == [0.5] and host.drain_latencies() == []
 
 
+def test_a_background_read_keeps_the_queue_as_it_is_when_the_read_is_cached() -> None:
+    """What a prefetch keeps is read when its adapter is cached, not when its read began: an adapter
+    whose requests finished during the read is no longer kept (CI once saw a prefetch evict an adapter
+    the queue needed, to keep one it had needed when the read began)."""
+    model = StandInLlama()
+    host = HostCache(2)
+    host.add(_adapter(model, 1), keep=())
+    host.add(_adapter(model, 2), keep=())
+    host.set_needed((1, 2, 3))
+    sooner = host.needed_before(3)  # the prefetch of 3 begins: 1 and 2 are needed first
+    assert list(sooner) == [1, 2] and 2 in sooner and len(sooner) == 2
+    host.set_needed((2, 3))  # 1's requests finished during the read
+    assert list(sooner) == [2] and 1 not in sooner
+    assert host.add(_adapter(model, 3), keep=frozenset(sooner)) == [1]  # not 2, which is still needed
+    assert list(host.needed_before(9)) == [2, 3]  # not needed itself: all the queue needs is kept
+
+
 def test_single_flight_runs_one_holder_per_key() -> None:
     flights = SingleFlight()
     inside, most_inside, entered, lock = [0], [0], [0], threading.Lock()
