@@ -17,7 +17,7 @@
  *   Q6_K:        d dx (sum_g sc_g (u_g . xq_g) - 32 sum_g sc_g sum(xq_g))     (u = q + 32, unsigned)
  * each integer sum exact in int32, then float32 FMAs: the same operations for any number of rows.
  * Why this shape (llama.cpp's q4_K x q8_K, its repack.cpp's 8-row interleave): one broadcast of 4 x bytes
- * feeds 8 rows in lanes of their own; the byte-pair sums (vpmaddubsw) add up in int16 until they could
+ * feeds 8 rows in lanes of their own; on AVX2 the byte-pair sums (vpmaddubsw) add up in int16 until they could
  * overflow (Q4_K 8 steps: 8 x 2 x 15 x 127 < 2^15; Q5_K 4: 4 x 2 x 31 x 127; Q6_K 2: 2 x 2 x 63 x 127),
  * then vpmaddwd widens them against each lane's row scale (held in both of its int16 halves); a
  * super-block's sums stay below 2^31 (Q6_K's: 256 x 63 x 127 x 128 + 32 x 16 x 128 x 2032). */
@@ -64,33 +64,52 @@ static inline __attribute__((always_inline)) __m256i kpanel_step(int type, const
     return _mm256_or_si256(w, _mm256_and_si256(bit, _mm256_set1_epi8(16)));
 }
 
-/* The 8 rows' scale for step t of sub-block sub, each in both int16 halves of its lane. */
-static inline __attribute__((always_inline)) __m256i kpanel_scale(int type, const uint8_t *pq, int sub, int t) {
-    const __m256i s = type == 14 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pq + K6_SC + 8 * (2 * sub + t / 4))))
-                                 : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pq + kpanel_sc(type) + 8 * sub)));
-    return type == 14 ? _mm256_blend_epi16(s, _mm256_slli_epi32(s, 16), 0xaa) : _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
+/* The 8 rows' scale for step t of sub-block sub, one int32 a lane. */
+static inline __attribute__((always_inline)) __m256i kpanel_scale32(int type, const uint8_t *pq, int sub, int t) {
+    return type == 14 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pq + K6_SC + 8 * (2 * sub + t / 4))))
+                      : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pq + kpanel_sc(type) + 8 * sub)));
 }
+
+#if QK_PATH == 2
+/* AVX512-VNNI: vpdpbusd adds each step's byte products into int32 at once, so the steps that share a
+ * scale (a sub-block; Q6_K: 16 weights, 4 steps) sum there, then one vpmulld by the rows' scales: 2
+ * instructions a step and x row (broadcast, product) where vpmaddubsw takes 3. */
+static inline int kpanel_widen(int type) { return type == 14 ? 4 : 8; }
+#define KSUM_STEP(s, w, x) ((s) = _mm256_dpbusd_epi32((s), (w), (x)))
+static inline __attribute__((always_inline)) __m256i kpanel_scaled(int type, const uint8_t *pq, int sub, int t, __m256i s) {
+    return _mm256_mullo_epi32(s, kpanel_scale32(type, pq, sub, t));
+}
+#else
+/* AVX2: the byte-pair sums add up in int16 for as many steps as cannot overflow, then vpmaddwd widens them
+ * against the rows' scales (each in both int16 halves of its lane). */
+static inline int kpanel_widen(int type) { return type == 12 ? 8 : type == 13 ? 4 : 2; }
+#define KSUM_STEP(s, w, x) ((s) = _mm256_add_epi16((s), _mm256_maddubs_epi16((w), (x))))
+static inline __attribute__((always_inline)) __m256i kpanel_scaled(int type, const uint8_t *pq, int sub, int t, __m256i s) {
+    const __m256i sc = kpanel_scale32(type, pq, sub, t);
+    return _mm256_madd_epi16(s, type == 14 ? _mm256_blend_epi16(sc, _mm256_slli_epi32(sc, 16), 0xaa)
+                                           : _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
+}
+#endif
 
 /* isum[i] += super-block pq's sum over sub-blocks of scale x (q . xq) for x rows r0 .. r0 + mr - 1. */
 static inline __attribute__((always_inline)) void kpanel_sums(int type, const uint8_t *pq, const px_t *px, int64_t r0,
                                                               int mr, int64_t sb, __m256i *isum) {
-    const int widen = type == 12 ? 8 : type == 13 ? 4 : 2;
+    const int widen = kpanel_widen(type);
     for (int sub = 0; sub < 8; sub++)
         for (int t0 = 0; t0 < 8; t0 += widen) {
-            __m256i s16[PACKED_MR];
-            for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
+            __m256i part[PACKED_MR];
+            for (int i = 0; i < mr; i++) part[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int t = t0; t < t0 + widen; t++) {
                 const __m256i w = kpanel_step(type, pq, sub, t);
                 for (int i = 0; i < mr; i++) {
                     int32_t word;
                     memcpy(&word, px->xq + (r0 + i) * px->k + sb * 256 + 32 * sub + 4 * t, 4);
-                    s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(word)));
-                    __asm__("" : "+x"(s16[i])); /* each row's sum in a register (see panel_steps) */
+                    KSUM_STEP(part[i], w, _mm256_set1_epi32(word));
+                    __asm__("" : "+x"(part[i])); /* each row's sum in a register (see panel_steps) */
                 }
             }
-            const __m256i sc = kpanel_scale(type, pq, sub, t0);
-            for (int i = 0; i < mr; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s16[i], sc));
+            for (int i = 0; i < mr; i++) isum[i] = _mm256_add_epi32(isum[i], kpanel_scaled(type, pq, sub, t0, part[i]));
         }
 }
 
@@ -100,12 +119,12 @@ static inline __attribute__((always_inline)) void kpanel_sums(int type, const ui
  * integer sum as kpanel_sums (exact: the order of int32 additions does not matter). */
 static inline __attribute__((always_inline)) __m256i kpanel_sums1(int type, const uint8_t *pq, const int8_t *xs) {
     const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(0x30);
-    const int pieces = type == 14 ? 2 : 4, subs = type == 14 ? 4 : 2, widen = type == 12 ? 8 : type == 13 ? 4 : 2;
+    const int pieces = type == 14 ? 2 : 4, subs = type == 14 ? 4 : 2, widen = kpanel_widen(type);
     __m256i isum = _mm256_setzero_si256();
     for (int p = 0; p < pieces; p++)
         for (int t0 = 0; t0 < 8; t0 += widen) {
-            __m256i s16[4];
-            for (int u = 0; u < subs; u++) s16[u] = _mm256_setzero_si256();
+            __m256i part[4];
+            for (int u = 0; u < subs; u++) part[u] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int t = t0; t < t0 + widen; t++) {
                 __m256i w[4];
@@ -124,11 +143,10 @@ static inline __attribute__((always_inline)) __m256i kpanel_sums1(int type, cons
                 for (int u = 0; u < subs; u++) {
                     int32_t word;
                     memcpy(&word, xs + 32 * (subs * p + u) + 4 * t, 4);
-                    s16[u] = _mm256_add_epi16(s16[u], _mm256_maddubs_epi16(w[u], _mm256_set1_epi32(word)));
+                    KSUM_STEP(part[u], w[u], _mm256_set1_epi32(word));
                 }
             }
-            for (int u = 0; u < subs; u++)
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16[u], kpanel_scale(type, pq, subs * p + u, t0)));
+            for (int u = 0; u < subs; u++) isum = _mm256_add_epi32(isum, kpanel_scaled(type, pq, subs * p + u, t0, part[u]));
         }
     return isum;
 }
