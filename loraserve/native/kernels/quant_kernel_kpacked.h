@@ -75,6 +75,11 @@ static inline __attribute__((always_inline)) __m256i kpanel_scale32(int type, co
  * scale (a sub-block; Q6_K: 16 weights, 4 steps) sum there, then one vpmulld by the rows' scales: 2
  * instructions a step and x row (broadcast, product) where vpmaddubsw takes 3. */
 static inline int kpanel_widen(int type) { return type == 14 ? 4 : 8; }
+/* One x row's even and odd steps in sums of their own: a vpdpbusd waits 4-5 cycles for the sum it adds
+ * to, and one row has only 2-4 sub-blocks' chains (4 x rows: 4 chains, and 8 spilled). */
+#ifndef KSPLIT
+#define KSPLIT 2
+#endif
 #define KSUM_STEP(s, w, x) ((s) = _mm256_dpbusd_epi32((s), (w), (x)))
 static inline __attribute__((always_inline)) __m256i kpanel_scaled(int type, const uint8_t *pq, int sub, int t, __m256i s) {
     return _mm256_mullo_epi32(s, kpanel_scale32(type, pq, sub, t));
@@ -83,6 +88,7 @@ static inline __attribute__((always_inline)) __m256i kpanel_scaled(int type, con
 /* AVX2: the byte-pair sums add up in int16 for as many steps as cannot overflow, then vpmaddwd widens them
  * against the rows' scales (each in both int16 halves of its lane). */
 static inline int kpanel_widen(int type) { return type == 12 ? 8 : type == 13 ? 4 : 2; }
+#define KSPLIT 1 /* the int16 sums' vpaddw waits one cycle: one chain keeps up */
 #define KSUM_STEP(s, w, x) ((s) = _mm256_add_epi16((s), _mm256_maddubs_epi16((w), (x))))
 static inline __attribute__((always_inline)) __m256i kpanel_scaled(int type, const uint8_t *pq, int sub, int t, __m256i s) {
     const __m256i sc = kpanel_scale32(type, pq, sub, t);
@@ -90,6 +96,8 @@ static inline __attribute__((always_inline)) __m256i kpanel_scaled(int type, con
                                            : _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
 }
 #endif
+/* The step sums of one scale, joined. */
+#define KSUM_JOIN(part, i) (KSPLIT == 1 ? part[0][i] : _mm256_add_epi32(part[0][i], part[KSPLIT - 1][i]))
 
 /* isum[i] += super-block pq's sum over sub-blocks of scale x (q . xq) for x rows r0 .. r0 + mr - 1. */
 static inline __attribute__((always_inline)) void kpanel_sums(int type, const uint8_t *pq, const px_t *px, int64_t r0,
@@ -123,8 +131,9 @@ static inline __attribute__((always_inline)) __m256i kpanel_sums1(int type, cons
     __m256i isum = _mm256_setzero_si256();
     for (int p = 0; p < pieces; p++)
         for (int t0 = 0; t0 < 8; t0 += widen) {
-            __m256i part[4];
-            for (int u = 0; u < subs; u++) part[u] = _mm256_setzero_si256();
+            __m256i part[KSPLIT][4];
+            for (int h = 0; h < KSPLIT; h++)
+                for (int u = 0; u < subs; u++) part[h][u] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int t = t0; t < t0 + widen; t++) {
                 __m256i w[4];
@@ -143,10 +152,11 @@ static inline __attribute__((always_inline)) __m256i kpanel_sums1(int type, cons
                 for (int u = 0; u < subs; u++) {
                     int32_t word;
                     memcpy(&word, xs + 32 * (subs * p + u) + 4 * t, 4);
-                    KSUM_STEP(part[u], w[u], _mm256_set1_epi32(word));
+                    KSUM_STEP(part[t % KSPLIT][u], w[u], _mm256_set1_epi32(word));
                 }
             }
-            for (int u = 0; u < subs; u++) isum = _mm256_add_epi32(isum, kpanel_scaled(type, pq, subs * p + u, t0, part[u]));
+            for (int u = 0; u < subs; u++)
+                isum = _mm256_add_epi32(isum, kpanel_scaled(type, pq, subs * p + u, t0, KSUM_JOIN(part, u)));
         }
     return isum;
 }

@@ -37,6 +37,19 @@ static inline int packed_qbytes(int type) { return type == 9 ? 256 : 128; }
  * 32 quants of the block). */
 static inline __attribute__((always_inline)) void packed_steps(int type, const uint8_t *pq, const int8_t *const *xb,
                                                                int mr, __m256i *s32) {
+#if QK_PATH == 2
+    if (type == 9) { /* w + 128 (w's sign bit flipped) is unsigned: s32 enters as -128 sum(x) (packed_dot) */
+        for (int t = 0; t < 8; t++) {
+            const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pq + 32 * t)), _mm256_set1_epi8(-128));
+            for (int i = 0; i < mr; i++) {
+                int32_t word;
+                memcpy(&word, xb[i] + 4 * t, 4);
+                s32[i] = _mm256_dpbusd_epi32(s32[i], wu, _mm256_set1_epi32(word));
+            }
+        }
+        return;
+    }
+#endif
     if (type == 9) { /* signed: |w| times x with w's sign, widened every step */
         for (int t = 0; t < 8; t++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(pq + 32 * t)), wa = _mm256_abs_epi8(w);
@@ -44,11 +57,7 @@ static inline __attribute__((always_inline)) void packed_steps(int type, const u
                 int32_t word;
                 memcpy(&word, xb[i] + 4 * t, 4);
                 const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word), w);
-#if QK_PATH == 2
-                s32[i] = _mm256_dpbusd_epi32(s32[i], wa, x);
-#else
                 s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), _mm256_set1_epi16(1)));
-#endif
             }
         }
         return;
@@ -91,7 +100,10 @@ static inline __attribute__((always_inline)) void packed_dot(int type, const uin
         if (stream && PACKED_AHEAD > 0) prefetch_ahead(pq, bb, PACKED_AHEAD);
         const int8_t *xb[PACKED_MR];
         __m256i s32[PACKED_MR];
-        for (int i = 0; i < mr; i++) xb[i] = px->xq + (r0 + i) * px->k + b * 32, s32[i] = _mm256_setzero_si256();
+        for (int i = 0; i < mr; i++) {
+            xb[i] = px->xq + (r0 + i) * px->k + b * 32, s32[i] = _mm256_setzero_si256();
+            if (QK_PATH == 2 && type == 9) s32[i] = _mm256_set1_epi32(-128 * px->xi[(r0 + i) * nb + b]);
+        }
         packed_steps(type, pq, xb, mr, s32);
         const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + qb)));
         const __m256 a = type == 11 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + qb + 16)))
