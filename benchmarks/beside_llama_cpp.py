@@ -248,7 +248,9 @@ def main() -> None:
     parser.add_argument("--rows-1b", default="one,concurrent,prompt", help="the 1B files' rows")
     parser.add_argument("--gen-len-1b", type=int, default=None, help="the 1B files' generated tokens")
     parser.add_argument("--sweep", default=",".join(map(str, SWEEP)), help="batch sizes of the sweep")
-    parser.add_argument("--tag", default="", help="saved as beside_llama_cpp_<threads>t_<tag> (a CPU class's own run)")
+    parser.add_argument(
+        "--tag", default="", help="saved as beside_llama_cpp_<threads>t_<tag> (a CPU class's own run)"
+    )
     args = parser.parse_args()
     if server_binary() is None:
         raise SystemExit(
