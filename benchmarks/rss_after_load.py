@@ -71,6 +71,7 @@ def main() -> None:
     )
     parser.add_argument("--files", default="smollm2,q4_k_m,q8_0,q4_k_m_8b")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tag", default="", help="saved as rss_after_load_<tag> (a CPU class's own run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -95,7 +96,10 @@ def main() -> None:
         print(f"{entry['file']:<34}{entry['file_mb']:>7.0f}{entry['kv_mb']:>6.0f}/{entry['their_kv_mb']:<5.0f}"
               f"{entry['limit_mb']:>7.0f}{entry['loraserve']['load_mb']:>10.0f}{entry['loraserve']['first_request_mb']:>9.0f}"
               f"{them.get('load_mb', float('nan')):>12.0f}{them.get('first_request_mb', float('nan')):>11.0f}")  # fmt: skip
-    save_results("rss_after_load", {"cpu": cpu_class(), "threads": args.threads, "files": files})
+    save_results(
+        "rss_after_load" + (f"_{args.tag}" if args.tag else ""),
+        {"cpu": cpu_class(), "threads": args.threads, "files": files},
+    )
 
 
 if __name__ == "__main__":
