@@ -96,9 +96,6 @@ static inline __attribute__((always_inline)) __m256i kpanel_scaled(int type, con
                                            : _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
 }
 #endif
-/* The step sums of one scale, joined. */
-#define KSUM_JOIN(part, i) (KSPLIT == 1 ? part[0][i] : _mm256_add_epi32(part[0][i], part[KSPLIT - 1][i]))
-
 /* isum[i] += super-block pq's sum over sub-blocks of scale x (q . xq) for x rows r0 .. r0 + mr - 1. */
 static inline __attribute__((always_inline)) void kpanel_sums(int type, const uint8_t *pq, const px_t *px, int64_t r0,
                                                               int mr, int64_t sb, __m256i *isum) {
@@ -155,8 +152,10 @@ static inline __attribute__((always_inline)) __m256i kpanel_sums1(int type, cons
                     KSUM_STEP(part[t % KSPLIT][u], w[u], _mm256_set1_epi32(word));
                 }
             }
-            for (int u = 0; u < subs; u++)
-                isum = _mm256_add_epi32(isum, kpanel_scaled(type, pq, subs * p + u, t0, KSUM_JOIN(part, u)));
+            for (int u = 0; u < subs; u++) {
+                for (int h = 1; h < KSPLIT; h++) part[0][u] = _mm256_add_epi32(part[0][u], part[h][u]);
+                isum = _mm256_add_epi32(isum, kpanel_scaled(type, pq, subs * p + u, t0, part[0][u]));
+            }
         }
     return isum;
 }
