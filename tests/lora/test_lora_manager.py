@@ -1,41 +1,28 @@
-"""Adapter lifecycle: the LRU, the slot table (slot LRU, pinning, refused writes), the host cache
-(LRU, failed and concurrent loads) and the LoRAManager facade over both (registration, removal,
-in-step protection), all through their public APIs."""
+"""Adapter lifecycle: the slot table (slot LRU, pinning, refused writes) and the LoRAManager facade over
+it and the host cache (registration, removal, failed and concurrent loads, in-step protection), all
+through their public APIs. The LRU, the host cache and single flight: test_lru.py, test_host_cache.py,
+test_single_flight.py."""
 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
-from support.stand_in_model import CONFIG, KV, RANK, H, StandInLlama, write_stand_in_adapter
+from support.stand_in_model import KV, RANK, H, StandInLlama, stand_in_lora_model, write_stand_in_adapter
 from support.stand_in_model import stand_in_tensors as _tensors
 from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
-from loraserve.lora.host_cache import HostCache
 from loraserve.lora.layers import LinearWithLoRA, wrap_model_for_lora
 from loraserve.lora.lora_model import LoRAModel
-from loraserve.lora.lru import CacheFullError, LRUCache
 from loraserve.lora.manager import LoRAManager
-from loraserve.lora.peft_helper import PEFTHelper
 from loraserve.lora.request import LoRARequest
-from loraserve.lora.single_flight import SingleFlight
 from loraserve.lora.slot_table import SlotTable
-from loraserve.lora.targets import LoRATargets
 from loraserve.lora.weights import LoRALayerWeights, PackedLoRALayerWeights
-
-
-def _adapter(model: nn.Module, lora_id: int) -> LoRAModel:
-    name = f"ad{lora_id}"
-    helper = PEFTHelper.from_dict(CONFIG, name, max_lora_rank=8)
-    targets = LoRATargets.from_model(model)
-    request = LoRARequest(name, lora_id, "")
-    return LoRAModel.from_tensors(_tensors(lora_id), request, helper, targets, torch.float32)
 
 
 def _holds(model: StandInLlama, slot: int, lora_id: int | None) -> bool:
@@ -62,43 +49,11 @@ def _is_clean(model: nn.Module, slot: int) -> bool:
     return True
 
 
-# ---- LRUCache ------------------------------------------------------------------------------------
-def test_lru_evicts_least_recent_not_kept_and_runs_the_hook() -> None:
-    evicted: list[tuple[str, int]] = []
-    cache: LRUCache[str, int] = LRUCache(2, lambda k, v: evicted.append((k, v)))
-    cache.put("a", 1)
-    cache.put("b", 2)
-    assert cache.get("a") == 1 and cache.keys() == ["b", "a"]  # get refreshes, peek does not
-    cache.put("c", 3, keep={"b"})  # b is least recent but kept: a goes
-    assert evicted == [("a", 1)] and cache.keys() == ["b", "c"]
-    with pytest.raises(CacheFullError):
-        cache.put("d", 4, keep={"b", "c"})
-    assert cache.keys() == ["b", "c"] and cache.pop("b") == 2 and evicted == [("a", 1)]  # pop: no hook
-    assert cache.victim(keep={"c"}) is None and cache.peek("c") == 3 and "c" in cache and len(cache) == 1
-
-
-def test_lru_evicts_needed_entries_last_the_one_needed_last_first() -> None:
-    evicted: list[str] = []
-    cache: LRUCache[str, int] = LRUCache(3, lambda k, v: evicted.append(k))
-    for i, key in enumerate("abc"):
-        cache.put(key, i)
-    cache.put("d", 3, needed=["a"])  # a is least recent, but a queued request needs it: b goes
-    assert evicted == ["b"] and cache.keys() == ["a", "c", "d"]
-    # Every entry is needed and c is kept: of the others, a is needed last (plain LRU would take it too).
-    cache.put("e", 4, keep={"c"}, needed=["d", "a", "c"])
-    assert evicted == ["b", "a"] and cache.keys() == ["c", "d", "e"]
-    assert cache.victim(keep={"e"}, needed=["d", "c"]) == "c"  # needed last, though more recent than d
-    assert cache.victim(keep={"c"}, needed=["c", "d", "c"]) == "e"  # repeats change nothing
-    with pytest.raises(CacheFullError):
-        cache.put("f", 5, keep={"c", "d", "e"}, needed=["c"])
-    assert evicted == ["b", "a"] and len(cache) == 3
-
-
 # ---- SlotTable -----------------------------------------------------------------------------------
 def _slot_table(max_loras: int, ids: list[int]) -> tuple[SlotTable, StandInLlama, dict[int, LoRAModel]]:
     model = StandInLlama()
     layers = wrap_model_for_lora(model, LoRAConfig(max_loras=max_loras, max_lora_rank=8))
-    return SlotTable(layers, max_loras), model, {i: _adapter(model, i) for i in ids}
+    return SlotTable(layers, max_loras), model, {i: stand_in_lora_model(model, i) for i in ids}
 
 
 def test_slot_lru_never_evicts_kept_adapters() -> None:
@@ -161,75 +116,6 @@ def test_write_refused_midway_leaves_a_clean_free_slot(cpu_kernel: str, monkeypa
     slot_1 = table.slot_of(1)
     assert slot_1 is not None and _holds(model, slot_1, 1)  # the other slot is untouched
     assert table.acquire(adapters[2], keep={2}) == victim_slot  # the slot is free again
-
-
-# ---- HostCache and SingleFlight -----------------------------------------------------------------
-def test_host_cache_is_a_plain_lru_that_reports_evictions() -> None:
-    model = StandInLlama()
-    host = HostCache(2)
-    assert host.add(_adapter(model, 1), keep=()) == [] and host.add(_adapter(model, 2), keep=()) == []
-    assert host.add(_adapter(model, 1), keep=()) is None  # already cached: nothing changes
-    assert host.hit(1) is not None and host.hit(7) is None and host.counters.num_host_hits == 1
-    assert host.add(_adapter(model, 3), keep=()) == [2]  # 2 is the least recently used
-    assert host.add(_adapter(model, 4), keep={3}) == [1] and host.ids() == [3, 4]
-    host.set_needed((4,))
-    assert host.add(_adapter(model, 5), keep=()) == [3]  # the queue needs 4: 3 goes though newer
-    with pytest.raises(LoRAAdapterError, match="no room in host memory"):
-        host.add(_adapter(model, 6), keep={4, 5})
-    assert host.ids() == [4, 5] and host.counters.num_host_evictions == 3
-    host.count_load(0.5)
-    host.count_failure()
-    assert host.counters.num_loads == 1 and host.counters.num_load_failures == 1
-    assert host.drain_latencies() == [0.5] and host.drain_latencies() == []
-
-
-def test_a_background_read_keeps_the_queue_as_it_is_when_the_read_is_cached() -> None:
-    """What a prefetch keeps is read when its adapter is cached, not when its read began: an adapter
-    whose requests finished during the read is no longer kept (CI once saw a prefetch evict an adapter
-    the queue needed, to keep one it had needed when the read began)."""
-    model = StandInLlama()
-    host = HostCache(2)
-    host.add(_adapter(model, 1), keep=())
-    host.add(_adapter(model, 2), keep=())
-    host.set_needed((1, 2, 3))
-    sooner = host.needed_before(3)  # the prefetch of 3 begins: 1 and 2 are needed first
-    assert list(sooner) == [1, 2] and 2 in sooner and len(sooner) == 2
-    host.set_needed((2, 3))  # 1's requests finished during the read
-    assert list(sooner) == [2] and 1 not in sooner
-    assert host.add(_adapter(model, 3), keep=frozenset(sooner)) == [1]  # not 2, which is still needed
-    assert list(host.needed_before(9)) == [2, 3]  # not needed itself: all the queue needs is kept
-
-
-def test_single_flight_runs_one_holder_per_key() -> None:
-    flights = SingleFlight()
-    inside, most_inside, entered, lock = [0], [0], [0], threading.Lock()
-    in_two = threading.Event()
-
-    def hold_one() -> None:
-        with flights.hold(1):
-            with lock:
-                inside[0] += 1
-                entered[0] += 1
-                most_inside[0] = max(most_inside[0], inside[0])
-                first = entered[0] == 1
-            if first:  # the others all queue up behind the first holder before it lets go
-                deadline = time.monotonic() + 60
-                while flights.waiting(1) < 4 and time.monotonic() < deadline:
-                    time.sleep(0.001)
-            assert in_two.wait(timeout=60)  # key 2 is never held up by key 1
-            with lock:
-                inside[0] -= 1
-
-    def hold_two() -> None:
-        with flights.hold(2):
-            in_two.set()
-
-    threads = [threading.Thread(target=hold_one) for _ in range(4)] + [threading.Thread(target=hold_two)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert entered[0] == 4 and most_inside[0] == 1 and len(flights) == 0 and flights.waiting(1) == 0
 
 
 # ---- LoRAManager ---------------------------------------------------------------------------------

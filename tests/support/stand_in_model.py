@@ -11,6 +11,10 @@ import torch
 from torch import nn
 
 from loraserve.layers.linear import Linear
+from loraserve.lora.lora_model import LoRAModel
+from loraserve.lora.peft_helper import PEFTHelper
+from loraserve.lora.request import LoRARequest
+from loraserve.lora.targets import LoRATargets
 
 H, KV, INTER, RANK = 16, 8, 24, 4
 
@@ -87,3 +91,13 @@ def write_stand_in_adapter(folder: Path, seed: int, **config: object) -> Path:
     (folder / "adapter_config.json").write_text(json.dumps({**CONFIG, **config}))
     safetensors.torch.save_file(stand_in_tensors(seed), str(folder / "adapter_model.safetensors"))
     return folder
+
+
+def stand_in_lora_model(model: nn.Module, lora_id: int) -> LoRAModel:
+    """Adapter `ad<lora_id>` (the stand-in tensors of that seed) built for `model`, as a read would."""
+    name = f"ad{lora_id}"
+    helper = PEFTHelper.from_dict(CONFIG, name, max_lora_rank=8)
+    request = LoRARequest(name, lora_id, "")
+    return LoRAModel.from_tensors(
+        stand_in_tensors(lora_id), request, helper, LoRATargets.from_model(model), torch.float32
+    )
