@@ -95,8 +95,9 @@ def _speculative(data: dict[str, Any]) -> list[str]:
     """benchmarks/speculative.py: each row's tok/s with speculation off and on, beside llama-server's."""
     spec = data.get("llama_cpp") or "not run"
     lines = [f"ngram, k={data['k']}, lookup {data['lookup']}; llama-server: {spec}", "",
-             "| row | off tok/s | ngram tok/s | ratio | target | llama.cpp tok/s | llama.cpp ngram tok/s | ratio |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| row | off tok/s | ngram tok/s | ratio | target | ngram bound: rows free / at step costs "
+             "| llama.cpp tok/s | llama.cpp ngram tok/s | ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for label, row in data["rows"].items():
         target = data.get("targets", {}).get(label)
         theirs, their_spec = row.get("llama.cpp"), row.get("llama.cpp ngram")
@@ -105,8 +106,9 @@ def _speculative(data: dict[str, Any]) -> list[str]:
             if theirs and their_spec
             else "| |"
         )
+        bound = f"{row['bound']:.2f}x / {row['bound_at_costs']:.2f}x" if "bound" in row else ""
         lines.append(f"| {label} | {row['off']:.1f} | {row['ngram']:.1f} | {row['ngram'] / row['off']:.2f}x | "
-                     f"{'>= ' + str(target) + 'x' if target else ''} | {their} |")  # fmt: skip
+                     f"{'>= ' + str(target) + 'x' if target else ''} | {bound} | {their} |")  # fmt: skip
     steps = data.get("step_ms_by_rows")
     if steps:  # the engine's measured step cost by token rows, speculation on (what its plan weighs)
         lines += ["", "Step ms by token rows (speculation on): "

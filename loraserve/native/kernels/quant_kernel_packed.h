@@ -1,6 +1,8 @@
 /* Q8_0 / Q4_0 / Q4_1 packed at load in panels of 8 rows (types 9-11; formats.repack_panels lays them out;
- * the K-quants' panels, types 12-14, are quant_kernel_kpacked.h's), read by quant_kernel.c for every row count of x: one path, so a row's result does not depend on
- * how many rows share the call (a speculative verification's rows get the values one decode row gets).
+ * the K-quants' panels, types 12-14, are quant_kernel_kpacked.h's; on AVX-512 VNNI a chunk's two panels
+ * together: quant_kernel_packed_pairs.h), read by quant_kernel.c for every row count of x: one path, so a
+ * row's result does not depend on how many rows share the call (a speculative verification's rows get the
+ * values one decode row gets).
  *
  * Shape: rows [8p, 8p + 8) of W [n, k] (n a multiple of 8) are panel p: k / 32 blocks of 8 * TYPE_SIZE
  * bytes, the file's bytes reordered (RSS stays the file's size):
@@ -21,6 +23,9 @@
 
 #define PACKED_FIRST 9 /* type codes 9-11: Q8_0, Q4_0, Q4_1 in panels; 12-14: Q4_K, Q5_K, Q6_K */
 #define PACKED_MR 4     /* x rows per pass over a panel (run_packed_chunk's cases) */
+#ifndef PACKED_SPLIT
+#define PACKED_SPLIT 2 /* VNNI: int32 chains per x row (packed_steps; 1-4; 4 for 1-2 rows measured no faster) */
+#endif
 #ifndef PACKED_AHEAD
 #define PACKED_AHEAD 16 /* blocks read ahead while streaming (4 left one thread at ~60% of its read bandwidth) */
 #endif
@@ -38,18 +43,44 @@ static inline int packed_qbytes(int type) { return type == 9 ? 256 : 128; }
 static inline __attribute__((always_inline)) void packed_steps(int type, const uint8_t *pq, const int8_t *const *xb,
                                                                int mr, __m256i *s32) {
 #if QK_PATH == 2
+    /* A vpdpbusd waits 4-5 cycles for its accumulator: one chain per x row (8 in a row per block) kept 2-3
+     * rows 10-20% under two chains (Zen 4, 1 thread, in L2). So each row sums in `split` chains (step t
+     * into chain t % split), added at the block's end: int32, exact in any order, so a row's result is
+     * the same for every split and row count. */
+    const int split = PACKED_SPLIT;
+    __m256i part[PACKED_MR][4];
+    for (int i = 0; i < mr; i++) {
+        part[i][0] = s32[i];
+        for (int h = 1; h < split; h++) part[i][h] = _mm256_setzero_si256();
+    }
     if (type == 9) { /* w + 128 (w's sign bit flipped) is unsigned: s32 enters as -128 sum(x) (packed_dot) */
         for (int t = 0; t < 8; t++) {
             const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pq + 32 * t)), _mm256_set1_epi8(-128));
             for (int i = 0; i < mr; i++) {
                 int32_t word;
                 memcpy(&word, xb[i] + 4 * t, 4);
-                s32[i] = _mm256_dpbusd_epi32(s32[i], wu, _mm256_set1_epi32(word));
+                part[i][t % split] = _mm256_dpbusd_epi32(part[i][t % split], wu, _mm256_set1_epi32(word));
             }
         }
-        return;
+    } else {
+        const __m256i low4 = _mm256_set1_epi8(15);
+        for (int t = 0; t < 4; t++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(pq + 32 * t));
+            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            for (int i = 0; i < mr; i++) {
+                int32_t wl, wh;
+                memcpy(&wl, xb[i] + 4 * t, 4), memcpy(&wh, xb[i] + 16 + 4 * t, 4);
+                const int a = (2 * t) % split, b = (2 * t + 1) % split;
+                part[i][a] = _mm256_dpbusd_epi32(part[i][a], lo, _mm256_set1_epi32(wl));
+                part[i][b] = _mm256_dpbusd_epi32(part[i][b], hi, _mm256_set1_epi32(wh));
+            }
+        }
     }
-#endif
+    for (int i = 0; i < mr; i++) {
+        for (int h = 1; h < split; h++) part[i][0] = _mm256_add_epi32(part[i][0], part[i][h]);
+        s32[i] = part[i][0];
+    }
+#else
     if (type == 9) { /* signed: |w| times x with w's sign, widened every step */
         for (int t = 0; t < 8; t++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(pq + 32 * t)), wa = _mm256_abs_epi8(w);
@@ -63,10 +94,8 @@ static inline __attribute__((always_inline)) void packed_steps(int type, const u
         return;
     }
     const __m256i low4 = _mm256_set1_epi8(15);
-#if QK_PATH != 2
     __m256i s16[PACKED_MR];
     for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
-#endif
     for (int t = 0; t < 4; t++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(pq + 32 * t));
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -74,15 +103,10 @@ static inline __attribute__((always_inline)) void packed_steps(int type, const u
             int32_t wl, wh;
             memcpy(&wl, xb[i] + 4 * t, 4), memcpy(&wh, xb[i] + 16 + 4 * t, 4);
             const __m256i xl = _mm256_set1_epi32(wl), xh = _mm256_set1_epi32(wh);
-#if QK_PATH == 2
-            s32[i] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s32[i], lo, xl), hi, xh);
-#else
             s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
             __asm__("" : "+x"(s16[i])); /* each row's sum in a register (see panel_steps) */
-#endif
         }
     }
-#if QK_PATH != 2
     for (int i = 0; i < mr; i++) s32[i] = _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1));
 #endif
 }
@@ -148,6 +172,7 @@ static void packed_dot(int type, const uint8_t *panel, const px_t *px, int64_t r
 #endif
 
 #include "quant_kernel_kpacked.h"
+#include "quant_kernel_packed_pairs.h"
 
 /* Chunk c (N_CHUNK rows: two panels) of packed weight w against x rows [r_lo, r_hi) into y (acc:
  * [r_hi - r_lo][N_CHUNK] scratch). */
@@ -160,6 +185,23 @@ static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_
     for (int64_t r0 = r_lo; r0 < r_hi; r0 += PACKED_MR) {
         const int mr = r_hi - r0 < PACKED_MR ? (int)(r_hi - r0) : PACKED_MR, stream = r0 == r_lo;
         float *a = acc + (r0 - r_lo) * N_CHUNK;
+#ifdef PACKED_PAIRS
+        /* Both panels in 512-bit registers for the passes over a chunk in cache; the first pass, which
+         * streams it from memory, keeps one panel at a time: streamed in pairs, 1-4 rows ran 0.6-0.8x as
+         * fast (Zen 4, 1 and 2 threads), even reading one panel's consecutive blocks as the pair. */
+        if (count == 2 && ch.type <= 11 && (PAIRS_STREAM || !stream)) {
+            switch (ch.type * 8 + mr) {
+#define PAIR_CASE(T, M) \
+    case T * 8 + M: packed_pair_dot(T, panels, bytes, px, r0, M, stream, a, N_CHUNK); break;
+#define PAIR_TYPE(T) PAIR_CASE(T, 1) PAIR_CASE(T, 2) PAIR_CASE(T, 3) PAIR_CASE(T, 4)
+                PAIR_TYPE(9) PAIR_TYPE(10) PAIR_TYPE(11)
+#undef PAIR_TYPE
+#undef PAIR_CASE
+            default: break;
+            }
+            continue;
+        }
+#endif
         for (int p = 0; p < count; p++) {
             const uint8_t *panel = panels + p * bytes;
             float *o = a + p * 8;

@@ -276,3 +276,28 @@ def test_avx512_builds_compile(arch: str) -> None:
     if qk.kernel_library() is None:
         pytest.skip("no C compiler")
     assert load_library("quant_kernel.c", arch=arch, extra_flags=("-ffp-contract=off",)) is not None
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_panel_pairs_give_the_single_panels_bits(name: str) -> None:
+    """AVX-512 VNNI builds run a chunk's two panels in 512-bit registers (quant_kernel_packed_pairs.h)
+    with the same int32 sums and float steps per lane as one panel's 256-bit pass, which a chunk of one
+    panel (40 rows: 16 + 16 + 8) and -DPACKED_NO_PAIRS still take: the outputs are equal bit for bit."""
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags():
+        pytest.skip("the pairs run on AVX-512 VNNI CPUs")
+    pairs, single = qk.build_kernel(), qk.build_kernel(("-DPACKED_NO_PAIRS",))
+    if pairs is None or single is None:
+        pytest.skip("no C compiler")
+    own = qk.kernel_library()
+    g = torch.Generator().manual_seed(17)
+    try:
+        for k in _in_features(name):
+            weight = qk.prepare(random_quant_tensor(QUANT_TYPES[name], 40, k, seed=k))
+            for rows in (1, 2, 3, 4, 5, 9):
+                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                qk.use_library(pairs)
+                got = qk.linear(x, weight)
+                qk.use_library(single)
+                assert torch.equal(got, qk.linear(x, weight)), (k, rows)
+    finally:
+        qk.use_library(own)
