@@ -117,6 +117,28 @@ def test_long_contexts_split_over_threads(num_threads: int, dtype: torch.dtype) 
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("num_threads", [2, 5])
+def test_a_decode_row_gets_the_same_bits_in_any_step(num_threads: int) -> None:
+    """A sequence's decode row alone (few items: its keys split over the threads) and in a step of many
+    sequences (items enough) sums its keys in the same pieces: the output is the same bits (a speculative
+    verification's rows and a growing batch leave a greedy output unchanged at any thread count)."""
+    _needs_kernel()
+    case = AttentionCase((1,) * 9, (700, 1500, 30, 300, 64, 900, 16, 200, 1), 9, 3, 64, 16, torch.bfloat16)
+    inputs = make_inputs(case, seed=7)
+    alone = AttentionInputs(
+        inputs.q[:1], inputs.k_cache, inputs.v_cache, inputs.tables[:1], inputs.block_tables[:1],
+        inputs.context_lens[:1], inputs.query_starts[:2],
+    )  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        batch = _run(paged_attention_cpu.paged_attention, case, inputs)
+        one = _run(paged_attention_cpu.paged_attention, AttentionCase((1,), (700,), 9, 3, 64, 16, torch.bfloat16), alone)
+        assert torch.equal(one[0], batch[0])
+    finally:
+        torch.set_num_threads(before)
+
+
 LANE_CASES = [  # (query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, softcap, window)
     ((50, 20, 2), (300, 20, 9), 9, 3, 64, 16, None, None),  # chunks of 16 queries over 3 blocks of keys
     ((70, 9), (70, 40), 4, 4, 33, 5, 5.0, 40),  # group 1: chunks of 48 queries (> MAX_ROWS), odd head dim

@@ -77,22 +77,14 @@ static int64_t plan_items(const Args *a, int64_t num_seqs, int64_t part_len, int
     return count;
 }
 
-/* Key partition length: none (INT64_MAX) when the unsplit items give every thread 4; else an even
- * share of all the items' keys, at least MIN_PART. */
+/* Key partition length: none (INT64_MAX) on one thread; else MIN_PART, whatever else the step holds.
+ * A split query sums its keys in pieces that are merged, in another order than one pass, so the pieces
+ * must not depend on the step: when the length was an even share of the step's keys (none when the
+ * step had items enough), a sequence's row got other bits in a 9-row speculative verification than in
+ * its 1-row decode step, and a greedy output changed after a near tie (SmolLM2 JSON, 2 threads). */
 static int64_t partition_len(const Args *a, int64_t num_seqs, int num_threads, int64_t max_heads) {
-    int64_t items = 0, keys = 0;
-    for (int64_t b = 0; b < num_seqs; ++b) {
-        const int64_t q_len = a->query_starts[b + 1] - a->query_starts[b], ctx = a->context_lens[b];
-        int64_t chunk, heads;
-        item_shape(a, q_len, max_heads, &chunk, &heads);
-        const int64_t per_chunk = (q_len + chunk - 1) / chunk * ((a->num_kv_heads + heads - 1) / heads);
-        const int64_t span = a->window > 0 ? min64(ctx, a->window + q_len - 1) : ctx;
-        items += per_chunk;
-        keys += per_chunk * span;
-    }
-    const int64_t target = 4 * (int64_t)num_threads;
-    if (num_threads <= 1 || items >= target) return INT64_MAX;
-    return max64(MIN_PART, (keys / target + W - 1) / W * W);
+    (void)a, (void)num_seqs, (void)max_heads;
+    return num_threads <= 1 ? INT64_MAX : MIN_PART;
 }
 
 /* KV heads per item (at most) and the key partition length: items of all the heads of a short query
