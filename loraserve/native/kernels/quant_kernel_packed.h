@@ -174,6 +174,26 @@ static void packed_dot(int type, const uint8_t *panel, const px_t *px, int64_t r
 #include "quant_kernel_kpacked.h"
 #include "quant_kernel_packed_pairs.h"
 
+/* One pass of mr x rows over one panel, into out (row stride N_CHUNK). */
+static inline void packed_pass(int type, const uint8_t *panel, const px_t *px, int64_t r0, int mr, int stream,
+                              float *out) {
+    switch (type * 8 + mr) { /* type and mr constants: each loop its own registers */
+#define PACKED_CASE(T, M) \
+    case T * 8 + M: packed_dot(T, panel, px, r0, M, stream, out, N_CHUNK); break;
+#define PACKED_TYPE(T) PACKED_CASE(T, 1) PACKED_CASE(T, 2) PACKED_CASE(T, 3) PACKED_CASE(T, 4)
+        PACKED_TYPE(9) PACKED_TYPE(10) PACKED_TYPE(11)
+#define KPACKED_CASE(T, M) \
+    case T * 8 + M: packed_kdot(T, panel, px, r0, M, stream, out, N_CHUNK); break;
+#define KPACKED_TYPE(T) KPACKED_CASE(T, 1) KPACKED_CASE(T, 2) KPACKED_CASE(T, 3) KPACKED_CASE(T, 4)
+        KPACKED_TYPE(12) KPACKED_TYPE(13) KPACKED_TYPE(14)
+#undef KPACKED_TYPE
+#undef KPACKED_CASE
+#undef PACKED_TYPE
+#undef PACKED_CASE
+    default: break;
+    }
+}
+
 /* Chunk c (N_CHUNK rows: two panels) of packed weight w against x rows [r_lo, r_hi) into y (acc:
  * [r_hi - r_lo][N_CHUNK] scratch). */
 static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_bf16, const void *bias, void *y,
@@ -189,38 +209,12 @@ static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_
         /* Both panels in 512-bit registers for the passes over a chunk in cache; the first pass, which
          * streams it from memory, keeps one panel at a time: streamed in pairs, 1-4 rows ran 0.6-0.8x as
          * fast (Zen 4, 1 and 2 threads), even reading one panel's consecutive blocks as the pair. */
-        if (count == 2 && ch.type <= 11 && (PAIRS_STREAM || !stream)) {
-            switch (ch.type * 8 + mr) {
-#define PAIR_CASE(T, M) \
-    case T * 8 + M: packed_pair_dot(T, panels, bytes, px, r0, M, stream, a, N_CHUNK); break;
-#define PAIR_TYPE(T) PAIR_CASE(T, 1) PAIR_CASE(T, 2) PAIR_CASE(T, 3) PAIR_CASE(T, 4)
-                PAIR_TYPE(9) PAIR_TYPE(10) PAIR_TYPE(11)
-#undef PAIR_TYPE
-#undef PAIR_CASE
-            default: break;
-            }
+        if (count == 2 && (PAIRS_STREAM || !stream) && (ch.type <= 11 || KPAIRS)) {
+            pair_pass(ch.type, panels, bytes, px, r0, mr, stream, a);
             continue;
         }
 #endif
-        for (int p = 0; p < count; p++) {
-            const uint8_t *panel = panels + p * bytes;
-            float *o = a + p * 8;
-            switch (ch.type * 8 + mr) { /* type and mr constants: each loop its own registers */
-#define PACKED_CASE(T, M) \
-    case T * 8 + M: packed_dot(T, panel, px, r0, M, stream, o, N_CHUNK); break;
-#define PACKED_TYPE(T) PACKED_CASE(T, 1) PACKED_CASE(T, 2) PACKED_CASE(T, 3) PACKED_CASE(T, 4)
-                PACKED_TYPE(9) PACKED_TYPE(10) PACKED_TYPE(11)
-#define KPACKED_CASE(T, M) \
-    case T * 8 + M: packed_kdot(T, panel, px, r0, M, stream, o, N_CHUNK); break;
-#define KPACKED_TYPE(T) KPACKED_CASE(T, 1) KPACKED_CASE(T, 2) KPACKED_CASE(T, 3) KPACKED_CASE(T, 4)
-                KPACKED_TYPE(12) KPACKED_TYPE(13) KPACKED_TYPE(14)
-#undef KPACKED_TYPE
-#undef KPACKED_CASE
-#undef PACKED_TYPE
-#undef PACKED_CASE
-            default: break;
-            }
-        }
+        for (int p = 0; p < count; p++) packed_pass(ch.type, panels + p * bytes, px, r0, mr, stream, a + p * 8);
     }
     store_chunk(acc, x_bf16, bias, y, ldy, ch.n0, ch.n1, r_lo, r_hi);
 }

@@ -18,6 +18,9 @@
 #ifndef PAIRS_STREAM
 #define PAIRS_STREAM 0 /* 1: the streaming pass in pairs too (run_packed_chunk) */
 #endif
+#ifndef KPAIRS
+#define KPAIRS 1 /* 0: the K-quants' panels one at a time */
+#endif
 
 /* 32 bytes at p (panel p) and 32 at p + other (panel p + 1) as one register. */
 static inline __m512i pair_load(const uint8_t *p, int64_t other) {
@@ -97,6 +100,109 @@ static inline __attribute__((always_inline)) void packed_pair_dot(int type, cons
         }
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ld, acc[i]);
+}
+
+/* Q4_K / Q5_K / Q6_K (quant_kernel_kpacked.h's layout and semantics) the same way: kpanel_step, the
+ * scales, the mins and the epilogue of both panels in one register each; the int32 sums are exact, the
+ * float steps packed_kdot's, so the lanes are packed_kdot's bits. */
+static inline __attribute__((always_inline)) __m512i kpair_step(int type, const uint8_t *pq, int64_t other, int sub,
+                                                                int t) {
+    const __m512i low4 = _mm512_set1_epi8(15);
+    if (type == 14) {
+        const int h = sub / 4, r = sub % 4;
+        const __m512i ql = pair_load(pq + 256 * (2 * h + r % 2) + 32 * t, other);
+        const __m512i qh = pair_load(pq + K6_QH + 256 * h + 32 * t, other);
+        const __m512i lo = _mm512_and_si512(r >= 2 ? _mm512_srli_epi16(ql, 4) : ql, low4);
+        const __m512i hi = r < 2 ? _mm512_slli_epi16(qh, 4 - 2 * r) : r == 2 ? qh : _mm512_srli_epi16(qh, 2);
+        return _mm512_or_si512(lo, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+    }
+    const __m512i v = pair_load(pq + 256 * (sub / 2) + 32 * t, other);
+    const __m512i w = _mm512_and_si512(sub % 2 ? _mm512_srli_epi16(v, 4) : v, low4);
+    if (type != 13) return w;
+    const __m512i h = pair_load(pq + K5_QH + 32 * t, other);
+    const __m512i bit = sub <= 4 ? _mm512_slli_epi16(h, 4 - sub) : _mm512_srli_epi16(h, sub - 4);
+    return _mm512_or_si512(w, _mm512_and_si512(bit, _mm512_set1_epi8(16)));
+}
+
+/* 8 bytes at p and 8 at p + other, widened to 16 int32 lanes (signed: Q6_K's scales). */
+static inline __m512i kpair_bytes32(const uint8_t *p, int64_t other, int is_signed) {
+    const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)(p + other)));
+    return is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+}
+
+static inline __attribute__((always_inline)) void kpair_sums(int type, const uint8_t *pq, int64_t other, const px_t *px,
+                                                             int64_t r0, int mr, int64_t sb, __m512i *isum) {
+    const int widen = kpanel_widen(type);
+    for (int sub = 0; sub < 8; sub++)
+        for (int t0 = 0; t0 < 8; t0 += widen) {
+            __m512i part[PACKED_MR];
+            for (int i = 0; i < mr; i++) part[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int t = t0; t < t0 + widen; t++) {
+                const __m512i w = kpair_step(type, pq, other, sub, t);
+                for (int i = 0; i < mr; i++) {
+                    int32_t word;
+                    memcpy(&word, px->xq + (r0 + i) * px->k + sb * 256 + 32 * sub + 4 * t, 4);
+                    part[i] = _mm512_dpbusd_epi32(part[i], w, _mm512_set1_epi32(word));
+                }
+            }
+            const __m512i sc = type == 14 ? kpair_bytes32(pq + K6_SC + 8 * (2 * sub + t0 / 4), other, 1)
+                                          : kpair_bytes32(pq + kpanel_sc(type) + 8 * sub, other, 0);
+            for (int i = 0; i < mr; i++) isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(part[i], sc));
+        }
+}
+
+static inline __attribute__((always_inline)) void packed_pair_kdot(int type, const uint8_t *panel, int64_t other,
+                                                                   const px_t *px, int64_t r0, int mr, float *out,
+                                                                   int64_t ld) {
+    const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[type];
+    __m512 acc[PACKED_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *pq = panel + sb * bb;
+        __m512i isum[PACKED_MR], imin[PACKED_MR];
+        for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm512_setzero_si512();
+        kpair_sums(type, pq, other, px, r0, mr, sb, isum);
+        for (int g = 0; g < (type == 14 ? 16 : 8); g++) { /* Q6_K: 32 sc_g sum_g off isum; else mn_s sum_s */
+            const uint8_t *s = pq + (type == 14 ? K6_SC : kpanel_sc(type) + 64) + 8 * g;
+            const __m512i v = type == 14 ? _mm512_slli_epi32(kpair_bytes32(s, other, 1), 5) : kpair_bytes32(s, other, 0);
+            for (int i = 0; i < mr; i++) {
+                const int16_t xsum = type == 14 ? px->xi16[((r0 + i) * px->nb + sb * 8) * 2 + g]
+                                                : px->xi[(r0 + i) * px->nb + sb * 8 + g];
+                const __m512i term = _mm512_madd_epi16(v, _mm512_set1_epi32((uint16_t)xsum));
+                if (type == 14) isum[i] = _mm512_sub_epi32(isum[i], term);
+                else imin[i] = _mm512_add_epi32(imin[i], term);
+            }
+        }
+        const int d_at = type == 14 ? K6_D : kpanel_sc(type) + 128;
+        const __m512 d = pair_halves(pq + d_at, other);
+        const __m512 dmin = type == 14 ? d : pair_halves(pq + d_at + 16, other);
+        for (int i = 0; i < mr; i++) {
+            const __m512 dx = _mm512_set1_ps(px->dx[(r0 + i) * px->nb + sb * 8]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
+            if (type != 14) acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[i]), _mm512_mul_ps(dmin, dx), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ld, acc[i]);
+}
+
+/* One pass of mr (<= PACKED_MR) x rows over the panels at panels and panels + other, into out (row stride
+ * N_CHUNK). */
+static inline void pair_pass(int type, const uint8_t *panels, int64_t other, const px_t *px, int64_t r0, int mr,
+                             int stream, float *out) {
+    switch (type * 8 + mr) { /* 8 rows a pass (PACKED_MR 8) ran no faster: Q8_0 spilled, at half the rate */
+#define PAIR_CASE(T, M) \
+    case T * 8 + M: packed_pair_dot(T, panels, other, px, r0, M, stream, out, N_CHUNK); break;
+#define KPAIR_CASE(T, M) \
+    case T * 8 + M: packed_pair_kdot(T, panels, other, px, r0, M, out, N_CHUNK); break;
+#define PAIR_ROWS(C, T) C(T, 1) C(T, 2) C(T, 3) C(T, 4)
+        PAIR_ROWS(PAIR_CASE, 9) PAIR_ROWS(PAIR_CASE, 10) PAIR_ROWS(PAIR_CASE, 11)
+        PAIR_ROWS(KPAIR_CASE, 12) PAIR_ROWS(KPAIR_CASE, 13) PAIR_ROWS(KPAIR_CASE, 14)
+#undef PAIR_ROWS
+#undef KPAIR_CASE
+#undef PAIR_CASE
+    default: break;
+    }
 }
 #endif
 

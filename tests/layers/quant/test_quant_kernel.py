@@ -278,11 +278,12 @@ def test_avx512_builds_compile(arch: str) -> None:
     assert load_library("quant_kernel.c", arch=arch, extra_flags=("-ffp-contract=off",)) is not None
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", sorted(PANEL_TYPES))
 def test_panel_pairs_give_the_single_panels_bits(name: str) -> None:
     """AVX-512 VNNI builds run a chunk's two panels in 512-bit registers (quant_kernel_packed_pairs.h)
     with the same int32 sums and float steps per lane as one panel's 256-bit pass, which a chunk of one
-    panel (40 rows: 16 + 16 + 8) and -DPACKED_NO_PAIRS still take: the outputs are equal bit for bit."""
+    panel (40 rows: 16 + 16 + 8) and -DPACKED_NO_PAIRS still take: the outputs are equal bit for bit.
+    The pairs run the passes after a chunk's first (5 rows: 4 streamed, then 1; 9: 4, then 4 and 1)."""
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags():
         pytest.skip("the pairs run on AVX-512 VNNI CPUs")
     pairs, single = qk.build_kernel(), qk.build_kernel(("-DPACKED_NO_PAIRS",))
