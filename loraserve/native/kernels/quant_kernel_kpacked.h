@@ -161,6 +161,36 @@ static inline __attribute__((always_inline)) __m256i kpanel_sums1(int type, cons
     return isum;
 }
 
+#if QK_PATH == 2
+/* The x sums' terms of a super-block for x rows r0 .. r0 + mr - 1: Q6_K's 32 sum_g sc_g sum(xq_g) off
+ * isum, Q4_K / Q5_K's sum_s mn_s sum(xq_s) into imin. vpdpwssd multiplies two groups a lane at once (the
+ * scale bytes of groups g, g + 1 interleaved to int16 pairs, once for all the rows; x's sums of g, g + 1
+ * are adjacent int16, one broadcast): 1 instruction a pair of groups and row where vpmaddwd and the add
+ * took 2 a group. The int32 sums are exact, so the result is the same. */
+static inline __attribute__((always_inline)) void kpanel_offsets(int type, const uint8_t *pq, const px_t *px,
+                                                                 int64_t r0, int mr, int64_t sb, __m256i *isum,
+                                                                 __m256i *imin) {
+    const uint8_t *s = pq + (type == 14 ? K6_SC : kpanel_sc(type) + 64);
+    __m256i off[PACKED_MR];
+    for (int i = 0; i < mr; i++) off[i] = _mm256_setzero_si256();
+    for (int h = 0; h < (type == 14 ? 8 : 4); h++) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(s + 16 * h)); /* groups 2h, 2h + 1 */
+        const __m128i mixed = _mm_unpacklo_epi8(b, _mm_srli_si128(b, 8));  /* lane j: (2h, 2h + 1) of row j */
+        const __m256i w = type == 14 ? _mm256_cvtepi8_epi16(mixed) : _mm256_cvtepu8_epi16(mixed);
+        for (int i = 0; i < mr; i++) {
+            const int16_t *xsum = type == 14 ? px->xi16 + ((r0 + i) * px->nb + sb * 8) * 2 : px->xi + (r0 + i) * px->nb + sb * 8;
+            int32_t two;
+            memcpy(&two, xsum + 2 * h, 4);
+            off[i] = _mm256_dpwssd_epi32(off[i], w, _mm256_set1_epi32(two));
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (type == 14) isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(off[i], 5));
+        else imin[i] = off[i];
+    }
+}
+#endif
+
 /* out[i * ld + j] = panel row j . x row r0 + i for i < mr (<= PACKED_MR), as the header's semantics;
  * `stream`: the panel comes from memory, so read ahead. */
 static inline __attribute__((always_inline)) void packed_kdot(int type, const uint8_t *panel, const px_t *px, int64_t r0,
@@ -175,6 +205,9 @@ static inline __attribute__((always_inline)) void packed_kdot(int type, const ui
         for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm256_setzero_si256();
         if (mr == 1) isum[0] = kpanel_sums1(type, pq, px->xq + r0 * px->k + sb * 256);
         else kpanel_sums(type, pq, px, r0, mr, sb, isum);
+#if QK_PATH == 2
+        kpanel_offsets(type, pq, px, r0, mr, sb, isum, imin);
+#else
         for (int g = 0; g < (type == 14 ? 16 : 8); g++) { /* Q6_K: 32 sc_g sum_g off isum; else mn_s sum_s */
             const uint8_t *s = pq + (type == 14 ? K6_SC : kpanel_sc(type) + 64) + 8 * g;
             const __m128i b = _mm_loadl_epi64((const __m128i *)s);
@@ -187,6 +220,7 @@ static inline __attribute__((always_inline)) void packed_kdot(int type, const ui
                 else imin[i] = _mm256_add_epi32(imin[i], term);
             }
         }
+#endif
         const int d_at = type == 14 ? K6_D : kpanel_sc(type) + 128;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + d_at)));
         const __m256 dmin = type == 14 ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pq + d_at + 16)));

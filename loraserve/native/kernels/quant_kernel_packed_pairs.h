@@ -152,6 +152,32 @@ static inline __attribute__((always_inline)) void kpair_sums(int type, const uin
         }
 }
 
+/* kpanel_offsets for both panels (lanes 8-15: the second panel's rows). */
+static inline __attribute__((always_inline)) void kpair_offsets(int type, const uint8_t *pq, int64_t other,
+                                                                const px_t *px, int64_t r0, int mr, int64_t sb,
+                                                                __m512i *isum, __m512i *imin) {
+    const uint8_t *s = pq + (type == 14 ? K6_SC : kpanel_sc(type) + 64);
+    __m512i off[PACKED_MR];
+    for (int i = 0; i < mr; i++) off[i] = _mm512_setzero_si512();
+    for (int h = 0; h < (type == 14 ? 8 : 4); h++) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(s + 16 * h));
+        const __m128i c = _mm_loadu_si128((const __m128i *)(s + 16 * h + other));
+        const __m256i mixed = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(b, _mm_srli_si128(b, 8))),
+                                                      _mm_unpacklo_epi8(c, _mm_srli_si128(c, 8)), 1);
+        const __m512i w = type == 14 ? _mm512_cvtepi8_epi16(mixed) : _mm512_cvtepu8_epi16(mixed);
+        for (int i = 0; i < mr; i++) {
+            const int16_t *xsum = type == 14 ? px->xi16 + ((r0 + i) * px->nb + sb * 8) * 2 : px->xi + (r0 + i) * px->nb + sb * 8;
+            int32_t two;
+            memcpy(&two, xsum + 2 * h, 4);
+            off[i] = _mm512_dpwssd_epi32(off[i], w, _mm512_set1_epi32(two));
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (type == 14) isum[i] = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(off[i], 5));
+        else imin[i] = off[i];
+    }
+}
+
 static inline __attribute__((always_inline)) void packed_pair_kdot(int type, const uint8_t *panel, int64_t other,
                                                                    const px_t *px, int64_t r0, int mr, float *out,
                                                                    int64_t ld) {
@@ -163,17 +189,7 @@ static inline __attribute__((always_inline)) void packed_pair_kdot(int type, con
         __m512i isum[PACKED_MR], imin[PACKED_MR];
         for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm512_setzero_si512();
         kpair_sums(type, pq, other, px, r0, mr, sb, isum);
-        for (int g = 0; g < (type == 14 ? 16 : 8); g++) { /* Q6_K: 32 sc_g sum_g off isum; else mn_s sum_s */
-            const uint8_t *s = pq + (type == 14 ? K6_SC : kpanel_sc(type) + 64) + 8 * g;
-            const __m512i v = type == 14 ? _mm512_slli_epi32(kpair_bytes32(s, other, 1), 5) : kpair_bytes32(s, other, 0);
-            for (int i = 0; i < mr; i++) {
-                const int16_t xsum = type == 14 ? px->xi16[((r0 + i) * px->nb + sb * 8) * 2 + g]
-                                                : px->xi[(r0 + i) * px->nb + sb * 8 + g];
-                const __m512i term = _mm512_madd_epi16(v, _mm512_set1_epi32((uint16_t)xsum));
-                if (type == 14) isum[i] = _mm512_sub_epi32(isum[i], term);
-                else imin[i] = _mm512_add_epi32(imin[i], term);
-            }
-        }
+        kpair_offsets(type, pq, other, px, r0, mr, sb, isum, imin);
         const int d_at = type == 14 ? K6_D : kpanel_sc(type) + 128;
         const __m512 d = pair_halves(pq + d_at, other);
         const __m512 dmin = type == 14 ? d : pair_halves(pq + d_at + 16, other);
