@@ -270,6 +270,7 @@ def main() -> None:
     )
     parser.add_argument("--no-transformers", action="store_true", help="loraserve and the KV-read bound only")
     parser.add_argument("--attention-only", action="store_true", help="the attention row of the bound only")
+    parser.add_argument("--tag", default="", help="saved as long_context_<tag> (a CPU class's own run)")
     args = parser.parse_args()
     limit_threads(args.threads)
     contexts = sorted(int(x) for x in args.contexts.split(","))
@@ -318,7 +319,7 @@ def main() -> None:
         print_long_context(results)
     print_kv_bound(bound_rows, short, long, args.batch)
     save_results(
-        "long_context",
+        f"long_context_{args.tag}" if args.tag else "long_context",
         {
             "cpu": cpu_class(),
             "dtype": dtype_name,
