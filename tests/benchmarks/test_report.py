@@ -68,11 +68,12 @@ def test_the_speculative_result_renders_its_ratios_and_targets(tmp_path) -> None
         "started": "2026-12-06",
     }
     data = {"k": 8, "lookup": [2, 5], "llama_cpp": "--spec-type ngram-simple", "targets": {"edit": 2.0, "chat": 0.97},
-            "rows": {"edit": {"off": 50.0, "ngram": 125.0, "llama.cpp": 40.0, "llama.cpp ngram": 80.0, "tokens": [60]},
+            "rows": {"edit": {"off": 50.0, "ngram": 125.0, "llama.cpp": 40.0, "llama.cpp ngram": 80.0, "tokens": [60],
+                              "bound": 2.7, "bound_at_costs": 2.2},
                      "chat": {"off": 50.0, "ngram": 49.0, "tokens": [200]}},
             "conditions": cond}  # fmt: skip
     (tmp_path / "speculative.json").write_text(json.dumps(data))
     text = report.render(str(tmp_path))
     assert "ngram, k=8, lookup [2, 5]; llama-server: --spec-type ngram-simple" in text
-    assert "| edit | 50.0 | 125.0 | 2.50x | >= 2.0x | 40.0 | 80.0 | 2.00x |" in text
-    assert "| chat | 50.0 | 49.0 | 0.98x | >= 0.97x | | | |" in text
+    assert "| edit | 50.0 | 125.0 | 2.50x | >= 2.0x | 2.70x / 2.20x | 40.0 | 80.0 | 2.00x |" in text
+    assert "| chat | 50.0 | 49.0 | 0.98x | >= 0.97x |  | | | |" in text  # no bound, no llama.cpp: empty cells
