@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -65,6 +66,18 @@ def build(request: pytest.FixtureRequest) -> Iterator[str]:
     assert qk.kernel_path() == path
     yield request.param
     qk.use_library(own)
+
+
+def _linear_by(
+    lib: Any, x: torch.Tensor, weight: qk.QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """qk.linear by the build `lib`; the process's own build is restored after."""
+    own = qk.kernel_library()
+    qk.use_library(lib)
+    try:
+        return qk.linear(x, weight, bias)
+    finally:
+        qk.use_library(own)
 
 
 def _bounds(
@@ -250,21 +263,15 @@ def test_panel_path_matches_row_streaming(name: str, dtype: torch.dtype) -> None
     rows = qk.build_kernel(("-mno-avx512f", "-mno-avxvnni", "-DPANEL_MIN_ROWS=1000000"))
     if panels is None or rows is None:
         pytest.skip("no C compiler")
-    own = qk.kernel_library()
     g = torch.Generator().manual_seed(13)
-    try:
-        for k in _in_features(name):
-            weight = qk.prepare(random_quant_tensor(QUANT_TYPES[name], 21, k, seed=k))
-            x = torch.randn(7, k, generator=g).to(dtype)
-            bias = torch.randn(21, generator=g).to(dtype)
-            qk.use_library(panels)
-            got = qk.linear(x, weight, bias).double()
-            qk.use_library(rows)
-            want = qk.linear(x, weight, bias).double()
-            scale = 2e-6 if dtype == torch.float32 else 2.0**-8
-            assert bool(((got - want).abs() <= scale * (want.abs() + want.abs().amax())).all()), name
-    finally:
-        qk.use_library(own)
+    for k in _in_features(name):
+        weight = qk.prepare(random_quant_tensor(QUANT_TYPES[name], 21, k, seed=k))
+        x = torch.randn(7, k, generator=g).to(dtype)
+        bias = torch.randn(21, generator=g).to(dtype)
+        got = _linear_by(panels, x, weight, bias).double()
+        want = _linear_by(rows, x, weight, bias).double()
+        scale = 2e-6 if dtype == torch.float32 else 2.0**-8
+        assert bool(((got - want).abs() <= scale * (want.abs() + want.abs().amax())).all()), name
 
 
 @pytest.mark.parametrize("arch", ["skylake-avx512", "icelake-server"])
@@ -289,16 +296,9 @@ def test_panel_pairs_give_the_single_panels_bits(name: str) -> None:
     pairs, single = qk.build_kernel(), qk.build_kernel(("-DPACKED_NO_PAIRS",))
     if pairs is None or single is None:
         pytest.skip("no C compiler")
-    own = qk.kernel_library()
     g = torch.Generator().manual_seed(17)
-    try:
-        for k in _in_features(name):
-            weight = qk.prepare(random_quant_tensor(QUANT_TYPES[name], 40, k, seed=k))
-            for rows in (1, 2, 3, 4, 5, 9):
-                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-                qk.use_library(pairs)
-                got = qk.linear(x, weight)
-                qk.use_library(single)
-                assert torch.equal(got, qk.linear(x, weight)), (k, rows)
-    finally:
-        qk.use_library(own)
+    for k in _in_features(name):
+        weight = qk.prepare(random_quant_tensor(QUANT_TYPES[name], 40, k, seed=k))
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            assert torch.equal(_linear_by(pairs, x, weight), _linear_by(single, x, weight)), (k, rows)
