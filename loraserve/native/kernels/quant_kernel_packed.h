@@ -38,6 +38,16 @@ static inline int64_t packed_block_bytes(int type) { return 8 * (int64_t)TYPE_SI
 static inline int packed_qbytes(int type) { return type == 9 ? 256 : 128; }
 
 #if QK_PATH > 0
+/* Q4_0 / Q4_1 step t of a panel block: the 8 rows' low nibbles (weights 4t .. 4t + 3) and high ones
+ * (16 + 4t ..); packed_x_words: an x row's 4 bytes for each (wl, wh). */
+static inline __attribute__((always_inline)) void packed_nibbles(const uint8_t *pq, int t, __m256i *lo, __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(15), v = _mm256_loadu_si256((const __m256i *)(pq + 32 * t));
+    *lo = _mm256_and_si256(v, low4), *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+}
+static inline void packed_x_words(const int8_t *xr, int t, int32_t *wl, int32_t *wh) {
+    memcpy(wl, xr + 4 * t, 4), memcpy(wh, xr + 16 + 4 * t, 4);
+}
+
 /* The int32 block dots, lane j = panel row j, of a panel block pq against mr rows of x (xb: each row's
  * 32 quants of the block). */
 static inline __attribute__((always_inline)) void packed_steps(int type, const uint8_t *pq, const int8_t *const *xb,
@@ -63,13 +73,12 @@ static inline __attribute__((always_inline)) void packed_steps(int type, const u
             }
         }
     } else {
-        const __m256i low4 = _mm256_set1_epi8(15);
         for (int t = 0; t < 4; t++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(pq + 32 * t));
-            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            __m256i lo, hi;
+            packed_nibbles(pq, t, &lo, &hi);
             for (int i = 0; i < mr; i++) {
                 int32_t wl, wh;
-                memcpy(&wl, xb[i] + 4 * t, 4), memcpy(&wh, xb[i] + 16 + 4 * t, 4);
+                packed_x_words(xb[i], t, &wl, &wh);
                 const int a = (2 * t) % split, b = (2 * t + 1) % split;
                 part[i][a] = _mm256_dpbusd_epi32(part[i][a], lo, _mm256_set1_epi32(wl));
                 part[i][b] = _mm256_dpbusd_epi32(part[i][b], hi, _mm256_set1_epi32(wh));
@@ -93,15 +102,14 @@ static inline __attribute__((always_inline)) void packed_steps(int type, const u
         }
         return;
     }
-    const __m256i low4 = _mm256_set1_epi8(15);
     __m256i s16[PACKED_MR];
     for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
     for (int t = 0; t < 4; t++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(pq + 32 * t));
-        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        __m256i lo, hi;
+        packed_nibbles(pq, t, &lo, &hi);
         for (int i = 0; i < mr; i++) {
             int32_t wl, wh;
-            memcpy(&wl, xb[i] + 4 * t, 4), memcpy(&wh, xb[i] + 16 + 4 * t, 4);
+            packed_x_words(xb[i], t, &wl, &wh);
             const __m256i xl = _mm256_set1_epi32(wl), xh = _mm256_set1_epi32(wh);
             s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
             __asm__("" : "+x"(s16[i])); /* each row's sum in a register (see panel_steps) */
