@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 KERNELS = "loraserve.native.kernels"  # the package holding every kernel's source
-HEADERS = ("simd.h",)  # in KERNELS; every kernel may include them
+HEADERS = ("simd.h", "side_stream.h")  # in KERNELS; every kernel may include them
 
 
 def function_address(fn: Any) -> int:

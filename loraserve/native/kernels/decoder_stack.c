@@ -31,7 +31,7 @@ typedef int (*attn_fn)(const void *, int64_t, const void *, const void *, void *
                        const int64_t *, const void *);
 typedef int (*lora_fn)(const int64_t *, const int64_t *, const void *, int64_t, void *, int64_t, int);
 typedef int64_t (*ranges_fn)(const int64_t *, const int64_t *, int64_t *, int64_t, int);
-#define MAX_SIDE_RUNS 64 /* of lora_weight_ranges: two per slice and adapter of a step */
+#define MAX_SIDE_RUNS 128 /* of lora_weight_ranges: two per slice and adapter of a step (16 adapters x qkv: 96) */
 
 enum { OP_GEMM = 1, OP_ROPE = 2, OP_ATTENTION = 3, OP_LORA = 4 };
 

@@ -31,6 +31,7 @@
 #endif
 
 #include "simd.h"
+#include "side_stream.h"
 
 #define ROW_CHUNK 128 /* rows per work item at most: x's chunk stays in L2 while the column blocks pass */
 
@@ -58,55 +59,6 @@ static inline __attribute__((always_inline)) void prefetch_step(prefetch_t *pf, 
         int64_t line = step * pf->per_step + j;
         if (line < pf->lines) __builtin_prefetch(pf->next + line * 64, 0, 2); /* into L2 */
     }
-}
-
-/* A second prefetch stream, for memory the caller reads right after this call (a LoRA term's
- * weights): `runs` holds `num` runs of (address, bytes per row, rows, row stride in bytes), walked
- * line by line from run r, row `row`, line address `at`. Each tile asks for its share of the lines
- * before it starts: a few dozen at most, which the core keeps in flight while the tile computes,
- * where a check in the tile's k loop would cost the product ~8%. */
-typedef struct {
-    const int64_t *runs;
-    int64_t num, r, row;
-    const char *at;
-} side_t;
-
-/* Moves to the next row that has bytes (or past the last run), at its first line. */
-static void side_next_row(side_t *sd) {
-    for (;;) {
-        if (++sd->row >= sd->runs[4 * sd->r + 2]) sd->row = 0, sd->r++;
-        if (sd->r >= sd->num) return;
-        const int64_t *run = sd->runs + 4 * sd->r;
-        if (run[1] > 0 && run[2] > 0) {
-            sd->at = (const char *)((uintptr_t)(run[0] + sd->row * run[3]) & ~(uintptr_t)63);
-            return;
-        }
-        sd->row = run[2]; /* an empty run: on to the next */
-    }
-}
-
-/* Prefetches the next `count` lines of the stream into L2. */
-static inline void side_fetch(side_t *sd, int64_t count) {
-    for (int64_t j = 0; j < count && sd->r < sd->num; j++) {
-        __builtin_prefetch(sd->at, 0, 2);
-        const int64_t *run = sd->runs + 4 * sd->r;
-        sd->at += 64;
-        if ((intptr_t)sd->at >= run[0] + sd->row * run[3] + run[1]) side_next_row(sd);
-    }
-}
-
-/* The lines of runs [0, num): each row from its first line to its end. */
-static int64_t side_lines(const int64_t *runs, int64_t num) {
-    int64_t lines = 0;
-    for (int64_t i = 0; i < num; i++) {
-        const int64_t *run = runs + 4 * i;
-        if (run[1] <= 0) continue;
-        for (int64_t row = 0; row < run[2]; row++) {
-            const uintptr_t first = (uintptr_t)(run[0] + row * run[3]);
-            lines += (int64_t)(((first + (uintptr_t)run[1] + 63) & ~(uintptr_t)63) - (first & ~(uintptr_t)63)) / 64;
-        }
-    }
-    return lines;
 }
 
 /* A tile of `mr` rows (1 to 8): one instantiation per row count keeps every tile's accumulators in
@@ -289,16 +241,8 @@ static int gemm_run(const void *x, int64_t ldx, const void *w, const void *bias,
         /* Contiguous ranges, computed the same way for every call, so a thread knows which block it
          * starts the next call with (assuming it has as many row chunks as this one). */
         const int64_t begin = num_items * tid / nth, end = num_items * (tid + 1) / nth;
-        /* side (gemm_linear_prefetch): with split (its runs per segment), thread t takes segments
-         * [segs * t / nth, segs * (t + 1) / nth), lora_fused's own split of a segment-major step */
-        side_t sd = {NULL, 0, 0, -1, NULL};
-        if (side != NULL && side[0] > 0) {
-            const int64_t per_seg = side[1] > 0 ? side[1] : side[0], segs = side[0] / per_seg;
-            const int64_t s0 = side[1] > 0 ? segs * tid / nth : 0, s1 = side[1] > 0 ? segs * (tid + 1) / nth : segs;
-            sd.runs = side + 2 + 4 * per_seg * s0, sd.num = per_seg * (s1 - s0);
-            side_next_row(&sd); /* row -1 of run 0: the first row with bytes */
-        }
-        const int64_t lines = sd.runs == NULL ? 0 : side_lines(sd.runs, sd.num);
+        side_t sd; /* this thread's share of side (side_stream.h) */
+        const int64_t lines = side_share(side, tid, nth, &sd);
         side_t *sdp = lines > 0 && end > begin ? &sd : NULL;
         const int64_t lines_per_item = end > begin ? (lines + (end - begin) - 1) / (end - begin) : 0;
         for (int64_t item = begin; item < end; item++) {

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 
 #include "simd.h"
+#include "side_stream.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QK_PATH 2
@@ -235,9 +236,10 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
  * region over every part's chunks (a packed layer's slices are one fork, not one each). Packed parts
  * (types 9-14) take their panels at every row count (one activation level only); the others stream
  * their rows, or from PANEL_MIN_ROWS rows (one level) take per-call panels. Returns 0, 1 for packed
- * parts at two levels, or 2 without memory. */
+ * parts at two levels, or 2 without memory. `side` (or NULL): memory the caller reads next, fetched
+ * meanwhile (side_stream.h), each thread its share spread over its items. */
 static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t ldx, int x_flags, const void *bias,
-                        void *y, int64_t ldy, int64_t m, int num_threads) {
+                        void *y, int64_t ldy, int64_t m, int num_threads, const int64_t *side) {
     const int64_t k = w[2];
     const int x_bf16 = x_flags & X_BF16, two = !x_bf16 && (x_flags & X_TWO_LEVELS);
     const int panel = QK_PATH > 0 && !two && m >= PANEL_MIN_ROWS;
@@ -282,9 +284,17 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
                 if (px256.xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 256, &px256);
             }
         }
+        int64_t tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#endif
+        side_t sd;
+        const int64_t lines = side_share(side, tid, nth, &sd); /* over about num_items / nth items */
+        const int64_t per_item = lines > 0 ? (lines * nth + num_items - 1) / num_items : 0;
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < num_items; item++) {
             if (acc == NULL || (panel_bytes > 0 && panels == NULL)) continue;
+            if (per_item > 0) side_fetch(&sd, per_item);
             const int64_t c = item % num_chunks, r_lo = item / num_chunks * m_block;
             const int64_t r_hi = r_lo + m_block < m ? r_lo + m_block : m;
             int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
@@ -317,17 +327,17 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
 int quant_linear(const int64_t *w, const void *x, int64_t ldx, int x_flags, const void *bias, void *y, int64_t ldy,
                  int64_t m, int num_threads) {
     if (!weight_ok(w) || m < 0) return 1;
-    return linear_parts(w, 1, x, ldx, x_flags, bias, y, ldy, m, num_threads);
+    return linear_parts(w, 1, x, ldx, x_flags, bias, y, ldy, m, num_threads, NULL);
 }
 
 /* The decoder stack's linear (models/decoder_stack.c's gemm_fn signature): a layer of one or more
  * quantized output slices, a = {parts, x_flags, n_total, then per part {address, n, k, type}}; y is
  * [m, n_total] contiguous, bias [n_total] or NULL. Each slice's values are those of the quant_linear
- * call the Python path (Linear._quant_forward) makes, so the two agree bit for bit. `side` (the dense
- * kernel's LoRA prefetch) is not used. Returns quant_linear's status, or 1 for a bad part list. */
+ * call the Python path (Linear._quant_forward) makes, so the two agree bit for bit. `side` (or NULL):
+ * the layer's LoRA weights, fetched while the product runs (side_stream.h). Returns quant_linear's
+ * status, or 1 for a bad part list. */
 int quant_gemm(const int64_t *a, const void *x, int64_t ldx, const void *bias, void *y, int64_t m, int num_threads,
                const int64_t *side) {
-    (void)side;
     const int64_t parts = a[0], n_total = a[2];
     int64_t off = 0;
     for (int64_t p = 0; p < parts; p++) {
@@ -336,7 +346,8 @@ int quant_gemm(const int64_t *a, const void *x, int64_t ldx, const void *bias, v
         off += w[1];
     }
     if (parts < 1 || off != n_total || m < 0) return 1;
-    return linear_parts(a + 3, parts, x, ldx, (int)a[1], bias, y, n_total, m, num_threads);
+    if (side != NULL && (side[1] < 0 || (side[1] > 0 && side[0] % side[1] != 0))) side = NULL;
+    return linear_parts(a + 3, parts, x, ldx, (int)a[1], bias, y, n_total, m, num_threads, side);
 }
 
 #include "quant_kernel_dequantize.h"
