@@ -92,10 +92,11 @@ def test_a_changed_header_rebuilds_every_kernel(
     assert len(_built(tmp_path)) == 2  # a new digest, a new library beside the old one
 
 
-def test_the_header_ships_with_the_package() -> None:
-    """What an installed (non-editable) loraserve reads: the header as a package resource."""
+def test_the_headers_ship_with_the_package() -> None:
+    """What an installed (non-editable) loraserve reads: the shared headers as package resources."""
     names = dict(build._headers())
-    assert set(names) == {"simd.h"} and b"#define W 16" in names["simd.h"]
+    assert set(names) == {"simd.h", "side_stream.h"} and b"#define W 16" in names["simd.h"]
+    assert b"side_fetch" in names["side_stream.h"]
 
 
 def test_a_kernel_split_into_parts_compiles_with_them_and_rebuilds_when_one_changes(
