@@ -267,22 +267,18 @@ int gemm_linear(const void *x, int64_t ldx, const void *w, const void *bias, voi
 }
 
 /* gemm_linear_packed that also fetches `side` into L2 (or NULL: nothing), memory the caller reads
- * next: side = {num_runs, runs per segment (0: no split), then num_runs runs of (address, bytes per
- * row, rows, row stride in bytes)}. With a split the runs come per segment, and thread t fetches only
- * its share of the segments (the next call splits them among threads the same way); else every
- * thread fetches all. A decode step's product leaves memory mostly idle, so a small LoRA term's
- * weights arrive at little cost (one adapter's step got faster); many adapters' weights compete with
- * the product's own stream (16 adapters made the step slower), so the fetch is
- * skipped when it exceeds 1 / SIDE_MAX_SHARE of the weight's bytes. */
+ * next (side_stream.h: its layout, each thread's share; a malformed list fetches nothing). A decode
+ * step's product leaves memory mostly idle, so a small LoRA term's weights arrive at little cost (one
+ * adapter's step got faster); many adapters' weights compete with the product's own stream (16
+ * adapters made the step slower), so the fetch is skipped when it exceeds 1 / SIDE_MAX_SHARE of the
+ * weight's bytes. */
 #define SIDE_MAX_SHARE 4
 int gemm_linear_prefetch(const int64_t *weight, const void *x, int64_t ldx, const void *bias, void *y, int64_t m,
                          int num_threads, const int64_t *side) {
     if (side != NULL) {
         int64_t bytes = 0;
         for (int64_t i = 0; i < side[0]; i++) bytes += side[3 + 4 * i] * side[4 + 4 * i];
-        if (side[1] < 0 || (side[1] > 0 && side[0] % side[1] != 0) ||
-            bytes * SIDE_MAX_SHARE > weight[1] * weight[2] * (weight[6] == 1 ? 2 : 4))
-            side = NULL;
+        if (bytes * SIDE_MAX_SHARE > weight[1] * weight[2] * (weight[6] == 1 ? 2 : 4)) side = NULL;
     }
     return gemm_run(x, ldx, (const void *)(intptr_t)weight[0], bias, y, weight[1], m, weight[1], weight[2],
                     (const void *)(intptr_t)weight[3], weight[4], weight[5], (int)weight[6], num_threads, side);

@@ -77,26 +77,19 @@ static int64_t plan_items(const Args *a, int64_t num_seqs, int64_t part_len, int
     return count;
 }
 
-/* Key partition length: none (INT64_MAX) on one thread; else MIN_PART, whatever else the step holds.
- * A split query sums its keys in pieces that are merged, in another order than one pass, so the pieces
- * must not depend on the step: when the length was an even share of the step's keys (none when the
- * step had items enough), a sequence's row got other bits in a 9-row speculative verification than in
- * its 1-row decode step, and a greedy output changed after a near tie (SmolLM2 JSON, 2 threads). */
-static int64_t partition_len(const Args *a, int64_t num_seqs, int num_threads, int64_t max_heads) {
-    (void)a, (void)num_seqs, (void)max_heads;
-    return num_threads <= 1 ? INT64_MAX : MIN_PART;
-}
-
 /* KV heads per item (at most) and the key partition length: items of all the heads of a short query
- * unless that leaves threads without two items each (a few short contexts), then one head each. */
+ * unless that leaves threads without two items each (a few short contexts), then one head each.
+ * Keys are split (on more than one thread) into MIN_PART pieces whatever else the step holds: a split
+ * query sums its keys in pieces that are merged, in another order than one pass, so the pieces must not
+ * depend on the step. When the length was an even share of the step's keys (none when the step had
+ * items enough), a sequence's row got other bits in a 9-row speculative verification than in its 1-row
+ * decode step, and a greedy output changed after a near tie (SmolLM2 JSON, 2 threads). */
 static void plan_shape(const Args *a, int64_t num_seqs, int num_threads, int64_t *max_heads, int64_t *part_len) {
     *max_heads = a->num_kv_heads;
-    *part_len = partition_len(a, num_seqs, num_threads, *max_heads);
+    *part_len = num_threads <= 1 ? INT64_MAX : MIN_PART;
     if (num_threads > 1 && *max_heads > 1
-            && plan_items(a, num_seqs, *part_len, *max_heads, NULL, NULL) < 2 * (int64_t)num_threads) {
+            && plan_items(a, num_seqs, *part_len, *max_heads, NULL, NULL) < 2 * (int64_t)num_threads)
         *max_heads = 1;
-        *part_len = partition_len(a, num_seqs, num_threads, 1);
-    }
 }
 
 #endif /* PAGED_ATTENTION_PLAN_H */

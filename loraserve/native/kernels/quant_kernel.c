@@ -346,7 +346,6 @@ int quant_gemm(const int64_t *a, const void *x, int64_t ldx, const void *bias, v
         off += w[1];
     }
     if (parts < 1 || off != n_total || m < 0) return 1;
-    if (side != NULL && (side[1] < 0 || (side[1] > 0 && side[0] % side[1] != 0))) side = NULL;
     return linear_parts(a + 3, parts, x, ldx, (int)a[1], bias, y, n_total, m, num_threads, side);
 }
 

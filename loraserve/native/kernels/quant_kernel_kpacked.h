@@ -24,18 +24,15 @@
 #ifndef LORASERVE_QUANT_KERNEL_KPACKED_H
 #define LORASERVE_QUANT_KERNEL_KPACKED_H
 
-/* Super-blocks read ahead while streaming. Q4_K / Q5_K read a super-block front to back, and the hardware
- * prefetchers follow: asking too made one row slower (Zen 4, 1 thread: Q4_K 11%, Q5_K 36%; 2 threads:
- * Q4_K 10%). Q6_K's one-row pass reads three places of a super-block at once (two low-nibble pieces, the
- * two-bit bytes), which they do not follow: 4 ahead (0 ran 4.5x slower, 8 12-20% slower; 2 left it at
- * ~80% of 4's rate on Zen 3). */
+/* Super-blocks read ahead while streaming (KPACKED_AHEAD: Q6_K's). Q4_K / Q5_K read a super-block front to
+ * back, and the hardware prefetchers follow: asking for 4 ahead too made one row slower (Zen 4, 1 thread:
+ * the 1B file's Q4_K linears 24 against 19 ms, a Q5_K stack 36%; 2 threads: no faster). Q6_K's one-row
+ * pass reads three places of a super-block at once (two low-nibble pieces, the two-bit bytes), which they
+ * do not follow: 4 ahead (0 ran 4.5x slower, 8 12-20% slower; 2 left it at ~80% of 4's rate on Zen 3). */
 #ifndef KPACKED_AHEAD
 #define KPACKED_AHEAD 4
 #endif
-#ifndef KPACKED_AHEAD_Q45
-#define KPACKED_AHEAD_Q45 0
-#endif
-static inline int kpacked_ahead(int type) { return type == 14 ? KPACKED_AHEAD : KPACKED_AHEAD_Q45; }
+static inline int kpacked_ahead(int type) { return type == 14 ? KPACKED_AHEAD : 0; }
 enum { K5_QH = 1024, K6_QH = 1024, K6_SC = 1536, K6_D = 1664 };
 /* Q4_K / Q5_K: where a super-block's scales start (the mins, d and dmin follow at +64, +128, +144). */
 static inline int kpanel_sc(int type) { return type == 12 ? 1024 : 1280; }

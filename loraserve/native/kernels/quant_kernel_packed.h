@@ -216,9 +216,10 @@ static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_
 #ifdef PACKED_PAIRS
         /* Both panels in 512-bit registers for the passes over a chunk in cache; the first pass, which
          * streams it from memory, keeps one panel at a time: streamed in pairs, 1-4 rows ran 0.6-0.8x as
-         * fast (Zen 4, 1 and 2 threads), even reading one panel's consecutive blocks as the pair. */
-        if (count == 2 && (PAIRS_STREAM || !stream) && (ch.type <= 11 || KPAIRS)) {
-            pair_pass(ch.type, panels, bytes, px, r0, mr, stream, a);
+         * fast (Zen 4, 1 and 2 threads), even reading one panel's consecutive blocks as the pair; one row
+         * of Q4_K 2.4x slower, with and without read-ahead. */
+        if (count == 2 && !stream) {
+            pair_pass(ch.type, panels, bytes, px, r0, mr, a);
             continue;
         }
 #endif

@@ -15,12 +15,6 @@
 
 #if QK_PATH == 2 && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(PACKED_NO_PAIRS)
 #define PACKED_PAIRS 1
-#ifndef PAIRS_STREAM
-#define PAIRS_STREAM 0 /* 1: the streaming pass in pairs too (run_packed_chunk) */
-#endif
-#ifndef KPAIRS
-#define KPAIRS 1 /* 0: the K-quants' panels one at a time */
-#endif
 
 /* 32 bytes at p (panel p) and 32 at p + other (panel p + 1) as one register. */
 static inline __m512i pair_load(const uint8_t *p, int64_t other) {
@@ -73,17 +67,17 @@ static inline __attribute__((always_inline)) void pair_steps(int type, const uin
     }
 }
 
-/* packed_dot over the panels at panel and panel + other together: 16 outputs per x row. */
+/* packed_dot over the panels at panel and panel + other together (in cache: no read-ahead): 16 outputs
+ * per x row. */
 static inline __attribute__((always_inline)) void packed_pair_dot(int type, const uint8_t *panel, int64_t other,
-                                                                  const px_t *px, int64_t r0, int mr, int stream,
-                                                                  float *out, int64_t ld) {
+                                                                  const px_t *px, int64_t r0, int mr, float *out,
+                                                                  int64_t ld) {
     const int64_t nb = px->nb, bb = packed_block_bytes(type);
     const int qb = packed_qbytes(type);
     __m512 acc[PACKED_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pq = panel + b * bb;
-        if (stream && PACKED_AHEAD > 0) prefetch_ahead(pq, bb, PACKED_AHEAD), prefetch_ahead(pq + other, bb, PACKED_AHEAD);
         const int8_t *xb[PACKED_MR];
         __m512i s32[PACKED_MR];
         for (int i = 0; i < mr; i++) {
@@ -205,10 +199,10 @@ static inline __attribute__((always_inline)) void packed_pair_kdot(int type, con
 /* One pass of mr (<= PACKED_MR) x rows over the panels at panels and panels + other, into out (row stride
  * N_CHUNK). */
 static inline void pair_pass(int type, const uint8_t *panels, int64_t other, const px_t *px, int64_t r0, int mr,
-                             int stream, float *out) {
+                             float *out) {
     switch (type * 8 + mr) { /* 8 rows a pass (PACKED_MR 8) ran no faster: Q8_0 spilled, at half the rate */
 #define PAIR_CASE(T, M) \
-    case T * 8 + M: packed_pair_dot(T, panels, other, px, r0, M, stream, out, N_CHUNK); break;
+    case T * 8 + M: packed_pair_dot(T, panels, other, px, r0, M, out, N_CHUNK); break;
 #define KPAIR_CASE(T, M) \
     case T * 8 + M: packed_pair_kdot(T, panels, other, px, r0, M, out, N_CHUNK); break;
 #define PAIR_ROWS(C, T) C(T, 1) C(T, 2) C(T, 3) C(T, 4)

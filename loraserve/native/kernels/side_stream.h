@@ -54,10 +54,11 @@ static int64_t side_lines(const int64_t *runs, int64_t num) {
     return lines;
 }
 
-/* Thread tid of nth's share of `side` (or NULL) into sd, at its first line; returns its lines (0: none). */
+/* Thread tid of nth's share of `side` (or NULL) into sd, at its first line; returns its lines (0: none,
+ * also for a list whose runs do not make whole segments: nothing is fetched). */
 static int64_t side_share(const int64_t *side, int64_t tid, int64_t nth, side_t *sd) {
     *sd = (side_t){NULL, 0, 0, -1, NULL};
-    if (side == NULL || side[0] <= 0) return 0;
+    if (side == NULL || side[0] <= 0 || side[1] < 0 || (side[1] > 0 && side[0] % side[1] != 0)) return 0;
     const int64_t per_seg = side[1] > 0 ? side[1] : side[0], segs = side[0] / per_seg;
     const int64_t s0 = side[1] > 0 ? segs * tid / nth : 0, s1 = side[1] > 0 ? segs * (tid + 1) / nth : segs;
     if (s1 <= s0) return 0;
