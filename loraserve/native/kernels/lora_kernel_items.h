@@ -34,9 +34,11 @@ static int64_t slice_chunks(const int64_t *offsets, int64_t num_slices, int64_t 
     return count;
 }
 
+/* Into L2 (T1): four items ahead outgrow L1, and a non-temporal hint (NTA) read 16 adapters' decode
+ * weights at 29 GB/s where T1 reads 33 of the machine's 35 (Zen 4, 2 threads, benchmarks/lora_kernel). */
 static inline void prefetch_rows(const char *p, int64_t row_bytes, int64_t ld_bytes, int64_t rows) {
     for (int64_t r = 0; r < rows; ++r)
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + r * ld_bytes + off, 0, 0);
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + r * ld_bytes + off, 0, 2);
 }
 
 static inline void thread_range(int64_t n, int64_t *lo, int64_t *hi) {

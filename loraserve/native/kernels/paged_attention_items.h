@@ -40,7 +40,10 @@ typedef struct {
 } Ahead;
 
 /* Asks for the next `count` pieces ahead of use: blocks lie anywhere, so no hardware prefetcher
- * follows them, and without this the kernel waits on memory latency, not bandwidth.
+ * follows them, and without this the kernel waits on memory latency, not bandwidth. Into L2 (T1): a
+ * block ahead is ~100 KB (128 keys of 3 heads' K and V rows), three times L1; asked into L1 (T0) it
+ * evicted the block being summed and held L1's miss buffers, and a 16 x 1,900-token bf16 decode step
+ * read 6.8 GB/s a thread (Zen 4, 1 thread: 104 -> 47 ms, 2 threads 54 -> 31; float32 92 -> 65 ms).
  * always_inline: GCC deems a function of prefetches alone free of effects and drops calls to it. */
 __attribute__((always_inline)) static inline void prefetch_ahead(Ahead *ahead, int64_t count) {
     const int64_t u1 = min64(ahead->done + count, ahead->n * ahead->heads), bytes = ahead->piece_bytes;
@@ -50,8 +53,8 @@ __attribute__((always_inline)) static inline void prefetch_ahead(Ahead *ahead, i
         if (++h == ahead->heads) h = 0, ++j;
         const int64_t skew = (int64_t)((uintptr_t)k & 63); /* v's too where the caches align alike (torch's do) */
         for (int64_t b = -skew; b < bytes; b += 64) {
-            __builtin_prefetch(k + b, 0, 3);
-            __builtin_prefetch(v + b, 0, 3);
+            __builtin_prefetch(k + b, 0, 2);
+            __builtin_prefetch(v + b, 0, 2);
         }
     }
     ahead->done = max64(ahead->done, u1);
