@@ -106,11 +106,11 @@ static inline __m512i kpair_bytes32(const uint8_t *p, int64_t other, int is_sign
     return is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
 }
 
-/* The two sub-blocks of a pair that share their bytes (sub and kpair_partner's) at step t, each byte vector loaded
- * once: Q4_K / Q5_K's sub-blocks 2j and 2j + 1 are the low and high nibbles of the same bytes (and Q5_K's
- * high-bit bytes serve both); Q6_K's 4h + r and 4h + r + 2 (r < 2) the low and high nibbles of piece
- * 2h + r, beside the two-bit bytes of group h that all four share. Each gets the bytes kpanel_step (the
- * 256-bit twin) gives it. */
+/* The two sub-blocks of a pair that share their bytes (sub and kpair_partner's) at step t, each byte
+ * vector loaded once: Q4_K / Q5_K's sub-blocks 2j and 2j + 1 are the low and high nibbles of the same
+ * bytes (and Q5_K's high-bit bytes serve both); Q6_K's 4h + r and 4h + r + 2 (r < 2) the low and high
+ * nibbles of piece 2h + r, beside the two-bit bytes of group h that all four share. Each gets the bytes
+ * kpanel_step (the 256-bit twin) gives it. */
 static inline __attribute__((always_inline)) void kpair_step2(int type, const uint8_t *pq, int64_t other, int sub,
                                                               int t, __m512i *wa, __m512i *wb) {
     const __m512i low4 = _mm512_set1_epi8(15);
@@ -127,8 +127,15 @@ static inline __attribute__((always_inline)) void kpair_step2(int type, const ui
     *wa = _mm512_and_si512(v, low4), *wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     if (type != 13) return;
     const __m512i hbits = pair_load(pq + K5_QH + 32 * t, other), bit = _mm512_set1_epi8(16);
-    *wa = _mm512_or_si512(*wa, _mm512_and_si512(sub <= 4 ? _mm512_slli_epi16(hbits, 4 - sub) : _mm512_srli_epi16(hbits, sub - 4), bit));
-    *wb = _mm512_or_si512(*wb, _mm512_and_si512(sub + 1 <= 4 ? _mm512_slli_epi16(hbits, 3 - sub) : _mm512_srli_epi16(hbits, sub - 3), bit));
+    const __m512i ha = sub <= 4 ? _mm512_slli_epi16(hbits, 4 - sub) : _mm512_srli_epi16(hbits, sub - 4);
+    const __m512i hb = sub + 1 <= 4 ? _mm512_slli_epi16(hbits, 3 - sub) : _mm512_srli_epi16(hbits, sub - 3);
+    *wa = _mm512_or_si512(*wa, _mm512_and_si512(ha, bit)), *wb = _mm512_or_si512(*wb, _mm512_and_si512(hb, bit));
+}
+
+/* Both panels' scales of sub-block sub (Q6_K: of its 16-weight group from step t0) as int32 lanes. */
+static inline __m512i kpair_scales(int type, const uint8_t *pq, int64_t other, int sub, int t0) {
+    return type == 14 ? kpair_bytes32(pq + K6_SC + 8 * (2 * sub + t0 / 4), other, 1)
+                      : kpair_bytes32(pq + kpanel_sc(type) + 8 * sub, other, 0);
 }
 
 /* The second sub-block of the pair kpair_step2 takes from `sub`. */
@@ -160,12 +167,10 @@ static inline __attribute__((always_inline)) void kpair_sums(int type, const uin
                     pb[i] = _mm512_dpbusd_epi32(pb[i], wb, _mm512_set1_epi32(xb));
                 }
             }
-            const __m512i sa = type == 14 ? kpair_bytes32(pq + K6_SC + 8 * (2 * sub + t0 / 4), other, 1)
-                                          : kpair_bytes32(pq + kpanel_sc(type) + 8 * sub, other, 0);
-            const __m512i sbb = type == 14 ? kpair_bytes32(pq + K6_SC + 8 * (2 * subb + t0 / 4), other, 1)
-                                           : kpair_bytes32(pq + kpanel_sc(type) + 8 * subb, other, 0);
+            const __m512i sa = kpair_scales(type, pq, other, sub, t0), sbb = kpair_scales(type, pq, other, subb, t0);
             for (int i = 0; i < mr; i++)
-                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(pa[i], sa), _mm512_mullo_epi32(pb[i], sbb)));
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(pa[i], sa),
+                                                                     _mm512_mullo_epi32(pb[i], sbb)));
         }
     }
 }
