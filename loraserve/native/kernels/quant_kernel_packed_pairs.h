@@ -106,9 +106,8 @@ static inline __attribute__((always_inline)) void packed_pair_dot(int type, cons
 
 /* Q4_K / Q5_K / Q6_K (quant_kernel_kpacked.h's layout and semantics) the same way: kpanel_step, the
  * scales, the mins and the epilogue of both panels in one register each; the int32 sums are exact, the
- * float steps packed_kdot's, so the lanes are packed_kdot's bits. */
-
-/* 8 bytes at p and 8 at p + other, widened to 16 int32 lanes (signed: Q6_K's scales). */
+ * float steps packed_kdot's, so the lanes are packed_kdot's bits. kpair_bytes32: 8 bytes at p and 8 at
+ * p + other, widened to 16 int32 lanes (signed: Q6_K's scales). */
 static inline __m512i kpair_bytes32(const uint8_t *p, int64_t other, int is_signed) {
     const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)(p + other)));
     return is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
