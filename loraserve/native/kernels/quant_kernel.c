@@ -59,6 +59,14 @@
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 33
 #endif
+/* Up to this many rows of x every thread quantizes all of them into its own scratch instead of its share
+ * into one buffer: x's quants are read by every thread, so a shared buffer's lines sit in both cores'
+ * caches when the next product rewrites them, and each store waits for the other core to give its copy
+ * up (on Zen 4, 16 rows: a third of the quantization's samples on its stores); a private copy costs the
+ * quantization once more per thread and no barrier. Past it the duplicated work outweighs that. */
+#ifndef PRIVATE_X_ROWS
+#define PRIVATE_X_ROWS 32
+#endif
 
 /* by type code: 0-2 (Q8_0, Q4_0, Q4_1 in GGUF's block layout) are not read here (formats.repack_rows
  * gives them their row layout, 6-8, at load, or formats.repack_panels their panels, 9-11); 3-5 the
@@ -185,13 +193,18 @@ static int weight_ok(const int64_t *w) {
 /* y[r_lo .. r_hi, n0 .. n1] = acc ([r_hi - r_lo][N_CHUNK]) + bias, rounded to y's dtype. */
 static void store_chunk(const float *acc, int x_bf16, const void *bias, void *y, int64_t ldy, int64_t n0, int64_t n1,
                         int64_t r_lo, int64_t r_hi) {
-    for (int64_t r = r_lo; r < r_hi; r++)
-        for (int64_t j = n0; j < n1; j++) {
-            float v = acc[(r - r_lo) * N_CHUNK + (j - n0)];
-            if (bias != NULL) v += x_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
-            if (x_bf16) ((uint16_t *)y)[r * ldy + j] = f32_to_bf16(v);
-            else ((float *)y)[r * ldy + j] = v;
+    const int64_t n = n1 - n0; /* W lanes a step (simd.h: masked past n; its bf16 rounding is f32_to_bf16's) */
+    for (int64_t j = 0; j < n; j += W) {
+        vf b = vzero();
+        if (bias != NULL)
+            b = x_bf16 ? vload_bf16((const uint16_t *)bias + n0 + j, n - j) : vload((const float *)bias + n0 + j, n - j);
+        for (int64_t r = r_lo; r < r_hi; r++) {
+            vf v = vload(acc + (r - r_lo) * N_CHUNK + j, n - j);
+            if (bias != NULL) v = vadd(v, b); /* not + 0 without: -0 stays -0 */
+            if (x_bf16) vstore_bf16((uint16_t *)y + r * ldy + n0 + j, v, n - j);
+            else vstore((float *)y + r * ldy + n0 + j, v, n - j);
         }
+    }
 }
 
 /* Chunk c of weight w = {address, n, k, type}: its rows [n0, n1) and what reading them needs. */
@@ -256,8 +269,10 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
     if ((packed32 || packed256) && two) return 1;
     qx_t qx;
     px_t px32, px256;
-    memset(&qx, 0, sizeof(qx));
-    if (px_layout(m, k, packed32 || (panel && need32), packed256 || (panel && need256), &px32, &px256)) return 2;
+    memset(&qx, 0, sizeof(qx)), memset(&px32, 0, sizeof(px32)), memset(&px256, 0, sizeof(px256));
+    const int want32 = packed32 || (panel && need32), want256 = packed256 || (panel && need256);
+    const int private_x = m <= PRIVATE_X_ROWS && (want32 || want256);
+    if (!private_x && px_layout(m, k, want32, want256, &px32, &px256)) return 2;
     if (streamed && !panel && quantize_x(x, ldx, x_bf16, m, k, two, need32, need256, &qx)) return 2;
     int64_t panel_bytes = 0;
 #if QK_PATH > 0
@@ -273,16 +288,21 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
     {
         float *acc = malloc(sizeof(float) * (size_t)(m_block * N_CHUNK));
         uint8_t *panels = panel_bytes > 0 ? thread_scratch(1, (size_t)panel_bytes) : NULL;
-        if (acc == NULL || (panel_bytes > 0 && panels == NULL)) {
+        px_t own32, own256; /* private_x: this thread's quants of every row */
+        const px_t *p32 = &px32, *p256 = &px256;
+        int bad = acc == NULL || (panel_bytes > 0 && panels == NULL);
+        if (private_x) {
+            bad = bad || px_layout(m, k, want32, want256, &own32, &own256);
+            if (!bad) quantize_panel_rows(x, ldx, x_bf16, 0, m, &own32, &own256);
+            p32 = &own32, p256 = &own256;
+        }
+        if (bad) {
 #pragma omp atomic write
             failed = 1;
         }
-        if (px32.xq != NULL || px256.xq != NULL) { /* by every thread (the loop's barrier: all done first) */
+        if (!private_x && (px32.xq != NULL || px256.xq != NULL)) { /* shared: every thread its share first */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; r++) {
-                if (px32.xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 32, &px32);
-                if (px256.xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 256, &px256);
-            }
+            for (int64_t r = 0; r < m; r++) quantize_panel_rows(x, ldx, x_bf16, r, r + 1, &px32, &px256);
         }
         int64_t tid = 0, nth = 1;
 #ifdef _OPENMP
@@ -293,7 +313,7 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
         const int64_t per_item = lines > 0 ? (lines * nth + num_items - 1) / num_items : 0;
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < num_items; item++) {
-            if (acc == NULL || (panel_bytes > 0 && panels == NULL)) continue;
+            if (bad) continue;
             if (per_item > 0) side_fetch(&sd, per_item);
             const int64_t c = item % num_chunks, r_lo = item / num_chunks * m_block;
             const int64_t r_hi = r_lo + m_block < m ? r_lo + m_block : m;
@@ -303,13 +323,13 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
             const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
             void *yp = (char *)y + col * elem;
             if (is_packed_type((int)w[4 * p + 3])) {
-                const px_t *pxp = w[4 * p + 3] >= 12 ? &px256 : &px32;
+                const px_t *pxp = w[4 * p + 3] >= 12 ? p256 : p32;
                 run_packed_chunk(w + 4 * p, c - first, pxp, x_bf16, b, yp, ldy, r_lo, r_hi, acc);
                 continue;
             }
 #if QK_PATH > 0
             if (panel) {
-                run_panel_chunk(w + 4 * p, c - first, &px32, &px256, x_bf16, b, yp, ldy, r_lo, r_hi, panels, acc);
+                run_panel_chunk(w + 4 * p, c - first, p32, p256, x_bf16, b, yp, ldy, r_lo, r_hi, panels, acc);
                 continue;
             }
 #endif

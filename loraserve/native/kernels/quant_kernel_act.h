@@ -226,6 +226,15 @@ static void quantize_panel_row(const void *x, int64_t ldx, int x_bf16, int64_t r
     }
 }
 
+/* Rows [r0, r1) of x into px32 and / or px256 (those laid out: xq not NULL). */
+static void quantize_panel_rows(const void *x, int64_t ldx, int x_bf16, int64_t r0, int64_t r1, const px_t *px32,
+                                const px_t *px256) {
+    for (int64_t r = r0; r < r1; r++) {
+        if (px32->xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 32, px32);
+        if (px256->xq != NULL) quantize_panel_row(x, ldx, x_bf16, r, 256, px256);
+    }
+}
+
 /* px32 and / or px256 (as asked; the other zeroed) for m rows of k values laid out in the calling thread's
  * scratch, to be quantized in the parallel region (quantize_panel_row); 0, or 2 without memory. */
 static int px_layout(int64_t m, int64_t k, int need32, int need256, px_t *px32, px_t *px256) {
