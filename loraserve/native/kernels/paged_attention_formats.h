@@ -125,6 +125,27 @@ static void rows8_to_f32(float *dst, const uint8_t *const *src, const float **ro
     else rows8_kind(dst, src, rows, d, KV_E4M3);
 }
 
+#ifdef NATIVE_BF16_DOT
+/* dst row j (d bf16) = stored 8-bit row src[j] over its decode factor, for the W rows of a tile: exact,
+ * since every int8 (8 significant bits at most), e5m2 and e4m3 value over its factor is a bf16; so the
+ * bf16 pair dot products score 8-bit keys as they score a bf16 cache, two products an instruction. */
+__attribute__((always_inline)) static inline void rows8_kind_bf16(uint16_t *dst, const uint8_t *const *src,
+                                                                  const uint16_t **rows, int64_t d, int kv) {
+    for (int j = 0; j < W; ++j) {
+        for (int64_t i = 0; i < d; i += 2 * W) { /* 2W values: one conversion instruction (exact: no rounding) */
+            const vf lo = vload_kv8(src[j] + i, d - i, kv), hi = vload_kv8(src[j] + i + W, d - i - W, kv);
+            _mm512_mask_storeu_epi16(dst + j * d + i, mask32_first(d - i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        rows[j] = dst + j * d;
+    }
+}
+static void rows8_to_bf16(uint16_t *dst, const uint8_t *const *src, const uint16_t **rows, int64_t d, int kv) {
+    if (kv == KV_INT8) rows8_kind_bf16(dst, src, rows, d, KV_INT8);
+    else if (kv == KV_E5M2) rows8_kind_bf16(dst, src, rows, d, KV_E5M2);
+    else rows8_kind_bf16(dst, src, rows, d, KV_E4M3);
+}
+#endif
+
 /* x rounded to the fp8 format (nearest even), saturated to its largest finite value; NaN stays NaN.
  * The rounding is torch's (c10 Float8_e4m3fn / Float8_e5m2), on x already clamped. */
 static inline uint8_t f32_to_fp8(float x, int kv) {

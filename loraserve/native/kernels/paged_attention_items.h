@@ -9,14 +9,15 @@
 /* is_bf16: q, out and the new K/V rows are bf16 (else float32); kv: the cache's element format (a KV_
  * code: float32 or bf16, or 8-bit values read through scales: fp8's per tensor, k_scale / v_scale, and
  * int8's per (block, KV head), k_scales / v_scales [num_blocks, KVH]); bf16_dot: q and cache both bf16
- * on a CPU with bf16 pair dot products, the paths that read bf16 keys and values as they lie. */
+ * on a CPU with bf16 pair dot products, the paths that read bf16 keys and values as they lie; q8_dot: bf16
+ * q over an 8-bit cache on such a CPU, whose decode rows score keys decoded to bf16 (rows8_to_bf16). */
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
     const int32_t *block_tables, *context_lens, *query_starts;
     int64_t q_stride, max_blocks, num_heads, num_kv_heads, head_dim, block_size, window;
     float scale, softcap;
-    int is_bf16, kv, bf16_dot;
+    int is_bf16, kv, bf16_dot, q8_dot;
     float *k_scales, *v_scales; /* int8: written as rows arrive, read per key; else NULL */
     float k_scale, v_scale;     /* fp8: x = stored * scale (1.0 by default) */
 } Args;

@@ -99,6 +99,9 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
         }
 #endif
         int converted = 0;
+        /* 8-bit keys decoded to bf16 for the quads (load_queries made them: fewer than TRANSPOSE_ROWS rows) */
+        const int q8_quads = a->q8_dot && s->qt != NULL && it->num_queries * group < TRANSPOSE_ROWS;
+        (void)q8_quads;
         for (int64_t qi = 0; qi < it->num_queries; ++qi) {
             float *p = s->p + qi * group * KEY_BLOCK + t0;
             if (lo[qi] >= min64(hi[qi], t0 + W) || hi[qi] <= t0) {
@@ -106,12 +109,16 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
                 continue;
             }
             if (!converted && a->kv != KV_F32 && !a->bf16_dot) { /* once per tile for all rows */
+#ifdef NATIVE_BF16_DOT
+                if (q8_quads) rows8_to_bf16((uint16_t *)s->k_tile, k8, k_bf16, d, a->kv);
+                else
+#endif
                 if (a->kv == KV_BF16) rows_to_f32(s->k_tile, k_bf16, k_rows, d);
                 else rows8_to_f32(s->k_tile, k8, k_rows, d, a->kv);
             }
             converted = 1;
 #ifdef NATIVE_BF16_DOT
-            if (a->bf16_dot && s->qt != NULL) { /* a group of at most 4 rows (see paged_attention) */
+            if ((a->bf16_dot || q8_quads) && s->qt != NULL) { /* a group of at most 4 rows (see paged_attention) */
                 const __m512i *qt = (const __m512i *)s->qt + qi * group * quad_stride(d);
                 vf x[4];
                 switch (group) {
@@ -121,7 +128,7 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
                 default: qk_bf16_quads(qt, quad_stride(d), 1, k_bf16, d, x);
                 }
                 for (int64_t g = 0; g < group; ++g)
-                    store_scores(a, x[g], lo[qi] - t0, min64(hi[qi], nk) - t0, p + g * KEY_BLOCK, NULL);
+                    store_scores(a, x[g], lo[qi] - t0, min64(hi[qi], nk) - t0, p + g * KEY_BLOCK, ks);
                 continue;
             }
 #endif
