@@ -244,6 +244,39 @@ static void run_chunk(const int64_t *w, int64_t c, const qx_t *qx, int x_bf16, c
     store_chunk(acc, x_bf16, bias, y, ldy, n0, n1, r_lo, r_hi);
 }
 
+/* x as the parts' paths read it: quantized per row streaming (qx) or per panel (p32, p256). */
+typedef struct {
+    const qx_t *qx;
+    const px_t *p32, *p256;
+    int panel, x_bf16;
+} act_t;
+
+/* Chunk c of the parts' chunks (w: linear_parts' list, each part's chunks in turn) for x's rows
+ * [r_lo, r_hi), into y's columns of its part (bias likewise). */
+static void run_part_chunk(const int64_t *w, int64_t c, const act_t *x, const void *bias, void *y, int64_t ldy,
+                           int64_t r_lo, int64_t r_hi, uint8_t *panels, float *acc) {
+    int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
+    while (c >= first + (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK)
+        first += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK, col += w[4 * p + 1], p++;
+    const int64_t elem = x->x_bf16 ? 2 : 4;
+    const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
+    void *yp = (char *)y + col * elem;
+    if (is_packed_type((int)w[4 * p + 3])) {
+        const px_t *pxp = w[4 * p + 3] >= 12 ? x->p256 : x->p32;
+        run_packed_chunk(w + 4 * p, c - first, pxp, x->x_bf16, b, yp, ldy, r_lo, r_hi, acc);
+        return;
+    }
+#if QK_PATH > 0
+    if (x->panel) {
+        run_panel_chunk(w + 4 * p, c - first, x->p32, x->p256, x->x_bf16, b, yp, ldy, r_lo, r_hi, panels, acc);
+        return;
+    }
+#else
+    (void)panels;
+#endif
+    run_chunk(w + 4 * p, c - first, x->qx, x->x_bf16, b, yp, ldy, r_lo, r_hi, acc);
+}
+
 /* y[:, col_p : col_p + n_p] = x W_p^T + bias_p for the `parts` weights w[4p .. 4p + 3] side by side
  * (all taking k = w[2] inputs), bias [sum n_p] in x's dtype or NULL: x quantized once, one parallel
  * region over every part's chunks (a packed layer's slices are one fork, not one each). Packed parts
@@ -278,7 +311,6 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
 #if QK_PATH > 0
     if (panel && streamed) panel_bytes = panel_bytes_of(w, parts);
 #endif
-    const int64_t elem = x_bf16 ? 2 : 4;
     int failed = 0;
     /* Work items: (block of M_BLOCK x rows, chunk of N_CHUNK weight rows), the chunks of one block in a
      * row, so a block's quants stay in L2 while the weights stream past (a decode step is one block).
@@ -311,29 +343,13 @@ static int linear_parts(const int64_t *w, int64_t parts, const void *x, int64_t 
         side_t sd;
         const int64_t lines = side_share(side, tid, nth, &sd); /* over about num_items / nth items */
         const int64_t per_item = lines > 0 ? (lines * nth + num_items - 1) / num_items : 0;
+        const act_t act = {&qx, p32, p256, panel, x_bf16};
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < num_items; item++) {
             if (bad) continue;
             if (per_item > 0) side_fetch(&sd, per_item);
-            const int64_t c = item % num_chunks, r_lo = item / num_chunks * m_block;
-            const int64_t r_hi = r_lo + m_block < m ? r_lo + m_block : m;
-            int64_t p = 0, first = 0, col = 0; /* the part chunk c falls in, its first chunk and column */
-            while (c >= first + (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK)
-                first += (w[4 * p + 1] + N_CHUNK - 1) / N_CHUNK, col += w[4 * p + 1], p++;
-            const void *b = bias == NULL ? NULL : (const char *)bias + col * elem;
-            void *yp = (char *)y + col * elem;
-            if (is_packed_type((int)w[4 * p + 3])) {
-                const px_t *pxp = w[4 * p + 3] >= 12 ? p256 : p32;
-                run_packed_chunk(w + 4 * p, c - first, pxp, x_bf16, b, yp, ldy, r_lo, r_hi, acc);
-                continue;
-            }
-#if QK_PATH > 0
-            if (panel) {
-                run_panel_chunk(w + 4 * p, c - first, p32, p256, x_bf16, b, yp, ldy, r_lo, r_hi, panels, acc);
-                continue;
-            }
-#endif
-            run_chunk(w + 4 * p, c - first, &qx, x_bf16, b, yp, ldy, r_lo, r_hi, acc);
+            const int64_t r_lo = item / num_chunks * m_block, r_hi = r_lo + m_block < m ? r_lo + m_block : m;
+            run_part_chunk(w, item % num_chunks, &act, bias, y, ldy, r_lo, r_hi, panels, acc);
         }
         free(acc);
     }
