@@ -62,7 +62,7 @@
 /* Up to this many rows of x every thread quantizes all of them into its own scratch instead of its share
  * into one buffer: x's quants are read by every thread, so a shared buffer's lines sit in both cores'
  * caches when the next product rewrites them, and each store waits for the other core to give its copy
- * up (on Zen 4, 16 rows: a third of the quantization's samples on its stores); a private copy costs the
+ * up (on Zen 4, 16 rows: over half of the quantization's samples on its stores); a private copy costs the
  * quantization once more per thread and no barrier. Past it the duplicated work outweighs that. */
 #ifndef PRIVATE_X_ROWS
 #define PRIVATE_X_ROWS 32
