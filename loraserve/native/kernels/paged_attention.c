@@ -38,9 +38,14 @@
  * score them, 8-bit V rows as the value sums load them, and each key's scale multiplies its scores and,
  * after the softmax, its probabilities (per key: int8's scale is its block's), so no element is
  * rescaled. The bf16 pair-dot paths serve bf16 q over a bf16 cache, and the decode rows' scores of bf16 q
- * over an 8-bit cache (its keys decoded to bf16 per tile, exactly: 16 x 1,900 tokens x 30 layers, int8,
- * Zen 4: 95 -> 60 ms at 1 thread, 50 -> 33 at 2); everything else takes the float32 paths (8-bit values
- * through bf16 pair products measured no faster: their decoding, not the products, is their cost).
+ * over an fp8 cache (its keys decoded to bf16 per tile, exactly: 16 x 1,900 tokens x 30 layers, then
+ * int8, Zen 4: 95 -> 60 ms at 1 thread, 50 -> 33 at 2). bf16 q over an int8 cache on CPUs with int16
+ * pair products (AVX512-VNNI) decodes nothing: the decode rows' q and every row's probabilities are
+ * rounded to int16 at a power-of-two scale (per row; per row and block), the int8 keys and values widen
+ * to int16 as they load, and vpdpwssd sums their products exactly in int32 (a row's error: its largest
+ * q or probability times 2^-16, where bf16 rounds each value by up to 2^-9 of itself; same shape, 1 /
+ * 2 threads: 58 -> 43 / 30 -> 25 ms). Everything else takes the float32 paths (fp8 values through bf16
+ * pair products measured no faster: their decoding, not the products, is their cost).
  *
  * One translation unit in parts by op family (copied beside this file by native/build.py, which
  * builds every `paged_attention_*.h` into the digest): _dots.h (vector helpers, q.k of a tile),
@@ -222,8 +227,13 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
 #else
     const int bf16_dot = 0, q8_dot = 0;
 #endif
+#ifdef NATIVE_I16_DOT
+    const int i16_dot = q8_dot && kv == KV_INT8;
+#else
+    const int i16_dot = 0;
+#endif
     const Args a = {q, k_cache, v_cache, out, block_tables, context_lens, query_starts, q_stride, max_blocks,
-                    num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, is_bf16, kv, bf16_dot, q8_dot,
+                    num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, is_bf16, kv, bf16_dot, q8_dot, i16_dot,
                     format != NULL ? format->k_scales : NULL, format != NULL ? format->v_scales : NULL,
                     format != NULL ? format->k_scale : 1.0f, format != NULL ? format->v_scale : 1.0f};
     if (kv < KV_F32 || kv > KV_INT8 || (kv == KV_INT8 && (a.k_scales == NULL || a.v_scales == NULL))) return 2;
@@ -261,11 +271,11 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
         s.q_bf16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows_cap * q_stride_bf16(d)));
         s.row_range = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows_cap));
         int quads_ok = 1;
-        if (kv >= KV_E4M3) /* the item's heads' per-key scales: rows_cap >= its heads */
-            quads_ok = (s.ks = (float *)malloc(sizeof(float) * (size_t)(2 * rows_cap * KEY_BLOCK))) != NULL;
-        if (s.ks != NULL) s.vs = s.ks + rows_cap * KEY_BLOCK;
+        if (kv >= KV_E4M3) /* the item's heads' per-key scales (rows_cap >= its heads), the rows' p scales */
+            quads_ok = (s.ks = (float *)malloc(sizeof(float) * (size_t)((2 * KEY_BLOCK + 1) * rows_cap))) != NULL;
+        if (s.ks != NULL) s.vs = s.ks + rows_cap * KEY_BLOCK, s.ps = s.vs + rows_cap * KEY_BLOCK;
 #ifdef NATIVE_BF16_DOT
-        /* qk_bf16_quads' rows: a small GQA group's. Each row's quads take 8 * d bytes; beyond d = 128 an
+        /* qk_quads' rows: a small GQA group's. Each row's quads take 8 * d bytes; beyond d = 128 an
          * item's quads crowd its accumulators out of L1 (slower at d = 256 than without them). */
         if (quads_ok && (bf16_dot || q8_dot) && num_heads / num_kv_heads <= 4 && d <= 128)
             quads_ok = (s.qt = aligned_alloc(64, (size_t)(rows_cap * quad_stride(d)) * sizeof(__m512i))) != NULL;

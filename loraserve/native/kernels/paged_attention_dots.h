@@ -28,6 +28,9 @@ static inline vf vsum_keys(const vf *a) {
 }
 #if defined(__AVX512BF16__)
 #define NATIVE_BF16_DOT 1
+#if defined(__AVX512VNNI__)
+#define NATIVE_I16_DOT 1 /* int16 pair dot products (vpdpwssd): an int8 cache's scores and value sums */
+#endif
 #endif
 /* (even elements, odd elements) of vload_pair_bf16 back to (first W, next W). */
 static inline void vinterleave(vf *a, vf *b) {
@@ -107,7 +110,7 @@ static inline vf qk_bf16(const uint16_t *q, const uint16_t *const *k, int64_t d)
     return vsum_keys(acc);
 }
 
-/* Query pairs for qk_bf16_quads: qt[c * 4 + t] lane 4L + i = pair 16c + 4L + t of q (d bf16 values),
+/* Query pairs for qk_quads: qt[c * 4 + t] lane 4L + i = pair 16c + 4L + t of q (d bf16 values),
  * the same for every i: each 128-bit lane broadcasts its own t-th pair. */
 static void quad_queries(const uint16_t *q, int64_t d, __m512i *qt) {
     for (int64_t c = 0; 32 * c < d; ++c) {
@@ -122,9 +125,13 @@ static void quad_queries(const uint16_t *q, int64_t d, __m512i *qt) {
 /* out[r] lane j = q_r . k[j] for nr (<= 4, a constant at each call site) rows of quad_queries (qt_stride
  * vectors apart). Four keys at a time are transposed within each 128-bit lane (8 shuffles per 32 pairs,
  * shared by the rows), so a row's dot products leave only the four 128-bit lanes to sum: ~45 shuffles
- * and adds per row and tile become 9, for 16 shuffles per four keys. */
-__attribute__((always_inline)) static inline void qk_bf16_quads(const __m512i *qt, int64_t qt_stride, int nr,
-                                                                const uint16_t *const *k, int64_t d, vf *out) {
+ * and adds per row and tile become 9, for 16 shuffles per four keys. With i16 (a constant) the keys
+ * are int8 rows k8, widened to int16 as they load, and the rows are int16 (quad_queries_i16): the
+ * int16 pair products sum exactly in int32, and out[r] is that sum as float32 (times nothing: the
+ * caller applies the row's scale). */
+__attribute__((always_inline)) static inline void qk_quads(const __m512i *qt, int64_t qt_stride, int nr,
+                                                           const uint16_t *const *k, const uint8_t *const *k8,
+                                                           int64_t d, int i16, vf *out) {
     vf acc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r)
@@ -137,7 +144,9 @@ __attribute__((always_inline)) static inline void qk_bf16_quads(const __m512i *q
         for (int g = 0; g < 4; ++g) {
             __m512i x[4];
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) x[i] = _mm512_maskz_loadu_epi16(m, k[4 * g + i] + 32 * c);
+            for (int i = 0; i < 4; ++i)
+                x[i] = i16 ? _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k8[4 * g + i] + 32 * c))
+                           : _mm512_maskz_loadu_epi16(m, k[4 * g + i] + 32 * c);
             const __m512i a0 = _mm512_unpacklo_epi32(x[0], x[1]), a1 = _mm512_unpackhi_epi32(x[0], x[1]);
             const __m512i a2 = _mm512_unpacklo_epi32(x[2], x[3]), a3 = _mm512_unpackhi_epi32(x[2], x[3]);
             const __m512i t[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2),
@@ -145,14 +154,46 @@ __attribute__((always_inline)) static inline void qk_bf16_quads(const __m512i *q
 #pragma GCC unroll 4
             for (int r = 0; r < nr; ++r)
 #pragma GCC unroll 4
-                for (int e = 0; e < 4; ++e)
-                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)t[e],
-                                                 (__m512bh)qt[r * qt_stride + 4 * c + e]);
+                for (int e = 0; e < 4; ++e) {
+                    const __m512i q = qt[r * qt_stride + 4 * c + e];
+#ifdef NATIVE_I16_DOT
+                    if (i16) {
+                        acc[r][g] = _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc[r][g]), t[e], q));
+                        continue;
+                    }
+#endif
+                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)t[e], (__m512bh)q);
+                }
         }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < nr; ++r) out[r] = vsum_quarters(acc[r]);
+    for (int r = 0; r < nr; ++r) {
+        if (i16) /* each lane's int32 sum as float32 (exact below 2^24; beyond, one rounding of 2^-24) */
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_cvtepi32_ps(_mm512_castps_si512(acc[r][g]));
+        out[r] = vsum_quarters(acc[r]);
+    }
 }
+
+#ifdef NATIVE_I16_DOT
+/* quad_queries of bf16 row q (d values) rounded to int16 at a power-of-two scale: the largest |q|
+ * times 2^s below 2^15, so every product with an int8 key is exact and a row's error is at most its
+ * largest value times 2^-16. qt[quad_stride(d) - 1] lane 0 holds 2^-s (the scale the sums take). */
+static void quad_queries_i16(const uint16_t *q, int64_t d, __m512i *qt, int64_t qt_stride) {
+    vf amax = vzero();
+    for (int64_t i = 0; i < d; i += W) amax = vmax(amax, vabs(vload_bf16(q + i, d - i)));
+    int e = 0;
+    (void)frexpf(vhmax(amax), &e); /* largest |q| < 2^e */
+    const vf up = vset1(ldexpf(1.0f, 15 - e));
+    uint16_t row[128]; /* d <= 128 on the quad paths (paged_attention allocates qt for them only) */
+    for (int64_t i = 0; i < d; i += W) {
+        const __m512i x = _mm512_min_epi32(_mm512_cvtps_epi32(vmul(vload_bf16(q + i, d - i), up)), _mm512_set1_epi32(32767));
+        _mm256_mask_storeu_epi16(row + i, (__mmask16)mask16_first(d - i), _mm512_cvtepi32_epi16(x));
+    }
+    quad_queries(row, d, qt);
+    qt[qt_stride - 1] = _mm512_castps_si512(vset1(ldexpf(1.0f, e - 15)));
+}
+#endif
 
 /* r[p] = column p of the 16 x 16 dword matrix with rows r[0..16): unpacks build 4 x 4 blocks within
  * each 128-bit lane, two rounds of 128-bit lane shuffles move the blocks. */

@@ -10,14 +10,16 @@
  * code: float32 or bf16, or 8-bit values read through scales: fp8's per tensor, k_scale / v_scale, and
  * int8's per (block, KV head), k_scales / v_scales [num_blocks, KVH]); bf16_dot: q and cache both bf16
  * on a CPU with bf16 pair dot products, the paths that read bf16 keys and values as they lie; q8_dot: bf16
- * q over an 8-bit cache on such a CPU, whose decode rows score keys decoded to bf16 (rows8_to_bf16). */
+ * q over an 8-bit cache on such a CPU, whose decode rows score keys decoded to bf16 (rows8_to_bf16);
+ * i16_dot: q8_dot over an int8 cache on a CPU with int16 pair dot products too (AVX512-VNNI): decode
+ * rows' q and all rows' probabilities are rounded to int16 and multiply the int8 elements widened. */
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
     const int32_t *block_tables, *context_lens, *query_starts;
     int64_t q_stride, max_blocks, num_heads, num_kv_heads, head_dim, block_size, window;
     float scale, softcap;
-    int is_bf16, kv, bf16_dot, q8_dot;
+    int is_bf16, kv, bf16_dot, q8_dot, i16_dot;
     float *k_scales, *v_scales; /* int8: written as rows arrive, read per key; else NULL */
     float k_scale, v_scale;     /* fp8: x = stored * scale (1.0 by default) */
 } Args;
@@ -65,7 +67,8 @@ typedef struct {
     float *q, *acc, *m, *l, *k_tile, *p; /* p: [rows_cap, KEY_BLOCK] scores, then probabilities */
     uint16_t *q_bf16;                    /* rows q_stride_bf16(d) apart */
     uint32_t *kt;                        /* two transposed tiles of bf16 keys, [2, ceil(d / 2), W] */
-    uint32_t *pb;                        /* p rounded to bf16 in key pairs, [rows_cap, KEY_BLOCK / 2] */
+    uint32_t *pb;                        /* p rounded to bf16 (or int16) in key pairs, [rows_cap, KEY_BLOCK / 2] */
+    float *ps;                           /* i16_dot: each row's scale of its int16 probabilities, [rows_cap] */
     void *qt;                            /* quad_queries of each row, quad_stride(d) vectors apart */
     int64_t *row_range;                  /* [2 * rows_cap]: each row's key range in the current block */
     float *lanes;                        /* attend_lanes' state and block buffers (Lanes), or NULL */
@@ -73,8 +76,8 @@ typedef struct {
                        factor, for the current block (block_scales), or NULL */
 } Scratch;
 
-/* Vectors of quad_queries per row. */
-static inline int64_t quad_stride(int64_t d) { return 4 * ((d + 31) / 32); }
+/* Vectors of quad_queries per row: the quads, then the int16 rows' scale (quad_queries_i16). */
+static inline int64_t quad_stride(int64_t d) { return 4 * ((d + 31) / 32) + 1; }
 
 /* bf16 query rows are padded to an even length: the transposed scores read them in pairs. */
 static inline int64_t q_stride_bf16(int64_t d) { return d + (d & 1); }
@@ -137,6 +140,10 @@ static void load_queries(const Args *a, const Item *it, Scratch *s) {
             copy_bf16(s->q_bf16 + r * qs, src, d);
             if (qs > d) s->q_bf16[r * qs + d] = 0;
 #ifdef NATIVE_BF16_DOT
+#ifdef NATIVE_I16_DOT
+            if (quads && a->i16_dot) quad_queries_i16(src, d, (__m512i *)s->qt + r * quad_stride(d), quad_stride(d));
+            else
+#endif
             if (quads) quad_queries(src, d, (__m512i *)s->qt + r * quad_stride(d));
 #endif
             if (!a->bf16_dot) /* with bf16 pair dot products over a bf16 cache the bf16 copy is all the scores read */

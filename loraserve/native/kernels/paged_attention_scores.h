@@ -98,10 +98,10 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
             continue;
         }
 #endif
-        int converted = 0;
-        /* 8-bit keys decoded to bf16 for the quads (load_queries made them: fewer than TRANSPOSE_ROWS rows) */
+        /* 8-bit keys decoded to bf16 for the quads (load_queries made them: fewer than TRANSPOSE_ROWS rows);
+         * int8 keys with int16 pair products (i16_dot) are read as they lie */
         const int q8_quads = a->q8_dot && s->qt != NULL && it->num_queries * group < TRANSPOSE_ROWS;
-        (void)q8_quads;
+        int converted = q8_quads && a->i16_dot;
         for (int64_t qi = 0; qi < it->num_queries; ++qi) {
             float *p = s->p + qi * group * KEY_BLOCK + t0;
             if (lo[qi] >= min64(hi[qi], t0 + W) || hi[qi] <= t0) {
@@ -119,16 +119,24 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
             converted = 1;
 #ifdef NATIVE_BF16_DOT
             if ((a->bf16_dot || q8_quads) && s->qt != NULL) { /* a group of at most 4 rows (see paged_attention) */
-                const __m512i *qt = (const __m512i *)s->qt + qi * group * quad_stride(d);
+                const int64_t qs = quad_stride(d);
+                const __m512i *qt = (const __m512i *)s->qt + qi * group * qs;
                 vf x[4];
+#define QUADS(NR) \
+                if (a->i16_dot) qk_quads(qt, qs, NR, NULL, k8, d, 1, x); \
+                else qk_quads(qt, qs, NR, k_bf16, NULL, d, 0, x); \
+                break;
                 switch (group) {
-                case 4: qk_bf16_quads(qt, quad_stride(d), 4, k_bf16, d, x); break;
-                case 3: qk_bf16_quads(qt, quad_stride(d), 3, k_bf16, d, x); break;
-                case 2: qk_bf16_quads(qt, quad_stride(d), 2, k_bf16, d, x); break;
-                default: qk_bf16_quads(qt, quad_stride(d), 1, k_bf16, d, x);
+                case 4: QUADS(4)
+                case 3: QUADS(3)
+                case 2: QUADS(2)
+                default: QUADS(1)
                 }
-                for (int64_t g = 0; g < group; ++g)
+#undef QUADS
+                for (int64_t g = 0; g < group; ++g) {
+                    if (a->i16_dot) x[g] = vmul(x[g], _mm512_castsi512_ps(qt[g * qs + qs - 1])); /* the row's q scale */
                     store_scores(a, x[g], lo[qi] - t0, min64(hi[qi], nk) - t0, p + g * KEY_BLOCK, ks);
+                }
                 continue;
             }
 #endif

@@ -61,12 +61,16 @@ __attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d,
  * interleaved by 16-bit unpacks, and one pair dot product per 16 lanes: no widening, half the
  * multiply-adds. Keys from j0 rounded down to even to j1 (a key past nk reads key j's row, with
  * probability 0). The unpacks leave each 32-column chunk as columns 8k..8k+3 then 8k+4..8k+7 per
- * 128-bit lane; two permutes per chunk and row put them back. */
+ * 128-bit lane; two permutes per chunk and row put them back. With i16 (a constant) the V rows are
+ * int8, widened to int16 as they load, pb holds int16 probabilities (pair_probabilities_i16) and the
+ * int16 pair products sum exactly in int32; row r's sums are then times ps[r], its scale. */
 __attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_t d, const uint32_t *pb, int nr,
-                                                              const uint16_t *v_cache, const int64_t *offsets,
-                                                              int64_t nk, int64_t j0, int64_t j1) {
+                                                              const void *v_cache, const int64_t *offsets,
+                                                              int64_t nk, int64_t j0, int64_t j1, int i16,
+                                                              const float *ps) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const int64_t esize = i16 ? 1 : 2;
     for (int64_t i = 0; i < d; i += 64) {
         const int64_t n = d - i;
         vf sum[4][4];
@@ -75,20 +79,35 @@ __attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_
 #pragma GCC unroll 4
             for (int c = 0; c < 4; ++c) sum[r][c] = vzero();
         for (int64_t j = j0 & ~(int64_t)1; j < j1; j += 2) {
-            const uint16_t *va = v_cache + offsets[j] + i, *vb = v_cache + offsets[j + 1 < nk ? j + 1 : j] + i;
-            __m512bh x[4];
+            const char *va = (const char *)v_cache + (offsets[j] + i) * esize;
+            const char *vb = (const char *)v_cache + (offsets[j + 1 < nk ? j + 1 : j] + i) * esize;
+            __m512i x[4];
 #pragma GCC unroll 2
             for (int c = 0; c < 2; ++c) {
                 const int64_t left = n - 32 * c;
                 const __mmask32 m = mask32_first(left);
-                const __m512i ka = _mm512_maskz_loadu_epi16(m, va + 32 * c), kb = _mm512_maskz_loadu_epi16(m, vb + 32 * c);
-                x[2 * c] = (__m512bh)_mm512_unpacklo_epi16(ka, kb), x[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(ka, kb);
+                __m512i ka, kb;
+                if (i16) {
+                    ka = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, va + 32 * c));
+                    kb = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, vb + 32 * c));
+                } else {
+                    ka = _mm512_maskz_loadu_epi16(m, va + 64 * c), kb = _mm512_maskz_loadu_epi16(m, vb + 64 * c);
+                }
+                x[2 * c] = _mm512_unpacklo_epi16(ka, kb), x[2 * c + 1] = _mm512_unpackhi_epi16(ka, kb);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < nr; ++r) {
-                const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pb[r * (KEY_BLOCK / 2) + j / 2]);
+                const __m512i pr = _mm512_set1_epi32((int)pb[r * (KEY_BLOCK / 2) + j / 2]);
 #pragma GCC unroll 4
-                for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], x[c], pr);
+                for (int c = 0; c < 4; ++c) {
+#ifdef NATIVE_I16_DOT
+                    if (i16) {
+                        sum[r][c] = _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(sum[r][c]), x[c], pr));
+                        continue;
+                    }
+#endif
+                    sum[r][c] = _mm512_dpbf16_ps(sum[r][c], (__m512bh)x[c], (__m512bh)pr);
+                }
             }
         }
 #pragma GCC unroll 4
@@ -97,8 +116,13 @@ __attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_
             for (int c = 0; c < 2; ++c) {
                 float *row = acc + r * d + i + 32 * c;
                 const int64_t left = n - 32 * c;
-                const vf lo = _mm512_permutex2var_ps(sum[r][2 * c], first, sum[r][2 * c + 1]);
-                const vf hi = _mm512_permutex2var_ps(sum[r][2 * c], second, sum[r][2 * c + 1]);
+                vf lo = _mm512_permutex2var_ps(sum[r][2 * c], first, sum[r][2 * c + 1]);
+                vf hi = _mm512_permutex2var_ps(sum[r][2 * c], second, sum[r][2 * c + 1]);
+                if (i16) {
+                    const vf scale = vset1(ps[r]);
+                    lo = vmul(_mm512_cvtepi32_ps(_mm512_castps_si512(lo)), scale);
+                    hi = vmul(_mm512_cvtepi32_ps(_mm512_castps_si512(hi)), scale);
+                }
                 vstore(row, vadd(vload(row, left), lo), left);
                 vstore(row + W, vadd(vload(row + W, left - W), hi), left - W);
             }
@@ -117,16 +141,42 @@ static void pair_probabilities(const float *p, int64_t rows, int64_t n, uint32_t
 }
 #endif
 
+#ifdef NATIVE_I16_DOT
+/* pb row r = row r of p (n lanes, a multiple of W; probabilities, >= 0) rounded to int16 at a
+ * power-of-two scale, its largest value times 2^s below 2^15, in key pairs; ps[r] = 2^-s. A row's
+ * error is at most its largest probability in the block times 2^-16, and a V row's sum of 128 keys'
+ * products (each below 2^22) stays in int32. */
+static void pair_probabilities_i16(const float *p, int64_t rows, int64_t n, uint32_t *pb, float *ps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *pr = p + r * KEY_BLOCK;
+        vf mx = vzero();
+        for (int64_t j = 0; j < n; j += W) mx = vmax(mx, vload(pr + j, W));
+        int e = 0;
+        (void)frexpf(vhmax(mx), &e);
+        const vf up = vset1(ldexpf(1.0f, 15 - e));
+        int16_t *dst = (int16_t *)(pb + r * (KEY_BLOCK / 2));
+        for (int64_t j = 0; j < n; j += W) {
+            const __m512i x = _mm512_min_epi32(_mm512_cvtps_epi32(vmul(vload(pr + j, W), up)), _mm512_set1_epi32(32767));
+            _mm256_storeu_si256((__m256i *)(dst + j), _mm512_cvtepi32_epi16(x));
+        }
+        ps[r] = ldexpf(1.0f, e - 15);
+    }
+}
+#endif
+
 #define PV_KEYS 32 /* keys per slice of a block's values: between slices, the next block is requested */
 
 /* pv_rows over `rows` rows (probabilities p, KEY_BLOCK apart; with bf16 dot products pb, p paired by
- * pair_probabilities) for the keys [k0, min(k0 + PV_KEYS, nk)), four rows at a time; each pass reads
+ * pair_probabilities, or with int16 ones by pair_probabilities_i16 at the scales ps) for the keys [k0, min(k0 + PV_KEYS, nk)), four rows at a time; each pass reads
  * only the keys its rows see ([lo, hi) per row). */
 static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, const int64_t *lo, const int64_t *hi,
-                     int64_t nk, const int64_t *offsets, int64_t k0, const uint32_t *pb) {
+                     int64_t nk, const int64_t *offsets, int64_t k0, const uint32_t *pb, const float *ps) {
     const int64_t d = a->head_dim;
 #ifndef NATIVE_BF16_DOT
     (void)pb, (void)nk;
+#endif
+#ifndef NATIVE_I16_DOT
+    (void)ps;
 #endif
     for (int64_t r = 0; r < rows; r += 4) {
         const int nr = (int)min64(4, rows - r);
@@ -138,10 +188,17 @@ static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, co
         const float *pr = p + r * KEY_BLOCK;
 #ifdef NATIVE_BF16_DOT
 #define PV_BF16(NR) \
-        if (a->bf16_dot) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, (const uint16_t *)a->v_cache, offsets, nk, j0, j1); \
+        if (a->bf16_dot) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, a->v_cache, offsets, nk, j0, j1, 0, NULL); \
         else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_BF16)
 #else
 #define PV_BF16(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_BF16)
+#endif
+#ifdef NATIVE_I16_DOT
+#define PV_INT8(NR) \
+        if (a->i16_dot) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, a->v_cache, offsets, nk, j0, j1, 1, ps + r); \
+        else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_INT8)
+#else
+#define PV_INT8(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_INT8)
 #endif
 #define PV_KIND(NR, KV) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV)
 #define PV_CASE(NR) \
@@ -149,7 +206,7 @@ static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, co
         case KV_BF16: PV_BF16(NR); break; \
         case KV_E4M3: PV_KIND(NR, KV_E4M3); break; \
         case KV_E5M2: PV_KIND(NR, KV_E5M2); break; \
-        case KV_INT8: PV_KIND(NR, KV_INT8); break; \
+        case KV_INT8: PV_INT8(NR); break; \
         default: PV_KIND(NR, KV_F32); \
         } \
         break;
@@ -161,6 +218,7 @@ static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, co
         }
 #undef PV_CASE
 #undef PV_KIND
+#undef PV_INT8
 #undef PV_BF16
     }
 }
@@ -200,6 +258,18 @@ static void scale_probabilities(float *p, int64_t rows, int64_t n, const float *
         for (int64_t j = 0; j < n; j += W) vstore(p + r * KEY_BLOCK + j, vmul(vload(p + r * KEY_BLOCK + j, W), vload(vs + j, W)), W);
 }
 
+/* The probabilities of `rows` rows (n lanes) paired for the value sums' pair dot products, if they take
+ * them: rounded to bf16 (a bf16 cache) or to int16 (an int8 cache). */
+static inline void pair_for_dots(const Args *a, const float *p, int64_t rows, int64_t n, uint32_t *pb, float *ps) {
+#ifdef NATIVE_BF16_DOT
+    if (a->bf16_dot) pair_probabilities(p, rows, n, pb);
+#endif
+#ifdef NATIVE_I16_DOT
+    if (a->i16_dot) pair_probabilities_i16(p, rows, n, pb, ps);
+#endif
+    (void)a, (void)p, (void)rows, (void)n, (void)pb, (void)ps;
+}
+
 /* The views of KV head h of the item (rows rows each): its K/V (`offsets` point at the item's first
  * head) and its rows of the scratch. */
 static inline void head_views(const Args *a, const Scratch *s, int64_t h, int64_t rows, Args *ah, Scratch *sh) {
@@ -209,6 +279,7 @@ static inline void head_views(const Args *a, const Scratch *s, int64_t h, int64_
     sh->q += h * rows * d, sh->q_bf16 += h * rows * q_stride_bf16(d), sh->acc += h * rows * d;
     if (s->ks != NULL) sh->ks += h * KEY_BLOCK, sh->vs += h * KEY_BLOCK;
     sh->m += h * rows, sh->l += h * rows, sh->p += h * rows * KEY_BLOCK, sh->pb += h * rows * (KEY_BLOCK / 2);
+    if (s->ps != NULL) sh->ps += h * rows;
 #ifdef NATIVE_BF16_DOT
     if (s->qt != NULL) sh->qt = (__m512i *)s->qt + h * rows * quad_stride(d);
 #endif
@@ -224,12 +295,10 @@ static void attend_block_head(const Args *a, Scratch *s, const Item *it, int64_t
     score_block(a, it, s, nk, offsets, lo, hi, 0, nk, ahead);
     for (int64_t r = 0; r < rows; ++r) softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
     if (s->vs != NULL) scale_probabilities(s->p, rows, n, s->vs);
-#ifdef NATIVE_BF16_DOT
-    if (a->bf16_dot) pair_probabilities(s->p, rows, n, s->pb);
-#endif
+    pair_for_dots(a, s->p, rows, n, s->pb, s->ps);
     for (int64_t j = 0; j < nk; j += PV_KEYS) {
         prefetch_ahead(ahead, (units - ahead->done + slices - 1) / slices);
-        pv_slice(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, j, s->pb);
+        pv_slice(a, s->acc, s->p, rows, row_lo, row_hi, nk, offsets, j, s->pb, s->ps);
     }
     prefetch_ahead(ahead, units);
 }
@@ -253,15 +322,13 @@ static void attend_block_heads(const Args *a, Scratch *s, const Item *it, int64_
     for (int64_t r = 0; r < heads * rows; ++r)
         softmax_block(s->p + r * KEY_BLOCK, n, &s->m[r], &s->l[r], s->acc + r * d, d);
     for (int64_t h = 0; h < heads && s->vs != NULL; ++h) scale_probabilities(sh[h].p, rows, n, sh[h].vs);
-#ifdef NATIVE_BF16_DOT
-    if (a->bf16_dot) pair_probabilities(s->p, heads * rows, n, s->pb);
-#endif
+    pair_for_dots(a, s->p, heads * rows, n, s->pb, s->ps);
     const int64_t slices = (nk + PV_KEYS - 1) / PV_KEYS;
     for (int64_t j = 0, i = 0; j < nk; j += PV_KEYS, ++i) {
         for (int64_t h = 0; h < heads; ++h) {
             const int64_t calls = (slices - i) * heads - h;
             prefetch_ahead(ahead, (ahead->n * ahead->heads - ahead->done + calls - 1) / calls);
-            pv_slice(&ah[h], sh[h].acc, sh[h].p, rows, row_lo, row_hi, nk, offsets, j, sh[h].pb);
+            pv_slice(&ah[h], sh[h].acc, sh[h].p, rows, row_lo, row_hi, nk, offsets, j, sh[h].pb, sh[h].ps);
         }
     }
     prefetch_ahead(ahead, ahead->n * ahead->heads);
