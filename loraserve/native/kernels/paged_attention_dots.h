@@ -122,6 +122,34 @@ static void quad_queries(const uint16_t *q, int64_t d, __m512i *qt) {
     }
 }
 
+/* t[e] lane 4L + i = dword 4L + e of chunk c (32 elements, those of mask m real) of key j + i, for
+ * the four keys k[j..j + 4) (bf16, or int8 rows k8 widened to int16 when i16). */
+__attribute__((always_inline)) static inline void quad_keys(const uint16_t *const *k, const uint8_t *const *k8,
+                                                            int j, int64_t c, __mmask32 m, int i16, __m512i *t) {
+    __m512i x[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+        x[i] = i16 ? _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k8[j + i] + 32 * c))
+                   : _mm512_maskz_loadu_epi16(m, k[j + i] + 32 * c);
+    const __m512i a0 = _mm512_unpacklo_epi32(x[0], x[1]), a1 = _mm512_unpackhi_epi32(x[0], x[1]);
+    const __m512i a2 = _mm512_unpacklo_epi32(x[2], x[3]), a3 = _mm512_unpackhi_epi32(x[2], x[3]);
+    t[0] = _mm512_unpacklo_epi64(a0, a2), t[1] = _mm512_unpackhi_epi64(a0, a2);
+    t[2] = _mm512_unpacklo_epi64(a1, a3), t[3] = _mm512_unpackhi_epi64(a1, a3);
+}
+
+/* acc + the pair products of x and y: bf16 pairs summed in float32, or (i16) int16 pairs in int32. */
+__attribute__((always_inline)) static inline vf pair_dot(vf acc, __m512i x, __m512i y, int i16) {
+#ifdef NATIVE_I16_DOT
+    if (i16) return _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc), x, y));
+#endif
+    (void)i16;
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
+}
+
+#ifndef QK_GROUPS
+#define QK_GROUPS 2 /* groups of four keys transposed per pass: each query vector loaded once per pass */
+#endif
+
 /* out[r] lane j = q_r . k[j] for nr (<= 4, a constant at each call site) rows of quad_queries (qt_stride
  * vectors apart). Four keys at a time are transposed within each 128-bit lane (8 shuffles per 32 pairs,
  * shared by the rows), so a row's dot products leave only the four 128-bit lanes to sum: ~45 shuffles
@@ -137,35 +165,23 @@ __attribute__((always_inline)) static inline void qk_quads(const __m512i *qt, in
     for (int r = 0; r < 4; ++r)
 #pragma GCC unroll 4
         for (int g = 0; g < 4; ++g) acc[r][g] = vzero();
-    for (int64_t c = 0; 32 * c < d; ++c) {
-        const int64_t n = d - 32 * c;
-        const __mmask32 m = mask32_first(n);
 #pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {
-            __m512i x[4];
+    for (int g0 = 0; g0 < 4; g0 += QK_GROUPS)
+        for (int64_t c = 0; 32 * c < d; ++c) {
+            const __mmask32 m = mask32_first(d - 32 * c);
+            __m512i t[QK_GROUPS][4];
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i)
-                x[i] = i16 ? _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k8[4 * g + i] + 32 * c))
-                           : _mm512_maskz_loadu_epi16(m, k[4 * g + i] + 32 * c);
-            const __m512i a0 = _mm512_unpacklo_epi32(x[0], x[1]), a1 = _mm512_unpackhi_epi32(x[0], x[1]);
-            const __m512i a2 = _mm512_unpacklo_epi32(x[2], x[3]), a3 = _mm512_unpackhi_epi32(x[2], x[3]);
-            const __m512i t[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2),
-                                  _mm512_unpacklo_epi64(a1, a3), _mm512_unpackhi_epi64(a1, a3)};
+            for (int g = 0; g < QK_GROUPS; ++g)
+                quad_keys(k, k8, 4 * (g0 + g), c, m, i16, t[g]);
 #pragma GCC unroll 4
             for (int r = 0; r < nr; ++r)
 #pragma GCC unroll 4
                 for (int e = 0; e < 4; ++e) {
                     const __m512i q = qt[r * qt_stride + 4 * c + e];
-#ifdef NATIVE_I16_DOT
-                    if (i16) {
-                        acc[r][g] = _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc[r][g]), t[e], q));
-                        continue;
-                    }
-#endif
-                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)t[e], (__m512bh)q);
+#pragma GCC unroll 4
+                    for (int g = 0; g < QK_GROUPS; ++g) acc[r][g0 + g] = pair_dot(acc[r][g0 + g], t[g][e], q, i16);
                 }
         }
-    }
 #pragma GCC unroll 4
     for (int r = 0; r < nr; ++r) {
         if (i16) /* each lane's int32 sum as float32 (exact below 2^24; beyond, one rounding of 2^-24) */
