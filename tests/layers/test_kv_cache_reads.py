@@ -75,6 +75,28 @@ def test_every_cpu_build_and_the_twin_read_each_format_in_place(
         assert error.pow(2).mean().sqrt() <= rms and error.abs().max() <= largest, label
 
 
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_every_fp8_code_reads_exactly(kernels: dict[str, Any], kv_dtype: torch.dtype, act: torch.dtype) -> None:
+    """A query over one key gives it probability 1, so the output is that key's V row: every finite fp8
+    code of both signs (two KV heads of 128 codes, NaN and infinity as 0) read back exactly by every
+    build (every fp8 value is a bf16), whichever way it decodes (float16 widening, bf16 table)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(kv_dtype).float()
+    codes[~values.isfinite()] = 0
+    expected = codes.view(kv_dtype).float().reshape(1, 2, 128) * 0.5  # the cache's v scale
+    v_cache = codes.reshape(1, 2, 128).view(kv_dtype).repeat(4, 1, 1)
+    k_cache = torch.zeros_like(v_cache)
+    q = torch.ones(1, 2, 128, dtype=act)
+    args = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+    scales = KVScales(k=1.0, v=0.5)
+    for build, kernel in kernels.items():
+        out = paged_attention_cpu.run_kernel(
+            kernel, q, k_cache, v_cache, *args, torch.tensor([0, 1], dtype=torch.int32), 4, 0.1, scales=scales
+        )
+        assert torch.equal(out.float(), expected), build
+
+
 def test_int8_needs_its_block_scales() -> None:
     case = AttentionCase((1,), (5,), 4, 2, 16, 4, torch.float32)
     inputs = make_inputs(case, seed=9)

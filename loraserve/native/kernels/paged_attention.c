@@ -37,15 +37,15 @@
  * fp8 / int8 read through scales): 8-bit tiles of keys are decoded once per tile for all the rows that
  * score them, 8-bit V rows as the value sums load them, and each key's scale multiplies its scores and,
  * after the softmax, its probabilities (per key: int8's scale is its block's), so no element is
- * rescaled. The bf16 pair-dot paths serve bf16 q over a bf16 cache, and the decode rows' scores of bf16 q
- * over an fp8 cache (its keys decoded to bf16 per tile, exactly: 16 x 1,900 tokens x 30 layers, then
- * int8, Zen 4: 95 -> 60 ms at 1 thread, 50 -> 33 at 2). bf16 q over an int8 cache on CPUs with int16
- * pair products (AVX512-VNNI) decodes nothing: the decode rows' q and every row's probabilities are
+ * rescaled. The bf16 pair-dot paths serve bf16 q over a bf16 cache, and bf16 q over an fp8 cache,
+ * whose keys and values are read as bf16 through a 128-word table of the format (exact; probabilities
+ * rounded to bf16 as for a bf16 cache; 16 x 1,900 tokens x 30 layers, 1 Zen 4 thread: 71-73 -> 56-58
+ * ms against keys widened through float16 and values summed in float32). bf16 q over an int8 cache on
+ * CPUs with int16 pair products (AVX512-VNNI) decodes nothing: the decode rows' q and every row's probabilities are
  * rounded to int16 at a power-of-two scale (per row; per row and block), the int8 keys and values widen
  * to int16 as they load, and vpdpwssd sums their products exactly in int32 (a row's error: its largest
  * q or probability times 2^-16, where bf16 rounds each value by up to 2^-9 of itself; same shape, 1 /
- * 2 threads: 58 -> 43 / 30 -> 25 ms). Everything else takes the float32 paths (fp8 values through bf16
- * pair products measured no faster: their decoding, not the products, is their cost).
+ * 2 threads: 58 -> 43 / 30 -> 25 ms). Everything else takes the float32 paths.
  *
  * One translation unit in parts by op family (copied beside this file by native/build.py, which
  * builds every `paged_attention_*.h` into the digest): _dots.h (vector helpers, q.k of a tile),
@@ -232,10 +232,16 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
 #else
     const int i16_dot = 0;
 #endif
+    _Alignas(64) uint16_t fp8_tab[128];
+    const int fp8_dot = q8_dot && (kv == KV_E4M3 || kv == KV_E5M2);
+#ifdef NATIVE_BF16_DOT
+    if (fp8_dot) fp8_bf16_table(kv, fp8_tab);
+#endif
     const Args a = {q, k_cache, v_cache, out, block_tables, context_lens, query_starts, q_stride, max_blocks,
                     num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, is_bf16, kv, bf16_dot, q8_dot, i16_dot,
                     format != NULL ? format->k_scales : NULL, format != NULL ? format->v_scales : NULL,
-                    format != NULL ? format->k_scale : 1.0f, format != NULL ? format->v_scale : 1.0f};
+                    format != NULL ? format->k_scale : 1.0f, format != NULL ? format->v_scale : 1.0f,
+                    fp8_dot ? fp8_tab : NULL};
     if (kv < KV_F32 || kv > KV_INT8 || (kv == KV_INT8 && (a.k_scales == NULL || a.v_scales == NULL))) return 2;
     if (check_metadata(&a, num_seqs, num_tokens, num_blocks)) return 2;
     if (slot_mapping != NULL) {

@@ -122,15 +122,29 @@ static void quad_queries(const uint16_t *q, int64_t d, __m512i *qt) {
     }
 }
 
+/* 32 sign-magnitude bytes at p (those of mask m; 0 past them) as words: the magnitude (7 bits) through
+ * a 128-word table held in four vectors (tab: two 64-entry word permutes, bit 6 picks one), the sign on
+ * top as bit 15. Seven instructions: fp8 bytes as bf16 through fp8_bf16_table, where widening to float32
+ * through float16 and rounding to bf16 took about sixteen. */
+static inline __m512i sign_magnitude_words(const uint8_t *p, __mmask32 m, const __m512i *tab) {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, p));
+    const __m512i low = _mm512_permutex2var_epi16(tab[0], x, tab[1]), high = _mm512_permutex2var_epi16(tab[2], x, tab[3]);
+    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), low, high);
+    return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000), 0xF8); /* a | (b & c) */
+}
+
 /* t[e] lane 4L + i = dword 4L + e of chunk c (32 elements, those of mask m real) of key j + i, for
- * the four keys k[j..j + 4) (bf16, or int8 rows k8 widened to int16 when i16). */
+ * the four keys k[j..j + 4): bf16, or 8-bit rows k8, widened to int16 (int8, i16) or read through the
+ * table tab (fp8 as bf16: sign_magnitude_words). */
 __attribute__((always_inline)) static inline void quad_keys(const uint16_t *const *k, const uint8_t *const *k8,
-                                                            int j, int64_t c, __mmask32 m, int i16, __m512i *t) {
+                                                            int j, int64_t c, __mmask32 m, int i16,
+                                                            const __m512i *tab, __m512i *t) {
     __m512i x[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i)
         x[i] = i16 ? _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k8[j + i] + 32 * c))
-                   : _mm512_maskz_loadu_epi16(m, k[j + i] + 32 * c);
+               : tab != NULL ? sign_magnitude_words(k8[j + i] + 32 * c, m, tab)
+                             : _mm512_maskz_loadu_epi16(m, k[j + i] + 32 * c);
     const __m512i a0 = _mm512_unpacklo_epi32(x[0], x[1]), a1 = _mm512_unpackhi_epi32(x[0], x[1]);
     const __m512i a2 = _mm512_unpacklo_epi32(x[2], x[3]), a3 = _mm512_unpackhi_epi32(x[2], x[3]);
     t[0] = _mm512_unpacklo_epi64(a0, a2), t[1] = _mm512_unpackhi_epi64(a0, a2);
@@ -156,10 +170,10 @@ __attribute__((always_inline)) static inline vf pair_dot(vf acc, __m512i x, __m5
  * and adds per row and tile become 9, for 16 shuffles per four keys. With i16 (a constant) the keys
  * are int8 rows k8, widened to int16 as they load, and the rows are int16 (quad_queries_i16): the
  * int16 pair products sum exactly in int32, and out[r] is that sum as float32 (times nothing: the
- * caller applies the row's scale). */
+ * caller applies the row's scale). With tab, the keys are fp8 rows k8 read as bf16 through it. */
 __attribute__((always_inline)) static inline void qk_quads(const __m512i *qt, int64_t qt_stride, int nr,
                                                            const uint16_t *const *k, const uint8_t *const *k8,
-                                                           int64_t d, int i16, vf *out) {
+                                                           int64_t d, int i16, const __m512i *tab, vf *out) {
     vf acc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r)
@@ -172,7 +186,7 @@ __attribute__((always_inline)) static inline void qk_quads(const __m512i *qt, in
             __m512i t[QK_GROUPS][4];
 #pragma GCC unroll 4
             for (int g = 0; g < QK_GROUPS; ++g)
-                quad_keys(k, k8, 4 * (g0 + g), c, m, i16, t[g]);
+                quad_keys(k, k8, 4 * (g0 + g), c, m, i16, tab, t[g]);
 #pragma GCC unroll 4
             for (int r = 0; r < nr; ++r)
 #pragma GCC unroll 4

@@ -12,7 +12,9 @@
  * on a CPU with bf16 pair dot products, the paths that read bf16 keys and values as they lie; q8_dot: bf16
  * q over an 8-bit cache on such a CPU, whose decode rows score keys decoded to bf16 (rows8_to_bf16);
  * i16_dot: q8_dot over an int8 cache on a CPU with int16 pair dot products too (AVX512-VNNI): decode
- * rows' q and all rows' probabilities are rounded to int16 and multiply the int8 elements widened. */
+ * rows' q and all rows' probabilities are rounded to int16 and multiply the int8 elements widened;
+ * fp8_tab: q8_dot over an fp8 cache: fp8_bf16_table's 128 words (64-byte aligned), through which keys
+ * and values are decoded to bf16 for the pair products (else NULL). */
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
@@ -22,6 +24,7 @@ typedef struct {
     int is_bf16, kv, bf16_dot, q8_dot, i16_dot;
     float *k_scales, *v_scales; /* int8: written as rows arrive, read per key; else NULL */
     float k_scale, v_scale;     /* fp8: x = stored * scale (1.0 by default) */
+    const void *fp8_tab;
 } Args;
 
 /* Rows [0, num_kv * num_queries * group) of one item: query qi of the chunk with head g of the item's

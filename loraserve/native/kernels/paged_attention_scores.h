@@ -111,10 +111,11 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
             continue;
         }
 #endif
-        /* 8-bit keys decoded to bf16 for the quads (load_queries made them: fewer than TRANSPOSE_ROWS rows);
-         * int8 keys with int16 pair products (i16_dot) are read as they lie */
+        /* 8-bit keys of the quads' rows (load_queries made them: fewer than TRANSPOSE_ROWS rows) are read
+         * as they lie: int8 widened (i16_dot), fp8 through its table; else decoded to bf16 per tile */
         const int q8_quads = a->q8_dot && s->qt != NULL && it->num_queries * group < TRANSPOSE_ROWS;
-        int converted = q8_quads && a->i16_dot;
+        const int q8_tab = q8_quads && a->fp8_tab != NULL;
+        int converted = q8_quads && (a->i16_dot || q8_tab);
         for (int64_t qi = 0; qi < it->num_queries; ++qi) {
             float *p = s->p + qi * group * KEY_BLOCK + t0;
             if (lo[qi] >= min64(hi[qi], t0 + W) || hi[qi] <= t0) {
@@ -123,7 +124,7 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
             }
             if (!converted && a->kv != KV_F32 && !a->bf16_dot) { /* once per tile for all rows */
 #ifdef NATIVE_BF16_DOT
-                if (q8_quads) rows8_to_bf16((uint16_t *)s->k_tile, k8, k_bf16, d, a->kv);
+                if (q8_quads) rows8_to_bf16((uint16_t *)s->k_tile, k8, k_bf16, d, a->kv, (const __m512i *)a->fp8_tab);
                 else
 #endif
                 if (a->kv == KV_BF16) rows_to_f32(s->k_tile, k_bf16, k_rows, d);
@@ -136,8 +137,9 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
                 const __m512i *qt = (const __m512i *)s->qt + qi * group * qs;
                 vf x[4];
 #define QUADS(NR) \
-                if (a->i16_dot) qk_quads(qt, qs, NR, NULL, k8, d, 1, x); \
-                else qk_quads(qt, qs, NR, k_bf16, NULL, d, 0, x); \
+                if (a->i16_dot) qk_quads(qt, qs, NR, NULL, k8, d, 1, NULL, x); \
+                else if (q8_tab) qk_quads(qt, qs, NR, NULL, k8, d, 0, (const __m512i *)a->fp8_tab, x); \
+                else qk_quads(qt, qs, NR, k_bf16, NULL, d, 0, NULL, x); \
                 break;
                 switch (group) {
                 case 4: QUADS(4)

@@ -61,16 +61,17 @@ __attribute__((always_inline)) static inline void pv_rows(float *acc, int64_t d,
  * interleaved by 16-bit unpacks, and one pair dot product per 16 lanes: no widening, half the
  * multiply-adds. Keys from j0 rounded down to even to j1 (a key past nk reads key j's row, with
  * probability 0). The unpacks leave each 32-column chunk as columns 8k..8k+3 then 8k+4..8k+7 per
- * 128-bit lane; two permutes per chunk and row put them back. With i16 (a constant) the V rows are
- * int8, widened to int16 as they load, pb holds int16 probabilities (pair_probabilities_i16) and the
- * int16 pair products sum exactly in int32; row r's sums are then times ps[r], its scale. */
+ * 128-bit lane; two permutes per chunk and row put them back. V rows of an fp8 cache (tab: its
+ * fp8_bf16_table vectors, else NULL) are decoded to bf16 as they load. With i16 (a constant) the V rows
+ * are int8, widened to int16 as they load, pb holds int16 probabilities (pair_probabilities_i16) and
+ * the int16 pair products sum exactly in int32; row r's sums are then times ps[r], its scale. */
 __attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_t d, const uint32_t *pb, int nr,
                                                               const void *v_cache, const int64_t *offsets,
                                                               int64_t nk, int64_t j0, int64_t j1, int i16,
-                                                              const float *ps) {
+                                                              const float *ps, const __m512i *tab) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    const int64_t esize = i16 ? 1 : 2;
+    const int64_t esize = i16 || tab != NULL ? 1 : 2;
     for (int64_t i = 0; i < d; i += 64) {
         const int64_t n = d - i;
         vf sum[4][4];
@@ -90,6 +91,9 @@ __attribute__((always_inline)) static inline void pv_rows_dot(float *acc, int64_
                 if (i16) {
                     ka = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, va + 32 * c));
                     kb = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, vb + 32 * c));
+                } else if (tab != NULL) {
+                    ka = sign_magnitude_words((const uint8_t *)va + 32 * c, m, tab);
+                    kb = sign_magnitude_words((const uint8_t *)vb + 32 * c, m, tab);
                 } else {
                     ka = _mm512_maskz_loadu_epi16(m, va + 64 * c), kb = _mm512_maskz_loadu_epi16(m, vb + 64 * c);
                 }
@@ -188,14 +192,19 @@ static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, co
         const float *pr = p + r * KEY_BLOCK;
 #ifdef NATIVE_BF16_DOT
 #define PV_BF16(NR) \
-        if (a->bf16_dot) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, a->v_cache, offsets, nk, j0, j1, 0, NULL); \
+        if (a->bf16_dot) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, a->v_cache, offsets, nk, j0, j1, 0, NULL, NULL); \
         else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_BF16)
+#define PV_FP8(NR, KV) \
+        if (a->fp8_tab != NULL) \
+            pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, a->v_cache, offsets, nk, j0, j1, 0, NULL, (const __m512i *)a->fp8_tab); \
+        else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV)
 #else
 #define PV_BF16(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_BF16)
+#define PV_FP8(NR, KV) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV)
 #endif
 #ifdef NATIVE_I16_DOT
 #define PV_INT8(NR) \
-        if (a->i16_dot) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, a->v_cache, offsets, nk, j0, j1, 1, ps + r); \
+        if (a->i16_dot) pv_rows_dot(ar, d, pb + r * (KEY_BLOCK / 2), NR, a->v_cache, offsets, nk, j0, j1, 1, ps + r, NULL); \
         else pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_INT8)
 #else
 #define PV_INT8(NR) pv_rows(ar, d, pr, NR, a->v_cache, offsets, j0, j1, KV_INT8)
@@ -204,8 +213,8 @@ static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, co
 #define PV_CASE(NR) \
         switch (a->kv) { \
         case KV_BF16: PV_BF16(NR); break; \
-        case KV_E4M3: PV_KIND(NR, KV_E4M3); break; \
-        case KV_E5M2: PV_KIND(NR, KV_E5M2); break; \
+        case KV_E4M3: PV_FP8(NR, KV_E4M3); break; \
+        case KV_E5M2: PV_FP8(NR, KV_E5M2); break; \
         case KV_INT8: PV_INT8(NR); break; \
         default: PV_KIND(NR, KV_F32); \
         } \
@@ -219,6 +228,7 @@ static void pv_slice(const Args *a, float *acc, const float *p, int64_t rows, co
 #undef PV_CASE
 #undef PV_KIND
 #undef PV_INT8
+#undef PV_FP8
 #undef PV_BF16
     }
 }
@@ -259,10 +269,10 @@ static void scale_probabilities(float *p, int64_t rows, int64_t n, const float *
 }
 
 /* The probabilities of `rows` rows (n lanes) paired for the value sums' pair dot products, if they take
- * them: rounded to bf16 (a bf16 cache) or to int16 (an int8 cache). */
+ * them: rounded to bf16 (a bf16 or fp8 cache) or to int16 (an int8 cache). */
 static inline void pair_for_dots(const Args *a, const float *p, int64_t rows, int64_t n, uint32_t *pb, float *ps) {
 #ifdef NATIVE_BF16_DOT
-    if (a->bf16_dot) pair_probabilities(p, rows, n, pb);
+    if (a->bf16_dot || a->fp8_tab != NULL) pair_probabilities(p, rows, n, pb);
 #endif
 #ifdef NATIVE_I16_DOT
     if (a->i16_dot) pair_probabilities_i16(p, rows, n, pb, ps);
