@@ -202,6 +202,18 @@ static inline void packed_pass(int type, const uint8_t *panel, const px_t *px, i
     }
 }
 
+#ifdef PACKED_PAIRS
+/* Whether the pass that streams a chunk from memory takes both panels at once for `rows` x rows. One
+ * panel at a time, Q4_K's and Q5_K's streaming pass ran at about half a pair pass's rate (4 rows of
+ * Llama-3.2-1B-shaped linears, 2 Zen 4 threads: 37.5 ms, where each further pair pass of 4 took 15-20),
+ * so from 8 rows they stream in pairs: 8 / 32 rows Q4_K 63.4 / 156.7 -> 50.3 / 142.1 ms, Q5_K 85.1 /
+ * 192.4 -> 70.8 / 180.0; with fewer rows memory decides and one panel at a time read faster (2 rows
+ * 23.0 against 28.8 ms; 1-4 rows 0.6-0.8x as fast in pairs, one Q4_K row 2.4x slower, with and
+ * without read-ahead). Q6_K streamed in pairs ran slower at every row count (8 / 32 rows 64.5 /
+ * 179.5 -> 84.0 / 203.1 ms, reading 4 super-blocks ahead), Q4_1 no faster (SmolLM2's shapes). */
+static inline int stream_in_pairs(int type, int64_t rows) { return (type == 12 || type == 13) && rows >= 8; }
+#endif
+
 /* Chunk c (N_CHUNK rows: two panels) of packed weight w against x rows [r_lo, r_hi) into y (acc:
  * [r_hi - r_lo][N_CHUNK] scratch). */
 static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_bf16, const void *bias, void *y,
@@ -215,11 +227,9 @@ static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_
         float *a = acc + (r0 - r_lo) * N_CHUNK;
 #ifdef PACKED_PAIRS
         /* Both panels in 512-bit registers for the passes over a chunk in cache; the first pass, which
-         * streams it from memory, keeps one panel at a time: streamed in pairs, 1-4 rows ran 0.6-0.8x as
-         * fast (Zen 4, 1 and 2 threads), even reading one panel's consecutive blocks as the pair; one row
-         * of Q4_K 2.4x slower, with and without read-ahead. */
-        if (count == 2 && !stream) {
-            pair_pass(ch.type, panels, bytes, px, r0, mr, a);
+         * streams it from memory, keeps one panel at a time (stream_in_pairs says when not). */
+        if (count == 2 && (!stream || stream_in_pairs(ch.type, r_hi - r_lo))) {
+            pair_pass(ch.type, panels, bytes, px, r0, mr, stream, a);
             continue;
         }
 #endif
