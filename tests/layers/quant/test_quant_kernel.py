@@ -291,7 +291,7 @@ def test_panel_pairs_give_the_single_panels_bits(name: str) -> None:
     with the same int32 sums and float steps per lane as one panel's 256-bit pass, which a chunk of one
     panel (40 rows: 16 + 16 + 8) and -DPACKED_NO_PAIRS still take: the outputs are equal bit for bit.
     The pairs run the passes after a chunk's first (5 rows: 4 streamed, then 1; 9: 4, then 4 and 1),
-    and from 8 rows Q4_K's and Q5_K's first too (9 rows: all three passes)."""
+    and from 8 rows Q4_K's and Q5_K's first too (9 rows: all three passes; Q6_K's streams one row)."""
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags():
         pytest.skip("the pairs run on AVX-512 VNNI CPUs")
     pairs, single = qk.build_kernel(), qk.build_kernel(("-DPACKED_NO_PAIRS",))
