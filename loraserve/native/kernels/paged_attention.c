@@ -50,8 +50,8 @@
  * One translation unit in parts by op family (copied beside this file by native/build.py, which
  * builds every `paged_attention_*.h` into the digest): _dots.h (vector helpers, q.k of a tile),
  * _formats.h (the cache's element formats: decoding, fp8 encoding), _items.h (arguments, work items,
- * scratch, prefetch plan), _scores.h (a block's scores), _values.h (online softmax, value sums, a block
- * of one or several KV heads), _lanes.h (prefill rows in lanes), _write.h (the step's new rows into the
+ * scratch, prefetch plan), _scores.h (a block's scores), _pairs.h (value sums through pair dot
+ * products), _values.h (online softmax, value sums, a block of one or several KV heads), _lanes.h (prefill rows in lanes), _write.h (the step's new rows into the
  * cache, quantized as its format says), _plan.h (metadata checks, items and key partitions); this file:
  * the walk over an item's blocks, the output, the partition merge and the entry point.
  */
@@ -62,6 +62,7 @@
 #include "paged_attention_formats.h"
 #include "paged_attention_items.h"
 #include "paged_attention_scores.h"
+#include "paged_attention_pairs.h"
 #include "paged_attention_values.h"
 #include "paged_attention_lanes.h"
 

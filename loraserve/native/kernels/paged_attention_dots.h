@@ -3,7 +3,7 @@
  * per 128-bit lane, tiles transposed once) and the kernel's block constants.
  *
  * Part of paged_attention.c's one translation unit (see its header): included there once, in order
- * (dots, formats, items, scores, values, lanes, write, then plan), so each part may use what the earlier ones define. */
+ * (dots, formats, items, scores, pairs, values, lanes, write, then plan), so each part may use what the earlier ones define. */
 #ifndef PAGED_ATTENTION_DOTS_H
 #define PAGED_ATTENTION_DOTS_H
 

@@ -10,7 +10,7 @@
  * elements. Builds without F16C (portable C) decode bit by bit, to the same values.
  *
  * Part of paged_attention.c's one translation unit (see its header): included there once, in order
- * (dots, formats, items, scores, values, lanes, write, then plan), so each part may use what the
+ * (dots, formats, items, scores, pairs, values, lanes, write, then plan), so each part may use what the
  * earlier ones define. */
 #ifndef PAGED_ATTENTION_FORMATS_H
 #define PAGED_ATTENTION_FORMATS_H

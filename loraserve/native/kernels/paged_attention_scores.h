@@ -2,7 +2,7 @@
  * many rows), scaled, softcapped and masked to the keys the row sees.
  *
  * Part of paged_attention.c's one translation unit (see its header): included there once, in order
- * (dots, formats, items, scores, values, lanes, write, then plan), so each part may use what the earlier ones define. */
+ * (dots, formats, items, scores, pairs, values, lanes, write, then plan), so each part may use what the earlier ones define. */
 #ifndef PAGED_ATTENTION_SCORES_H
 #define PAGED_ATTENTION_SCORES_H
 

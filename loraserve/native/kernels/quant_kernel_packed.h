@@ -242,7 +242,7 @@ static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_
         /* Both panels in 512-bit registers for the passes over a chunk in cache; the first pass, which
          * streams it from memory, keeps one panel at a time (stream_in_pairs says when not). */
         if (count == 2 && (!stream || stream_in_pairs(ch.type, r_hi - r_lo))) {
-            pair_pass(ch.type, panels, bytes, px, r0, mr, stream, a);
+            pair_pass(ch.type, panels, bytes, px, r0, mr, a); /* Q4_K / Q5_K stream without read-ahead */
             continue;
         }
 #endif

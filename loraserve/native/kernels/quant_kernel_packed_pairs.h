@@ -78,15 +78,14 @@ static inline __attribute__((always_inline)) void pair_steps(int type, const uin
 /* packed_dot over the panels at panel and panel + other together (in cache: no read-ahead): 16 outputs
  * per x row. */
 static inline __attribute__((always_inline)) void packed_pair_dot(int type, const uint8_t *panel, int64_t other,
-                                                                  const px_t *px, int64_t r0, int mr, int stream,
-                                                                  float *out, int64_t ld) {
+                                                                  const px_t *px, int64_t r0, int mr, float *out,
+                                                                  int64_t ld) {
     const int64_t nb = px->nb, bb = packed_block_bytes(type);
     const int qb = packed_qbytes(type);
     __m512 acc[PACKED_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pq = panel + b * bb;
-        if (stream && PACKED_AHEAD > 0) prefetch_ahead(pq, bb, PACKED_AHEAD), prefetch_ahead(pq + other, bb, PACKED_AHEAD);
         const int8_t *xb[PACKED_MR];
         __m512i s32[PACKED_MR];
         for (int i = 0; i < mr; i++) {
@@ -207,17 +206,14 @@ static inline __attribute__((always_inline)) void kpair_offsets(int type, const 
     }
 }
 
-
 static inline __attribute__((always_inline)) void packed_pair_kdot(int type, const uint8_t *panel, int64_t other,
-                                                                   const px_t *px, int64_t r0, int mr, int stream,
-                                                                   float *out, int64_t ld) {
+                                                                   const px_t *px, int64_t r0, int mr, float *out,
+                                                                   int64_t ld) {
     const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[type];
     __m512 acc[PACKED_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *pq = panel + sb * bb;
-        if (stream && kpacked_ahead(type) > 0) /* as packed_kdot, both panels (Q4_K / Q5_K: none) */
-            prefetch_ahead(pq, bb, kpacked_ahead(type)), prefetch_ahead(pq + other, bb, kpacked_ahead(type));
         __m512i isum[PACKED_MR], imin[PACKED_MR];
         for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm512_setzero_si512();
         kpair_sums(type, pq, other, px, r0, mr, sb, isum);
@@ -237,12 +233,12 @@ static inline __attribute__((always_inline)) void packed_pair_kdot(int type, con
 /* One pass of mr (<= PACKED_MR) x rows over the panels at panels and panels + other, into out (row stride
  * N_CHUNK). */
 static inline void pair_pass(int type, const uint8_t *panels, int64_t other, const px_t *px, int64_t r0, int mr,
-                             int stream, float *out) {
+                             float *out) {
     switch (type * 8 + mr) { /* 8 rows a pass (PACKED_MR 8) ran no faster: Q8_0 spilled, at half the rate */
 #define PAIR_CASE(T, M) \
-    case T * 8 + M: packed_pair_dot(T, panels, other, px, r0, M, stream, out, N_CHUNK); break;
+    case T * 8 + M: packed_pair_dot(T, panels, other, px, r0, M, out, N_CHUNK); break;
 #define KPAIR_CASE(T, M) \
-    case T * 8 + M: packed_pair_kdot(T, panels, other, px, r0, M, stream, out, N_CHUNK); break;
+    case T * 8 + M: packed_pair_kdot(T, panels, other, px, r0, M, out, N_CHUNK); break;
 #define PAIR_ROWS(C, T) C(T, 1) C(T, 2) C(T, 3) C(T, 4)
         PAIR_ROWS(PAIR_CASE, 9) PAIR_ROWS(PAIR_CASE, 10) PAIR_ROWS(PAIR_CASE, 11)
         PAIR_ROWS(KPAIR_CASE, 12) PAIR_ROWS(KPAIR_CASE, 13) PAIR_ROWS(KPAIR_CASE, 14)
