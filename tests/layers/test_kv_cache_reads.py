@@ -97,6 +97,25 @@ def test_every_fp8_code_reads_exactly(kernels: dict[str, Any], kv_dtype: torch.d
         assert torch.equal(out.float(), expected), build
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_a_non_finite_query_gives_its_head_nan(kernels: dict[str, Any], kv_dtype: torch.dtype) -> None:
+    """A query head holding inf (a model gone wrong) comes out NaN (where its values are not 0) through
+    every build and format, as the float paths give it, never the finite numbers integer rounding
+    (int8 under bf16) would make of it; the other heads keep their values."""
+    case = AttentionCase((1, 1), (20, 37), 8, 2, 64, 16, torch.bfloat16)
+    inputs = make_inputs(case, seed=5)
+    cache, _ = quantized(case, inputs, kv_dtype, fp8_scale=0.5)
+    q = inputs.q.clone()
+    q[1, 5, 3] = float("inf")
+    args = (inputs.block_tables, inputs.context_lens, inputs.query_starts, case.block_size, case.scale)
+    clean = paged_attention_torch.paged_attention(inputs.q, cache.k, cache.v, *args, scales=cache.scales)
+    for build, kernel in kernels.items():
+        out = paged_attention_cpu.run_kernel(kernel, q, cache.k, cache.v, *args, scales=cache.scales)
+        assert out[1, 5].isnan().sum() >= 60, build
+        out[1, 5] = clean[1, 5]
+        torch.testing.assert_close(out.double(), clean.double(), **tolerance(torch.bfloat16), msg=build)
+
+
 def test_int8_needs_its_block_scales() -> None:
     case = AttentionCase((1,), (5,), 4, 2, 16, 4, torch.float32)
     inputs = make_inputs(case, seed=9)

@@ -221,7 +221,8 @@ static void quad_queries_i16(const uint16_t *q, int64_t d, __m512i *qt, int64_t 
         _mm256_mask_storeu_epi16(row + i, (__mmask16)mask16_first(d - i), _mm512_cvtepi32_epi16(x));
     }
     quad_queries(row, d, qt);
-    qt[qt_stride - 1] = _mm512_castps_si512(vset1(ldexpf(1.0f, e - 15)));
+    /* a q with inf or NaN scores NaN, as the float paths do, not the integers its conversion gave */
+    qt[qt_stride - 1] = _mm512_castps_si512(vset1(isfinite(vhmax(amax)) ? ldexpf(1.0f, e - 15) : NAN));
 }
 #endif
 

@@ -133,32 +133,18 @@ static void fp8_bf16_table(int kv, uint16_t *table) {
     for (int m = 0; m < 128; ++m) table[m] = f32_to_bf16(kv8_to_f32((uint8_t)m, kv));
 }
 
-/* dst row j (d bf16) = stored 8-bit row src[j] over its decode factor, for the W rows of a tile: exact,
- * since every int8 (8 significant bits at most), e5m2 and e4m3 value over its factor is a bf16; so the
- * bf16 pair dot products score 8-bit keys as they score a bf16 cache, two products an instruction.
- * fp8 rows go through the table (tab: fp8_bf16_table's vectors). */
-__attribute__((always_inline)) static inline void rows8_kind_bf16(uint16_t *dst, const uint8_t *const *src,
-                                                                  const uint16_t **rows, int64_t d, int kv,
-                                                                  const __m512i *tab) {
+/* dst row j (d bf16) = stored int8 row src[j], for the W rows of a tile: exact, since every int8 (8
+ * significant bits at most) is a bf16, so the bf16 pair dot products score int8 keys as they score a
+ * bf16 cache. Only where the CPU has bf16 pair products but not int16 ones (i16_dot): fp8 keys are read
+ * through their table (sign_magnitude_words), int8 ones with VNNI widened as they load. */
+static void rows8_to_bf16(uint16_t *dst, const uint8_t *const *src, const uint16_t **rows, int64_t d) {
     for (int j = 0; j < W; ++j) {
-        for (int64_t i = 0; i < d; i += 2 * W) {
-            const __mmask32 m = mask32_first(d - i);
-            if (kv != KV_INT8 && tab != NULL) {
-                _mm512_mask_storeu_epi16(dst + j * d + i, m, sign_magnitude_words(src[j] + i, m, tab));
-                continue;
-            } /* else 2W values, one conversion instruction (exact: no rounding) */
-            const vf lo = vload_kv8(src[j] + i, d - i, kv), hi = vload_kv8(src[j] + i + W, d - i - W, kv);
-            _mm512_mask_storeu_epi16(dst + j * d + i, m, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        for (int64_t i = 0; i < d; i += 2 * W) { /* 2W values: one conversion instruction (exact: no rounding) */
+            const vf lo = vload_kv8(src[j] + i, d - i, KV_INT8), hi = vload_kv8(src[j] + i + W, d - i - W, KV_INT8);
+            _mm512_mask_storeu_epi16(dst + j * d + i, mask32_first(d - i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
         rows[j] = dst + j * d;
     }
-}
-static void rows8_to_bf16(uint16_t *dst, const uint8_t *const *src, const uint16_t **rows, int64_t d, int kv,
-                          const __m512i *tab) {
-    if (kv == KV_INT8) rows8_kind_bf16(dst, src, rows, d, KV_INT8, tab);
-    else if (tab != NULL) rows8_kind_bf16(dst, src, rows, d, KV_E4M3, tab); /* either fp8: the table knows which */
-    else if (kv == KV_E5M2) rows8_kind_bf16(dst, src, rows, d, KV_E5M2, NULL);
-    else rows8_kind_bf16(dst, src, rows, d, KV_E4M3, NULL);
 }
 #endif
 

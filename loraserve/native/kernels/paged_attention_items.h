@@ -10,7 +10,8 @@
  * code: float32 or bf16, or 8-bit values read through scales: fp8's per tensor, k_scale / v_scale, and
  * int8's per (block, KV head), k_scales / v_scales [num_blocks, KVH]); bf16_dot: q and cache both bf16
  * on a CPU with bf16 pair dot products, the paths that read bf16 keys and values as they lie; q8_dot: bf16
- * q over an 8-bit cache on such a CPU, whose decode rows score keys decoded to bf16 (rows8_to_bf16);
+ * q over an 8-bit cache on such a CPU, whose decode rows score its keys as bf16 (fp8 through fp8_tab;
+ * int8 decoded per tile by rows8_to_bf16 where the CPU lacks int16 pair products);
  * i16_dot: q8_dot over an int8 cache on a CPU with int16 pair dot products too (AVX512-VNNI): decode
  * rows' q and all rows' probabilities are rounded to int16 and multiply the int8 elements widened;
  * fp8_tab: q8_dot over an fp8 cache: fp8_bf16_table's 128 words (64-byte aligned), through which keys

@@ -116,7 +116,7 @@ static void pair_probabilities_i16(const float *p, int64_t rows, int64_t n, uint
             const __m512i x = _mm512_min_epi32(_mm512_cvtps_epi32(vmul(vload(pr + j, W), up)), _mm512_set1_epi32(32767));
             _mm256_storeu_si256((__m256i *)(dst + j), _mm512_cvtepi32_epi16(x));
         }
-        ps[r] = ldexpf(1.0f, e - 15);
+        ps[r] = isfinite(vhmax(mx)) ? ldexpf(1.0f, e - 15) : NAN; /* NaN probabilities stay NaN */
     }
 }
 #endif

@@ -124,7 +124,7 @@ static void score_block(const Args *a, const Item *it, Scratch *s, int64_t nk, c
             }
             if (!converted && a->kv != KV_F32 && !a->bf16_dot) { /* once per tile for all rows */
 #ifdef NATIVE_BF16_DOT
-                if (q8_quads) rows8_to_bf16((uint16_t *)s->k_tile, k8, k_bf16, d, a->kv, (const __m512i *)a->fp8_tab);
+                if (q8_quads) rows8_to_bf16((uint16_t *)s->k_tile, k8, k_bf16, d); /* int8 without i16_dot */
                 else
 #endif
                 if (a->kv == KV_BF16) rows_to_f32(s->k_tile, k_bf16, k_rows, d);
