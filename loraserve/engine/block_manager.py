@@ -9,7 +9,8 @@ their memory is needed.
 
 A fresh adapter's digest is still being hashed when its first request is scheduled (the request does
 not wait for it): until it is known, that request's blocks neither reuse the cache nor enter it; they
-are committed on the first step after the digest is done.
+are committed on the first step after the digest is done, or, for a request that ends sooner, when it
+ends (the step waits for the rest of that one hash, so a short first request still fills the cache).
 
 It reads sequences and hands out block ids; the scheduler records them on the sequence.
 """
@@ -25,12 +26,12 @@ from collections.abc import Sequence as Seq
 from loraserve.engine.sequence import CacheSalt, Sequence
 
 
-def salt_key(salt: CacheSalt | None) -> str | None:
-    """The salt's text ("" for the base model), or None while the adapter's digest is unknown (or
-    could not be computed: its blocks then never enter the cache, and nothing else fails)."""
+def salt_key(salt: CacheSalt | None, wait: bool = False) -> str | None:
+    """The salt's text ("" for the base model), or None while the adapter's digest is unknown (unless
+    `wait`) or could not be computed (its blocks then never enter the cache, and nothing else fails)."""
     if salt is None:
         return ""
-    if not salt.done():
+    if not wait and not salt.done():
         return None
     try:
         return salt.result()
@@ -141,10 +142,11 @@ class BlockManager:
             self.num_prefix_hits += 1
         return block_ids
 
-    def commit_computed(self, seq: Sequence, cache_salt: CacheSalt | None) -> None:
+    def commit_computed(self, seq: Sequence, cache_salt: CacheSalt | None, ending: bool = False) -> None:
         """Register every newly full, computed block of `seq` in the prefix cache (none while the
-        salt is unknown: a later call catches up)."""
-        salt = self._salt(seq, cache_salt)
+        salt is unknown: a later call catches up; an `ending` sequence has no later call, so it
+        waits for the digest)."""
+        salt = self._salt(seq, cache_salt, ending and self.enable_prefix_caching)
         if not self.enable_prefix_caching or salt is None:
             return
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
@@ -188,8 +190,8 @@ class BlockManager:
         self.ref_counts[block] -= 1
         return self._take_block()
 
-    def _salt(self, seq: Sequence, cache_salt: CacheSalt | None) -> str | None:
-        salt = salt_key(cache_salt)
+    def _salt(self, seq: Sequence, cache_salt: CacheSalt | None, wait: bool = False) -> str | None:
+        salt = salt_key(cache_salt, wait)
         return salt + "|long-rope" if salt is not None and seq.seq_id in self.long_rope_seqs else salt
 
     def release_tail(self, block_ids: list[int], keep: int) -> list[int]:

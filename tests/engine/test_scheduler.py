@@ -246,6 +246,26 @@ def test_demand_ordering_never_holds_a_sequence_past_the_reorder_bound() -> None
     assert num_steps <= MAX_LORA_REORDER_STEPS + 2
 
 
+def test_a_request_ending_before_its_digest_is_known_still_fills_the_cache() -> None:
+    """A short first request under a fresh adapter (one step here) has no later commit to catch up
+    in, so its end waits for the digest; the next request with that adapter reuses its blocks."""
+
+    class Hashing(Salt):
+        def result(self) -> str:
+            self.ready = True  # the wait: the hash finishes
+            return self.text
+
+    sched = _scheduler()
+    hashing = Hashing("fresh", ready=False)
+    short = _seq(13, max_tokens=1, salt=hashing)
+    sched.add(short)
+    _step(sched)
+    assert short.is_finished and hashing.ready
+    again = _seq(13, max_tokens=1, salt=Salt("fresh"))
+    sched.add(again)
+    assert _step(sched) == [(again, 1)]  # 12 of its 13 tokens came from the cache
+
+
 def test_a_digest_that_failed_only_costs_its_prefix_caching() -> None:
     class Failed(Salt):
         def result(self) -> str:
