@@ -134,13 +134,13 @@ class Scheduler:
             # The KV of proposal i is right when the token emitted before it equals it: all but the last.
             accepted = min(len(item.draft_tokens), max(len(own) - 1, 0))
             seq.num_computed_tokens += item.num_new_tokens + accepted
-            ending = bool(own) and own[-1].finish_reason is not None
-            self.blocks.commit_computed(seq, seq.request.cache_salt, ending)
+            reason = own[-1].finish_reason if own else None
+            self.blocks.commit_computed(seq, seq.request.cache_salt, reason is not None)
             if item.draft is not None:
                 keep = -(-seq.num_tokens // self.blocks.block_size)
                 seq.block_ids = self.blocks.release_tail(seq.block_ids, keep)
-            if ending:
-                self.finish(seq, own[-1].finish_reason, own[-1].stop_reason)
+            if reason is not None:
+                self.finish(seq, reason, own[-1].stop_reason)
         ended = []
         for request in dict.fromkeys(c.seq.request for c in beams if not c.seq.is_finished):
             group = request.beam
