@@ -226,33 +226,49 @@ static inline int64_t streamed_rows(int type, int64_t rows) {
     return PACKED_MR;
 }
 
-/* With `rows` x rows, the pass over a chunk in cache at row offset `at` (> 0) fetches its share of the
- * next chunk's `total` bytes (the ones right after this chunk, usually the next work item of this
- * thread: guided schedule) into L2, so that chunk's streaming pass finds them there and memory works
- * while these passes compute (where it had waited for the streaming pass). Llama-3.2-1B-shaped linears,
- * 2 Zen 4 threads, one process alternating builds: 32 rows Q4_K 123.4 / 132.1 -> 114.4 / 118.5 ms,
- * Q5_K 159.9 -> 141.5, Q6_K 203.7 -> 189.4; 16 rows Q4_K 68.1 -> 62.4. With one pass in cache (8 rows)
- * it ran 2-3% slower (44.5 -> 45.7 ms), so it takes two or more. */
-static inline void fetch_next_share(const uint8_t *next, int64_t total, int64_t at, int64_t rows) {
-    const int64_t passes = (rows - 1) / PACKED_MR;
+/* The most x rows a pass over a chunk in cache takes: 4, and on AVX-512 VNNI builds 6 for Q5_K's and
+ * Q6_K's pairs, whose unpacking of each step's weights then serves more rows (one panel pair, in L1,
+ * one Zen 4 thread: Q6_K 124 -> 139.5 G multiply-adds a second, Q5_K 143 -> 151.5; Q4_K 183 -> 182,
+ * and 8 rows 176, so it keeps 4). */
+static inline int cache_pass_rows(int type, int count) {
+#ifdef PACKED_PAIRS
+    if (count == 2 && (type == 13 || type == 14)) return KPAIR_MR;
+#endif
+    (void)type, (void)count;
+    return PACKED_MR;
+}
+
+/* Pass `index` of the `passes` over a chunk in cache fetches its share of the next chunk's `total`
+ * bytes (the ones right after this chunk, usually the next work item of this thread: guided schedule)
+ * into L2, so that chunk's streaming pass finds them there and memory works while these passes compute
+ * (where it had waited for the streaming pass). Llama-3.2-1B-shaped linears, 2 Zen 4 threads, one
+ * process alternating builds: 32 rows Q4_K 123.4 / 132.1 -> 114.4 / 118.5 ms, Q5_K 159.9 -> 141.5,
+ * Q6_K 203.7 -> 189.4; 16 rows Q4_K 68.1 -> 62.4. With one pass in cache (8 rows) it ran 2-3% slower
+ * (44.5 -> 45.7 ms), so it takes two or more. */
+static inline void fetch_next_share(const uint8_t *next, int64_t total, int64_t index, int64_t passes) {
     if (passes < 2) return;
-    const int64_t share = (total / passes + 63) & ~(int64_t)63, from = (at - 1) / PACKED_MR * share;
+    const int64_t share = (total / passes + 63) & ~(int64_t)63, from = index * share;
     for (int64_t b = from; b < from + share && b < total; b += 64) __builtin_prefetch(next + b, 0, 2);
 }
 
 /* Chunk c (N_CHUNK rows: two panels) of packed weight w against x rows [r_lo, r_hi) into y (acc:
- * [r_hi - r_lo][N_CHUNK] scratch). */
+ * [r_hi - r_lo][N_CHUNK] scratch). The passes in cache split the rows after the streaming pass's
+ * evenly (31 rows at 6 at most: 6 5 5 5 5 5, not 6 6 6 6 6 1). */
 static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_bf16, const void *bias, void *y,
                              int64_t ldy, int64_t r_lo, int64_t r_hi, float *acc) {
     const chunk_t ch = chunk_of(w, c);
     const int64_t bytes = 8 * ch.row_bytes;
     const int count = (int)((ch.n1 - ch.n0) / 8);
     const uint8_t *panels = ch.wp + ch.n0 / 8 * bytes;
+    const int64_t first = streamed_rows(ch.type, r_hi - r_lo), most = cache_pass_rows(ch.type, count);
+    const int64_t passes = r_hi - r_lo > first ? (r_hi - r_lo - first + most - 1) / most : 0;
+    int64_t index = 0;
     for (int64_t r0 = r_lo, step; r0 < r_hi; r0 += step) {
-        step = r0 == r_lo ? streamed_rows(ch.type, r_hi - r_lo) : PACKED_MR;
-        const int mr = r_hi - r0 < step ? (int)(r_hi - r0) : (int)step, stream = r0 == r_lo;
+        const int stream = r0 == r_lo;
+        step = stream ? (first < r_hi - r0 ? first : r_hi - r0) : (r_hi - r0 + passes - index - 1) / (passes - index);
+        const int mr = (int)step;
         float *a = acc + (r0 - r_lo) * N_CHUNK;
-        if (!stream) fetch_next_share(panels + count * bytes, count * bytes, r0 - r_lo, r_hi - r_lo);
+        if (!stream) fetch_next_share(panels + count * bytes, count * bytes, index++, passes);
 #ifdef PACKED_PAIRS
         /* Both panels in 512-bit registers for the passes over a chunk in cache; the first pass, which
          * streams it from memory, keeps one panel at a time (stream_in_pairs says when not). */

@@ -15,6 +15,7 @@
 
 #if QK_PATH == 2 && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(PACKED_NO_PAIRS)
 #define PACKED_PAIRS 1
+#define KPAIR_MR 6 /* x rows a pair pass of Q5_K / Q6_K takes at most (cache_pass_rows) */
 
 /* acc + the byte products of w (unsigned) and the 4 signed bytes at x, broadcast to every lane; with
  * `fold` (a constant at each call site) the broadcast is the instruction's own memory operand ({1to16})
@@ -157,14 +158,14 @@ static inline int kpair_partner(int type, int sub) { return type == 14 ? sub + 2
 static inline __attribute__((always_inline)) void kpair_sums(int type, const uint8_t *pq, int64_t other, const px_t *px,
                                                              int64_t r0, int mr, int64_t sb, __m512i *isum) {
     const int widen = kpanel_widen(type);
-    const int8_t *xs[PACKED_MR]; /* each row's super-block: one base register per row, every x byte the
+    const int8_t *xs[KPAIR_MR]; /* each row's super-block: one base register per row, every x byte the
                                     * steps read at a constant offset from it (GCC had kept a pointer per
                                     * row and sub-block, spilled: 3.7 scalar instructions per vpdpbusd) */
     for (int i = 0; i < mr; i++) xs[i] = px->xq + (r0 + i) * px->k + sb * 256;
     for (int q = 0; q < 4; q++) {
         const int sub = type == 14 ? 4 * (q / 2) + q % 2 : 2 * q, subb = kpair_partner(type, sub);
         for (int t0 = 0; t0 < 8; t0 += widen) {
-            __m512i pa[PACKED_MR], pb[PACKED_MR];
+            __m512i pa[KPAIR_MR], pb[KPAIR_MR];
             for (int i = 0; i < mr; i++) pa[i] = pb[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int t = t0; t < t0 + widen; t++) {
@@ -189,7 +190,7 @@ static inline __attribute__((always_inline)) void kpair_offsets(int type, const 
                                                                 const px_t *px, int64_t r0, int mr, int64_t sb,
                                                                 __m512i *isum, __m512i *imin) {
     const uint8_t *s = pq + (type == 14 ? K6_SC : kpanel_sc(type) + 64);
-    __m512i off[PACKED_MR];
+    __m512i off[KPAIR_MR];
     for (int i = 0; i < mr; i++) off[i] = _mm512_setzero_si512();
     for (int h = 0; h < (type == 14 ? 8 : 4); h++) {
         const __m128i b = _mm_loadu_si128((const __m128i *)(s + 16 * h));
@@ -214,11 +215,11 @@ static inline __attribute__((always_inline)) void packed_pair_kdot(int type, con
                                                                    const px_t *px, int64_t r0, int mr, float *out,
                                                                    int64_t ld) {
     const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[type];
-    __m512 acc[PACKED_MR];
+    __m512 acc[KPAIR_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *pq = panel + sb * bb;
-        __m512i isum[PACKED_MR], imin[PACKED_MR];
+        __m512i isum[KPAIR_MR], imin[KPAIR_MR];
         for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm512_setzero_si512();
         kpair_sums(type, pq, other, px, r0, mr, sb, isum);
         kpair_offsets(type, pq, other, px, r0, mr, sb, isum, imin);
@@ -238,7 +239,7 @@ static inline __attribute__((always_inline)) void packed_pair_kdot(int type, con
  * N_CHUNK). */
 static inline void pair_pass(int type, const uint8_t *panels, int64_t other, const px_t *px, int64_t r0, int mr,
                              float *out) {
-    switch (type * 8 + mr) { /* 8 rows a pass (PACKED_MR 8) ran no faster: Q8_0 spilled, at half the rate */
+    switch (type * 8 + mr) { /* 8 rows a pass ran no faster: Q8_0 spilled, at half the rate; Q4_K 4% slower */
 #define PAIR_CASE(T, M) \
     case T * 8 + M: packed_pair_dot(T, panels, other, px, r0, M, out, N_CHUNK); break;
 #define KPAIR_CASE(T, M) \
@@ -246,6 +247,7 @@ static inline void pair_pass(int type, const uint8_t *panels, int64_t other, con
 #define PAIR_ROWS(C, T) C(T, 1) C(T, 2) C(T, 3) C(T, 4)
         PAIR_ROWS(PAIR_CASE, 9) PAIR_ROWS(PAIR_CASE, 10) PAIR_ROWS(PAIR_CASE, 11)
         PAIR_ROWS(KPAIR_CASE, 12) PAIR_ROWS(KPAIR_CASE, 13) PAIR_ROWS(KPAIR_CASE, 14)
+        KPAIR_CASE(13, 5) KPAIR_CASE(13, 6) KPAIR_CASE(14, 5) KPAIR_CASE(14, 6)
 #undef PAIR_ROWS
 #undef KPAIR_CASE
 #undef PAIR_CASE
