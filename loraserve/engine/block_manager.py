@@ -146,8 +146,10 @@ class BlockManager:
         """Register every newly full, computed block of `seq` in the prefix cache (none while the
         salt is unknown: a later call catches up; an `ending` sequence has no later call, so it
         waits for the digest)."""
-        salt = self._salt(seq, cache_salt, ending and self.enable_prefix_caching)
-        if not self.enable_prefix_caching or salt is None:
+        if not self.enable_prefix_caching:
+            return
+        salt = self._salt(seq, cache_salt, ending)
+        if salt is None:
             return
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size

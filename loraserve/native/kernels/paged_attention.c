@@ -43,17 +43,19 @@
  * ms against keys widened through float16 and values summed in float32). bf16 q over an int8 cache on
  * CPUs with int16 pair products (AVX512-VNNI) decodes nothing: the decode rows' q and every row's
  * probabilities are rounded to int16 at a power-of-two scale (per row; per row and block), the int8
- * keys and values widen to int16 as they load, and vpdpwssd sums their products exactly in int32 (a row's error: its largest
- * q or probability times 2^-16, where bf16 rounds each value by up to 2^-9 of itself; same shape, 1 /
- * 2 threads: 58 -> 43 / 30 -> 25 ms). Everything else takes the float32 paths.
+ * keys and values widen to int16 as they load, and vpdpwssd sums their products exactly in int32 (a
+ * row's error: its largest q or probability times 2^-16, where bf16 rounds each value by up to 2^-9
+ * of itself; same shape, 1 / 2 threads: 58 -> 43 / 30 -> 25 ms). Everything else takes the float32
+ * paths.
  *
  * One translation unit in parts by op family (copied beside this file by native/build.py, which
  * builds every `paged_attention_*.h` into the digest): _dots.h (vector helpers, q.k of a tile),
  * _formats.h (the cache's element formats: decoding, fp8 encoding), _items.h (arguments, work items,
  * scratch, prefetch plan), _scores.h (a block's scores), _pairs.h (value sums through pair dot
  * products), _values.h (online softmax, value sums, a block of one or several KV heads), _lanes.h
- * (prefill rows in lanes), _write.h (the step's new rows into the cache, quantized as its format says), _plan.h (metadata checks, items and key partitions); this file:
- * the walk over an item's blocks, the output, the partition merge and the entry point.
+ * (prefill rows in lanes), _write.h (the step's new rows into the cache, quantized as its format
+ * says), _plan.h (metadata checks, items and key partitions); this file: the walk over an item's
+ * blocks, the output, the partition merge and the entry point.
  */
 #include <stdlib.h>
 

@@ -243,10 +243,10 @@ static inline int cache_pass_rows(int type, int count) {
  * into L2, so that chunk's streaming pass finds them there and memory works while these passes compute
  * (where it had waited for the streaming pass). Llama-3.2-1B-shaped linears, 2 Zen 4 threads, one
  * process alternating builds: 32 rows Q4_K 123.4 / 132.1 -> 114.4 / 118.5 ms, Q5_K 159.9 -> 141.5,
- * Q6_K 203.7 -> 189.4; 16 rows Q4_K 68.1 -> 62.4. With one pass in cache (8 rows) it ran 2-3% slower
- * (44.5 -> 45.7 ms), so it takes two or more. */
+ * Q6_K 203.7 -> 189.4; 16 rows Q4_K 68.1 -> 62.4. At 8 rows it ran slower (Q4_K 44.5 -> 45.7 ms, Q6_K
+ * 59.2 -> 63.7), so run_packed_chunk asks for it from 9 rows (FETCH_ROWS). */
+#define FETCH_ROWS 9
 static inline void fetch_next_share(const uint8_t *next, int64_t total, int64_t index, int64_t passes) {
-    if (passes < 2) return;
     const int64_t share = (total / passes + 63) & ~(int64_t)63, from = index * share;
     for (int64_t b = from; b < from + share && b < total; b += 64) __builtin_prefetch(next + b, 0, 2);
 }
@@ -262,13 +262,15 @@ static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_
     const uint8_t *panels = ch.wp + ch.n0 / 8 * bytes;
     const int64_t first = streamed_rows(ch.type, r_hi - r_lo), most = cache_pass_rows(ch.type, count);
     const int64_t passes = r_hi - r_lo > first ? (r_hi - r_lo - first + most - 1) / most : 0;
+    const int fetch = r_hi - r_lo >= FETCH_ROWS;
     int64_t index = 0;
     for (int64_t r0 = r_lo, step; r0 < r_hi; r0 += step) {
         const int stream = r0 == r_lo;
         step = stream ? (first < r_hi - r0 ? first : r_hi - r0) : (r_hi - r0 + passes - index - 1) / (passes - index);
         const int mr = (int)step;
         float *a = acc + (r0 - r_lo) * N_CHUNK;
-        if (!stream) fetch_next_share(panels + count * bytes, count * bytes, index++, passes);
+        if (!stream && fetch) fetch_next_share(panels + count * bytes, count * bytes, index, passes);
+        index += !stream;
 #ifdef PACKED_PAIRS
         /* Both panels in 512-bit registers for the passes over a chunk in cache; the first pass, which
          * streams it from memory, keeps one panel at a time (stream_in_pairs says when not). */
