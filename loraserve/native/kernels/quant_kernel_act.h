@@ -142,8 +142,8 @@ static void quantize_row256(const void *x, int64_t ldx, int x_bf16, int64_t r, i
  * between calls (a decode step makes a few hundred products: a malloc and free each, and fresh pages for
  * larger ones, cost more than quantizing). */
 static void *thread_scratch(int slot, size_t bytes) {
-    static __thread void *buf[3] = {NULL, NULL, NULL};
-    static __thread size_t size[3] = {0, 0, 0};
+    static __thread void *buf[4] = {NULL, NULL, NULL, NULL};
+    static __thread size_t size[4] = {0, 0, 0, 0};
     if (bytes > size[slot]) {
         free(buf[slot]);
         buf[slot] = malloc(bytes);

@@ -251,6 +251,8 @@ static inline void fetch_next_share(const uint8_t *next, int64_t total, int64_t 
     for (int64_t b = from; b < from + share && b < total; b += 64) __builtin_prefetch(next + b, 0, 2);
 }
 
+#include "quant_kernel_kbytes.h"
+
 /* Chunk c (N_CHUNK rows: two panels) of packed weight w against x rows [r_lo, r_hi) into y (acc:
  * [r_hi - r_lo][N_CHUNK] scratch). The passes in cache split the rows after the streaming pass's
  * evenly (31 rows at 6 at most: 6 5 5 5 5 5, not 6 6 6 6 6 1). */
@@ -260,9 +262,17 @@ static void run_packed_chunk(const int64_t *w, int64_t c, const px_t *px, int x_
     const int64_t bytes = 8 * ch.row_bytes;
     const int count = (int)((ch.n1 - ch.n0) / 8);
     const uint8_t *panels = ch.wp + ch.n0 / 8 * bytes;
+    const int fetch = r_hi - r_lo >= FETCH_ROWS;
+#ifdef PACKED_PAIRS
+    uint8_t *u8 = unpack_chunk(ch.type, count, r_hi - r_lo) ? thread_scratch(3, KBYTES_SLAB * KBYTES_SB) : NULL;
+    if (u8 != NULL) { /* without the room (malloc failed) the panels' passes give the same bits */
+        run_unpacked_chunk(ch.type, panels, bytes, px, r_lo, r_hi, fetch, u8, acc);
+        store_chunk(acc, x_bf16, bias, y, ldy, ch.n0, ch.n1, r_lo, r_hi);
+        return;
+    }
+#endif
     const int64_t first = streamed_rows(ch.type, r_hi - r_lo), most = cache_pass_rows(ch.type, count);
     const int64_t passes = r_hi - r_lo > first ? (r_hi - r_lo - first + most - 1) / most : 0;
-    const int fetch = r_hi - r_lo >= FETCH_ROWS;
     int64_t index = 0;
     for (int64_t r0 = r_lo, step; r0 < r_hi; r0 += step) {
         const int stream = r0 == r_lo;

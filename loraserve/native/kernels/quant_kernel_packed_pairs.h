@@ -16,6 +16,7 @@
 #if QK_PATH == 2 && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(PACKED_NO_PAIRS)
 #define PACKED_PAIRS 1
 #define KPAIR_MR 6 /* x rows a pair pass of Q5_K / Q6_K takes at most (cache_pass_rows) */
+#define KBYTES_SB 4096 /* a super-block's quants of a panel pair unpacked (quant_kernel_kbytes.h) */
 
 /* acc + the byte products of w (unsigned) and the 4 signed bytes at x, broadcast to every lane; with
  * `fold` (a constant at each call site) the broadcast is the instruction's own memory operand ({1to16})
@@ -140,14 +141,15 @@ static inline __attribute__((always_inline)) void kpair_step2(int type, const ui
     *wa = _mm512_or_si512(*wa, _mm512_and_si512(ha, bit)), *wb = _mm512_or_si512(*wb, _mm512_and_si512(hb, bit));
 }
 
+/* The second sub-block of the pair kpair_step2 takes from `sub`. */
+static inline int kpair_partner(int type, int sub) { return type == 14 ? sub + 2 : sub + 1; }
+
 /* Both panels' scales of sub-block sub (Q6_K: of its 16-weight group from step t0) as int32 lanes. */
 static inline __m512i kpair_scales(int type, const uint8_t *pq, int64_t other, int sub, int t0) {
     return type == 14 ? kpair_bytes32(pq + K6_SC + 8 * (2 * sub + t0 / 4), other, 1)
                       : kpair_bytes32(pq + kpanel_sc(type) + 8 * sub, other, 0);
 }
 
-/* The second sub-block of the pair kpair_step2 takes from `sub`. */
-static inline int kpair_partner(int type, int sub) { return type == 14 ? sub + 2 : sub + 1; }
 
 /* isum[i] += sum over sub-blocks (and Q6_K's 16-weight groups) of scale * (q . xq), for both panels and
  * mr rows of x, the sub-blocks taken in pairs that share their bytes (kpair_step2): per step one load and
@@ -156,7 +158,8 @@ static inline int kpair_partner(int type, int sub) { return type == 14 ? sub + 2
  * 186 -> 193; 64 rows at 1 thread Q6_K 95 -> 106). The int32 sums are exact, so the order of the adds
  * changes no bit. */
 static inline __attribute__((always_inline)) void kpair_sums(int type, const uint8_t *pq, int64_t other, const px_t *px,
-                                                             int64_t r0, int mr, int64_t sb, __m512i *isum) {
+                                                             int64_t r0, int mr, int64_t sb, int unpacked,
+                                                             const uint8_t *u8, __m512i *isum) {
     const int widen = kpanel_widen(type);
     const int8_t *xs[KPAIR_MR]; /* each row's super-block: one base register per row, every x byte the
                                     * steps read at a constant offset from it (GCC had kept a pointer per
@@ -170,7 +173,10 @@ static inline __attribute__((always_inline)) void kpair_sums(int type, const uin
 #pragma GCC unroll 8
             for (int t = t0; t < t0 + widen; t++) {
                 __m512i wa, wb;
-                kpair_step2(type, pq, other, sub, t, &wa, &wb);
+                if (unpacked) /* the chunk's quants unpacked once (kbytes_unpack) */
+                    wa = _mm512_loadu_si512(u8 + 512 * sub + 64 * t), wb = _mm512_loadu_si512(u8 + 512 * subb + 64 * t);
+                else
+                    kpair_step2(type, pq, other, sub, t, &wa, &wb);
                 for (int i = 0; i < mr; i++) {
                     const int8_t *xr = xs[i] + 4 * t;
                     pa[i] = dpbusd_x4(pa[i], wa, xr + 32 * sub, type == 12);
@@ -211,17 +217,22 @@ static inline __attribute__((always_inline)) void kpair_offsets(int type, const 
     }
 }
 
+/* Super-blocks [sb0, sb1) of packed_kdot for both panels (16 outputs per x row into out): from sb0 > 0
+ * each row's sums continue from out's (a float32 stored and loaded is the same value, so the slabs
+ * give the bits of one sweep). unpacked: the quants come from u8 (kbytes_unpack's layout, super-block
+ * sb0 first), not from the panels. */
 static inline __attribute__((always_inline)) void packed_pair_kdot(int type, const uint8_t *panel, int64_t other,
-                                                                   const px_t *px, int64_t r0, int mr, float *out,
-                                                                   int64_t ld) {
-    const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[type];
+                                                                   const px_t *px, int64_t r0, int mr, int unpacked,
+                                                                   const uint8_t *u8, int64_t sb0, int64_t sb1,
+                                                                   float *out, int64_t ld) {
+    const int64_t bb = 8 * (int64_t)TYPE_SIZE[type];
     __m512 acc[KPAIR_MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t sb = 0; sb < nsb; sb++) {
+    for (int i = 0; i < mr; i++) acc[i] = sb0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * ld);
+    for (int64_t sb = sb0; sb < sb1; sb++) {
         const uint8_t *pq = panel + sb * bb;
         __m512i isum[KPAIR_MR], imin[KPAIR_MR];
         for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm512_setzero_si512();
-        kpair_sums(type, pq, other, px, r0, mr, sb, isum);
+        kpair_sums(type, pq, other, px, r0, mr, sb, unpacked, unpacked ? u8 + (sb - sb0) * KBYTES_SB : u8, isum);
         kpair_offsets(type, pq, other, px, r0, mr, sb, isum, imin);
         const int d_at = type == 14 ? K6_D : kpanel_sc(type) + 128;
         const __m512 d = pair_halves(pq + d_at, other);
@@ -243,7 +254,7 @@ static inline void pair_pass(int type, const uint8_t *panels, int64_t other, con
 #define PAIR_CASE(T, M) \
     case T * 8 + M: packed_pair_dot(T, panels, other, px, r0, M, out, N_CHUNK); break;
 #define KPAIR_CASE(T, M) \
-    case T * 8 + M: packed_pair_kdot(T, panels, other, px, r0, M, out, N_CHUNK); break;
+    case T * 8 + M: packed_pair_kdot(T, panels, other, px, r0, M, 0, NULL, 0, px->k / 256, out, N_CHUNK); break;
 #define PAIR_ROWS(C, T) C(T, 1) C(T, 2) C(T, 3) C(T, 4)
         PAIR_ROWS(PAIR_CASE, 9) PAIR_ROWS(PAIR_CASE, 10) PAIR_ROWS(PAIR_CASE, 11)
         PAIR_ROWS(KPAIR_CASE, 12) PAIR_ROWS(KPAIR_CASE, 13) PAIR_ROWS(KPAIR_CASE, 14)

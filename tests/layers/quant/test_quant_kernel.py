@@ -292,14 +292,16 @@ def test_panel_pairs_give_the_single_panels_bits(name: str) -> None:
     panel (40 rows: 16 + 16 + 8) and -DPACKED_NO_PAIRS still take: the outputs are equal bit for bit.
     The pairs run the passes after a chunk's first (5 rows: 4 streamed, then 1; 9: 4, then 4 and 1),
     and from 8 rows Q4_K's and Q5_K's first too (9 rows: all three passes; Q6_K's streams one row);
-    Q5_K's and Q6_K's passes take up to 6 rows (13: Q6_K 1, then 6 and 6; Q5_K 4, then 5 and 4)."""
+    Q5_K's and Q6_K's passes take up to 6 rows (5: Q6_K 1, then 4; Q5_K 4, then 1), and from 9 rows
+    they read their chunk unpacked to bytes, 4 super-blocks at a time (quant_kernel_kbytes.h; 9 and 13
+    rows, Q6_K in passes of up to 6, Q5_K of 4; 1280 inputs: a slab of 4 and one of 1)."""
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags():
         pytest.skip("the pairs run on AVX-512 VNNI CPUs")
     pairs, single = qk.build_kernel(), qk.build_kernel(("-DPACKED_NO_PAIRS",))
     if pairs is None or single is None:
         pytest.skip("no C compiler")
     g = torch.Generator().manual_seed(17)
-    for k in _in_features(name):
+    for k in _in_features(name) + ([1280] if QUANT_TYPES[name].block_size == 256 else []):
         weight = qk.prepare(random_quant_tensor(QUANT_TYPES[name], 40, k, seed=k))
         for rows in (1, 2, 3, 4, 5, 9, 13):
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
