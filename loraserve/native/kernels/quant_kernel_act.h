@@ -192,11 +192,12 @@ typedef struct {
     const float *dx, *xs, *xs16; /* [m][nb], [m][nb], [m][nb][2] */
     const int16_t *xi;           /* [m][nb]: sum(q) per 32-block (the K-quant panels' min term) */
     const int16_t *xi16;         /* [m][nb][2]: sum(q) per 16 values (Q6_K's panels' offset term) */
+    const uint8_t *xu;           /* [m][k]: q + 128 per 256 (Q6_K's unpacked signed bytes take x unsigned) */
 } px_t;
 
 /* Bytes of px's arrays for m rows of k values. */
 static inline size_t panel_x_bytes(int64_t m, int64_t k) {
-    return (size_t)(m * k + 4 * m * (k / 32) * (int64_t)sizeof(float) + 6 * m * (k / 32) + 64);
+    return (size_t)(2 * m * k + 4 * m * (k / 32) * (int64_t)sizeof(float) + 6 * m * (k / 32) + 64);
 }
 
 /* px's arrays for m rows of k values laid out in buf (quantize_panel_row fills them). */
@@ -205,6 +206,7 @@ static void panel_x_layout(int64_t m, int64_t k, char *buf, px_t *px) {
     float *dx = (float *)buf, *xs = dx + m * nb, *xs16 = xs + m * nb;
     px->nb = nb, px->k = k, px->dx = dx, px->xs = xs, px->xs16 = xs16, px->xq = (const int8_t *)(xs16 + 2 * m * nb);
     px->xi = (const int16_t *)(px->xq + m * k), px->xi16 = px->xi + m * nb;
+    px->xu = (const uint8_t *)(px->xi16 + 2 * m * nb);
 }
 
 /* Row r of x quantized into px per `group` values (32, or 256 for the K-quants): the rows path's values. */
@@ -214,8 +216,10 @@ static void quantize_panel_row(const void *x, int64_t ldx, int x_bf16, int64_t r
     for (int64_t g = 0; g < k / group; g++) {
         int16_t sum16[16];
         float d;
-        (void)quantize_group(x, r * ldx + g * group, x_bf16, group, (int8_t *)px->xq + r * k + g * group, NULL, &d,
-                             sum16, NULL);
+        int8_t *q = (int8_t *)px->xq + r * k + g * group;
+        (void)quantize_group(x, r * ldx + g * group, x_bf16, group, q, NULL, &d, sum16, NULL);
+        if (group == 256)
+            for (int v = 0; v < 256; v++) ((uint8_t *)px->xu)[r * k + g * 256 + v] = (uint8_t)(q[v] + 128);
         for (int64_t b = 0; b < group / 32; b++) {
             const int64_t i = r * nb + g * (group / 32) + b;
             ((int16_t *)px->xi)[i] = (int16_t)(sum16[2 * b] + sum16[2 * b + 1]);

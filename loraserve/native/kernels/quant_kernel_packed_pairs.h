@@ -16,7 +16,8 @@
 #if QK_PATH == 2 && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(PACKED_NO_PAIRS)
 #define PACKED_PAIRS 1
 #define KPAIR_MR 6 /* x rows a pair pass of Q5_K / Q6_K takes at most (cache_pass_rows) */
-#define KBYTES_SB 4096 /* a super-block's quants of a panel pair unpacked (quant_kernel_kbytes.h) */
+#define KBYTES_SB 4160 /* a super-block of a panel pair unpacked (quant_kernel_kbytes.h): its quants, */
+#define KBYTES_OFF 4096 /* then Q6_K's offset term (-128 sum_g sc_g sum(q_g), 16 int32) */
 
 /* acc + the byte products of w (unsigned) and the 4 signed bytes at x, broadcast to every lane; with
  * `fold` (a constant at each call site) the broadcast is the instruction's own memory operand ({1to16})
@@ -164,7 +165,9 @@ static inline __attribute__((always_inline)) void kpair_sums(int type, const uin
     const int8_t *xs[KPAIR_MR]; /* each row's super-block: one base register per row, every x byte the
                                     * steps read at a constant offset from it (GCC had kept a pointer per
                                     * row and sub-block, spilled: 3.7 scalar instructions per vpdpbusd) */
-    for (int i = 0; i < mr; i++) xs[i] = px->xq + (r0 + i) * px->k + sb * 256;
+    const uint8_t *xu[KPAIR_MR]; /* Q6_K's unpacked bytes are signed (q - 32): x unsigned (x + 128) */
+    const int signed_w = unpacked && type == 14;
+    for (int i = 0; i < mr; i++) xs[i] = px->xq + (r0 + i) * px->k + sb * 256, xu[i] = px->xu + (r0 + i) * px->k + sb * 256;
     for (int q = 0; q < 4; q++) {
         const int sub = type == 14 ? 4 * (q / 2) + q % 2 : 2 * q, subb = kpair_partner(type, sub);
         for (int t0 = 0; t0 < 8; t0 += widen) {
@@ -178,6 +181,13 @@ static inline __attribute__((always_inline)) void kpair_sums(int type, const uin
                 else
                     kpair_step2(type, pq, other, sub, t, &wa, &wb);
                 for (int i = 0; i < mr; i++) {
+                    if (signed_w) {
+                        int32_t a, b;
+                        memcpy(&a, xu[i] + 4 * t + 32 * sub, 4), memcpy(&b, xu[i] + 4 * t + 32 * subb, 4);
+                        pa[i] = _mm512_dpbusd_epi32(pa[i], _mm512_set1_epi32(a), wa);
+                        pb[i] = _mm512_dpbusd_epi32(pb[i], _mm512_set1_epi32(b), wb);
+                        continue;
+                    }
                     const int8_t *xr = xs[i] + 4 * t;
                     pa[i] = dpbusd_x4(pa[i], wa, xr + 32 * sub, type == 12);
                     pb[i] = dpbusd_x4(pb[i], wb, xr + 32 * subb, type == 12);
@@ -231,9 +241,12 @@ static inline __attribute__((always_inline)) void packed_pair_kdot(int type, con
     for (int64_t sb = sb0; sb < sb1; sb++) {
         const uint8_t *pq = panel + sb * bb;
         __m512i isum[KPAIR_MR], imin[KPAIR_MR];
+        const uint8_t *ub = unpacked ? u8 + (sb - sb0) * KBYTES_SB : u8;
         for (int i = 0; i < mr; i++) isum[i] = imin[i] = _mm512_setzero_si512();
-        kpair_sums(type, pq, other, px, r0, mr, sb, unpacked, unpacked ? u8 + (sb - sb0) * KBYTES_SB : u8, isum);
-        kpair_offsets(type, pq, other, px, r0, mr, sb, isum, imin);
+        if (unpacked && type == 14) /* the offset term, the same for every x row */
+            for (int i = 0; i < mr; i++) isum[i] = _mm512_loadu_si512(ub + KBYTES_OFF);
+        kpair_sums(type, pq, other, px, r0, mr, sb, unpacked, ub, isum);
+        if (!unpacked || type != 14) kpair_offsets(type, pq, other, px, r0, mr, sb, isum, imin);
         const int d_at = type == 14 ? K6_D : kpanel_sc(type) + 128;
         const __m512 d = pair_halves(pq + d_at, other);
         const __m512 dmin = type == 14 ? d : pair_halves(pq + d_at + 16, other);
