@@ -58,19 +58,22 @@ static void kbytes_unpack(int type, const uint8_t *panels, int64_t other, int64_
                     wa = _mm512_sub_epi8(wa, off), wb = _mm512_sub_epi8(wb, off);
                     ga = _mm512_dpbusd_epi32(ga, ones, wa), gb = _mm512_dpbusd_epi32(gb, ones, wb);
                     if (t % 4 == 3) {
-                        qsum = _mm512_add_epi32(qsum, _mm512_mullo_epi32(ga, kpair_scales(type, pq, other, sub, t - 3)));
-                        qsum = _mm512_add_epi32(qsum, _mm512_mullo_epi32(gb, kpair_scales(type, pq, other, subb, t - 3)));
+                        const __m512i sa = kpair_scales(type, pq, other, sub, t - 3);
+                        const __m512i sbb = kpair_scales(type, pq, other, subb, t - 3);
+                        qsum = _mm512_add_epi32(qsum, _mm512_add_epi32(_mm512_mullo_epi32(ga, sa), _mm512_mullo_epi32(gb, sbb)));
                         ga = gb = _mm512_setzero_si512();
                     }
                 }
                 _mm512_storeu_si512(u8 + 512 * sub + 64 * t, wa), _mm512_storeu_si512(u8 + 512 * subb + 64 * t, wb);
             }
         }
-        _mm512_storeu_si512(u8 + KBYTES_OFF, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(qsum, 7)));
+        if (type == 14)
+            _mm512_storeu_si512(u8 + KBYTES_OFF, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(qsum, 7)));
     }
 }
 
-/* One pass of mr (<= KBYTES_MR(type), at most 6) x rows over super-blocks [sb0, sb1), their quants at u8, into out. */
+/* One pass of mr (<= KBYTES_MR(type), at most 6) x rows over super-blocks [sb0, sb1), their quants at
+ * u8, into out. */
 static inline void kbytes_pass(int type, const uint8_t *panels, int64_t other, const px_t *px, int64_t r0, int mr,
                                const uint8_t *u8, int64_t sb0, int64_t sb1, float *out) {
     switch (type * 8 + mr) {
@@ -91,7 +94,8 @@ static inline void kbytes_pass(int type, const uint8_t *panels, int64_t other, c
 static void run_unpacked_chunk(int type, const uint8_t *panels, int64_t bytes, const px_t *px, int64_t r_lo,
                                int64_t r_hi, int fetch, uint8_t *u8, float *acc) {
     const int64_t nsb = px->k / 256, bb = 8 * (int64_t)TYPE_SIZE[type];
-    const int64_t passes = (r_hi - r_lo + KBYTES_MR(type) - 1) / KBYTES_MR(type), slabs = (nsb + KBYTES_SLAB - 1) / KBYTES_SLAB;
+    const int64_t passes = (r_hi - r_lo + KBYTES_MR(type) - 1) / KBYTES_MR(type);
+    const int64_t slabs = (nsb + KBYTES_SLAB - 1) / KBYTES_SLAB;
     for (int64_t s = 0; s < slabs; s++) {
         const int64_t sb0 = s * KBYTES_SLAB, sb1 = sb0 + KBYTES_SLAB < nsb ? sb0 + KBYTES_SLAB : nsb;
         kbytes_unpack(type, panels + sb0 * bb, bytes, sb1 - sb0, bb, u8);
