@@ -192,12 +192,18 @@ typedef struct {
     const float *dx, *xs, *xs16; /* [m][nb], [m][nb], [m][nb][2] */
     const int16_t *xi;           /* [m][nb]: sum(q) per 32-block (the K-quant panels' min term) */
     const int16_t *xi16;         /* [m][nb][2]: sum(q) per 16 values (Q6_K's panels' offset term) */
-    const uint8_t *xu;           /* [m][k]: q + 128 per 256 (Q6_K's unpacked signed bytes take x unsigned) */
+    const uint8_t *xu;           /* [m][k] or NULL (XU_ROWS): q + 128 per 256, for Q6_K's signed bytes */
 } px_t;
+
+/* From this many x rows px keeps x's 256-value quants + 128 too (xu: the unsigned side of Q6_K's
+ * unpacked bytes, quant_kernel_kbytes.h, which unpacks chunks from as many rows); fewer rows, one
+ * decode row among them, neither lay them out nor write them. */
+#define XU_ROWS 9
 
 /* Bytes of px's arrays for m rows of k values. */
 static inline size_t panel_x_bytes(int64_t m, int64_t k) {
-    return (size_t)(2 * m * k + 4 * m * (k / 32) * (int64_t)sizeof(float) + 6 * m * (k / 32) + 64);
+    const int64_t quants = (m >= XU_ROWS ? 2 : 1) * m * k;
+    return (size_t)(quants + 4 * m * (k / 32) * (int64_t)sizeof(float) + 6 * m * (k / 32) + 64);
 }
 
 /* px's arrays for m rows of k values laid out in buf (quantize_panel_row fills them). */
@@ -206,7 +212,7 @@ static void panel_x_layout(int64_t m, int64_t k, char *buf, px_t *px) {
     float *dx = (float *)buf, *xs = dx + m * nb, *xs16 = xs + m * nb;
     px->nb = nb, px->k = k, px->dx = dx, px->xs = xs, px->xs16 = xs16, px->xq = (const int8_t *)(xs16 + 2 * m * nb);
     px->xi = (const int16_t *)(px->xq + m * k), px->xi16 = px->xi + m * nb;
-    px->xu = (const uint8_t *)(px->xi16 + 2 * m * nb);
+    px->xu = m >= XU_ROWS ? (const uint8_t *)(px->xi16 + 2 * m * nb) : NULL;
 }
 
 /* Row r of x quantized into px per `group` values (32, or 256 for the K-quants): the rows path's values. */
@@ -218,7 +224,7 @@ static void quantize_panel_row(const void *x, int64_t ldx, int x_bf16, int64_t r
         float d;
         int8_t *q = (int8_t *)px->xq + r * k + g * group;
         (void)quantize_group(x, r * ldx + g * group, x_bf16, group, q, NULL, &d, sum16, NULL);
-        if (group == 256)
+        if (group == 256 && px->xu != NULL)
             for (int v = 0; v < 256; v++) ((uint8_t *)px->xu)[r * k + g * 256 + v] = (uint8_t)(q[v] + 128);
         for (int64_t b = 0; b < group / 32; b++) {
             const int64_t i = r * nb + g * (group / 32) + b;

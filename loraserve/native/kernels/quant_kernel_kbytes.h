@@ -27,9 +27,7 @@
 #ifndef KBYTES_SLAB
 #define KBYTES_SLAB 4 /* super-blocks unpacked at a time */
 #endif
-#ifndef KBYTES_ROWS
-#define KBYTES_ROWS 9 /* x rows from which a chunk is unpacked */
-#endif
+#define KBYTES_ROWS XU_ROWS /* x rows from which a chunk is unpacked (px then holds xu) */
 #ifndef KBYTES_TYPE
 #define KBYTES_TYPE(type) ((type) == 13 || (type) == 14)
 #endif

@@ -151,7 +151,6 @@ static inline __m512i kpair_scales(int type, const uint8_t *pq, int64_t other, i
                       : kpair_bytes32(pq + kpanel_sc(type) + 8 * sub, other, 0);
 }
 
-
 /* isum[i] += sum over sub-blocks (and Q6_K's 16-weight groups) of scale * (q . xq), for both panels and
  * mr rows of x, the sub-blocks taken in pairs that share their bytes (kpair_step2): per step one load and
  * unpack of the shared bytes serves both, where a sub-block at a time loaded and unpacked them twice
