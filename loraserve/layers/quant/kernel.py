@@ -53,6 +53,8 @@ def build_kernel(extra_flags: tuple[str, ...] = ()) -> Any:
     lib.quant_linear.restype = i32
     lib.quant_dequantize.argtypes = [ctypes.POINTER(i64), i64, i64, ptr, i32, i32]
     lib.quant_dequantize.restype = i32
+    lib.quant_embed.argtypes = [ctypes.POINTER(i64), ptr, i64, ptr, i32, i32]
+    lib.quant_embed.restype = i32
     lib.quant_kernel_path.restype = i32
     lib.quant_gemm.restype = i32
     return lib
@@ -215,6 +217,23 @@ def _tiled(
         if status != 0:
             raise RuntimeError(f"the quantized linear kernel refused its arguments (status {status})")
         y[:, n0:n1] = F.linear(rows, tile[: n1 - n0], None if bias is None else bias[n0:n1])
+
+
+def embedding_rows(tensor: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Rows `ids` (int64, contiguous) of `tensor` in `dtype` [ids.numel(), in]: `formats.dequantize`'s
+    values, gathered by the kernel; None where it is not built or `dtype` is neither float32 nor bf16 (the
+    caller takes the twin). Raises IndexError for an id outside the table, as nn.Embedding does."""
+    lib = kernel_library()
+    if lib is None or dtype not in _DTYPES:
+        return None
+    out = torch.empty(ids.numel(), tensor.shape[1], dtype=dtype)
+    args = (ctypes.c_int64 * 4)(tensor.blocks.data_ptr(), *tensor.shape, tensor.qtype.code)
+    status = lib.quant_embed(args, ids.data_ptr(), ids.numel(), out.data_ptr(), _DTYPES[dtype], torch.get_num_threads())
+    if status == 3:
+        raise IndexError("index out of range in self")
+    if status != 0:
+        raise RuntimeError(f"the quantized embedding kernel refused its arguments (status {status})")
+    return out
 
 
 def dequantize_rows(weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

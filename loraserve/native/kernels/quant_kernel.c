@@ -24,7 +24,7 @@
  * Parts: quant_kernel_blocks.h (the formats' decoding), quant_kernel_act.h (x's quantization and its
  * scratch), quant_kernel_ksuper.h (the K-quants' super-block loop), quant_kernel_rows.h (the row
  * layouts' loop), quant_kernel_panel.h (the many-rows path), quant_kernel_packed.h (the panel layouts),
- * quant_kernel_dequantize.h (the tiles).
+ * quant_kernel_dequantize.h (the tiles), quant_kernel_embed.h (an embedding's rows).
  */
 #ifdef _OPENMP
 #include <omp.h>
@@ -386,3 +386,4 @@ int quant_gemm(const int64_t *a, const void *x, int64_t ldx, const void *bias, v
 }
 
 #include "quant_kernel_dequantize.h"
+#include "quant_kernel_embed.h"

@@ -53,45 +53,46 @@ static inline __attribute__((always_inline)) void dequantize_block(int type, con
 }
 #endif
 
+/* A row of nb 32-blocks of type (3-8) at `row` as float32 (out_bf16 = 0) or bf16 at out + at. */
+static void dequantize_row(int type, const uint8_t *row, int64_t nb, void *out, int64_t at, int out_bf16) {
+#if QK_PATH > 0
+    switch (type) {
+#define DEQUANTIZE_ROW(T) for (int64_t b = 0; b < nb; b++) dequantize_block(T, row, nb, b, out, at + b * 32, out_bf16)
+    case 3: DEQUANTIZE_ROW(3); break;
+    case 4: DEQUANTIZE_ROW(4); break;
+    case 5: DEQUANTIZE_ROW(5); break;
+    case 6: DEQUANTIZE_ROW(6); break;
+    case 7: DEQUANTIZE_ROW(7); break;
+    default: DEQUANTIZE_ROW(8); break;
+#undef DEQUANTIZE_ROW
+    }
+#else
+    const int is_signed = is_signed_type(type);
+    for (int64_t b = 0; b < nb; b++) {
+        blockinfo bi;
+        int8_t q[32];
+        block_info(type, row, nb, b, &bi);
+        unpack_scalar(type, row, nb, b, q);
+        for (int i = 0; i < 32; i++) {
+            const float qi = is_signed ? (float)q[i] : (float)(uint8_t)q[i];
+            const float v = (i < 16 ? bi.s0 : bi.s1) * qi + bi.add;
+            if (out_bf16) ((uint16_t *)out)[at + b * 32 + i] = f32_to_bf16(v);
+            else ((float *)out)[at + b * 32 + i] = v;
+        }
+    }
+#endif
+}
+
 /* Rows [n0, n1) of w = {address, n, k, type} as float32 (out_bf16 = 0) or bf16, [n1 - n0, k] dense at
- * out. Returns 0, or 1 as quant_linear does (and for packed types, which formats.py unpacks). */
+ * out. Returns 0, or 1 as quant_linear does (and for packed types: quant_embed gathers their rows). */
 int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int out_bf16, int num_threads) {
     const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
     const int64_t k = w[2];
     const int type = (int)w[3];
-    if (!weight_ok(w) || is_packed_type(type) || n0 < 0 || n1 > w[1]) return 1; /* panels: formats.py */
-    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type], nb = k / 32;
-    const int is_signed = is_signed_type(type);
+    if (!weight_ok(w) || is_packed_type(type) || n0 < 0 || n1 > w[1]) return 1;
+    const int64_t row_bytes = k / BLOCK_SIZE[type] * TYPE_SIZE[type];
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = n0; r < n1; r++) {
-#if QK_PATH > 0
-        switch (type) {
-#define DEQUANTIZE_ROW(T) for (int64_t b = 0; b < nb; b++) dequantize_block(T, wp + r * row_bytes, nb, b, out, (r - n0) * k + b * 32, out_bf16)
-        case 3: DEQUANTIZE_ROW(3); break;
-        case 4: DEQUANTIZE_ROW(4); break;
-        case 5: DEQUANTIZE_ROW(5); break;
-        case 6: DEQUANTIZE_ROW(6); break;
-        case 7: DEQUANTIZE_ROW(7); break;
-        default: DEQUANTIZE_ROW(8); break;
-#undef DEQUANTIZE_ROW
-        }
-        (void)is_signed;
-#else
-        for (int64_t b = 0; b < nb; b++) {
-            blockinfo bi;
-            int8_t q[32];
-            block_info(type, wp + r * row_bytes, nb, b, &bi);
-            unpack_scalar(type, wp + r * row_bytes, nb, b, q);
-            const int64_t at = (r - n0) * k + b * 32;
-            for (int i = 0; i < 32; i++) {
-                const float qi = is_signed ? (float)q[i] : (float)(uint8_t)q[i];
-                const float v = (i < 16 ? bi.s0 : bi.s1) * qi + bi.add;
-                if (out_bf16) ((uint16_t *)out)[at + i] = f32_to_bf16(v);
-                else ((float *)out)[at + i] = v;
-            }
-        }
-#endif
-    }
+    for (int64_t r = n0; r < n1; r++) dequantize_row(type, wp + r * row_bytes, k / 32, out, (r - n0) * k, out_bf16);
     return 0;
 }
 

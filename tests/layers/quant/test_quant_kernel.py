@@ -12,7 +12,6 @@ once to x's dtype."""
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,13 +22,6 @@ from loraserve.layers.quant import kernel as qk
 from loraserve.layers.quant.formats import PANEL_TYPES, QUANT_TYPES, QuantTensor, reference_linear
 from loraserve.native.build import cpu_flags, load_library
 
-# name: (flags after -march=native, CPU flags it needs, the path it must report)
-BUILDS: dict[str, tuple[tuple[str, ...], set[str], str]] = {
-    "avx512_vnni": ((), {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512_vnni"),
-    "avx2": (("-mno-avx512f", "-mno-avxvnni"), {"avx2", "fma"}, "avx2"),
-    "avx2_panels": (("-mno-avx512f", "-mno-avxvnni", "-DPANEL_MIN_ROWS=1"), {"avx2", "fma"}, "avx2"),
-    "portable": (("-mno-avx",), set(), "portable"),
-}
 # (rows, out): one row, 4-row groups with tails (3, 5, 17, 33), the last integer-path row count and the
 # first tile-path one, 64 rows; outputs across the kernel's 16-row chunks with tails, multiples of 8
 # (every format at one level takes panels of 8 rows) and not (the row layouts)
@@ -51,21 +43,6 @@ def _in_features(name: str) -> list[int]:
     """K-quants take multiples of 256; the 32-blocks odd multiples of 32 too, and rows whose blocks end
     in a group of 8, a pair or one block (576: SmolLM2's width, 2 groups of 8 and a pair)."""
     return [256, 512] if QUANT_TYPES[name].block_size == 256 else [32, 96, 544, 576]
-
-
-@pytest.fixture(params=list(BUILDS))
-def build(request: pytest.FixtureRequest) -> Iterator[str]:
-    flags, needs, path = BUILDS[request.param]
-    if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
-        pytest.skip(f"this build needs an x86-64 CPU with {sorted(needs)}")
-    lib = qk.build_kernel(flags)
-    if lib is None:
-        pytest.skip("no C compiler: the kernel is not built here")
-    own = qk.kernel_library()
-    qk.use_library(lib)
-    assert qk.kernel_path() == path
-    yield request.param
-    qk.use_library(own)
 
 
 def _linear_by(
