@@ -222,9 +222,10 @@ def _tiled(
 def embedding_rows(tensor: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """Rows `ids` (int64, contiguous) of `tensor` in `dtype` [ids.numel(), in]: `formats.dequantize`'s
     values, gathered by the kernel; None where it is not built or `dtype` is neither float32 nor bf16 (the
-    caller takes the twin). Raises IndexError for an id outside the table, as nn.Embedding does."""
+    caller then takes the twin, as for a table or ids off the CPU). Raises IndexError for an id outside the
+    table, as nn.Embedding does."""
     lib = kernel_library()
-    if lib is None or dtype not in _DTYPES:
+    if lib is None or dtype not in _DTYPES or not tensor.blocks.is_cpu or not ids.is_cpu:
         return None
     out = torch.empty(ids.numel(), tensor.shape[1], dtype=dtype)
     args = (ctypes.c_int64 * 4)(tensor.blocks.data_ptr(), *tensor.shape, tensor.qtype.code)
