@@ -36,8 +36,7 @@ class QuantEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
         shape = (flat.numel(), self.embedding_dim)
-        ids = flat.to(torch.int64).contiguous()
-        gathered = quant_kernel.embedding_rows(self.tensor, ids, self.dtype)
+        gathered = quant_kernel.embedding_rows(self.tensor, flat.to(torch.int64).contiguous(), self.dtype)
         if gathered is not None:
             return gathered.view(*input_ids.shape, self.embedding_dim)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):

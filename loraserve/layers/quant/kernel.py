@@ -102,9 +102,13 @@ class QuantWeight:
 
     def call_args(self) -> Any:
         if self.args is None:
-            blocks = self.tensor.blocks
-            self.args = (ctypes.c_int64 * 4)(blocks.data_ptr(), *self.tensor.shape, self.tensor.qtype.code)
+            self.args = _tensor_args(self.tensor)
         return self.args
+
+
+def _tensor_args(tensor: QuantTensor) -> Any:
+    """The kernel's weight argument {address, out, in, type code} of `tensor`."""
+    return (ctypes.c_int64 * 4)(tensor.blocks.data_ptr(), *tensor.shape, tensor.qtype.code)
 
 
 def integer_rows(weight: QuantWeight, dtype: torch.dtype) -> int:
@@ -228,8 +232,7 @@ def embedding_rows(tensor: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -
     if lib is None or dtype not in _DTYPES or not tensor.blocks.is_cpu or not ids.is_cpu:
         return None
     out = torch.empty(ids.numel(), tensor.shape[1], dtype=dtype)
-    args = (ctypes.c_int64 * 4)(tensor.blocks.data_ptr(), *tensor.shape, tensor.qtype.code)
-    status = lib.quant_embed(args, ids.data_ptr(), ids.numel(), out.data_ptr(), _DTYPES[dtype], torch.get_num_threads())
+    status = lib.quant_embed(_tensor_args(tensor), ids.data_ptr(), ids.numel(), out.data_ptr(), _DTYPES[dtype], torch.get_num_threads())
     if status == 3:
         raise IndexError("index out of range in self")
     if status != 0:

@@ -76,15 +76,15 @@ int quant_embed(const int64_t *w, const int64_t *ids, int64_t count, void *out, 
     const int row_type = block_row_type(type);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count * k >= EMBED_PARALLEL)
     for (int64_t i = 0; i < count; i++) {
-        const uint8_t *row = wp + ids[i] * row_bytes;
         if (row_type < 0) { /* the K-quants' file blocks and the row layouts: rows as they lie */
-            dequantize_row(type, row, k / 32, out, i * k, out_bf16);
+            dequantize_row(type, wp + ids[i] * row_bytes, k / 32, out, i * k, out_bf16);
             continue;
         }
         uint8_t bytes[256]; /* a panel's block in its source format (at most Q6_K's 210 bytes) */
         for (int64_t b = 0; b < k / block; b++) {
-            const uint8_t *src = row + b * TYPE_SIZE[type];
-            if (type >= 9) panel_block(type, wp, k, ids[i], b, bytes), src = bytes;
+            const uint8_t *src = bytes; /* a file block (types 0-2) is read where it lies */
+            if (type <= 2) src = wp + ids[i] * row_bytes + b * TYPE_SIZE[type];
+            else panel_block(type, wp, k, ids[i], b, bytes);
             dequantize_row(row_type, src, block / 32, out, i * k + b * block, out_bf16);
         }
     }

@@ -166,8 +166,10 @@ static inline __attribute__((always_inline)) void kpair_sums(int type, const uin
                                     * row and sub-block, spilled: 3.7 scalar instructions per vpdpbusd) */
     const uint8_t *xu[KPAIR_MR]; /* Q6_K's unpacked bytes are signed (q - 32): x unsigned (x + 128) */
     const int signed_w = unpacked && type == 14;
-    for (int i = 0; i < mr; i++)
-        xs[i] = px->xq + (r0 + i) * px->k + sb * 256, xu[i] = px->xu + (r0 + i) * px->k + sb * 256;
+    for (int i = 0; i < mr; i++) { /* xu is laid out only from XU_ROWS rows, where Q6_K is unpacked */
+        xs[i] = px->xq + (r0 + i) * px->k + sb * 256;
+        xu[i] = signed_w ? px->xu + (r0 + i) * px->k + sb * 256 : NULL;
+    }
     for (int q = 0; q < 4; q++) {
         const int sub = type == 14 ? 4 * (q / 2) + q % 2 : 2 * q, subb = kpair_partner(type, sub);
         for (int t0 = 0; t0 < 8; t0 += widen) {
